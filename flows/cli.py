@@ -1,0 +1,71 @@
+"""`rlhf`: the command line.
+
+    rlhf run                                   # the embedded default (configs/tiny.yaml)
+    rlhf run --config my.yaml --set sft.learning_rate=1e-4 --set dpo.beta=0.2
+    rlhf run --no-cache                        # re-run every stage
+    rlhf params [--config ...] [--set ...]     # print the resolved parameters, run nothing
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from pydantic import ValidationError
+
+QUIET_ENV = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "DO_NOT_TRACK": "1",
+    # Transformers/TRL logs reach the Prefect UI only when named here (DESIGN.md).
+    "PREFECT_LOGGING_EXTRA_LOGGERS": "transformers,trl",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlhf", description="RLHF post-training pipeline (Prefect + MLflow + TRL).")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (("run", "run the rlhf flow"), ("params", "print the resolved parameters as JSON")):
+        sub = commands.add_parser(name, help=help_text)
+        sub.add_argument("--config", default="tiny", help="preset name in configs/ or a YAML file (default: tiny)")
+        sub.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                         help="override one field, e.g. --set sft.learning_rate=1e-4 (repeatable)")
+        sub.add_argument("--no-cache", action="store_true", help="re-run every stage even if its artifact exists")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+
+    from flows.params import load_params
+
+    try:
+        extra = {"no_cache": True} if args.no_cache else {}
+        params = load_params(args.config, args.overrides, **extra)
+    except (ValidationError, ValueError) as exc:
+        print(f"rlhf: invalid parameters:\n{exc}", file=sys.stderr)
+        return 2
+    if args.command == "params":
+        print(json.dumps(params.model_dump(mode="json"), indent=2))
+        return 0
+
+    from flows.rlhf import rlhf
+
+    summary = rlhf(params)
+    print("\n== rlhf finished ==")
+    print(f"MLflow run: {summary['mlflow']}")
+    for stage, uri in summary["artifacts"].items():
+        print(f"  {stage:5s} {uri}")
+    for name, value in sorted(summary["metrics"].items()):
+        if "/heldout/" in name:
+            print(f"  {name} = {value:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""`PipelineParams`: every stage's config in one typed model, the flow's single parameter.
+
+Presets in `configs/` override the defaults; `--set a.b=value` overrides a preset.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, model_validator
+
+from trainers.common import TINY, ModelConfig, StrictModel
+from trainers.data import DataConfig
+from trainers.dpo import DpoConfig
+from trainers.eval import EvalConfig
+from trainers.rm import RewardConfig
+from trainers.sft import SftConfig
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+DEFAULT_PRESET = "tiny"
+
+
+class PipelineParams(StrictModel):
+    """Everything one run of the `rlhf` flow depends on."""
+
+    algorithm: Literal["dpo"] = Field("dpo", description="Policy-optimisation stage after SFT.")
+    experiment_name: str = Field("rlhf", description="MLflow experiment that holds the runs.")
+    no_cache: bool = Field(False, description="Re-run every stage even when its artifact already exists.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The base model.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Datasets (checked by the `data` stage).")
+    sft: SftConfig = Field(default_factory=SftConfig, description="Supervised fine-tuning (TRL SFTTrainer).")
+    rm: RewardConfig = Field(default_factory=RewardConfig, description="Reward model (TRL RewardTrainer).")
+    dpo: DpoConfig = Field(default_factory=DpoConfig, description="DPO (TRL DPOTrainer).")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
+
+    @model_validator(mode="after")
+    def _fits_tiny_model(self):
+        if self.model.name_or_path != TINY:
+            return self
+        limit = self.model.tiny.max_position_embeddings
+        for stage in ("sft", "rm", "dpo"):
+            length = getattr(self, stage).max_length
+            if length > limit:
+                raise ValueError(
+                    f"{stage}.max_length={length} exceeds the tiny model's "
+                    f"model.tiny.max_position_embeddings={limit}: lower one or raise the other"
+                )
+        return self
+
+
+def preset_path(preset: str) -> Path:
+    path = Path(preset)
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        return path
+    named = CONFIG_DIR / f"{preset}.yaml"
+    if not named.is_file():
+        known = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+        raise ValueError(f"unknown preset {preset!r}: not a YAML file, nor one of configs/ ({known})")
+    return named
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """'sft.learning_rate=1e-4' -> (['sft', 'learning_rate'], 1e-4); values are YAML."""
+    if "=" not in item:
+        raise ValueError(f"--set {item!r}: expected key.path=value, e.g. sft.learning_rate=1e-4")
+    key, raw = item.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def _merge(base: dict, override: dict) -> dict:
+    merged = dict(base)
+    for key, value in override.items():
+        merged[key] = _merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+    return merged
+
+
+def load_params(preset: str | None = DEFAULT_PRESET, overrides: list[str] = (), **fields: Any) -> PipelineParams:
+    """Defaults < preset (YAML) < `--set` overrides < keyword fields."""
+    values: dict[str, Any] = {}
+    if preset:
+        values = yaml.safe_load(preset_path(preset).read_text()) or {}
+    for item in overrides:
+        path, value = parse_override(item)
+        nested: Any = value
+        for part in reversed(path):
+            nested = {part: nested}
+        values = _merge(values, nested)
+    return PipelineParams.model_validate(_merge(values, fields))

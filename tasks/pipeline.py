@@ -1,0 +1,69 @@
+"""The MLflow parent run of one flow run: opened before the first stage, closed after the last."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import yaml
+from pydantic import BaseModel
+
+from tasks import tracking
+from tasks.stage import ArtifactRef, RunContext
+
+
+@dataclass
+class PipelineRun:
+    ctx: RunContext
+    summary: dict = field(default_factory=dict)
+
+    def finish(self, policy: ArtifactRef, report: ArtifactRef, stages: list[ArtifactRef]) -> dict:
+        """Log the final model and evaluation to the parent run; return where everything is."""
+        run_id = self.ctx.parent_run_id
+        metrics = report.manifest()["metrics"]
+        tracking.log_metrics(run_id, metrics)
+        tracking.log_artifacts(run_id, report.path / "summary.md", "eval")
+        tracking.log_artifacts(run_id, policy.path / "model", "model")
+        tracking.set_tags(run_id, {"rlhf.policy": policy.uri, "rlhf.policy_stage": policy.stage})
+        self.summary = {
+            "mlflow_run_id": run_id,
+            "mlflow": tracking.run_link(run_id),
+            "tracking_uri": tracking.tracking_uri(),
+            "artifacts": {ref.stage: ref.uri for ref in stages},
+            "metrics": metrics,
+        }
+        return self.summary
+
+
+def _flow_run() -> tuple[str, str]:
+    from prefect.runtime import flow_run
+
+    return flow_run.get_id() or "", flow_run.get_name() or "rlhf"
+
+
+@contextlib.contextmanager
+def pipeline_run(params: BaseModel) -> Iterator[PipelineRun]:
+    flow_run_id, flow_run_name = _flow_run()
+    experiment = tracking.experiment_id(params.experiment_name)
+    run_id = tracking.start_run(
+        experiment, flow_run_name, {"prefect.flow_run_id": flow_run_id, "rlhf.algorithm": params.algorithm}
+    )
+    config = params.model_dump(mode="json")
+    tracking.log_params(run_id, config)
+    tracking.log_text(run_id, yaml.safe_dump(config, sort_keys=False), "config.yaml")
+    ctx = RunContext(
+        artifact_root=str(tracking.state_dir() / "artifacts"),
+        experiment_id=experiment,
+        parent_run_id=run_id,
+        force=params.no_cache,
+    )
+    print(f"MLflow: {tracking.run_link(run_id)}")
+    print(f"Artifacts: {ctx.artifact_root}")
+    try:
+        yield PipelineRun(ctx)
+    except BaseException as exc:
+        tracking.set_tags(run_id, {"rlhf.error": f"{type(exc).__name__}: {exc}"})
+        tracking.end_run(run_id, failed=True)
+        raise
+    tracking.end_run(run_id)

@@ -1,0 +1,18 @@
+"""`sft`: supervised fine-tuning of the base model on the validated demonstrations."""
+
+from __future__ import annotations
+
+from tasks.stage import ArtifactRef, RunContext, StageOutcome, prefect_log, run_stage, stage_task
+from trainers.common import ModelConfig
+from trainers.sft import SftConfig
+
+
+@stage_task("sft")
+def train_sft(config: SftConfig, model: ModelConfig, data: ArtifactRef, ctx: RunContext) -> StageOutcome:
+    def build(out_dir, work_dir, log_metrics):
+        from trainers import sft
+
+        return sft.train(config, model, data.path, out_dir, work_dir, log_metrics)
+
+    # The base model is part of what the stage depends on: key it with the SFT config.
+    return run_stage("sft", {"sft": config.model_dump(mode="json"), "model": model.model_dump(mode="json")}, {"data": data}, ctx, build, log=prefect_log)

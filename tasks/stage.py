@@ -1,0 +1,250 @@
+"""The stage contract: content-addressed key, atomic publish, manifest-backed cache, MLflow child run.
+
+    <artifact_root>/<stage>/<key>/manifest.json   written last: its presence means "done"
+    <artifact_root>/<stage>/<key>/...             the stage's files (model/, report/, ...)
+    <artifact_root>/<stage>/.work/<key>/          checkpoints while training (resume source)
+
+The artifact store, not Prefect's result cache, decides whether a stage runs:
+Prefect cannot tell that a cached result points at a deleted directory
+(DESIGN.md), so a stage whose manifest is present is reported as a `Cached`
+task state and one whose directory was deleted runs again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable
+
+from pydantic import BaseModel, ConfigDict
+
+from tasks import tracking
+from trainers.common import LogMetrics
+
+MANIFEST = "manifest.json"
+PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "great-expectations", "prefect", "mlflow")
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+# Source files whose change must re-run a stage (its "code version").
+STAGE_CODE = {
+    "data": ["trainers/data.py", "validators"],
+    "sft": ["trainers/sft.py", "trainers/common.py", "trainers/tiny.py"],
+    "rm": ["trainers/rm.py", "trainers/common.py"],
+    "dpo": ["trainers/dpo.py", "trainers/common.py"],
+    "eval": ["trainers/eval.py", "trainers/common.py", "trainers/tiny.py"],
+}
+
+
+class ArtifactRef(BaseModel):
+    """What stages hand each other: where a published stage output lives."""
+
+    model_config = ConfigDict(frozen=True)
+    stage: str
+    key: str
+    uri: str
+
+    @property
+    def path(self) -> Path:
+        return Path(self.uri)
+
+    def manifest(self) -> dict[str, Any]:
+        return json.loads((self.path / MANIFEST).read_text())
+
+
+class RunContext(BaseModel):
+    """Per flow run: where artifacts go, which MLflow run is the parent, whether to ignore the cache."""
+
+    model_config = ConfigDict(frozen=True)
+    artifact_root: str
+    experiment_id: str
+    parent_run_id: str
+    force: bool = False
+
+
+@dataclass(frozen=True)
+class StageOutcome:
+    ref: ArtifactRef
+    cached: bool
+    metrics: dict[str, float]
+
+
+Build = Callable[[Path, Path, LogMetrics], dict[str, float]]
+"""build(out_dir, work_dir, log_metrics) -> final metrics; writes the stage's files into out_dir."""
+
+
+def code_version(stage: str) -> str:
+    digest = hashlib.sha256()
+    for entry in STAGE_CODE.get(stage, []):
+        root = PROJECT_ROOT / entry
+        files = sorted(root.rglob("*.py")) if root.is_dir() else [root]
+        for file in files:
+            digest.update(file.relative_to(PROJECT_ROOT).as_posix().encode())
+            digest.update(file.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def stage_key(stage: str, config: BaseModel | dict, upstream: dict[str, ArtifactRef], fingerprints: dict[str, str]) -> str:
+    """sha256 of the canonical JSON of everything that determines the stage's output."""
+    payload = {
+        "stage": stage,
+        "config": config.model_dump(mode="json") if isinstance(config, BaseModel) else config,
+        "upstream": {name: ref.key for name, ref in sorted(upstream.items())},
+        "fingerprints": dict(sorted(fingerprints.items())),
+        "code": code_version(stage),
+    }
+    canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+
+def _versions() -> dict[str, str]:
+    found = {}
+    for name in PACKAGES:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def run_stage(
+    stage: str,
+    config: BaseModel | dict,
+    upstream: dict[str, ArtifactRef],
+    ctx: RunContext,
+    build: Build,
+    fingerprints: dict[str, str] | None = None,
+    log_files: tuple[str, ...] = (),
+    log: Callable[[str], None] = print,
+) -> StageOutcome:
+    """Publish `<root>/<stage>/<key>/` by running `build`, or reuse it when its manifest exists.
+
+    `log_files` are paths inside the stage directory logged to the stage's MLflow
+    run (reports, tables); model weights are logged once, by the pipeline.
+    """
+    fingerprints = fingerprints or {}
+    key = stage_key(stage, config, upstream, fingerprints)
+    stage_root = Path(ctx.artifact_root) / stage
+    final = stage_root / key
+    ref = ArtifactRef(stage=stage, key=key, uri=str(final))
+    config_json = config.model_dump(mode="json") if isinstance(config, BaseModel) else config
+    tags = {"rlhf.stage": stage, "rlhf.key": key, "rlhf.artifact": str(final)}
+
+    if (final / MANIFEST).is_file() and not ctx.force:
+        manifest = ref.manifest()
+        run_id = tracking.start_run(
+            ctx.experiment_id, stage, {**tags, "rlhf.cached": "true", "rlhf.produced_by": manifest["mlflow_run_id"]}, ctx.parent_run_id
+        )
+        tracking.log_params(run_id, config_json)
+        tracking.log_metrics(run_id, manifest["metrics"])
+        tracking.end_run(run_id)
+        log(f"{stage}: cached ({final}, produced by MLflow run {manifest['mlflow_run_id']})")
+        return StageOutcome(ref, cached=True, metrics=manifest["metrics"])
+
+    run_id = tracking.start_run(ctx.experiment_id, stage, {**tags, "rlhf.cached": "false"}, ctx.parent_run_id)
+    tracking.log_params(run_id, config_json)  # the resolved config first, before anything can fail
+    work_dir = stage_root / ".work" / key
+    tmp = stage_root / f".tmp-{key}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    started = time.time()
+    try:
+        metrics = build(tmp, work_dir, lambda values, step: tracking.log_metrics(run_id, values, step))
+        seconds = time.time() - started
+        metrics = {**metrics, f"{stage}/time/seconds": round(seconds, 3)}
+        manifest = {
+            "stage": stage,
+            "key": key,
+            "config": config_json,
+            "upstream": {name: {"stage": r.stage, "key": r.key} for name, r in upstream.items()},
+            "fingerprints": fingerprints,
+            "code_version": code_version(stage),
+            "versions": _versions(),
+            "metrics": metrics,
+            "mlflow_run_id": run_id,
+            "timings": {"started": started, "finished": time.time(), "seconds": seconds},
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+        for name in (MANIFEST, *log_files):
+            tracking.log_artifacts(run_id, tmp / name, str(Path(name).parent) if "/" in name else None)
+        tracking.log_metrics(run_id, metrics)
+        _publish(tmp, final)
+    except BaseException as exc:
+        for name in log_files:  # a failed validation still leaves its report in MLflow
+            tracking.log_artifacts(run_id, tmp / name, str(Path(name).parent) if "/" in name else None)
+        tracking.set_tags(run_id, {"rlhf.error": f"{type(exc).__name__}: {exc}"})
+        tracking.end_run(run_id, failed=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    tracking.end_run(run_id)
+    shutil.rmtree(work_dir, ignore_errors=True)  # checkpoints are only a resume source
+    log(f"{stage}: done in {seconds:.1f}s -> {final}")
+    return StageOutcome(ref, cached=False, metrics=metrics)
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename the finished directory into place; never leave a half-written one at `final`."""
+    if final.exists():
+        # A forced re-run, or leftovers without a manifest: move the old one aside first.
+        trash = final.with_name(f".trash-{final.name}-{uuid.uuid4().hex[:8]}")
+        os.rename(final, trash)
+        os.rename(tmp, final)
+        shutil.rmtree(trash, ignore_errors=True)
+        return
+    os.rename(tmp, final)
+
+
+# --- the Prefect side ------------------------------------------------------------
+
+PERMANENT_ERRORS = (ValueError, TypeError, KeyError, ImportError, NotImplementedError)
+
+
+def is_transient(task, task_run, state) -> bool:
+    """Retry I/O and infrastructure failures; bad config or data (ValueError...) fails at once."""
+    exc = state.result(raise_on_failure=False)
+    return not isinstance(exc, PERMANENT_ERRORS)
+
+
+def stage_task(stage: str, retries: int = 2, retry_delay_seconds: list[float] = (10, 60)):
+    """Make `fn(...) -> StageOutcome` a Prefect task named after the stage.
+
+    A manifest hit finishes in a `Cached` state (type COMPLETED), so the Prefect
+    UI and API show which stages did not run; the task's result is the ArtifactRef.
+    """
+    import functools
+
+    from prefect import task
+    from prefect.cache_policies import NO_CACHE
+    from prefect.states import Completed
+
+    def decorate(fn: Callable[..., StageOutcome]):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            outcome = fn(*args, **kwargs)
+            if outcome.cached:
+                return Completed(data=outcome.ref, name="Cached", message=f"manifest found: {outcome.ref.uri}")
+            return outcome.ref
+
+        return task(
+            name=stage,
+            task_run_name=stage,
+            retries=retries,
+            retry_delay_seconds=list(retry_delay_seconds),
+            retry_condition_fn=is_transient,
+            # Weights never pass through Prefect's result storage: tasks return refs,
+            # and the artifact store decides about caching (see module docstring).
+            cache_policy=NO_CACHE,
+            persist_result=False,
+        )(run)
+
+    return decorate
+
+
+def prefect_log(message: str) -> None:
+    from prefect import get_run_logger
+
+    get_run_logger().info(message)

@@ -1,0 +1,214 @@
+"""What every trainer shares: the model config, loading and saving, TRL arguments, metric logging.
+
+Heavy libraries (torch, transformers, trl) are imported inside the functions that
+need them, so that config classes stay cheap to import for the flow and the CLI.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+LogMetrics = Callable[[dict[str, float], int], None]
+"""Receives `{"<stage>/<split>/<name>": value}` and the global step."""
+
+TINY = "tiny"
+
+
+class StrictModel(BaseModel):
+    """Frozen, and unknown keys are an error (a typo in a preset must not pass silently)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class TinyModelConfig(StrictModel):
+    """The embedded default: a small Llama built from a config, no download."""
+
+    hidden_size: int = Field(128, ge=8, description="Width of the residual stream.")
+    intermediate_size: int = Field(512, ge=8, description="Width of the MLP.")
+    num_hidden_layers: int = Field(4, ge=1, description="Number of transformer blocks.")
+    num_attention_heads: int = Field(4, ge=1, description="Attention heads per block.")
+    max_position_embeddings: int = Field(256, ge=16, description="Longest sequence the model accepts.")
+
+
+class ModelConfig(StrictModel):
+    name_or_path: str = Field(
+        TINY,
+        description="Base model: 'tiny' (built locally from `tiny`), a hub id such as 'Qwen/Qwen2.5-0.5B', or a local folder.",
+    )
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of the base model.")
+    trust_remote_code: bool = Field(False, description="Run model code shipped with a hub repository. Off unless you trust it.")
+    seed: int = Field(0, description="Seed of the tiny model's initial weights (same seed, same base model).")
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Architecture of the tiny model.")
+
+
+class TrainingConfig(StrictModel):
+    """Fields shared by the TRL-backed stages; names follow transformers' TrainingArguments."""
+
+    learning_rate: float = Field(2e-5, gt=0, description="Peak learning rate (AdamW).")
+    max_steps: int = Field(500, ge=1, description="Optimizer steps to train for.")
+    per_device_train_batch_size: int = Field(8, ge=1, description="Examples per device per forward pass.")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="Forward passes per optimizer step.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = Field(
+        "linear", description="Learning-rate schedule after warm-up."
+    )
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    max_length: int = Field(1024, ge=8, description="Longest tokenized sequence; longer ones are truncated or dropped (TRL's rule per trainer).")
+    logging_steps: int = Field(10, ge=1, description="Log metrics every this many steps.")
+    save_steps: int = Field(200, ge=1, description="Checkpoint every this many steps; a retried stage resumes from the newest.")
+    seed: int = Field(42, description="Seed for data order and dropout.")
+    bf16: bool | None = Field(None, description="Train in bfloat16. None: on when a CUDA device supports it.")
+    trl_overrides: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Any other argument of the TRL config of this stage, passed through unchanged.",
+    )
+
+    def trl_arguments(self, work_dir: Path) -> dict[str, Any]:
+        """Keyword arguments shared by every TRL config (SFTConfig, RewardConfig, DPOConfig...)."""
+        import torch
+
+        cuda = torch.cuda.is_available()
+        bf16 = self.bf16 if self.bf16 is not None else (cuda and torch.cuda.is_bf16_supported())
+        return {
+            "output_dir": str(work_dir),
+            "learning_rate": self.learning_rate,
+            "max_steps": self.max_steps,
+            "per_device_train_batch_size": self.per_device_train_batch_size,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "warmup_steps": self.warmup_steps,
+            "lr_scheduler_type": self.lr_scheduler_type,
+            "weight_decay": self.weight_decay,
+            "max_grad_norm": self.max_grad_norm,
+            "logging_steps": self.logging_steps,
+            "save_steps": self.save_steps,
+            "save_total_limit": 2,
+            "seed": self.seed,
+            "bf16": bf16,
+            "use_cpu": not cuda,
+            # TRL turns checkpointing on by default; it made tiny SFT ~47% slower (DESIGN.md).
+            "gradient_checkpointing": False,
+            "report_to": "none",
+            "save_only_model": False,
+            **self.trl_overrides,
+        }
+
+
+# --- loading and saving -----------------------------------------------------------
+
+
+def load_tokenizer(source: str | Path, model: ModelConfig | None = None) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
+    if str(source) == TINY:
+        from trainers.tiny import build_tokenizer
+
+        return build_tokenizer()
+    kwargs = {}
+    if model is not None:
+        kwargs = {"revision": model.revision, "trust_remote_code": model.trust_remote_code}
+    tokenizer = AutoTokenizer.from_pretrained(str(source), **kwargs)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_base_model(model: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The untrained starting point: the tiny model (seeded) or a pretrained one by name or path."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(model.name_or_path, model)
+    if model.name_or_path == TINY:
+        from trainers.tiny import build_model
+
+        return build_model(model.tiny, tokenizer, seed=model.seed), tokenizer
+    policy = AutoModelForCausalLM.from_pretrained(
+        model.name_or_path,
+        revision=model.revision,
+        trust_remote_code=model.trust_remote_code,
+        dtype="auto",
+        use_safetensors=True,
+    )
+    return policy, tokenizer
+
+
+def load_causal_lm(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A model written by an earlier stage (`<artifact>/model`)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), use_safetensors=True), load_tokenizer(path)
+
+
+def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def load_split(data_dir: Path, name: str):
+    """One dataset written by the `data` stage (`<data artifact>/datasets/<name>.parquet`)."""
+    from datasets import Dataset
+
+    return Dataset.from_parquet(str(data_dir / "datasets" / f"{name}.parquet"))
+
+
+def last_checkpoint(work_dir: Path) -> str | None:
+    """Newest complete `checkpoint-N` folder; a half-written one has no trainer_state.json yet."""
+    if not work_dir.is_dir():
+        return None
+    done = [
+        p
+        for p in work_dir.glob("checkpoint-*")
+        if p.name.split("-")[-1].isdigit() and (p / "trainer_state.json").is_file()
+    ]
+    return str(max(done, key=lambda p: int(p.name.split("-")[-1]))) if done else None
+
+
+# --- metrics ----------------------------------------------------------------------
+
+
+def metric_name(stage: str, key: str) -> str:
+    """TRL's `loss`, `eval_loss`, `rewards/chosen`, `train_runtime` -> `<stage>/<split>/<name>`."""
+    split = "train"
+    for prefix in ("eval_", "train_"):
+        if key.startswith(prefix):
+            split, key = prefix[:-1], key[len(prefix) :]
+    return f"{stage}/{split}/{re.sub(r'[^A-Za-z0-9_.-]+', '_', key)}"
+
+
+def metrics_callback(stage: str, log_metrics: LogMetrics | None):
+    """A transformers TrainerCallback that forwards every log line as namespaced metrics."""
+    from transformers import TrainerCallback
+
+    class ForwardMetrics(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if log_metrics is None or not logs or not state.is_world_process_zero:
+                return
+            values = {
+                metric_name(stage, k): float(v)
+                for k, v in logs.items()
+                if isinstance(v, (int, float)) and math.isfinite(v)
+            }
+            if values:
+                log_metrics(values, state.global_step)
+
+    return ForwardMetrics()
+
+
+def final_train_metrics(stage: str, trainer) -> dict[str, float]:
+    """The last logged training values (loss etc.) from the trainer's history."""
+    merged: dict[str, float] = {}
+    for entry in trainer.state.log_history:
+        for k, v in entry.items():
+            if isinstance(v, (int, float)) and k not in ("step", "epoch") and math.isfinite(v):
+                merged[metric_name(stage, k)] = float(v)
+    return merged

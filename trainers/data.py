@@ -1,0 +1,101 @@
+"""Where datasets come from: local JSONL/JSON/Parquet/CSV files or hub ids, all through `datasets`.
+
+The bundled files and a user's files take the same path: `load_source` reads
+them, the `data` stage validates them and writes Parquet copies that later
+stages read, so a stage never sees a file that changed under it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import Field
+
+from trainers.common import StrictModel
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+BUNDLED = "data/sort"
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+Kind = Literal["sft", "preference", "prompt"]
+
+
+class DatasetSpec(StrictModel):
+    path: str = Field(description="A local .jsonl/.json/.parquet/.csv file, or a Hugging Face hub dataset id.")
+    split: str = Field("train", description="Split to read (hub datasets; local files have one split, 'train').")
+    name: str | None = Field(None, description="Hub dataset configuration name.")
+    revision: str | None = Field(None, description="Hub revision; pin it so the data fingerprint is stable.")
+
+
+def _bundled(name: str) -> DatasetSpec:
+    return DatasetSpec(path=f"{BUNDLED}/{name}.jsonl")
+
+
+class DataConfig(StrictModel):
+    """The datasets of one pipeline run. Defaults: the bundled "sort the digits" task."""
+
+    sft: DatasetSpec = Field(default_factory=lambda: _bundled("sft"), description="SFT demonstrations (text, messages, or prompt/completion).")
+    preference: DatasetSpec = Field(default_factory=lambda: _bundled("preference"), description="Preference pairs (prompt?/chosen/rejected) for rm and dpo.")
+    preference_eval: DatasetSpec | None = Field(
+        default_factory=lambda: _bundled("preference_eval"), description="Held-out pairs for reward-model accuracy; None to skip."
+    )
+    prompts: DatasetSpec = Field(default_factory=lambda: _bundled("prompts"), description="Prompt-only rows for online RL (reference columns pass through).")
+    prompts_eval: DatasetSpec = Field(
+        default_factory=lambda: _bundled("prompts_eval"), description="Held-out prompts (with `answer` for exact match) for eval."
+    )
+
+    def sources(self) -> dict[str, tuple[Kind, DatasetSpec]]:
+        """Dataset name -> (kind, spec), in the order the data stage checks them."""
+        named: dict[str, tuple[Kind, DatasetSpec | None]] = {
+            "sft": ("sft", self.sft),
+            "preference": ("preference", self.preference),
+            "preference_eval": ("preference", self.preference_eval),
+            "prompts": ("prompt", self.prompts),
+            "prompts_eval": ("prompt", self.prompts_eval),
+        }
+        return {name: (kind, spec) for name, (kind, spec) in named.items() if spec is not None}
+
+
+def local_file(spec: DatasetSpec) -> Path | None:
+    """The file a spec names, relative to the working directory or else to the project; None for a hub id."""
+    for candidate in (Path(spec.path).expanduser(), PROJECT_ROOT / spec.path):
+        if candidate.is_file():
+            return candidate.resolve()
+    if Path(spec.path).suffix in FILE_BUILDERS:
+        raise ValueError(f"{spec.path}: no such file (looked in {Path.cwd()} and {PROJECT_ROOT})")
+    return None
+
+
+def fingerprint(spec: DatasetSpec) -> str:
+    """Content hash of a local file; for a hub dataset, its id, config, split and revision."""
+    path = local_file(spec)
+    if path is None:
+        return "hub:" + hashlib.sha256(f"{spec.path}|{spec.name}|{spec.split}|{spec.revision}".encode()).hexdigest()
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return "sha256:" + digest.hexdigest()
+
+
+def load_source(spec: DatasetSpec) -> Dataset:
+    """Load a dataset; unreadable files fail with a message that names the file."""
+    import datasets
+
+    path = local_file(spec)
+    try:
+        if path is None:
+            return datasets.load_dataset(spec.path, spec.name, split=spec.split, revision=spec.revision)
+        builder = FILE_BUILDERS.get(path.suffix)
+        if builder is None:
+            raise ValueError(f"{path}: unsupported file type {path.suffix!r}; use one of {sorted(FILE_BUILDERS)}")
+        return datasets.load_dataset(builder, data_files=str(path), split="train")
+    except ValueError:
+        raise
+    except Exception as exc:  # arrow/json parse errors carry no file name
+        raise ValueError(f"{spec.path}: could not be read as a dataset: {type(exc).__name__}: {exc}") from exc
