@@ -18,17 +18,19 @@ from tasks.rm import train_reward_model
 from tasks.sft import train_sft
 
 
-@flow(name="rlhf", log_prints=True, persist_result=False, validate_parameters=True)
+@flow(name="rlhf", persist_result=False, validate_parameters=True)
 def rlhf(params: PipelineParams = load_params()) -> dict:
     """Post-train a model with RLHF: validate data, SFT, reward model, DPO, evaluate."""
     with pipeline_run(params) as run:
-        data = validate_data(params.data, run.ctx)
-        sft_model = train_sft(params.sft, params.model, data, run.ctx)
-        reward_model = train_reward_model(params.rm, sft_model, data, run.ctx)
-        policy = train_dpo(params.dpo, sft_model, data, run.ctx)
-        report = evaluate(params.eval, params.model, data, sft_model, policy, reward_model, run.ctx)
-        return run.finish(policy=policy, report=report, stages=[data, sft_model, reward_model, policy, report])
-
+        # Futures wire the DAG (the Prefect UI draws it); each stage waits for the
+        # one before it so that only one stage trains on the device at a time.
+        data = validate_data.submit(params.data, run.ctx)
+        sft_model = train_sft.submit(params.sft, params.model, data, run.ctx)
+        reward_model = train_reward_model.submit(params.rm, sft_model, data, run.ctx)
+        policy = train_dpo.submit(params.dpo, sft_model, data, run.ctx, wait_for=[reward_model])
+        report = evaluate.submit(params.eval, params.model, data, sft_model, policy, reward_model, run.ctx)
+        stages = [future.result() for future in (data, sft_model, reward_model, policy, report)]
+        return run.finish(policy=stages[3], report=stages[4], stages=stages)
 
 if __name__ == "__main__":
     from flows.cli import main

@@ -10,7 +10,7 @@ import yaml
 from pydantic import BaseModel
 
 from tasks import tracking
-from tasks.stage import ArtifactRef, RunContext
+from tasks.stage import ArtifactRef, RunContext, prefect_log
 
 
 @dataclass
@@ -58,8 +58,8 @@ def pipeline_run(params: BaseModel) -> Iterator[PipelineRun]:
         parent_run_id=run_id,
         force=params.no_cache,
     )
-    print(f"MLflow: {tracking.run_link(run_id)}")
-    print(f"Artifacts: {ctx.artifact_root}")
+    prefect_log(f"MLflow: {tracking.run_link(run_id)}")
+    prefect_log(f"Artifacts: {ctx.artifact_root}")
     try:
         yield PipelineRun(ctx)
     except BaseException as exc:

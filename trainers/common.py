@@ -95,7 +95,8 @@ class TrainingConfig(StrictModel):
             "bf16": bf16,
             "use_cpu": not cuda,
             # TRL turns checkpointing on by default; it made tiny SFT ~47% slower (DESIGN.md).
-            "gradient_checkpointing": False,
+            # `activation_checkpointing` is transformers 5's name for `gradient_checkpointing`.
+            "activation_checkpointing": False,
             "report_to": "none",
             "save_only_model": False,
             **self.trl_overrides,

@@ -1,0 +1,21 @@
+"""Dataset validation for the pipeline: Great Expectations suites per dataset kind.
+
+    report = validate_dataset("preference", dataset, source="data/pref.jsonl", report_dir=out)
+
+Kinds are "sft", "preference" and "prompt"; each accepts TRL's formats for it
+(see validators.formats). Importing this package is cheap: great_expectations,
+pandas and datasets are imported only when a dataset is validated.
+"""
+
+from validators.formats import DatasetFormat, detect_format
+from validators.report import DataValidationError, RuleResult, ValidationReport
+from validators.validate import validate_dataset
+
+__all__ = [
+    "DataValidationError",
+    "DatasetFormat",
+    "RuleResult",
+    "ValidationReport",
+    "detect_format",
+    "validate_dataset",
+]
