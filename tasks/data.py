@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from tasks.stage import RunContext, StageOutcome, prefect_log, run_stage, stage_task
@@ -20,7 +21,9 @@ def validate_data(config: DataConfig, ctx: RunContext) -> StageOutcome:
         for name, (kind, spec) in config.sources().items():
             dataset = load_source(spec)
             try:
-                validate_dataset(kind, dataset, source=spec.path, report_dir=out_dir / "report" / name)
+                # Reports go to the work dir first: it survives a failure, so the
+                # Data Docs path in the error message stays valid.
+                validate_dataset(kind, dataset, source=spec.path, report_dir=work_dir / "report" / name)
             except DataValidationError as exc:
                 failures.append(exc)
                 continue
@@ -31,6 +34,7 @@ def validate_data(config: DataConfig, ctx: RunContext) -> StageOutcome:
             raise failures[0]
         if failures:
             raise ValueError(f"{len(failures)} datasets failed validation:\n" + "\n".join(map(str, failures)))
+        shutil.copytree(work_dir / "report", out_dir / "report")
         return metrics
 
     return run_stage("data", config, {}, ctx, build, fingerprints, log_files=("report",), log=prefect_log)

@@ -48,6 +48,8 @@ class ArtifactRef(BaseModel):
     stage: str
     key: str
     uri: str
+    digest: str = ""
+    """sha256 of the published files: a re-produced upstream whose bytes differ re-keys its dependents."""
 
     @property
     def path(self) -> Path:
@@ -94,12 +96,23 @@ def stage_key(stage: str, config: BaseModel | dict, upstream: dict[str, Artifact
     payload = {
         "stage": stage,
         "config": config.model_dump(mode="json") if isinstance(config, BaseModel) else config,
-        "upstream": {name: ref.key for name, ref in sorted(upstream.items())},
+        "upstream": {name: [ref.key, ref.digest] for name, ref in sorted(upstream.items())},
         "fingerprints": dict(sorted(fingerprints.items())),
         "code": code_version(stage),
     }
     canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+
+def content_digest(directory: Path) -> str:
+    """sha256 over every file's relative path and bytes (the manifest excluded)."""
+    digest = hashlib.sha256()
+    for file in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST):
+        digest.update(file.relative_to(directory).as_posix().encode() + b"\0")
+        with open(file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()[:32]
 
 
 def _versions() -> dict[str, str]:
@@ -137,6 +150,7 @@ def run_stage(
 
     if (final / MANIFEST).is_file() and not ctx.force:
         manifest = ref.manifest()
+        ref = ref.model_copy(update={"digest": manifest["digest"]})
         run_id = tracking.start_run(
             ctx.experiment_id, stage, {**tags, "rlhf.cached": "true", "rlhf.produced_by": manifest["mlflow_run_id"]}, ctx.parent_run_id
         )
@@ -160,7 +174,8 @@ def run_stage(
             "stage": stage,
             "key": key,
             "config": config_json,
-            "upstream": {name: {"stage": r.stage, "key": r.key} for name, r in upstream.items()},
+            "upstream": {name: {"stage": r.stage, "key": r.key, "digest": r.digest} for name, r in upstream.items()},
+            "digest": content_digest(tmp),
             "fingerprints": fingerprints,
             "code_version": code_version(stage),
             "versions": _versions(),
@@ -170,20 +185,28 @@ def run_stage(
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
         for name in (MANIFEST, *log_files):
-            tracking.log_artifacts(run_id, tmp / name, str(Path(name).parent) if "/" in name else None)
+            _log_file(run_id, tmp, name)
         tracking.log_metrics(run_id, metrics)
         _publish(tmp, final)
     except BaseException as exc:
         for name in log_files:  # a failed validation still leaves its report in MLflow
-            tracking.log_artifacts(run_id, tmp / name, str(Path(name).parent) if "/" in name else None)
+            _log_file(run_id, tmp if (tmp / name).exists() else work_dir, name)
         tracking.set_tags(run_id, {"rlhf.error": f"{type(exc).__name__}: {exc}"})
         tracking.end_run(run_id, failed=True)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     tracking.end_run(run_id)
+    ref = ref.model_copy(update={"digest": manifest["digest"]})
     shutil.rmtree(work_dir, ignore_errors=True)  # checkpoints are only a resume source
     log(f"{stage}: done in {seconds:.1f}s -> {final}")
     return StageOutcome(ref, cached=False, metrics=metrics)
+
+
+def _log_file(run_id: str, stage_dir: Path, name: str) -> None:
+    """Log `stage_dir/name` (file or folder) at the same relative place in the MLflow run."""
+    path = stage_dir / name
+    target = name if path.is_dir() else (str(Path(name).parent) if "/" in name else None)
+    tracking.log_artifacts(run_id, path, target)
 
 
 def _publish(tmp: Path, final: Path) -> None:

@@ -35,7 +35,7 @@ class TinyModelConfig(StrictModel):
     intermediate_size: int = Field(512, ge=8, description="Width of the MLP.")
     num_hidden_layers: int = Field(4, ge=1, description="Number of transformer blocks.")
     num_attention_heads: int = Field(4, ge=1, description="Attention heads per block.")
-    max_position_embeddings: int = Field(256, ge=16, description="Longest sequence the model accepts.")
+    max_position_embeddings: int = Field(2048, ge=16, description="Longest sequence the model accepts (RoPE: costs no parameters).")
 
 
 class ModelConfig(StrictModel):
@@ -179,6 +179,8 @@ def last_checkpoint(work_dir: Path) -> str | None:
 
 def metric_name(stage: str, key: str) -> str:
     """TRL's `loss`, `eval_loss`, `rewards/chosen`, `train_runtime` -> `<stage>/<split>/<name>`."""
+    if key == "train_loss":  # the end-of-training average; `loss` is the per-step value
+        return f"{stage}/train/loss_average"
     split = "train"
     for prefix in ("eval_", "train_"):
         if key.startswith(prefix):

@@ -1,0 +1,33 @@
+"""Every run-state folder points at a temporary directory before anything imports Prefect or MLflow."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+_STATE = Path(tempfile.mkdtemp(prefix="rlhf-tests-"))
+os.environ.update(
+    {
+        "RLHF_STATE_DIR": str(_STATE / "state"),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{_STATE / 'mlflow.db'}",
+        "PREFECT_HOME": str(_STATE / "prefect"),
+        "PREFECT_LOCAL_STORAGE_PATH": str(_STATE / "prefect" / "storage"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HF_DATASETS_CACHE": str(_STATE / "hf-datasets"),
+        "DO_NOT_TRACK": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+)
+os.environ.pop("PREFECT_API_URL", None)
+
+
+@pytest.fixture(scope="session")
+def state_dir() -> Path:
+    return _STATE

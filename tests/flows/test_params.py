@@ -1,0 +1,41 @@
+import pytest
+from pydantic import ValidationError
+
+from flows.cli import main
+from flows.params import PipelineParams, load_params
+
+
+def test_tiny_preset_overrides_defaults_and_set_overrides_the_preset():
+    params = load_params("tiny", ["sft.learning_rate=1e-4", "dpo.loss_type=[ipo]", "model.tiny.hidden_size=64"])
+    assert params.sft.learning_rate == 1e-4
+    assert params.sft.max_steps == 300  # from configs/tiny.yaml
+    assert params.dpo.loss_type == ["ipo"]
+    assert params.model.tiny.hidden_size == 64
+    assert PipelineParams().sft.learning_rate == 2e-5  # the code default is TRL's
+
+
+def test_bad_values_fail_before_any_model_loads():
+    with pytest.raises(ValidationError, match="sft.max_length=4096 exceeds the tiny model.s model.tiny.max_position_embeddings=2048"):
+        load_params("tiny", ["sft.max_length=4096"])
+    with pytest.raises(ValidationError, match="learning_rate"):
+        load_params("tiny", ["sft.learning_rate=-1"])
+    with pytest.raises(ValidationError, match="learning_rat"):  # a typo is an error, not ignored
+        load_params("tiny", ["sft.learning_rat=0.1"])
+    with pytest.raises(ValueError, match="unknown preset 'nope'"):
+        load_params("nope")
+
+
+def test_cli_reports_invalid_parameters_with_exit_code_2(capsys):
+    assert main(["params", "--set", "dpo.beta=-1"]) == 2
+    assert "dpo.beta" in capsys.readouterr().err
+    assert main(["params", "--set", "dpo.beta=0.3"]) == 0
+    assert '"beta": 0.3' in capsys.readouterr().out
+
+
+def test_parameter_schema_is_typed_and_documented():
+    from flows.rlhf import rlhf
+
+    schema = rlhf.parameters.model_dump()
+    definitions = schema["definitions"]
+    assert definitions["DpoConfig"]["properties"]["beta"]["description"].startswith("KL strength")
+    assert "exclusiveMinimum" in definitions["DpoConfig"]["properties"]["beta"]

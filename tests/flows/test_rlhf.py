@@ -1,0 +1,136 @@
+"""End to end on the embedded default (shrunk to seconds): stages, caching, MLflow, bad data."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+from prefect.testing.utilities import prefect_test_harness
+
+from flows.params import load_params
+from tasks import tracking
+
+FAST = [
+    "model.tiny.hidden_size=32", "model.tiny.intermediate_size=64", "model.tiny.num_hidden_layers=2",
+    "model.tiny.num_attention_heads=2",
+    "sft.max_steps=8", "rm.max_steps=4", "dpo.max_steps=4",
+    "sft.logging_steps=2", "rm.logging_steps=2", "dpo.logging_steps=2",
+    "eval.max_prompts=20", "eval.max_new_tokens=8",
+]  # fmt: skip
+STAGES = ["data", "sft", "rm", "dpo", "eval"]
+
+
+@pytest.fixture(scope="module")
+def prefect():
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture
+def state(tmp_path, monkeypatch):
+    monkeypatch.setenv(tracking.STATE_ENV, str(tmp_path / "state"))
+    return tmp_path / "state"
+
+
+def run(*overrides: str):
+    from flows.rlhf import rlhf
+
+    params = load_params("tiny", [*FAST, *overrides])
+    return rlhf(params, return_state=True)
+
+
+def task_states(flow_state) -> dict[str, str]:
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_state.state_details.flow_run_id]))
+        )
+    return {r.name: r.state.name for r in runs}
+
+
+def test_pipeline_runs_caches_and_reruns_only_what_changed(prefect, state):
+    first = run()
+    assert first.is_completed(), first.message
+    assert task_states(first) == {stage: "Completed" for stage in STAGES}
+    summary = first.result()
+    assert set(summary["artifacts"]) == set(STAGES)
+    assert summary["metrics"]["eval/heldout/sft_exact_match"] >= 0
+
+    # MLflow: one parent, five children with params and metrics, and the artifacts.
+    client = MlflowClient()
+    parent = client.get_run(summary["mlflow_run_id"])
+    children = client.search_runs(
+        [parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'"
+    )
+    assert sorted(r.info.run_name for r in children) == sorted(STAGES)
+    by_stage = {r.info.run_name: r for r in children}
+    assert by_stage["dpo"].data.params["beta"] == "0.1"
+    assert len(client.get_metric_history(by_stage["sft"].info.run_id, "sft/train/loss")) >= 4
+    assert "rm/eval/accuracy" in by_stage["rm"].data.metrics
+    assert "eval/heldout/dpo_exact_match" in parent.data.metrics
+    top = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"model", "config.yaml", "eval"} <= top
+    assert "model/model.safetensors" in {a.path for a in client.list_artifacts(parent.info.run_id, "model")}
+    assert {a.path for a in client.list_artifacts(by_stage["data"].info.run_id, "report")} >= {"report/sft", "report/preference"}
+    assert "samples.jsonl" in {a.path for a in client.list_artifacts(by_stage["eval"].info.run_id)}
+
+    # Identical second run: nothing trains.
+    second = run()
+    assert task_states(second) == {stage: "Cached" for stage in STAGES}
+    assert second.result()["artifacts"] == summary["artifacts"]
+    cached = client.search_runs(
+        [parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{second.result()['mlflow_run_id']}'"
+    )
+    assert len(cached) == 5 and all(r.data.tags["rlhf.cached"] == "true" for r in cached)
+
+    # Only dpo.beta changed: only dpo and eval run.
+    third = run("dpo.beta=0.2")
+    assert task_states(third) == {"data": "Cached", "sft": "Cached", "rm": "Cached", "dpo": "Completed", "eval": "Completed"}
+
+    # A deleted artifact directory re-runs that stage. Its dependents re-run only if
+    # the re-produced bytes differ: on this CPU training is deterministic, so the
+    # new reward model is byte-identical and eval's inputs did not change.
+    rm_digest = json.loads((Path(summary["artifacts"]["rm"]) / "manifest.json").read_text())["digest"]
+    shutil.rmtree(summary["artifacts"]["rm"])
+    fourth = run()
+    assert task_states(fourth) == {"data": "Cached", "sft": "Cached", "rm": "Completed", "dpo": "Cached", "eval": "Cached"}
+    assert json.loads((Path(summary["artifacts"]["rm"]) / "manifest.json").read_text())["digest"] == rm_digest
+
+    # A re-produced upstream with different bytes re-keys everything downstream.
+    sft_dir = Path(summary["artifacts"]["sft"])
+    manifest = json.loads((sft_dir / "manifest.json").read_text())
+    (sft_dir / "manifest.json").write_text(json.dumps({**manifest, "digest": "different-bytes"}))
+    fifth = run()
+    assert task_states(fifth) == {"data": "Cached", "sft": "Cached", "rm": "Completed", "dpo": "Completed", "eval": "Completed"}
+
+    # --no-cache re-runs everything.
+    sixth = run("no_cache=true")
+    assert task_states(sixth) == {stage: "Completed" for stage in STAGES}
+
+
+def test_corrupted_preferences_stop_the_flow_in_data(prefect, state, tmp_path):
+    rows = [json.loads(line) for line in open("data/sort/preference.jsonl")][:50]
+    rows[3]["chosen"] = ""
+    rows[7]["rejected"] = rows[7]["chosen"]
+    bad = tmp_path / "bad_preference.jsonl"
+    bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    result = run(f"data.preference.path={bad}")
+    assert result.is_failed()
+    states = task_states(result)
+    assert states["data"] == "Failed"
+    assert all(states.get(stage) in (None, "NotReady") for stage in STAGES[1:])
+    message = str(result.result(raise_on_failure=False))
+    assert "bad_preference.jsonl" in message
+    assert "text_not_blank" in message and "row 3" in message
+    assert "chosen_differs_from_rejected" in message and "row 7" in message
+    artifacts = state / "artifacts"
+    assert not (artifacts / "sft").exists() and not any((artifacts / "data").glob("[0-9a-f]*"))
+    # The Data Docs named in the message outlive the failure.
+    docs = message.rsplit("Data Docs: ", 1)[1].split()[0]
+    assert Path(docs).is_file()

@@ -1,0 +1,36 @@
+"""Small builders shared by the tests: a tiny dataset folder as the `data` stage writes it, fast configs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from trainers.common import ModelConfig, TinyModelConfig
+from trainers.data import DataConfig, load_source
+
+# A smaller tiny model than the default, so trainer tests take seconds.
+SMALL_MODEL = ModelConfig(tiny=TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2))
+FAST = dict(per_device_train_batch_size=16, max_length=64, logging_steps=1, save_steps=1000, learning_rate=3e-3)
+
+
+def write_data_dir(root: Path, rows: int = 64) -> Path:
+    """`<root>/datasets/<name>.parquet` for every bundled dataset, cut to `rows` rows."""
+    (root / "datasets").mkdir(parents=True, exist_ok=True)
+    for name, (_, spec) in DataConfig().sources().items():
+        dataset = load_source(spec)
+        dataset.select(range(min(rows, len(dataset)))).to_parquet(str(root / "datasets" / f"{name}.parquet"))
+    return root
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def state_dict_copy(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def changed(before: dict, after: dict) -> bool:
+    return any(not (before[k] == after[k]).all() for k in before)

@@ -1,0 +1,83 @@
+"""The stage contract without Prefect: key, atomic publish, manifest cache, MLflow child runs."""
+
+import json
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tasks import tracking
+from tasks.stage import MANIFEST, ArtifactRef, RunContext, run_stage, stage_key
+from trainers.dpo import DpoConfig
+
+
+@pytest.fixture
+def ctx(tmp_path):
+    experiment = tracking.experiment_id("test-stage")
+    parent = tracking.start_run(experiment, "parent", {})
+    return RunContext(artifact_root=str(tmp_path / "artifacts"), experiment_id=experiment, parent_run_id=parent)
+
+
+def writing(calls: list, metrics=None, fail=False):
+    def build(out_dir, work_dir, log_metrics):
+        calls.append(out_dir)
+        (out_dir / "model").mkdir()
+        (out_dir / "model" / "weights.bin").write_bytes(b"w")
+        log_metrics({"dpo/train/loss": 0.5}, 1)
+        if fail:
+            raise OSError("disk vanished mid-write")
+        return metrics or {"dpo/train/loss": 0.5}
+
+    return build
+
+
+def test_key_changes_with_config_upstream_and_data_but_not_with_order():
+    up = {"sft": ArtifactRef(stage="sft", key="a", uri="/x"), "data": ArtifactRef(stage="data", key="b", uri="/y")}
+    key = stage_key("dpo", DpoConfig(), up, {"p": "1"})
+    assert key == stage_key("dpo", DpoConfig(), dict(reversed(list(up.items()))), {"p": "1"})
+    assert key != stage_key("dpo", DpoConfig(beta=0.2), up, {"p": "1"})
+    assert key != stage_key("dpo", DpoConfig(), {**up, "sft": ArtifactRef(stage="sft", key="c", uri="/x")}, {"p": "1"})
+    assert key != stage_key("dpo", DpoConfig(), up, {"p": "2"})
+    assert key != stage_key("rm", DpoConfig(), up, {"p": "1"})
+    # same upstream key, different bytes (a re-produced, non-deterministic upstream)
+    rebuilt = {**up, "sft": ArtifactRef(stage="sft", key="a", uri="/x", digest="other")}
+    assert key != stage_key("dpo", DpoConfig(), rebuilt, {"p": "1"})
+
+
+def test_publish_then_reuse_by_manifest(ctx):
+    calls: list = []
+    first = run_stage("dpo", DpoConfig(), {}, ctx, writing(calls))
+    assert not first.cached and len(calls) == 1
+    manifest = json.loads((first.ref.path / MANIFEST).read_text())
+    assert manifest["key"] == first.ref.key and manifest["config"]["beta"] == 0.1
+    assert manifest["versions"]["trl"] and manifest["metrics"]["dpo/train/loss"] == 0.5
+    second = run_stage("dpo", DpoConfig(), {}, ctx, writing(calls))
+    assert second.cached and second.ref == first.ref and len(calls) == 1
+
+    client = MlflowClient()
+    runs = client.search_runs([ctx.experiment_id], f"tags.`mlflow.parentRunId` = '{ctx.parent_run_id}'")
+    by_cached = {r.data.tags["rlhf.cached"]: r for r in runs}
+    assert by_cached["true"].data.tags["rlhf.produced_by"] == by_cached["false"].info.run_id
+    assert by_cached["false"].data.params["beta"] == "0.1"
+    # per-step value from training (step 1) and the final value (step 0)
+    history = client.get_metric_history(by_cached["false"].info.run_id, "dpo/train/loss")
+    assert sorted(m.step for m in history) == [0, 1]
+
+
+def test_deleted_artifact_runs_again_and_force_ignores_the_cache(ctx):
+    calls: list = []
+    first = run_stage("dpo", DpoConfig(), {}, ctx, writing(calls))
+    (first.ref.path / MANIFEST).unlink()  # a directory without a manifest is never "done"
+    again = run_stage("dpo", DpoConfig(), {}, ctx, writing(calls))
+    assert not again.cached and len(calls) == 2 and (again.ref.path / MANIFEST).is_file()
+    forced = run_stage("dpo", DpoConfig(), {}, ctx.model_copy(update={"force": True}), writing(calls))
+    assert not forced.cached and len(calls) == 3
+
+
+def test_a_failing_stage_publishes_nothing_and_marks_its_run_failed(ctx):
+    calls: list = []
+    with pytest.raises(OSError, match="disk vanished"):
+        run_stage("dpo", DpoConfig(beta=0.3), {}, ctx, writing(calls, fail=True))
+    stage_root = calls[0].parent
+    assert [p.name for p in stage_root.iterdir() if not p.name.startswith(".work")] == []
+    failed = MlflowClient().search_runs([ctx.experiment_id], "attributes.status = 'FAILED'")
+    assert any("disk vanished" in r.data.tags.get("rlhf.error", "") for r in failed)

@@ -1,0 +1,28 @@
+import pytest
+from pydantic import ValidationError
+
+from trainers import dpo
+from trainers.common import load_base_model, load_causal_lm, save_model
+
+from tests.helpers import FAST, SMALL_MODEL, changed, state_dict_copy, write_data_dir
+
+
+def test_dpo_moves_the_policy_towards_chosen(tmp_path):
+    data = write_data_dir(tmp_path / "data")
+    policy, tokenizer = load_base_model(SMALL_MODEL)
+    save_model(policy, tokenizer, tmp_path / "sft")
+    before = state_dict_copy(policy)
+    metrics = dpo.train(
+        dpo.DpoConfig(max_steps=10, beta=0.1, loss_type=["sigmoid", "sft"], **FAST),
+        tmp_path / "sft", data, tmp_path / "out", tmp_path / "work",
+    )
+    after, _ = load_causal_lm(tmp_path / "out" / "model")
+    assert changed(before, state_dict_copy(after))
+    assert metrics["dpo/train/rewards_margins"] > 0
+
+
+def test_loss_weights_must_match_loss_types():
+    with pytest.raises(ValidationError, match=r"loss_weights has 1 entries but loss_type has 2"):
+        dpo.DpoConfig(loss_type=["sigmoid", "sft"], loss_weights=[1.0])
+    with pytest.raises(ValidationError):
+        dpo.DpoConfig(loss_type=["not_a_loss"])

@@ -1,0 +1,38 @@
+from trainers import sft
+from trainers.common import load_base_model, load_causal_lm, metric_name
+
+from tests.helpers import FAST, SMALL_MODEL, changed, state_dict_copy, write_data_dir
+
+
+def test_sft_trains_the_tiny_model_and_lowers_its_loss(tmp_path):
+    data = write_data_dir(tmp_path / "data")
+    logged: list[tuple[dict, int]] = []
+    metrics = sft.train(
+        sft.SftConfig(max_steps=12, **FAST), SMALL_MODEL, data, tmp_path / "out", tmp_path / "work",
+        lambda values, step: logged.append((values, step)),
+    )
+    before = state_dict_copy(load_base_model(SMALL_MODEL)[0])
+    after, tokenizer = load_causal_lm(tmp_path / "out" / "model")
+    assert changed(before, state_dict_copy(after))
+    losses = [v["sft/train/loss"] for v, _ in logged if "sft/train/loss" in v]
+    assert len(losses) == 12 and losses[-1] < losses[0] * 0.95
+    assert metrics["sft/train/loss"] == losses[-1]
+    assert (tmp_path / "out" / "model" / "model.safetensors").is_file()
+    assert tokenizer.eos_token == "<|endoftext|>"
+
+
+def test_sft_resumes_from_the_newest_checkpoint(tmp_path):
+    data = write_data_dir(tmp_path / "data")
+    config = sft.SftConfig(max_steps=4, **{**FAST, "save_steps": 2})
+    sft.train(config, SMALL_MODEL, data, tmp_path / "first", tmp_path / "work")
+    steps: list[int] = []
+    # Same work dir, more steps: training continues at step 4, not from 0.
+    sft.train(config.model_copy(update={"max_steps": 6}), SMALL_MODEL, data, tmp_path / "second", tmp_path / "work",
+              lambda values, step: steps.append(step))
+    assert steps and min(steps) > 4
+
+
+def test_metric_names_follow_stage_split_name():
+    assert metric_name("rm", "eval_accuracy") == "rm/eval/accuracy"
+    assert metric_name("dpo", "rewards/chosen") == "dpo/train/rewards_chosen"
+    assert metric_name("sft", "train_runtime") == "sft/train/runtime"

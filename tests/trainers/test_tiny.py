@@ -1,0 +1,31 @@
+from trainers.common import ModelConfig, load_base_model
+from trainers.tiny import EOS, build_tokenizer
+
+
+def test_tokenizer_round_trips_any_utf8_text():
+    tokenizer = build_tokenizer()
+    for text in ["sort 3142 -> 1234", "héllo wörld", "日本語のテキスト", "emoji 🙂👍", "tabs\tand\nnewlines", "\x00\x7f"]:
+        ids = tokenizer(text)["input_ids"]
+        assert tokenizer.unk_token_id not in ids
+        assert tokenizer.decode(ids) == text
+
+
+def test_chat_template_closes_assistant_turns_with_eos_and_marks_them_for_loss():
+    tokenizer = build_tokenizer()
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert text.endswith("yo" + EOS)
+    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    trained = [i for i, m in zip(out["input_ids"], out["assistant_masks"]) if m]
+    assert tokenizer.decode(trained) == "yo" + EOS
+    prompt = tokenizer.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True)
+    assert text.startswith(prompt)  # TRL derives the completion as the part after the prompt
+
+
+def test_tiny_base_model_is_reproducible_from_its_seed():
+    a, _ = load_base_model(ModelConfig(seed=1))
+    b, _ = load_base_model(ModelConfig(seed=1))
+    c, _ = load_base_model(ModelConfig(seed=2))
+    wa, wb, wc = (m.model.embed_tokens.weight for m in (a, b, c))
+    assert (wa == wb).all() and not (wa == wc).all()
+    assert 0.9e6 < sum(p.numel() for p in a.parameters()) < 1.3e6
