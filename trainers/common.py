@@ -49,6 +49,31 @@ class ModelConfig(StrictModel):
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Architecture of the tiny model.")
 
 
+class LoraConfig(StrictModel):
+    """LoRA through peft. The stage's output is a merged, loadable model unless `keep_adapter`."""
+
+    enabled: bool = Field(False, description="Train LoRA adapters instead of all weights.")
+    r: int = Field(16, ge=1, description="Adapter rank (peft LoraConfig.r).")
+    lora_alpha: int = Field(32, ge=1, description="Adapter scaling numerator (peft LoraConfig.lora_alpha).")
+    lora_dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the adapter input.")
+    target_modules: str | list[str] = Field("all-linear", description="Modules that get adapters ('all-linear' or names).")
+    keep_adapter: bool = Field(False, description="Save the adapter alone (adapter_model.safetensors) instead of merging it.")
+
+    def peft_config(self, task_type: str = "CAUSAL_LM"):
+        """A peft.LoraConfig, or None when LoRA is off."""
+        if not self.enabled:
+            return None
+        import peft
+
+        return peft.LoraConfig(
+            r=self.r,
+            lora_alpha=self.lora_alpha,
+            lora_dropout=self.lora_dropout,
+            target_modules=self.target_modules,
+            task_type=task_type,
+        )
+
+
 class TrainingConfig(StrictModel):
     """Fields shared by the TRL-backed stages; names follow transformers' TrainingArguments."""
 
@@ -67,6 +92,7 @@ class TrainingConfig(StrictModel):
     save_steps: int = Field(200, ge=1, description="Checkpoint every this many steps; a retried stage resumes from the newest.")
     seed: int = Field(42, description="Seed for data order and dropout.")
     bf16: bool | None = Field(None, description="Train in bfloat16. None: on when a CUDA device supports it.")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters (peft).")
     trl_overrides: dict[str, Any] = Field(
         default_factory=dict,
         description="Any other argument of the TRL config of this stage, passed through unchanged.",
@@ -148,8 +174,11 @@ def load_causal_lm(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeniz
     return AutoModelForCausalLM.from_pretrained(str(path), use_safetensors=True), load_tokenizer(path)
 
 
-def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: Path) -> Path:
+def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: Path, keep_adapter: bool = False) -> Path:
+    """Save weights (safetensors) and tokenizer; a peft model is merged first unless `keep_adapter`."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    if hasattr(model, "merge_and_unload") and not keep_adapter:
+        model = model.merge_and_unload()
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     return out_dir

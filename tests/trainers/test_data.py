@@ -1,0 +1,92 @@
+"""Every dataset shape TRL documents loads, validates, survives the Parquet copy, and trains."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import FAST, SMALL_MODEL, write_jsonl
+from trainers import dpo, rm, sft
+from trainers.common import load_base_model, save_model
+from trainers.data import DatasetSpec, fingerprint, load_source
+from validators import detect_format, validate_dataset
+
+
+def conversation(prompt: str, answer: str) -> list[dict]:
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+
+
+SHAPES = {
+    ("sft", "standard LM"): [{"text": "sort 21 -> 12", "source": "x"}],
+    ("sft", "conversational LM"): [{"messages": conversation("sort 21 -> ", "12"), "source": "x"}],
+    ("sft", "standard prompt-completion"): [{"prompt": "sort 21 -> ", "completion": "12", "source": "x"}],
+    ("sft", "conversational prompt-completion"): [
+        {"prompt": [{"role": "user", "content": "sort 21 -> "}], "completion": [{"role": "assistant", "content": "12"}], "source": "x"}
+    ],
+    ("preference", "standard explicit"): [{"prompt": "sort 21 -> ", "chosen": "12", "rejected": "21", "source": "x"}],
+    ("preference", "standard implicit"): [{"chosen": "sort 21 -> 12", "rejected": "sort 21 -> 21", "source": "x"}],
+    ("preference", "conversational explicit"): [
+        {"prompt": [{"role": "user", "content": "sort 21 -> "}], "chosen": [{"role": "assistant", "content": "12"}],
+         "rejected": [{"role": "assistant", "content": "21"}], "source": "x"}
+    ],
+    ("preference", "conversational implicit"): [
+        {"chosen": conversation("sort 21 -> ", "12"), "rejected": conversation("sort 21 -> ", "21"), "source": "x"}
+    ],
+    ("prompt", "standard"): [{"prompt": "sort 21 -> ", "answer": "12"}],
+    ("prompt", "conversational"): [{"prompt": [{"role": "user", "content": "sort 21 -> "}], "answer": "12"}],
+}
+
+
+@pytest.mark.parametrize(("kind", "shape"), list(SHAPES), ids=[" ".join(k) for k in SHAPES])
+def test_every_trl_shape_loads_from_jsonl_and_keeps_extra_columns(tmp_path, kind, shape):
+    rows = SHAPES[(kind, shape)] * 8
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    dataset = load_source(DatasetSpec(path=str(path)))
+    validate_dataset(kind, dataset, source=str(path))
+    dataset.to_parquet(str(tmp_path / "d.parquet"))
+    from datasets import Dataset
+
+    copy = Dataset.from_parquet(str(tmp_path / "d.parquet"))
+    assert copy[0] == rows[0]  # nested messages and extra columns survive the freeze
+    fmt = detect_format(kind, copy, str(path))
+    assert fmt.conversational == ("conversational" in shape)
+
+
+def test_unpaired_preferences_get_a_clear_error(tmp_path):
+    path = write_jsonl(tmp_path / "kto.jsonl", [{"prompt": "a", "completion": "b", "label": True}] * 3)
+    with pytest.raises(ValueError, match="kto.jsonl.*format"):
+        validate_dataset("preference", load_source(DatasetSpec(path=str(path))), source=str(path))
+
+
+def test_unreadable_and_missing_files_name_the_file(tmp_path):
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a", "compl')
+    with pytest.raises(ValueError, match="broken.jsonl"):
+        load_source(DatasetSpec(path=str(broken)))
+    with pytest.raises(ValueError, match="nope.jsonl: no such file"):
+        load_source(DatasetSpec(path=str(tmp_path / "nope.jsonl")))
+
+
+def test_fingerprint_follows_content_not_name(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", [{"text": "x"}])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"text": "x"}])
+    c = write_jsonl(tmp_path / "c.jsonl", [{"text": "y"}])
+    fa, fb, fc = (fingerprint(DatasetSpec(path=str(p))) for p in (a, b, c))
+    assert fa == fb != fc
+
+
+def _frozen(tmp_path, name: str, kind: str, shape: str) -> None:
+    (tmp_path / "datasets").mkdir(exist_ok=True)
+    dataset = load_source(DatasetSpec(path=str(write_jsonl(tmp_path / f"{name}.jsonl", SHAPES[(kind, shape)] * 16))))
+    dataset.to_parquet(str(tmp_path / "datasets" / f"{name}.parquet"))
+
+
+def test_conversational_data_trains_through_sft_rm_and_dpo(tmp_path):
+    _frozen(tmp_path, "sft", "sft", "conversational LM")
+    _frozen(tmp_path, "preference", "preference", "conversational implicit")
+    fast = {**FAST, "max_steps": 2}
+    metrics = sft.train(sft.SftConfig(assistant_only_loss=True, **fast), SMALL_MODEL, tmp_path, tmp_path / "sft", tmp_path / "w1")
+    assert metrics["sft/train/loss"] > 0
+    rm_metrics = rm.train(rm.RewardConfig(**fast), tmp_path / "sft" / "model", tmp_path, tmp_path / "rm", tmp_path / "w2")
+    assert "rm/train/accuracy" in rm_metrics
+    dpo_metrics = dpo.train(dpo.DpoConfig(**fast), tmp_path / "sft" / "model", tmp_path, tmp_path / "dpo", tmp_path / "w3")
+    assert "dpo/train/rewards_margins" in dpo_metrics

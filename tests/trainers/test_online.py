@@ -1,0 +1,58 @@
+"""GRPO and RLOO (trainers/online.py through trainers/grpo.py and trainers/rloo.py)."""
+
+import pytest
+from pydantic import ValidationError
+from transformers import AutoModelForSequenceClassification
+
+from tests.helpers import FAST, SMALL_MODEL, changed, state_dict_copy, write_data_dir
+from trainers import grpo, rloo
+from trainers.common import load_base_model, load_causal_lm, save_model
+from trainers.rewards import RewardFunctionSpec, RewardsConfig
+
+ONLINE = {**FAST, "per_device_train_batch_size": 8, "max_steps": 2, "max_completion_length": 6, "num_generations": 4}
+VERIFIER = RewardsConfig(reward_model_weight=0, functions=[RewardFunctionSpec(path="tests.helpers:length_reward")])
+
+
+@pytest.fixture
+def sft_dir(tmp_path):
+    policy, tokenizer = load_base_model(SMALL_MODEL)
+    return save_model(policy, tokenizer, tmp_path / "sft")
+
+
+@pytest.mark.parametrize("module,config", [(grpo, grpo.GrpoConfig), (rloo, rloo.RlooConfig)], ids=["grpo", "rloo"])
+def test_online_stage_updates_the_policy_with_reward_functions(tmp_path, sft_dir, module, config):
+    data = write_data_dir(tmp_path / "data", rows=16)
+    before = state_dict_copy(load_causal_lm(sft_dir)[0])
+    logged: list[dict] = []
+    metrics = module.train(config(**ONLINE), VERIFIER, sft_dir, None, data, tmp_path / "out", tmp_path / "work",
+                           lambda values, step: logged.append(values))  # fmt: skip
+    after = state_dict_copy(load_causal_lm(tmp_path / "out" / "model")[0])
+    assert changed(before, after)
+    stage = module.__name__.split(".")[-1]
+    assert any(f"{stage}/train/kl" in values for values in logged)  # beta > 0: KL to the reference is reported
+    assert f"{stage}/train/reward" in metrics
+
+
+def test_grpo_scores_with_the_reward_model_and_functions_together(tmp_path, sft_dir):
+    data = write_data_dir(tmp_path / "data", rows=16)
+    _, tokenizer = load_causal_lm(sft_dir)
+    head = AutoModelForSequenceClassification.from_pretrained(sft_dir, num_labels=1)
+    head.config.pad_token_id = tokenizer.pad_token_id
+    save_model(head, tokenizer, tmp_path / "rm")
+    rewards = VERIFIER.model_copy(update={"reward_model_weight": 0.5})
+    metrics = grpo.train(grpo.GrpoConfig(**ONLINE), rewards, sft_dir, tmp_path / "rm", data, tmp_path / "out", tmp_path / "work")
+    components = {k for k in metrics if k.startswith("grpo/train/rewards_")}
+    assert len(components) >= 2, components  # one per reward: the function and the reward model
+
+
+def test_group_must_divide_the_generation_batch():
+    with pytest.raises(ValidationError, match=r"num_generations=3 must divide .* = 8 \* 1 = 8"):
+        grpo.GrpoConfig(per_device_train_batch_size=8, num_generations=3)
+
+
+def test_broken_reward_function_fails_before_training(tmp_path, sft_dir):
+    data = write_data_dir(tmp_path / "data", rows=16)
+    bad = RewardsConfig(reward_model_weight=0, functions=[RewardFunctionSpec(path="trainers.sort_task:nope")])
+    with pytest.raises(ValueError, match="trainers.sort_task:nope"):
+        rloo.train(rloo.RlooConfig(**ONLINE), bad, sft_dir, None, data, tmp_path / "out", tmp_path / "work")
+    assert not (tmp_path / "work").exists()
