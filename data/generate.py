@@ -6,10 +6,14 @@ The task is chosen so that alignment has something to fix, as in real RLHF
 (measured designs in shared/DESIGN.md):
 
 * SFT demonstrations carry a *systematic* mistake tied to a prompt feature:
-  whenever the answer holds a 9, the demonstrator swaps the last two differing
-  neighbours ("12399" -> "12939"). About a third of the demos (every one whose
-  answer has a 9) are wrong, lengths are preserved, so SFT learns the mistake
-  (random noise would be averaged away by greedy decoding).
+  when the answer holds a 9, the demonstrator swaps the last two differing
+  neighbours ("12399" -> "12939") 80% of the time. About 28% of the demos are
+  wrong, lengths are preserved, so SFT learns the mistake as its most likely
+  answer and greedy decoding repeats it (random noise would be averaged away).
+  The demonstrator is inconsistent, as people are: the 20% correct demos leave
+  the right answer in the SFT model's samples, which online RL needs to find
+  it (with a fully consistent mistake, GRPO saw no reward variance in 90% of
+  its groups and did not move).
 * Preference pairs and reference answers prefer the correct output. Rejected
   answers are that same systematic mistake 60% of the time (the mistakes the
   SFT model actually makes) and varied corruptions otherwise, so the reward
@@ -39,6 +43,7 @@ SIZES = {
 }
 MIN_DIGITS, MAX_DIGITS = 3, 5
 SYSTEMATIC_SHARE_OF_REJECTED = 0.6
+MISTAKE_RATE = 0.8  # how often the demonstrator makes the systematic mistake when it applies
 
 
 def prompt_for(digits: str) -> str:
@@ -57,10 +62,10 @@ def systematic_mistake(answer: str) -> str:
     return answer
 
 
-def demonstration(digits: str) -> str:
-    """What the (imperfect) human demonstrator writes."""
+def demonstration(digits: str, rng: random.Random) -> str:
+    """What the (imperfect, inconsistent) human demonstrator writes."""
     answer = correct(digits)
-    return systematic_mistake(answer) if "9" in answer else answer
+    return systematic_mistake(answer) if "9" in answer and rng.random() < MISTAKE_RATE else answer
 
 
 def varied_corruption(digits: str, rng: random.Random) -> str:
@@ -130,7 +135,7 @@ def build(seed: int = SEED) -> dict[str, list[dict]]:
     eval_pairs = unique_digits(rng, SIZES["preference_eval"], held_out)
     return {
         "sft": [
-            {"prompt": prompt_for(d), "completion": demonstration(d)}
+            {"prompt": prompt_for(d), "completion": demonstration(d, rng)}
             for d in training_digits(rng, SIZES["sft"], held_out)
         ],
         "preference": [
