@@ -15,8 +15,14 @@ from trainers.common import TINY, ModelConfig, StrictModel
 from trainers.data import DataConfig
 from trainers.dpo import DpoConfig
 from trainers.eval import EvalConfig
+from trainers.grpo import GrpoConfig
+from trainers.ppo import PpoConfig
+from trainers.rewards import RewardsConfig
+from trainers.rloo import RlooConfig
 from trainers.rm import RewardConfig
 from trainers.sft import SftConfig
+
+ONLINE = ("grpo", "rloo", "ppo")
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 DEFAULT_PRESET = "tiny"
@@ -25,7 +31,9 @@ DEFAULT_PRESET = "tiny"
 class PipelineParams(StrictModel):
     """Everything one run of the `rlhf` flow depends on."""
 
-    algorithm: Literal["dpo"] = Field("dpo", description="Policy-optimisation stage after SFT.")
+    algorithm: Literal["dpo", "grpo", "rloo", "ppo"] = Field(
+        "dpo", description="Policy-optimisation stage after SFT: offline on preferences (dpo) or online RL against `rewards`."
+    )
     experiment_name: str = Field("rlhf", description="MLflow experiment that holds the runs.")
     no_cache: bool = Field(False, description="Re-run every stage even when its artifact already exists.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="The base model.")
@@ -33,6 +41,10 @@ class PipelineParams(StrictModel):
     sft: SftConfig = Field(default_factory=SftConfig, description="Supervised fine-tuning (TRL SFTTrainer).")
     rm: RewardConfig = Field(default_factory=RewardConfig, description="Reward model (TRL RewardTrainer).")
     dpo: DpoConfig = Field(default_factory=DpoConfig, description="DPO (TRL DPOTrainer).")
+    rewards: RewardsConfig = Field(default_factory=RewardsConfig, description="Rewards of the online stages (grpo, rloo, ppo).")
+    grpo: GrpoConfig = Field(default_factory=GrpoConfig, description="GRPO (TRL GRPOTrainer).")
+    rloo: RlooConfig = Field(default_factory=RlooConfig, description="RLOO (TRL RLOOTrainer).")
+    ppo: PpoConfig = Field(default_factory=PpoConfig, description="PPO (ours: trainers/ppo.py).")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
 
     @model_validator(mode="after")
@@ -40,7 +52,7 @@ class PipelineParams(StrictModel):
         if self.model.name_or_path != TINY:
             return self
         limit = self.model.tiny.max_position_embeddings
-        for stage in ("sft", "rm", "dpo"):
+        for stage in ("sft", "rm", "dpo", "grpo", "rloo"):
             length = getattr(self, stage).max_length
             if length > limit:
                 raise ValueError(
@@ -48,6 +60,12 @@ class PipelineParams(StrictModel):
                     f"model.tiny.max_position_embeddings={limit}: lower one or raise the other"
                 )
         return self
+
+    @property
+    def needs_reward_model(self) -> bool:
+        """The rm stage runs when evaluation or the online stage's rewards use it."""
+        online_uses_it = self.algorithm in ONLINE and self.rewards.uses_reward_model
+        return online_uses_it or self.eval.use_reward_model
 
 
 def preset_path(preset: str) -> Path:

@@ -37,6 +37,9 @@ STAGE_CODE = {
     "sft": ["trainers/sft.py", "trainers/common.py", "trainers/tiny.py"],
     "rm": ["trainers/rm.py", "trainers/common.py"],
     "dpo": ["trainers/dpo.py", "trainers/common.py"],
+    "grpo": ["trainers/grpo.py", "trainers/online.py", "trainers/rewards.py", "trainers/common.py"],
+    "rloo": ["trainers/rloo.py", "trainers/online.py", "trainers/rewards.py", "trainers/common.py"],
+    "ppo": ["trainers/ppo.py", "trainers/rewards.py", "trainers/eval.py", "trainers/common.py"],
     "eval": ["trainers/eval.py", "trainers/common.py", "trainers/tiny.py"],
 }
 

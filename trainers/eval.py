@@ -25,6 +25,7 @@ class EvalConfig(StrictModel):
     batch_size: int = Field(64, ge=1, description="Prompts per generation batch.")
     max_prompts: int | None = Field(None, ge=1, description="Evaluate only the first N held-out prompts; None: all.")
     answer_column: str = Field("answer", description="Reference column of the held-out prompts for exact match.")
+    use_reward_model: bool = Field(True, description="Score answers and held-out pairs with the rm stage's model (trains it even for dpo).")
     num_samples_logged: int = Field(50, ge=0, description="Rows of the samples table (prompt, answers, rewards).")
 
 

@@ -6,52 +6,9 @@ import json
 import shutil
 from pathlib import Path
 
-import pytest
 from mlflow.tracking import MlflowClient
-from prefect.testing.utilities import prefect_test_harness
 
-from flows.params import load_params
-from tasks import tracking
-
-FAST = [
-    "model.tiny.hidden_size=32", "model.tiny.intermediate_size=64", "model.tiny.num_hidden_layers=2",
-    "model.tiny.num_attention_heads=2",
-    "sft.max_steps=8", "rm.max_steps=4", "dpo.max_steps=4",
-    "sft.logging_steps=2", "rm.logging_steps=2", "dpo.logging_steps=2",
-    "eval.max_prompts=20", "eval.max_new_tokens=8",
-]  # fmt: skip
-STAGES = ["data", "sft", "rm", "dpo", "eval"]
-
-
-@pytest.fixture(scope="module")
-def prefect():
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
-
-
-@pytest.fixture
-def state(tmp_path, monkeypatch):
-    monkeypatch.setenv(tracking.STATE_ENV, str(tmp_path / "state"))
-    return tmp_path / "state"
-
-
-def run(*overrides: str):
-    from flows.rlhf import rlhf
-
-    params = load_params("tiny", [*FAST, *overrides])
-    return rlhf(params, return_state=True)
-
-
-def task_states(flow_state) -> dict[str, str]:
-    from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_state.state_details.flow_run_id]))
-        )
-    return {r.name: r.state.name for r in runs}
-
+from tests.flows.helpers import FAST, STAGES, run, task_states
 
 def test_pipeline_runs_caches_and_reruns_only_what_changed(prefect, state):
     first = run()

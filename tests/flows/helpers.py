@@ -1,0 +1,32 @@
+"""Running the rlhf flow in tests and reading back its Prefect task states."""
+
+from __future__ import annotations
+
+from flows.params import load_params
+
+FAST = [
+    "model.tiny.hidden_size=32", "model.tiny.intermediate_size=64", "model.tiny.num_hidden_layers=2",
+    "model.tiny.num_attention_heads=2",
+    "sft.max_steps=8", "rm.max_steps=4", "dpo.max_steps=4",
+    "sft.logging_steps=2", "rm.logging_steps=2", "dpo.logging_steps=2",
+    "eval.max_prompts=20", "eval.max_new_tokens=8",
+]  # fmt: skip
+STAGES = ["data", "sft", "rm", "dpo", "eval"]
+
+
+def run(*overrides: str):
+    from flows.rlhf import rlhf
+
+    params = load_params("tiny", [*FAST, *overrides])
+    return rlhf(params, return_state=True)
+
+
+def task_states(flow_state) -> dict[str, str]:
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_state.state_details.flow_run_id]))
+        )
+    return {r.name: r.state.name for r in runs}

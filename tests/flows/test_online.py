@@ -1,0 +1,37 @@
+"""End to end with each online algorithm; switching algorithms reuses the cached sft and rm."""
+
+from __future__ import annotations
+
+from tests.flows.helpers import FAST, run, task_states
+
+ONLINE_FAST = [
+    *FAST,
+    "rewards.functions=[{path: 'tests.helpers:length_reward', weight: 1.0}]",
+    "rewards.reward_model_weight=0.5",
+    "grpo.max_steps=2", "grpo.per_device_train_batch_size=8", "grpo.num_generations=4",
+    "rloo.max_steps=2", "rloo.per_device_train_batch_size=8", "rloo.num_generations=4",
+    "ppo.total_episodes=16", "ppo.per_device_train_batch_size=8", "ppo.num_mini_batches=2",
+]  # fmt: skip
+
+
+def test_each_online_algorithm_runs_and_reuses_sft_and_rm(prefect, state):
+    grpo = run(*ONLINE_FAST, "algorithm=grpo")
+    assert grpo.is_completed(), grpo.message
+    assert task_states(grpo) == {"data": "Completed", "sft": "Completed", "rm": "Completed", "grpo": "Completed", "eval": "Completed"}
+    assert "eval/heldout/grpo_exact_match" in grpo.result()["metrics"]
+
+    for algorithm in ("ppo", "rloo"):
+        switched = run(*ONLINE_FAST, f"algorithm={algorithm}")
+        assert switched.is_completed(), switched.message
+        states = task_states(switched)
+        assert states == {"data": "Cached", "sft": "Cached", "rm": "Cached", algorithm: "Completed", "eval": "Completed"}
+        metrics = switched.result()["metrics"]
+        assert f"eval/heldout/{algorithm}_exact_match" in metrics
+
+
+def test_a_reward_function_that_does_not_import_fails_before_training(prefect, state):
+    failed = run(*ONLINE_FAST, "algorithm=grpo", "rewards.functions=[{path: 'no_such.module:score'}]")
+    assert failed.is_failed()
+    assert "no_such.module:score" in str(failed.result(raise_on_failure=False))
+    states = task_states(failed)
+    assert states["grpo"] == "Failed"

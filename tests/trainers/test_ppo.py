@@ -1,0 +1,184 @@
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from pydantic import ValidationError
+from transformers import AutoModelForSequenceClassification
+
+from trainers import ppo
+from trainers.common import LoraConfig, load_base_model, load_causal_lm, save_model
+from trainers.rewards import RewardFunctionSpec, RewardsConfig
+
+from tests.helpers import SMALL_MODEL, changed, state_dict_copy, write_data_dir
+
+EXACT_MATCH = RewardsConfig(reward_model_weight=0, functions=[RewardFunctionSpec(path="trainers.sort_task:exact_match")])
+# 8 prompts per update in 2 mini-batches of 4; 16 episodes = 2 updates.
+FAST = dict(per_device_train_batch_size=8, num_mini_batches=2, num_ppo_epochs=2, total_episodes=16, response_length=6,
+            learning_rate=1e-3, temperature=1.0, logging_steps=1, num_threads=1)  # fmt: skip
+
+
+def assert_close(actual: torch.Tensor, expected: list) -> None:
+    torch.testing.assert_close(actual, torch.tensor(expected), atol=1e-5, rtol=0)
+
+
+def short_reward(prompts, completions, **_):
+    """A broken reward function: one score too few."""
+    return [0.0] * (len(completions) - 1)
+
+
+# --- the math, by hand ------------------------------------------------------------------
+
+
+def test_gae_by_hand():
+    # gamma=1, lam=0.95, values V=(.5, .6, .7), reward 1 on the last token, a 4th token is padding:
+    #   delta_2 = 1 + 0 - .7 = .3                      A_2 = .3
+    #   delta_1 = 0 + .7 - .6 = .1                     A_1 = .1 + .95 * .3    = .385
+    #   delta_0 = 0 + .6 - .5 = .1                     A_0 = .1 + .95 * .385  = .46575
+    #   returns = A + V = (.96575, .985, 1.0)
+    rewards = torch.tensor([[0.0, 0.0, 1.0, 5.0]])
+    values = torch.tensor([[0.5, 0.6, 0.7, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    advantages, returns = ppo.compute_gae(rewards, values, mask, gamma=1.0, lam=0.95)
+    assert_close(advantages, [[0.46575, 0.385, 0.3, 0.0]])
+    assert_close(returns, [[0.96575, 0.985, 1.0, 0.0]])
+    # gamma=.5, lam=1, V=0: A_t = sum_l .5^l r_{t+l} = (0 + .5 * 0 + .25 * 1, .5, 1)
+    advantages, _ = ppo.compute_gae(torch.tensor([[0.0, 0.0, 1.0]]), torch.zeros(1, 3), torch.ones(1, 3), gamma=0.5, lam=1.0)
+    assert_close(advantages, [[0.25, 0.5, 1.0]])
+
+
+def test_whiten_ignores_padding():
+    x = torch.tensor([[1.0, 2.0, 3.0, 100.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    out = ppo.whiten(x, mask)
+    # mean 2, population variance 2/3: (1 - 2) / sqrt(2/3) = -1.2247
+    assert_close(out, [[-1.2247449, 0.0, 1.2247449, 0.0]])
+    real = out[mask.bool()]
+    assert real.mean().item() == pytest.approx(0.0, abs=1e-6)
+    assert real.std(unbiased=False).item() == pytest.approx(1.0, abs=1e-4)
+    # shift_mean=False rescales but keeps the mean (reward whitening)
+    assert_close(ppo.whiten(x, mask, shift_mean=False), [[0.7752551, 2.0, 3.2247449, 0.0]])
+
+
+def test_policy_loss_clips_only_beyond_the_range():
+    old = torch.zeros(1, 2)
+    mask = torch.tensor([[1.0, 0.0]])  # the second token is padding and must not count
+    # ratio 1.5, advantage +1, clip .2: max(-1.5, -1.2) = -1.2 -> the clip binds
+    loss, clipfrac, approx_kl = ppo.policy_loss(torch.tensor([[math.log(1.5), 3.0]]), old, torch.tensor([[1.0, 7.0]]), mask, 0.2)
+    assert loss.item() == pytest.approx(-1.2)
+    assert clipfrac.item() == 1.0
+    assert approx_kl.item() == pytest.approx(0.5 * math.log(1.5) ** 2)
+    # ratio 1.1 is inside [0.8, 1.2]: loss = -1.1, nothing clipped
+    loss, clipfrac, _ = ppo.policy_loss(torch.tensor([[math.log(1.1), 3.0]]), old, torch.tensor([[1.0, 7.0]]), mask, 0.2)
+    assert loss.item() == pytest.approx(-1.1)
+    assert clipfrac.item() == 0.0
+    # ratio .5, advantage -1: max(.5, .8) = .8 -> the pessimistic (clipped) term binds
+    loss, clipfrac, _ = ppo.policy_loss(torch.tensor([[math.log(0.5), 0.0]]), old, torch.tensor([[-1.0, 0.0]]), mask, 0.2)
+    assert loss.item() == pytest.approx(0.8)
+    assert clipfrac.item() == 1.0
+
+
+def test_value_loss_clips_the_step_from_the_old_value():
+    old, returns, mask = torch.tensor([[1.0, 1.0]]), torch.tensor([[2.0, 2.0]]), torch.tensor([[1.0, 1.0]])
+    # token 0: V=1.5 -> clipped to 1.2; max((1.5-2)^2, (1.2-2)^2) = max(.25, .64) = .64 (clipped)
+    # token 1: V=1.1 (inside the range): (1.1-2)^2 = .81 (not clipped)
+    loss, clipfrac = ppo.value_loss(torch.tensor([[1.5, 1.1]]), old, returns, mask, 0.2)
+    assert loss.item() == pytest.approx(0.5 * (0.64 + 0.81) / 2)
+    assert clipfrac.item() == pytest.approx(0.5)
+
+
+def test_kl_shaped_rewards_put_the_score_on_the_last_real_token():
+    scores = torch.tensor([2.0, -1.0])
+    logprobs = torch.tensor([[-1.0, -1.0, -1.0], [-2.0, -2.0, -2.0]])
+    ref_logprobs = torch.tensor([[-1.5, -1.0, -0.5], [-2.0, -3.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])  # the second completion ended (EOS) at token 1
+    rewards, kl = ppo.kl_shaped_rewards(scores, logprobs, ref_logprobs, mask, kl_coef=0.1)
+    # kl = logp - ref on real tokens: (.5, 0, -.5) and (0, 1, padding); reward = -.1 * kl, + score at the last real token
+    assert_close(kl, [[0.5, 0.0, -0.5], [0.0, 1.0, 0.0]])
+    assert_close(rewards, [[-0.05, 0.0, 0.05 + 2.0], [0.0, -0.1 - 1.0, 0.0]])
+
+
+# --- config ----------------------------------------------------------------------------
+
+
+def test_config_checks_batch_arithmetic():
+    with pytest.raises(ValidationError, match=r"per_device_train_batch_size=64 must be divisible by num_mini_batches=3"):
+        ppo.PpoConfig(per_device_train_batch_size=64, num_mini_batches=3)
+    with pytest.raises(ValidationError, match=r"total_episodes=10 is less than one rollout batch \(per_device_train_batch_size=64\)"):
+        ppo.PpoConfig(total_episodes=10)
+    assert ppo.PpoConfig(total_episodes=1000, per_device_train_batch_size=64).num_updates(5000) == 15
+    assert ppo.PpoConfig(per_device_train_batch_size=64).num_updates(2000) == 31  # None: one pass over the prompts
+
+
+def test_import_is_cheap():
+    code = "import sys, trainers.ppo; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- training ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A small SFT model, a reward model (seq-cls with the same backbone) and the bundled data, cut short."""
+    root = tmp_path_factory.mktemp("ppo")
+    policy, tokenizer = load_base_model(SMALL_MODEL)
+    save_model(policy, tokenizer, root / "sft")
+    reward_model = AutoModelForSequenceClassification.from_pretrained(str(root / "sft"), num_labels=1)
+    reward_model.config.pad_token_id = tokenizer.pad_token_id
+    save_model(reward_model, tokenizer, root / "rm")
+    return {"sft": root / "sft", "rm": root / "rm", "data": write_data_dir(root / "data", rows=32), "weights": state_dict_copy(policy)}
+
+
+def test_training_with_reward_functions_only(tiny, tmp_path):
+    logged: list[tuple[int, dict]] = []
+    metrics = ppo.train(
+        ppo.PpoConfig(**FAST), EXACT_MATCH, tiny["sft"], None, tiny["data"], tmp_path / "out", tmp_path / "work",
+        lambda values, step: logged.append((step, values)),
+    )
+    trained, _ = load_causal_lm(tmp_path / "out" / "model")
+    assert changed(tiny["weights"], state_dict_copy(trained))
+    assert [step for step, _ in logged] == [1, 2]
+    for name in ("reward", "kl", "entropy", "policy_loss", "value_loss", "clipfrac", "approx_kl", "response_length", "learning_rate", "reward_exact_match"):
+        assert f"ppo/train/{name}" in metrics, name
+    assert all(math.isfinite(v) for v in metrics.values())
+    assert metrics == logged[-1][1]
+
+
+def test_training_with_a_reward_model_and_lora(tiny, tmp_path):
+    cfg = ppo.PpoConfig(**FAST, lora=LoraConfig(enabled=True, r=4, lora_alpha=8), save_value_model=True)
+    metrics = ppo.train(cfg, RewardsConfig(reward_model_weight=1.0), tiny["sft"], tiny["rm"], tiny["data"], tmp_path / "out", tmp_path / "work")
+    assert "ppo/train/reward_model" in metrics
+    trained, _ = load_causal_lm(tmp_path / "out" / "model")  # merged: loads as a plain causal LM
+    assert changed(tiny["weights"], state_dict_copy(trained))
+    value_model = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "out" / "value_model"))
+    assert value_model.config.num_labels == 1
+
+
+def test_resume_continues_the_update_counter(tiny, tmp_path):
+    work = tmp_path / "work"
+    first: list[int] = []
+    ppo.train(ppo.PpoConfig(**{**FAST, "save_steps": 1}), EXACT_MATCH, tiny["sft"], None, tiny["data"], tmp_path / "out", work, lambda v, s: first.append(s))
+    assert first == [1, 2]
+    state = json.loads((work / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["update"] == 2 and state["data_index"] == 16
+    assert {p.name for p in (work / "checkpoint-2").iterdir()} >= {"policy.safetensors", "value_model.safetensors", "optimizer.pt", "rng.pt"}
+    (work / "checkpoint-9").mkdir()  # half-written (no trainer_state.json): must be ignored
+    second: list[int] = []
+    ppo.train(
+        ppo.PpoConfig(**{**FAST, "save_steps": 1, "total_episodes": 32}), EXACT_MATCH, tiny["sft"], None, tiny["data"],
+        tmp_path / "out", work, lambda v, s: second.append(s),
+    )  # fmt: skip
+    assert second == [3, 4]  # 32 episodes / 8 per update = 4 updates in all, 2 of them already done
+    assert json.loads((work / "checkpoint-4" / "trainer_state.json").read_text())["data_index"] == 32
+
+
+def test_a_broken_reward_function_fails_before_training(tiny, tmp_path):
+    rewards = RewardsConfig(reward_model_weight=0, functions=[RewardFunctionSpec(path="tests.trainers.test_ppo:short_reward")])
+    logged: list[int] = []
+    with pytest.raises(ValueError, match=r"'tests.trainers.test_ppo:short_reward' returned 3 scores for 4 completions"):
+        ppo.train(ppo.PpoConfig(**FAST), rewards, tiny["sft"], None, tiny["data"], tmp_path / "out", tmp_path / "work", lambda v, s: logged.append(s))
+    assert logged == []
+    assert not (tmp_path / "work").exists()
