@@ -57,7 +57,10 @@ class LoraConfig(StrictModel):
     lora_alpha: int = Field(32, ge=1, description="Adapter scaling numerator (peft LoraConfig.lora_alpha).")
     lora_dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the adapter input.")
     target_modules: str | list[str] = Field("all-linear", description="Modules that get adapters ('all-linear' or names).")
-    keep_adapter: bool = Field(False, description="Save the adapter alone (adapter_model.safetensors) instead of merging it.")
+    keep_adapter: bool = Field(
+        False,
+        description="Save the adapter alone (adapter_model.safetensors) instead of merging it; later stages then need the base model by hub id or path.",
+    )
 
     def peft_config(self, task_type: str = "CAUSAL_LM"):
         """A peft.LoraConfig, or None when LoRA is off."""

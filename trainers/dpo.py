@@ -65,8 +65,9 @@ def train(
         args=args,
         train_dataset=load_split(data_dir, "preference"),
         processing_class=tokenizer,
+        peft_config=cfg.lora.peft_config(),
         callbacks=[metrics_callback("dpo", log_metrics)],
     )
     trainer.train(resume_from_checkpoint=last_checkpoint(work_dir))
-    save_model(trainer.model, tokenizer, out_dir / "model")
+    save_model(trainer.model, tokenizer, out_dir / "model", keep_adapter=cfg.lora.keep_adapter)
     return final_train_metrics("dpo", trainer)

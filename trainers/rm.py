@@ -51,6 +51,7 @@ def train(
         train_dataset=load_split(data_dir, "preference"),
         eval_dataset=eval_dataset,
         processing_class=tokenizer,
+        peft_config=cfg.lora.peft_config("SEQ_CLS"),
         callbacks=[metrics_callback("rm", log_metrics)],
     )
     trainer.train(resume_from_checkpoint=last_checkpoint(work_dir))
@@ -59,5 +60,5 @@ def train(
         trainer.evaluate()  # logs rm/eval/accuracy through the callback and into log_history
         metrics = final_train_metrics("rm", trainer)
     # GRPO/RLOO load a reward model by path together with its tokenizer (DESIGN.md).
-    save_model(trainer.model, tokenizer, out_dir / "model")
+    save_model(trainer.model, tokenizer, out_dir / "model", keep_adapter=cfg.lora.keep_adapter)
     return metrics

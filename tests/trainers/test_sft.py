@@ -36,3 +36,16 @@ def test_metric_names_follow_stage_split_name():
     assert metric_name("rm", "eval_accuracy") == "rm/eval/accuracy"
     assert metric_name("dpo", "rewards/chosen") == "dpo/train/rewards_chosen"
     assert metric_name("sft", "train_runtime") == "sft/train/runtime"
+
+
+def test_lora_trains_adapters_and_saves_a_merged_loadable_model(tmp_path):
+    from trainers.common import LoraConfig
+
+    data = write_data_dir(tmp_path / "data")
+    config = sft.SftConfig(max_steps=3, lora=LoraConfig(enabled=True, r=4, lora_alpha=8), **FAST)
+    sft.train(config, SMALL_MODEL, data, tmp_path / "out", tmp_path / "work")
+    files = {p.name for p in (tmp_path / "out" / "model").iterdir()}
+    assert "model.safetensors" in files and "adapter_config.json" not in files  # merged
+    before = state_dict_copy(load_base_model(SMALL_MODEL)[0])
+    after = state_dict_copy(load_causal_lm(tmp_path / "out" / "model")[0])
+    assert before.keys() == after.keys() and changed(before, after)
