@@ -57,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     from flows.rlhf import rlhf
 
     summary = rlhf(params)
+    # Send the last log lines to the API now: the temporary server stops at exit,
+    # before Prefect's own flush would run, and the late lines would fail noisily.
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()
     print("\n== rlhf finished ==")
     print(f"MLflow run: {summary['mlflow']}")
     for stage, uri in summary["artifacts"].items():

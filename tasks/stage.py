@@ -40,7 +40,7 @@ STAGE_CODE = {
     "grpo": ["trainers/grpo.py", "trainers/online.py", "trainers/rewards.py", "trainers/common.py"],
     "rloo": ["trainers/rloo.py", "trainers/online.py", "trainers/rewards.py", "trainers/common.py"],
     "ppo": ["trainers/ppo.py", "trainers/rewards.py", "trainers/eval.py", "trainers/common.py"],
-    "eval": ["trainers/eval.py", "trainers/common.py", "trainers/tiny.py"],
+    "eval": ["trainers/eval.py", "trainers/eval_report.py", "trainers/metrics.py", "trainers/plots.py", "trainers/common.py", "trainers/tiny.py"],
 }
 
 

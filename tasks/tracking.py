@@ -113,3 +113,71 @@ def run_link(run_id: str) -> str:
     if uri.startswith("http"):
         return f"{uri.rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}"
     return f"run {run_id} in {uri} (open with: mlflow ui --backend-store-uri {uri})"
+
+
+# --- model registry ----------------------------------------------------------------
+
+
+def register_version(name: str, source: str, run_id: str, tags: dict[str, str]) -> str:
+    """A new version of registered model `name` from logged artifacts; returns the version number."""
+    from mlflow.exceptions import MlflowException
+
+    mlflow = client()
+    try:
+        mlflow.create_registered_model(name)
+    except MlflowException as exc:
+        if "already exists" not in str(exc).lower() and "RESOURCE_ALREADY_EXISTS" not in str(exc):
+            raise
+    version = mlflow.create_model_version(name, source, run_id=run_id, tags={k: str(v)[:5000] for k, v in tags.items()})
+    return str(version.version)
+
+
+def find_version(name: str, tag: str, value: str) -> str | None:
+    """The newest version of `name` whose tag `tag` equals `value`."""
+    try:
+        versions = client().search_model_versions(f"name = '{name}'")
+    except Exception:
+        return None
+    found = [v for v in versions if v.tags.get(tag) == value]
+    return str(max(int(v.version) for v in found)) if found else None
+
+
+def alias_version(name: str, alias: str) -> str | None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return str(client().get_model_version_by_alias(name, alias).version)
+    except MlflowException:
+        return None
+
+
+def set_alias(name: str, alias: str, version: str) -> None:
+    client().set_registered_model_alias(name, alias, version)
+
+
+def version_tags(name: str, version: str) -> dict[str, str]:
+    return dict(client().get_model_version(name, version).tags)
+
+
+def download_version(name: str, version: str, dst: Path) -> Path:
+    """The files of a registered version, downloaded once to `dst`."""
+    import mlflow
+
+    if not (dst / "config.json").is_file():
+        tmp = dst.with_name(dst.name + ".partial")
+        tmp.mkdir(parents=True, exist_ok=True)
+        mlflow.set_tracking_uri(tracking_uri())
+        mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{version}", dst_path=str(tmp))
+        tmp.rename(dst)
+    return dst
+
+
+def artifact_uri(run_id: str, path: str) -> str:
+    return f"{client().get_run(run_id).info.artifact_uri}/{path}"
+
+
+def metric_histories(run_id: str, prefix: str = "") -> dict[str, list[tuple[int, float]]]:
+    """Every metric of a run whose name starts with `prefix`, as (step, value) lists."""
+    mlflow = client()
+    names = [k for k in mlflow.get_run(run_id).data.metrics if k.startswith(prefix)]
+    return {name: sorted((m.step, m.value) for m in mlflow.get_metric_history(run_id, name)) for name in names}

@@ -8,7 +8,6 @@ here mean what they meant in training.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,12 +24,19 @@ class EvalConfig(StrictModel):
     batch_size: int = Field(64, ge=1, description="Prompts per generation batch.")
     max_prompts: int | None = Field(None, ge=1, description="Evaluate only the first N held-out prompts; None: all.")
     answer_column: str = Field("answer", description="Reference column of the held-out prompts for exact match.")
+    max_length_drift: float = Field(0.5, gt=0, description="Warn when the policy's mean answer length moves more than this share from SFT's.")
+    max_kl: float = Field(5.0, gt=0, description="Warn when KL(policy || SFT) on policy samples exceeds this (nats per answer).")
+    perplexity_rows: int = Field(200, ge=0, description="SFT rows on which perplexity is measured; 0 to skip.")
+    n_bootstrap: int = Field(1000, ge=100, description="Bootstrap resamples of the 95% intervals.")
+    seed: int = Field(0, description="Seed of the policy samples (KL, diversity) and of the bootstrap.")
     use_reward_model: bool = Field(True, description="Score answers and held-out pairs with the rm stage's model (trains it even for dpo).")
     num_samples_logged: int = Field(50, ge=0, description="Rows of the samples table (prompt, answers, rewards).")
 
 
-def generate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list, max_new_tokens: int, batch_size: int) -> list[str]:
-    """Greedy completions for standard (str) or conversational (list of messages) prompts."""
+def generate(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list, max_new_tokens: int, batch_size: int, sample: bool = False
+) -> list[str]:
+    """Greedy (or, with `sample`, temperature-1) completions for standard or conversational prompts."""
     import torch
 
     tokenizer.padding_side = "left"
@@ -47,7 +53,9 @@ def generate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts
                 input_ids=input_ids.to(model.device),
                 attention_mask=attention.to(model.device),
                 max_new_tokens=max_new_tokens,
-                do_sample=False,
+                do_sample=sample,
+                temperature=1.0 if sample else None,
+                top_k=0 if sample else None,
                 pad_token_id=tokenizer.pad_token_id,
                 eos_token_id=tokenizer.eos_token_id,
             )
@@ -98,10 +106,18 @@ def evaluate(
     data_dir: Path,
     out_dir: Path,
     policy_stage: str = "policy",
+    champion_model: Path | None = None,
 ) -> dict[str, float]:
-    """Write `summary.json` and `samples.jsonl` into `out_dir`; return `eval/heldout/*` metrics."""
+    """Compare base, SFT, policy (and the registry's champion) on held-out prompts.
+
+    Writes `summary.json`, `summary.md`, `samples.jsonl` and `plots/*.png` into
+    `out_dir`; returns `eval/heldout/*` and `eval/sft_split/*` metrics, with
+    `_low`/`_high` 95% bootstrap bounds on exact match and win rates.
+    """
+    import torch
     from transformers import AutoModelForSequenceClassification
 
+    from trainers import metrics as stats
     from trainers.common import load_base_model, load_causal_lm, load_split, load_tokenizer
 
     prompts_ds = load_split(data_dir, "prompts_eval")
@@ -113,57 +129,90 @@ def evaluate(
             "set eval.answer_column"
         )
     prompts, answers = prompts_ds["prompt"], prompts_ds[cfg.answer_column]
+    boot = {"n_bootstrap": cfg.n_bootstrap, "seed": cfg.seed}
+    metrics: dict[str, float] = {"eval/heldout/num_prompts": float(len(prompts))}
 
-    loaders = {
-        "base": lambda: load_base_model(base),
-        "sft": lambda: load_causal_lm(sft_model),
-        policy_stage: lambda: load_causal_lm(policy_model),
-    }
+    loaders = {"base": lambda: load_base_model(base), "sft": lambda: load_causal_lm(sft_model), policy_stage: lambda: load_causal_lm(policy_model)}
+    if champion_model is not None:
+        loaders["champion"] = lambda: load_causal_lm(champion_model)
     completions: dict[str, list[str]] = {}
     for name, load in loaders.items():  # one model in memory at a time
         model, tokenizer = load()
         completions[name] = generate(model, tokenizer, prompts, cfg.max_new_tokens, cfg.batch_size)
         del model
-
-    metrics: dict[str, float] = {}
     correct = {name: _exact(c, answers) for name, c in completions.items()}
-    for name, hits in correct.items():
-        metrics[f"eval/heldout/{name}_exact_match"] = sum(hits) / len(hits)
-    metrics["eval/heldout/num_prompts"] = float(len(prompts))
+    accuracy = {name: stats.bootstrap_mean([float(h) for h in hits], **boot) for name, hits in correct.items()}
+    for name, interval in accuracy.items():
+        _put(metrics, f"eval/heldout/{name}_exact_match", interval.mean, interval.low, interval.high)
+
+    # KL(policy || SFT) and diversity, on samples drawn from the policy (the k1 estimate needs them).
+    policy, tokenizer = load_causal_lm(policy_model)
+    reference, _ = load_causal_lm(sft_model)
+    torch.manual_seed(cfg.seed)
+    samples = generate(policy, tokenizer, prompts, cfg.max_new_tokens, cfg.batch_size, sample=True)
+    policy_logps = stats.sequence_logprobs(policy, tokenizer, prompts, samples, cfg.batch_size)
+    reference_logps = stats.sequence_logprobs(reference, tokenizer, prompts, samples, cfg.batch_size)
+    kl = stats.kl_to_reference(policy_logps, reference_logps)
+    metrics["eval/heldout/kl_to_sft"] = kl
+    metrics[f"eval/heldout/{policy_stage}_distinct_2"] = stats.distinct_n(samples, 2)
+    metrics[f"eval/heldout/{policy_stage}_mean_length"] = stats.mean_length(completions[policy_stage])
+    drift = stats.length_drift(completions[policy_stage], completions["sft"])
+    metrics["eval/heldout/length_drift"] = drift
+    if cfg.perplexity_rows:
+        rows = load_split(data_dir, "sft")
+        rows = rows.select(range(min(cfg.perplexity_rows, len(rows))))
+        texts = _sft_texts(rows)
+        metrics["eval/sft_split/sft_perplexity"] = stats.perplexity(reference, tokenizer, texts, cfg.batch_size)
+        metrics[f"eval/sft_split/{policy_stage}_perplexity"] = stats.perplexity(policy, tokenizer, texts, cfg.batch_size)
+    del policy, reference
 
     rewards: dict[str, list[float]] = {}
+    win_rates: dict[str, stats.WinRate] = {}
     if reward_model is not None:
         rm = AutoModelForSequenceClassification.from_pretrained(str(reward_model), use_safetensors=True)
         rm_tokenizer = load_tokenizer(reward_model)
-        for name in ("sft", policy_stage):
+        for name in [n for n in completions if n != "base"]:
             rewards[name] = reward_scores(rm, rm_tokenizer, prompts, completions[name], cfg.batch_size)
             metrics[f"eval/heldout/{name}_mean_reward"] = sum(rewards[name]) / len(rewards[name])
+        for rival in [n for n in ("sft", "champion") if n in rewards]:
+            win = stats.win_rate(rewards[policy_stage], rewards[rival], **boot)
+            win_rates[f"{policy_stage} vs {rival}"] = win
+            _put(metrics, f"eval/heldout/win_rate_vs_{rival}", win.rate, win.low, win.high)
         if (data_dir / "datasets" / "preference_eval.parquet").is_file():
-            pairs = load_split(data_dir, "preference_eval")
-            if "prompt" in pairs.column_names:
-                pair_prompts = pairs["prompt"]
-            else:  # implicit prompt: the whole conversation (or text) is in chosen/rejected
-                pair_prompts = [[] if isinstance(c, list) else "" for c in pairs["chosen"]]
-            chosen = reward_scores(rm, rm_tokenizer, pair_prompts, pairs["chosen"], cfg.batch_size)
-            rejected = reward_scores(rm, rm_tokenizer, pair_prompts, pairs["rejected"], cfg.batch_size)
-            metrics["eval/heldout/rm_pairwise_accuracy"] = sum(c > r for c, r in zip(chosen, rejected)) / len(chosen)
+            metrics["eval/heldout/rm_pairwise_accuracy"] = _pairwise_accuracy(rm, rm_tokenizer, load_split(data_dir, "preference_eval"), cfg.batch_size)
 
-    _write_report(cfg, out_dir, prompts, answers, completions, correct, rewards, metrics)
+    reward_delta = metrics.get(f"eval/heldout/{policy_stage}_mean_reward", 0.0) - metrics.get("eval/heldout/sft_mean_reward", 0.0)
+    task_delta = accuracy[policy_stage].mean - accuracy["sft"].mean
+    warnings = stats.hacking_warnings(
+        reward_delta=reward_delta, task_delta=task_delta, length_drift=drift, kl=kl,
+        max_length_drift=cfg.max_length_drift, max_kl=cfg.max_kl,
+    )  # fmt: skip
+    metrics["eval/heldout/hacking_warnings"] = float(len(warnings))
+
+    from trainers.eval_report import write_report
+
+    write_report(out_dir, cfg.num_samples_logged, prompts, answers, completions, correct, rewards, metrics, warnings, accuracy, win_rates)
     return metrics
 
 
-def _write_report(cfg, out_dir, prompts, answers, completions, correct, rewards, metrics) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "summary.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
-    with open(out_dir / "samples.jsonl", "w", encoding="utf-8") as f:
-        for i in range(min(cfg.num_samples_logged, len(prompts))):
-            row: dict[str, Any] = {"prompt": prompts[i], "answer": answers[i]}
-            for name, outputs in completions.items():
-                row[name] = outputs[i]
-                row[f"{name}_correct"] = correct[name][i]
-                if name in rewards:
-                    row[f"{name}_reward"] = round(rewards[name][i], 4)
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    lines = ["| metric | value |", "|---|---|"]
-    lines += [f"| {k} | {v:.4f} |" for k, v in sorted(metrics.items())]
-    (out_dir / "summary.md").write_text("\n".join(lines) + "\n")
+def _put(metrics: dict[str, float], name: str, value: float, low: float, high: float) -> None:
+    metrics[name], metrics[f"{name}_low"], metrics[f"{name}_high"] = value, low, high
+
+
+def _sft_texts(rows) -> list:
+    """SFT rows as perplexity() takes them: (prompt, completion) pairs, or plain text."""
+    if "completion" in rows.column_names:
+        return list(zip(rows["prompt"], rows["completion"]))
+    if "messages" in rows.column_names:  # score the last assistant turn given the rest
+        return [(m[:-1], m[-1:]) for m in rows["messages"]]
+    return rows["text"]
+
+
+def _pairwise_accuracy(rm, tokenizer, pairs, batch_size: int) -> float:
+    if "prompt" in pairs.column_names:
+        pair_prompts = pairs["prompt"]
+    else:  # implicit prompt: the whole conversation (or text) is in chosen/rejected
+        pair_prompts = [[] if isinstance(c, list) else "" for c in pairs["chosen"]]
+    chosen = reward_scores(rm, tokenizer, pair_prompts, pairs["chosen"], batch_size)
+    rejected = reward_scores(rm, tokenizer, pair_prompts, pairs["rejected"], batch_size)
+    return sum(c > r for c, r in zip(chosen, rejected)) / len(chosen)

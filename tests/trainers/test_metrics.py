@@ -1,0 +1,141 @@
+import math
+
+import pytest
+
+from trainers.common import ModelConfig, TinyModelConfig, load_base_model
+from trainers.metrics import (
+    Interval,
+    bootstrap_mean,
+    distinct_n,
+    hacking_warnings,
+    kl_to_reference,
+    length_drift,
+    mean_length,
+    perplexity,
+    sequence_logprobs,
+    win_rate,
+)
+
+TINY = ModelConfig(tiny=TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_base_model(TINY)
+
+
+# --- win rate and bootstrap --------------------------------------------------------
+
+
+def test_win_rate_counts_wins_and_half_ties():
+    result = win_rate([1, 2, 3, 4], [0, 2, 5, 1])  # wins, tie, loss, win
+    assert result.rate == pytest.approx((2 + 0.5) / 4)
+    assert (result.n, result.ties) == (4, 1)
+    assert 0.0 <= result.low <= result.rate <= result.high <= 1.0
+
+
+def test_win_rate_interval_separates_a_better_model_and_centres_equal_ones():
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    b = rng.normal(size=600)
+    better = win_rate(b + 1.0, b + rng.normal(scale=0.5, size=600))
+    assert better.low > 0.5
+    equal = win_rate(rng.normal(size=600), rng.normal(size=600))
+    assert equal.low < 0.5 < equal.high and abs(equal.rate - 0.5) < 0.07
+
+
+def test_win_rate_rejects_mismatched_or_empty_lists():
+    with pytest.raises(ValueError, match="3 and 2"):
+        win_rate([1, 2, 3], [1, 2])
+    with pytest.raises(ValueError, match="0 and 0"):
+        win_rate([], [])
+
+
+def test_bootstrap_is_reproducible():
+    import numpy as np
+
+    a, b = np.random.default_rng(0).normal(size=(2, 600))
+    first = win_rate(a, b, seed=3)
+    assert win_rate(a, b, seed=3) == first
+    assert win_rate(a, b, seed=4) != first  # same rate, different interval
+
+
+def test_bootstrap_mean_of_hits():
+    interval = bootstrap_mean([1, 0, 1, 1], confidence=0.9)
+    assert interval.mean == 0.75 and interval.n == 4
+    assert 0.0 <= interval.low <= 0.75 <= interval.high <= 1.0
+    assert bootstrap_mean([2.0]) == Interval(2.0, 2.0, 2.0, 1)
+
+
+# --- texts, KL, drift --------------------------------------------------------------
+
+
+def test_distinct_n_on_characters_and_on_words():
+    assert distinct_n(["123", "123"], 1) == pytest.approx(3 / 6)  # digit strings: characters
+    assert distinct_n(["1123"], 2) == pytest.approx(3 / 3)  # 11 12 23
+    assert distinct_n(["the cat", "the dog"], 1) == pytest.approx(3 / 4)  # spaces: words
+    assert distinct_n(["the cat", "the cat"], 2) == pytest.approx(1 / 2)
+    assert distinct_n(["1", ""], 2) == 0.0 and distinct_n([], 1) == 0.0
+
+
+def test_kl_to_reference_is_the_mean_log_ratio():
+    assert kl_to_reference([-1.0, -2.0, -3.0], [-2.0, -2.0, -5.0]) == pytest.approx((1 + 0 + 2) / 3)
+    with pytest.raises(ValueError, match="2 and 1"):
+        kl_to_reference([-1.0, -2.0], [-1.0])
+
+
+def test_lengths_and_drift():
+    assert mean_length(["ab", "abcd"]) == 3.0
+    assert length_drift(["abcdef", "abcdef"], ["ab", "abcd"]) == pytest.approx(1.0)
+    assert length_drift(["a"], ["ab"]) == pytest.approx(-0.5)
+
+
+BOUNDS = dict(max_length_drift=0.3, max_kl=5.0)
+
+
+def test_hacking_warnings_fire_only_when_they_should():
+    assert hacking_warnings(reward_delta=1.0, task_delta=0.1, length_drift=0.1, kl=1.0, **BOUNDS) == []
+    assert hacking_warnings(reward_delta=-0.5, task_delta=-0.2, length_drift=-0.3, kl=5.0, **BOUNDS) == []  # bounds exclusive
+    assert hacking_warnings(reward_delta=1.0, task_delta=None, length_drift=0.0, kl=0.0, **BOUNDS) == []
+
+    (gaming,) = hacking_warnings(reward_delta=1.234, task_delta=-0.31, length_drift=0.0, kl=0.0, **BOUNDS)
+    assert "rose by +1.23 while exact match fell by -0.31" in gaming
+    (longer,) = hacking_warnings(reward_delta=0.0, task_delta=0.0, length_drift=-0.45, kl=0.0, **BOUNDS)
+    assert "-45%" in longer
+    (far,) = hacking_warnings(reward_delta=0.0, task_delta=0.0, length_drift=0.0, kl=7.5, **BOUNDS)
+    assert "7.5" in far
+    assert len(hacking_warnings(reward_delta=1.0, task_delta=-0.1, length_drift=0.9, kl=float("nan"), **BOUNDS)) == 3
+
+
+# --- scoring under a tiny model ---------------------------------------------------
+
+
+def test_sequence_logprobs_do_not_depend_on_batching(tiny):
+    model, tokenizer = tiny
+    prompts = ["sort 3 -> ", "sort 987654321 -> ", "sort 21 -> ", ""]
+    completions = ["3", "123456789", "", "12"]
+    batched = sequence_logprobs(model, tokenizer, prompts, completions, batch_size=4)
+    single = [sequence_logprobs(model, tokenizer, [p], [c], batch_size=1)[0] for p, c in zip(prompts, completions)]
+    assert batched == pytest.approx(single, abs=1e-4)
+    assert all(lp < 0 for lp in batched)  # the empty completion still scores its EOS
+    # Byte-level tokenizer: 9 digits + EOS vs 1 digit + EOS, each ~log(1/263) on a random model.
+    assert batched[1] < batched[0]
+
+
+def test_conversational_prompts_score_like_their_rendered_text(tiny):
+    model, tokenizer = tiny
+    chat = [{"role": "user", "content": "sort 21 -> "}]
+    rendered = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    (from_chat,) = sequence_logprobs(model, tokenizer, [chat], ["12"])
+    (from_text,) = sequence_logprobs(model, tokenizer, [rendered], ["12"])
+    assert from_chat < 0 and from_chat == pytest.approx(from_text, abs=1e-5)
+
+
+def test_perplexity_of_a_random_model_is_about_the_vocabulary(tiny):
+    model, tokenizer = tiny
+    texts = ["sort 321 -> 123", "sort 54 -> 45", "hello world"]
+    assert 50 < perplexity(model, tokenizer, texts, batch_size=2) < 1000
+    # Pairs score the completion tokens only: "12" + EOS.
+    (logprob,) = sequence_logprobs(model, tokenizer, ["sort 21 -> "], ["12"])
+    assert perplexity(model, tokenizer, [("sort 21 -> ", "12")]) == pytest.approx(math.exp(-logprob / 3))
