@@ -67,8 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     for stage, uri in summary["artifacts"].items():
         print(f"  {stage:5s} {uri}")
     for name, value in sorted(summary["metrics"].items()):
-        if "/heldout/" in name:
-            print(f"  {name} = {value:.4f}")
+        if "/heldout/" in name and not name.endswith(("_low", "_high")):
+            low, high = summary["metrics"].get(f"{name}_low"), summary["metrics"].get(f"{name}_high")
+            interval = f"  [{low:.4f}, {high:.4f}]" if low is not None else ""
+            print(f"  {name} = {value:.4f}{interval}")
+    if summary.get("registry"):
+        r = summary["registry"]
+        print(f"Registry: {r['model_name']} v{r['version']} is candidate; champion {'-> v' + r['version'] if r['promoted'] else 'unchanged'} ({r['reason']})")
     return 0
 
 

@@ -11,6 +11,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, model_validator
 
+from tasks.registry import RegistryConfig
 from trainers.common import TINY, ModelConfig, StrictModel
 from trainers.data import DataConfig
 from trainers.dpo import DpoConfig
@@ -46,6 +47,7 @@ class PipelineParams(StrictModel):
     rloo: RlooConfig = Field(default_factory=RlooConfig, description="RLOO (TRL RLOOTrainer).")
     ppo: PpoConfig = Field(default_factory=PpoConfig, description="PPO (ours: trainers/ppo.py).")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
+    registry: RegistryConfig = Field(default_factory=RegistryConfig, description="MLflow model registry and promotion gate.")
 
     @model_validator(mode="after")
     def _fits_tiny_model(self):

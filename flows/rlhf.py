@@ -1,4 +1,4 @@
-"""The `rlhf` flow: data -> sft -> rm -> dpo | grpo | rloo | ppo -> eval, each a cached, retryable stage.
+"""The `rlhf` flow: data -> sft -> rm -> dpo | grpo | rloo | ppo -> eval -> registry, each a cached, retryable stage.
 
     python -m flows.rlhf [--config PRESET] [--set key.path=value ...] [--no-cache]
 """
@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import sys
 
-from prefect import flow
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
 
 from flows.params import PipelineParams, load_params
 from tasks.data import validate_data
@@ -15,13 +16,14 @@ from tasks.dpo import train_dpo
 from tasks.eval import evaluate
 from tasks.pipeline import pipeline_run
 from tasks.policy import train_grpo, train_ppo, train_rloo
+from tasks.registry import register_policy
 from tasks.rm import train_reward_model
 from tasks.sft import train_sft
 
 
 @flow(name="rlhf", persist_result=False, validate_parameters=True)
 def rlhf(params: PipelineParams = load_params()) -> dict:
-    """Post-train a model with RLHF: validate data, SFT, reward model, DPO/GRPO/RLOO/PPO, evaluate."""
+    """Post-train a model with RLHF: validate data, SFT, reward model, DPO/GRPO/RLOO/PPO, evaluate, register."""
     with pipeline_run(params) as run:
         # Futures wire the DAG (the Prefect UI draws it); each stage waits for the
         # one before it so that only one stage trains on the device at a time.
@@ -30,9 +32,18 @@ def rlhf(params: PipelineParams = load_params()) -> dict:
         reward_model = train_reward_model.submit(params.rm, sft_model, data, run.ctx) if params.needs_reward_model else None
         policy = optimise_policy(params, sft_model, reward_model, data, run.ctx)
         report = evaluate.submit(params.eval, params.model, data, sft_model, policy,
-                                 reward_model if params.eval.use_reward_model else None, run.ctx)  # fmt: skip
+                                 reward_model if params.eval.use_reward_model else None, params.registry, run.ctx)  # fmt: skip
         stages = [f.result() for f in (data, sft_model, reward_model, policy, report) if f is not None]
-        return run.finish(policy=policy.result(), report=report.result(), stages=stages)
+        registered = None
+        if params.registry.enabled:
+            registered = registry.submit(params.registry, policy.result(), report.result(), stages, run.ctx).result()
+        return run.finish(policy=policy.result(), report=report.result(), stages=stages, registered=registered)
+
+
+@task(name="registry", task_run_name="registry", retries=2, retry_delay_seconds=[10, 60], cache_policy=NO_CACHE, persist_result=False)
+def registry(config, policy, report, stages, ctx) -> dict:
+    """Register the policy; move `champion` only if the gate passes."""
+    return register_policy(config, policy, report, stages, ctx)
 
 
 def optimise_policy(params: PipelineParams, sft_model, reward_model, data, ctx):

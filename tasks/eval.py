@@ -1,10 +1,16 @@
-"""`eval`: held-out exact match of base, SFT and policy; reward-model accuracy and mean rewards."""
+"""`eval`: compare the policy with SFT (and the registry's champion) on held-out prompts; publish the report."""
 
 from __future__ import annotations
 
+import json
+
+from tasks import tracking
+from tasks.registry import RegistryConfig, current_champion
 from tasks.stage import ArtifactRef, RunContext, StageOutcome, prefect_log, run_stage, stage_task
 from trainers.common import ModelConfig
 from trainers.eval import EvalConfig
+
+REPORT_FILES = ("summary.json", "summary.md", "samples.jsonl", "plots")
 
 
 @stage_task("eval")
@@ -15,8 +21,15 @@ def evaluate(
     sft_model: ArtifactRef,
     policy: ArtifactRef,
     reward_model: ArtifactRef | None,
+    registry: RegistryConfig,
     ctx: RunContext,
 ) -> StageOutcome:
+    # The champion is an input like any other: a new champion re-keys eval.
+    # When the champion *is* this policy (a re-run), there is nothing to compare.
+    champion = current_champion(registry)
+    if champion is not None and champion.digest == policy.digest:
+        champion = None
+
     def build(out_dir, work_dir, log_metrics):
         from trainers import eval as evaluation
 
@@ -29,10 +42,45 @@ def evaluate(
             data.path,
             out_dir,
             policy_stage=policy.stage,
+            champion_model=champion.path / "model" if champion else None,
         )
 
     upstream = {"data": data, "sft": sft_model, "policy": policy}
     if reward_model:
         upstream["rm"] = reward_model
+    if champion:
+        upstream["champion"] = champion
     settings = {"eval": config.model_dump(mode="json"), "model": model.model_dump(mode="json")}
-    return run_stage("eval", settings, upstream, ctx, build, log_files=("summary.json", "summary.md", "samples.jsonl"), log=prefect_log)
+    outcome = run_stage("eval", settings, upstream, ctx, build, log_files=REPORT_FILES, log=prefect_log)
+    publish_report(outcome.ref, [data, sft_model, reward_model, policy], ctx)
+    return outcome
+
+
+def publish_report(report: ArtifactRef, stages: list[ArtifactRef | None], ctx: RunContext) -> None:
+    """Prefect markdown + table artifacts, and training curves of every stage, for this flow run."""
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    from trainers import plots
+
+    link = tracking.run_link(ctx.parent_run_id)
+    summary = (report.path / "summary.md").read_text()
+    create_markdown_artifact(
+        key="rlhf-eval-summary",
+        markdown=f"# rlhf evaluation\n\n{summary}\nMLflow: {link}\n\nArtifacts: `{report.uri}`\n",
+        description="Held-out evaluation of the policy against SFT (and the champion).",
+    )
+    rows = [json.loads(line) for line in (report.path / "samples.jsonl").read_text().splitlines()]
+    if rows:
+        create_table_artifact(key="rlhf-eval-samples", table=rows, description="Sample answers with their rewards.")
+
+    histories: dict[str, list[tuple[int, float]]] = {}
+    for ref in filter(None, stages):
+        run_id = ref.manifest().get("mlflow_run_id")
+        if run_id:
+            wanted = ("/train/loss", "/train/accuracy", "/train/reward", "/train/kl", "/train/rewards_margins")
+            histories.update({k: v for k, v in tracking.metric_histories(run_id, ref.stage + "/").items() if k.endswith(wanted) and len(v) > 1})
+    if histories:
+        path = plots.training_curves(histories, report.path.parent / f".curves-{report.key}.png")
+        tracking.log_artifacts(ctx.parent_run_id, path, "plots")
+        path.unlink()
+    tracking.log_artifacts(ctx.parent_run_id, report.path / "plots", "plots")

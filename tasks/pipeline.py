@@ -18,13 +18,14 @@ class PipelineRun:
     ctx: RunContext
     summary: dict = field(default_factory=dict)
 
-    def finish(self, policy: ArtifactRef, report: ArtifactRef, stages: list[ArtifactRef]) -> dict:
-        """Log the final model and evaluation to the parent run; return where everything is."""
+    def finish(self, policy: ArtifactRef, report: ArtifactRef, stages: list[ArtifactRef], registered: dict | None = None) -> dict:
+        """Log the evaluation (and the final model, if the registry did not) to the parent run; return where everything is."""
         run_id = self.ctx.parent_run_id
         metrics = report.manifest()["metrics"]
         tracking.log_metrics(run_id, metrics)
         tracking.log_artifacts(run_id, report.path / "summary.md", "eval")
-        tracking.log_artifacts(run_id, policy.path / "model", "model")
+        if not tracking.has_artifact(run_id, "model"):
+            tracking.log_artifacts(run_id, policy.path / "model", "model")
         tracking.set_tags(run_id, {"rlhf.policy": policy.uri, "rlhf.policy_stage": policy.stage})
         self.summary = {
             "mlflow_run_id": run_id,
@@ -32,6 +33,7 @@ class PipelineRun:
             "tracking_uri": tracking.tracking_uri(),
             "artifacts": {ref.stage: ref.uri for ref in stages},
             "metrics": metrics,
+            "registry": registered,
         }
         return self.summary
 

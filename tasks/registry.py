@@ -8,8 +8,6 @@ becomes champion. `models:/<name>@champion` then loads with `from_pretrained`.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from pydantic import Field
 
 from tasks import tracking
@@ -105,7 +103,3 @@ def _flow_run_id() -> str:
 
     return flow_run.get_id() or ""
 
-
-def champion_path(cfg: RegistryConfig) -> Path | None:
-    ref = current_champion(cfg)
-    return ref.path / "model" if ref else None

@@ -271,6 +271,13 @@ def stage_task(stage: str, retries: int = 2, retry_delay_seconds: list[float] = 
 
 
 def prefect_log(message: str) -> None:
-    from prefect import get_run_logger
+    """Into the flow run's log (the Prefect UI) when there is one, else the `rlhf` logger."""
+    import logging
 
-    get_run_logger().info(message)
+    from prefect import get_run_logger
+    from prefect.exceptions import MissingContextError
+
+    try:
+        get_run_logger().info(message)
+    except MissingContextError:
+        logging.getLogger("rlhf").info(message)

@@ -102,6 +102,10 @@ def log_artifacts(run_id: str, local: Path, artifact_path: str | None = None) ->
         client().log_artifact(run_id, str(local), artifact_path)
 
 
+def has_artifact(run_id: str, path: str) -> bool:
+    return any(a.path == path for a in client().list_artifacts(run_id))
+
+
 def log_text(run_id: str, text: str, artifact_file: str) -> None:
     client().log_text(run_id, text, artifact_file)
 

@@ -17,14 +17,14 @@ ONLINE_FAST = [
 def test_each_online_algorithm_runs_and_reuses_sft_and_rm(prefect, state):
     grpo = run(*ONLINE_FAST, "algorithm=grpo")
     assert grpo.is_completed(), grpo.message
-    assert task_states(grpo) == {"data": "Completed", "sft": "Completed", "rm": "Completed", "grpo": "Completed", "eval": "Completed"}
+    assert task_states(grpo) == {"data": "Completed", "sft": "Completed", "rm": "Completed", "grpo": "Completed", "eval": "Completed", "registry": "Completed"}
     assert "eval/heldout/grpo_exact_match" in grpo.result()["metrics"]
 
     for algorithm in ("ppo", "rloo"):
         switched = run(*ONLINE_FAST, f"algorithm={algorithm}")
         assert switched.is_completed(), switched.message
         states = task_states(switched)
-        assert states == {"data": "Cached", "sft": "Cached", "rm": "Cached", algorithm: "Completed", "eval": "Completed"}
+        assert states == {"data": "Cached", "sft": "Cached", "rm": "Cached", algorithm: "Completed", "eval": "Completed", "registry": "Completed"}
         metrics = switched.result()["metrics"]
         assert f"eval/heldout/{algorithm}_exact_match" in metrics
 

@@ -1,0 +1,83 @@
+"""The promotion gate and the MLflow aliases, on real model files."""
+
+from __future__ import annotations
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tasks import tracking
+from tasks.registry import CANDIDATE, CHAMPION, RegistryConfig, current_champion, gate, register_policy
+from tasks.stage import RunContext, run_stage
+from tests.helpers import SMALL_MODEL
+from trainers.common import load_base_model, save_model
+
+
+def test_gate_needs_the_value_and_its_lower_bound_above_the_bars():
+    cfg = RegistryConfig()
+    assert gate(cfg, {"eval/heldout/win_rate_vs_champion": 0.62, "eval/heldout/win_rate_vs_champion_low": 0.55})[0]
+    passed, why = gate(cfg, {"eval/heldout/win_rate_vs_champion": 0.52, "eval/heldout/win_rate_vs_champion_low": 0.40})
+    assert not passed and "lower bound 0.4 is not above 0.45" in why
+    passed, why = gate(cfg, {"eval/heldout/win_rate_vs_champion": 0.3, "eval/heldout/win_rate_vs_champion_low": 0.25})
+    assert not passed and "is not above 0.5" in why
+    assert not gate(cfg, {})[0]
+
+
+@pytest.fixture
+def ctx(tmp_path, monkeypatch):
+    monkeypatch.setenv(tracking.STATE_ENV, str(tmp_path / "state"))
+    experiment = tracking.experiment_id("test-registry")
+    return RunContext(artifact_root=str(tmp_path / "artifacts"), experiment_id=experiment, parent_run_id="")
+
+
+def publish(ctx: RunContext, stage: str, seed: int, metrics: dict):
+    """A policy (a tiny model with its own seed) and an eval report holding `metrics`."""
+    parent = tracking.start_run(ctx.experiment_id, f"flow-{seed}", {})
+    ctx = ctx.model_copy(update={"parent_run_id": parent})
+
+    def model(out_dir, work_dir, log):
+        save_model(*load_base_model(SMALL_MODEL.model_copy(update={"seed": seed})), out_dir / "model")
+        return {}
+
+    policy = run_stage(stage, {"seed": seed}, {}, ctx, model).ref
+    report = run_stage("eval", {"seed": seed}, {"policy": policy}, ctx, lambda out, work, log: metrics).ref
+    return policy, report, ctx
+
+
+def test_first_version_is_champion_a_loser_is_refused_a_winner_promoted(ctx):
+    cfg = RegistryConfig(model_name="test-policy")
+    client = MlflowClient()
+
+    policy, report, run_ctx = publish(ctx, "dpo", 1, {})
+    first = register_policy(cfg, policy, report, [policy, report], run_ctx)
+    assert first["promoted"] and "first version" in first["reason"]
+    assert str(client.get_model_version_by_alias("test-policy", CHAMPION).version) == first["version"]
+
+    worse = {"eval/heldout/win_rate_vs_champion": 0.21, "eval/heldout/win_rate_vs_champion_low": 0.17}
+    policy, report, run_ctx = publish(ctx, "dpo", 2, worse)
+    refused = register_policy(cfg, policy, report, [policy, report], run_ctx)
+    assert not refused["promoted"]
+    assert str(client.get_model_version_by_alias("test-policy", CANDIDATE).version) == refused["version"]
+    assert str(client.get_model_version_by_alias("test-policy", CHAMPION).version) == first["version"]
+    tags = client.get_model_version("test-policy", refused["version"]).tags
+    assert tags["rlhf.policy_digest"] == policy.digest and tags["eval/heldout/win_rate_vs_champion"] == "0.21"
+
+    better = {"eval/heldout/win_rate_vs_champion": 0.71, "eval/heldout/win_rate_vs_champion_low": 0.64}
+    policy, report, run_ctx = publish(ctx, "ppo", 3, better)
+    promoted = register_policy(cfg, policy, report, [policy, report], run_ctx)
+    assert promoted["promoted"] and promoted["previous_champion"] == first["version"]
+    assert str(client.get_model_version_by_alias("test-policy", CHAMPION).version) == promoted["version"]
+
+    # Same bytes again: the version is reused, not duplicated.
+    again = register_policy(cfg, policy, report, [policy, report], run_ctx)
+    assert again["version"] == promoted["version"]
+
+    # models:/test-policy@champion loads with from_pretrained (model + tokenizer).
+    import mlflow
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    mlflow.set_tracking_uri(tracking.tracking_uri())
+    local = mlflow.artifacts.download_artifacts(artifact_uri="models:/test-policy@champion")
+    assert AutoModelForCausalLM.from_pretrained(local).config.hidden_size == 32
+    assert AutoTokenizer.from_pretrained(local)("sort 3 -> ")["input_ids"]
+    champion = current_champion(cfg)
+    assert champion.digest == policy.digest and (champion.path / "model" / "model.safetensors").is_file()
