@@ -4,6 +4,7 @@
     rlhf run --config my.yaml --set sft.learning_rate=1e-4 --set dpo.beta=0.2
     rlhf run --no-cache                        # re-run every stage
     rlhf params [--config ...] [--set ...]     # print the resolved parameters, run nothing
+    rlhf eval models:/rlhf-policy@candidate    # evaluate a registered version (or a model folder) on demand
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                          help="override one field, e.g. --set sft.learning_rate=1e-4 (repeatable)")
         sub.add_argument("--no-cache", action="store_true", help="re-run every stage even if its artifact exists")
+    evaluate = commands.add_parser("eval", help="evaluate a registered version or a model folder (the rlhf-eval flow)")
+    evaluate.add_argument("policy", help="models:/<name>/<version>, models:/<name>@<alias>, or a model folder")
+    evaluate.add_argument("--sft", default=None, help="reference SFT model (default: from the version's lineage)")
+    evaluate.add_argument("--rm", default=None, help="reward model (default: from the version's lineage)")
+    evaluate.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                          help="override an eval field, e.g. --set eval.max_prompts=200")
     return parser
 
 
@@ -41,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
+
+    if args.command == "eval":
+        return _evaluate(args)
 
     from flows.params import load_params
 
@@ -57,12 +67,36 @@ def main(argv: list[str] | None = None) -> int:
     from flows.rlhf import rlhf
 
     summary = rlhf(params)
+    _report(summary)
+    return 0
+
+
+def _evaluate(args) -> int:
+    from flows.evaluate import EvalParams, rlhf_eval
+    from flows.params import deep_merge, parse_override
+
+    values: dict = {"policy": args.policy, "sft_model": args.sft, "reward_model": args.rm}
+    for item in args.overrides:
+        path, value = parse_override(item)
+        for part in reversed(path):
+            value = {part: value}
+        values = deep_merge(values, value)
+    try:
+        params = EvalParams.model_validate(values)
+    except (ValidationError, ValueError) as exc:
+        print(f"rlhf: invalid parameters:\n{exc}", file=sys.stderr)
+        return 2
+    _report(rlhf_eval(params))
+    return 0
+
+
+def _report(summary: dict) -> None:
     # Send the last log lines to the API now: the temporary server stops at exit,
     # before Prefect's own flush would run, and the late lines would fail noisily.
     from prefect.logging.handlers import APILogHandler
 
     APILogHandler().flush()
-    print("\n== rlhf finished ==")
+    print("\n== finished ==")
     print(f"MLflow run: {summary['mlflow']}")
     for stage, uri in summary["artifacts"].items():
         print(f"  {stage:5s} {uri}")
@@ -74,7 +108,6 @@ def main(argv: list[str] | None = None) -> int:
     if summary.get("registry"):
         r = summary["registry"]
         print(f"Registry: {r['model_name']} v{r['version']} is candidate; champion {'-> v' + r['version'] if r['promoted'] else 'unchanged'} ({r['reason']})")
-    return 0
 
 
 if __name__ == "__main__":

@@ -89,10 +89,10 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else ""
 
 
-def _merge(base: dict, override: dict) -> dict:
+def deep_merge(base: dict, override: dict) -> dict:
     merged = dict(base)
     for key, value in override.items():
-        merged[key] = _merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+        merged[key] = deep_merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
     return merged
 
 
@@ -106,5 +106,5 @@ def load_params(preset: str | None = DEFAULT_PRESET, overrides: list[str] = (), 
         nested: Any = value
         for part in reversed(path):
             nested = {part: nested}
-        values = _merge(values, nested)
-    return PipelineParams.model_validate(_merge(values, fields))
+        values = deep_merge(values, nested)
+    return PipelineParams.model_validate(deep_merge(values, fields))

@@ -75,6 +75,8 @@ def publish_report(report: ArtifactRef, stages: list[ArtifactRef | None], ctx: R
 
     histories: dict[str, list[tuple[int, float]]] = {}
     for ref in filter(None, stages):
+        if not (ref.path / "manifest.json").is_file():  # an external model (the rlhf-eval flow)
+            continue
         run_id = ref.manifest().get("mlflow_run_id")
         if run_id:
             wanted = ("/train/loss", "/train/accuracy", "/train/reward", "/train/kl", "/train/rewards_margins")

@@ -1,0 +1,50 @@
+"""The `rlhf-eval` flow: evaluate any registered version or model folder on demand, with the eval stage's report.
+
+    rlhf eval models:/rlhf-policy@candidate              # SFT and reward model from the version's lineage
+    rlhf eval path/to/model --sft path/to/sft --rm path/to/rm
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+from pydantic import Field
+
+from flows.params import DEFAULT_PRESET, load_params
+from tasks.data import validate_data
+from tasks.eval import evaluate
+from tasks.pipeline import pipeline_run
+from tasks.registry import RegistryConfig
+from tasks.resolve import resolve_model
+from trainers.common import ModelConfig, StrictModel
+from trainers.data import DataConfig
+from trainers.eval import EvalConfig
+
+_defaults = load_params(DEFAULT_PRESET)
+
+
+class EvalParams(StrictModel):
+    """What to evaluate, and against what."""
+
+    policy: str = Field(description="'models:/<name>/<version>', 'models:/<name>@<alias>', or a local model folder.")
+    sft_model: str | None = Field(None, description="Reference SFT model (URI or folder); None: from the registered version's lineage.")
+    reward_model: str | None = Field(None, description="Reward model (URI or folder); None: from the lineage, or no reward metrics.")
+    experiment_name: str = Field("rlhf", description="MLflow experiment that holds the run.")
+    algorithm: str = Field("eval", description="Recorded on the MLflow run.")
+    no_cache: bool = Field(False, description="Re-evaluate even when the same report exists.")
+    model: ModelConfig = Field(default=_defaults.model, description="The base model (evaluated as the untrained baseline).")
+    data: DataConfig = Field(default=_defaults.data, description="Held-out datasets (checked by the `data` stage).")
+    eval: EvalConfig = Field(default=_defaults.eval, description="Held-out evaluation.")
+    registry: RegistryConfig = Field(default=_defaults.registry, description="Where the champion to compare against lives.")
+
+
+@flow(name="rlhf-eval", persist_result=False, validate_parameters=True)
+def rlhf_eval(params: EvalParams) -> dict:
+    """Evaluate a registered version or a model folder against SFT and the champion."""
+    with pipeline_run(params) as run:
+        policy, lineage = resolve_model(params.policy, "policy")
+        sft_model, _ = resolve_model(params.sft_model or lineage.get("sft"), "sft")
+        reward_source = params.reward_model or lineage.get("rm")
+        reward_model = resolve_model(reward_source, "rm")[0] if reward_source else None
+        data = validate_data.submit(params.data, run.ctx)
+        report = evaluate.submit(params.eval, params.model, data, sft_model, policy, reward_model, params.registry, run.ctx)
+        return run.finish(policy=policy, report=report.result(), stages=[data.result(), sft_model, policy, report.result()])

@@ -1,0 +1,41 @@
+"""The report a person reads, and the on-demand `rlhf-eval` flow on a registered version."""
+
+from __future__ import annotations
+
+from prefect import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+from flows.evaluate import EvalParams, rlhf_eval
+from tests.flows.helpers import run, task_states
+
+
+def prefect_artifacts(flow_state) -> dict[str, object]:
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_state.state_details.flow_run_id]))
+        )
+    return {a.key: a for a in found}
+
+
+def test_report_artifacts_and_on_demand_evaluation_of_the_champion(prefect, state):
+    trained = run("registry.model_name=eval-flow-test")
+    assert trained.is_completed(), trained.message
+    summary = trained.result()
+    assert summary["registry"]["promoted"]  # the first version becomes champion
+
+    artifacts = prefect_artifacts(trained)
+    markdown = artifacts["rlhf-eval-summary"].data
+    exact = summary["metrics"]["eval/heldout/dpo_exact_match"]
+    assert f"| `eval/heldout/dpo_exact_match` | {exact:.4f} |" in markdown
+    assert "win_rate_vs_sft" in markdown and summary["mlflow_run_id"] in markdown
+    assert "rlhf-eval-samples" in artifacts
+
+    on_demand = rlhf_eval(
+        EvalParams(policy="models:/eval-flow-test@champion", eval={"max_prompts": 20, "max_new_tokens": 8}),
+        return_state=True,
+    )
+    assert on_demand.is_completed(), on_demand.message
+    result = on_demand.result()
+    # Same model, same held-out prompts, same greedy decoding: same score.
+    assert result["metrics"]["eval/heldout/dpo_exact_match"] == exact
+    assert set(task_states(on_demand)) == {"data", "eval"}
