@@ -64,11 +64,25 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(params.model_dump(mode="json"), indent=2))
         return 0
 
+    _warm_up_imports()
     from flows.rlhf import rlhf
 
     summary = rlhf(params)
     _report(summary)
     return 0
+
+
+def _warm_up_imports() -> None:
+    """Import MLflow and matplotlib in the background while Prefect starts its temporary
+    server (~4 s of waiting): a fully cached run then takes ~12 s instead of ~16 s."""
+    import importlib
+    import threading
+
+    def load() -> None:
+        for name in ("mlflow.tracking", "mlflow.entities", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+            importlib.import_module(name)
+
+    threading.Thread(target=load, name="warm-up-imports", daemon=True).start()
 
 
 def _evaluate(args) -> int:
@@ -86,6 +100,7 @@ def _evaluate(args) -> int:
     except (ValidationError, ValueError) as exc:
         print(f"rlhf: invalid parameters:\n{exc}", file=sys.stderr)
         return 2
+    _warm_up_imports()
     _report(rlhf_eval(params))
     return 0
 
