@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import tempfile
+from pathlib import Path
 
 from tasks import tracking
 from tasks.registry import RegistryConfig, current_champion
@@ -72,6 +74,8 @@ def publish_report(report: ArtifactRef, stages: list[ArtifactRef | None], ctx: R
     rows = [json.loads(line) for line in (report.path / "samples.jsonl").read_text().splitlines()]
     if rows:
         create_table_artifact(key="rlhf-eval-samples", table=rows, description="Sample answers with their rewards.")
+        flat = [{k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in row.items()} for row in rows]
+        tracking.log_table(ctx.parent_run_id, flat, "eval/samples_table.json")
 
     histories: dict[str, list[tuple[int, float]]] = {}
     for ref in filter(None, stages):
@@ -82,7 +86,7 @@ def publish_report(report: ArtifactRef, stages: list[ArtifactRef | None], ctx: R
             wanted = ("/train/loss", "/train/accuracy", "/train/reward", "/train/kl", "/train/rewards_margins")
             histories.update({k: v for k, v in tracking.metric_histories(run_id, ref.stage + "/").items() if k.endswith(wanted) and len(v) > 1})
     if histories:
-        path = plots.training_curves(histories, report.path.parent / f".curves-{report.key}.png")
-        tracking.log_artifacts(ctx.parent_run_id, path, "plots")
-        path.unlink()
+        with tempfile.TemporaryDirectory() as scratch:
+            path = plots.training_curves(histories, Path(scratch) / "training_curves.png")
+            tracking.log_artifacts(ctx.parent_run_id, path, "plots")
     tracking.log_artifacts(ctx.parent_run_id, report.path / "plots", "plots")

@@ -106,6 +106,13 @@ def has_artifact(run_id: str, path: str) -> bool:
     return any(a.path == path for a in client().list_artifacts(run_id))
 
 
+def log_table(run_id: str, rows: list[dict], artifact_file: str) -> None:
+    """A table MLflow's UI shows as one (Evaluation / Artifacts tab)."""
+    import pandas as pd
+
+    client().log_table(run_id, data=pd.DataFrame(rows), artifact_file=artifact_file)
+
+
 def log_text(run_id: str, text: str, artifact_file: str) -> None:
     client().log_text(run_id, text, artifact_file)
 

@@ -29,6 +29,12 @@ def test_report_artifacts_and_on_demand_evaluation_of_the_champion(prefect, stat
     assert f"| `eval/heldout/dpo_exact_match` | {exact:.4f} |" in markdown
     assert "win_rate_vs_sft" in markdown and summary["mlflow_run_id"] in markdown
     assert "rlhf-eval-samples" in artifacts
+    from mlflow.tracking import MlflowClient
+
+    logged = {a.path for a in MlflowClient().list_artifacts(summary["mlflow_run_id"], "eval")}
+    assert "eval/samples_table.json" in logged and "eval/summary.md" in logged
+    plots = {a.path for a in MlflowClient().list_artifacts(summary["mlflow_run_id"], "plots")}
+    assert {"plots/win_rates.png", "plots/reward_distributions.png", "plots/exact_match.png", "plots/training_curves.png"} <= plots
 
     on_demand = rlhf_eval(
         EvalParams(policy="models:/eval-flow-test@champion", eval={"max_prompts": 20, "max_new_tokens": 8}),
