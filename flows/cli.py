@@ -5,6 +5,7 @@
     rlhf run --no-cache                        # re-run every stage
     rlhf params [--config ...] [--set ...]     # print the resolved parameters, run nothing
     rlhf eval models:/rlhf-policy@candidate    # evaluate a registered version (or a model folder) on demand
+    rlhf serve                                 # serve the deployments (see deployments/serve.py)
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--rm", default=None, help="reward model (default: from the version's lineage)")
     evaluate.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                           help="override an eval field, e.g. --set eval.max_prompts=200")
+    serve = commands.add_parser("serve", help="serve the deployments (rlhf/full, dpo, grpo, rloo, retrain, rlhf-eval/eval)")
+    serve.add_argument("--config", default="tiny", help="preset whose parameters the deployments carry")
+    serve.add_argument("--retrain-cron", default=None, help="cron of the retrain deployment (default: Mondays 03:00)")
     return parser
 
 
@@ -51,6 +55,11 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "eval":
         return _evaluate(args)
+    if args.command == "serve":
+        from deployments.serve import RETRAIN_CRON, serve
+
+        serve(args.config, args.retrain_cron or RETRAIN_CRON)
+        return 0
 
     from flows.params import load_params
 

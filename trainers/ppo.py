@@ -168,23 +168,51 @@ def value_loss(values, old_values, returns, mask, cliprange_value: float) -> tup
 # --- model plumbing ------------------------------------------------------------------
 
 
-def _response_logprobs(model, input_ids, attention_mask, position_ids, response_width: int, temperature: float, with_entropy: bool = False):
-    """Log-probabilities of the response tokens (and per-token entropy), logits divided by the sampling
-    temperature (N+ §7: otherwise the KL and ratios describe a different policy than the one sampled)."""
+def _sample(policy, prompt_ids: list[list[int]], cfg: PpoConfig, pad_id: int, eos_id: int, device) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """Left-padded prompts (N+ §4) -> model inputs for prompt + completion, the completion mask, and whether each ended.
+
+    Sampling uses `temperature` and no top-k/top-p, so the sampling distribution is the one whose
+    log-probabilities we compute. Everything after the first EOS becomes padding, masked out (N+ §4, §7).
+    """
     import torch
 
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=response_width + 1).logits
-    logp_all = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
-    logprobs = logp_all.gather(-1, input_ids[:, -response_width:, None]).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
-    return logprobs, entropy
+    width = max(map(len, prompt_ids))
+    queries = torch.tensor([[pad_id] * (width - len(x)) + x for x in prompt_ids], device=device)
+    query_mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in prompt_ids], device=device)
+    generated = policy.generate(
+        input_ids=queries, attention_mask=query_mask, do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0,
+        max_new_tokens=cfg.response_length, pad_token_id=pad_id, eos_token_id=eos_id,
+    )  # fmt: skip
+    responses = generated[:, width:]
+    is_eos = responses == eos_id
+    has_eos = is_eos.any(1)
+    first_eos = torch.where(has_eos, is_eos.int().argmax(1), responses.shape[1])
+    mask = torch.arange(responses.shape[1], device=device)[None, :] <= first_eos[:, None]
+    attention_mask = torch.cat([query_mask, mask.long()], 1)
+    inputs = {
+        "input_ids": torch.cat([queries, responses.masked_fill(~mask, pad_id)], 1),
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),  # as `generate` numbers left-padded rows
+    }
+    return inputs, mask.float(), has_eos
 
 
-def _response_values(value_model, input_ids, attention_mask, position_ids, response_width: int):
-    """The reward model's backbone and scalar head applied to every token (InstructGPT §3.5; N+ §7):
-    the value of the state before response token t is read at the position just before it."""
-    hidden = value_model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
-    return value_model.score(hidden[:, -response_width - 1 : -1]).squeeze(-1).float()
+def _response_logprobs(model, inputs: dict, width: int, temperature: float, with_entropy: bool = False):
+    """Log-probabilities of the last `width` (completion) tokens, and their entropy; logits are divided by the
+    sampling temperature (N+ §7), or the ratios and KL would describe another policy than the one sampled."""
+    import torch
+
+    logits = model(**inputs, logits_to_keep=width + 1).logits[:, :-1].float() / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logprobs = logp_all.gather(-1, inputs["input_ids"][:, -width:, None]).squeeze(-1)
+    return logprobs, (-(logp_all.exp() * logp_all).sum(-1) if with_entropy else None)
+
+
+def _response_values(value_model, inputs: dict, width: int):
+    """The reward model's backbone and scalar head on every token (InstructGPT §3.5; N+ §7): the value
+    of the state before completion token t is read at the position just before it."""
+    hidden = value_model.base_model(**inputs).last_hidden_state
+    return value_model.score(hidden[:, -width - 1 : -1]).squeeze(-1).float()
 
 
 @contextlib.contextmanager
@@ -192,22 +220,24 @@ def _cpu_threads(num_threads: int | None):
     import torch
 
     previous = torch.get_num_threads()
-    if num_threads:
-        torch.set_num_threads(num_threads)
+    torch.set_num_threads(num_threads or previous)
     try:
         yield
     finally:
         torch.set_num_threads(previous)
 
 
+# --- checkpoints -------------------------------------------------------------------------
+
+
 def _trainable(model) -> dict[str, torch.Tensor]:
-    """Trained weights only: everything for full fine-tuning, the adapters under LoRA (tied weights appear once)."""
+    """Trained weights only: all of them for full fine-tuning, the adapters under LoRA (tied weights once)."""
     return {name: p.detach().contiguous().cpu() for name, p in model.named_parameters() if p.requires_grad}
 
 
 def _save_checkpoint(work_dir: Path, update: int, policy, value_model, optimizer, state: dict) -> None:
-    """Write into a hidden sibling, rename into place when complete; `trainer_state.json` last, so
-    `trainers.common.last_checkpoint` never picks a half-written one. Keeps the two newest."""
+    """Written into a hidden sibling and renamed into place when complete, so `last_checkpoint` (which
+    also wants `trainer_state.json`) never sees a half-written one. Keeps the two newest."""
     import numpy as np
     import torch
     from safetensors.torch import save_file
@@ -236,11 +266,12 @@ def _load_checkpoint(checkpoint: Path, policy, value_model, optimizer) -> dict:
     from safetensors.torch import load_file
 
     for model, name in ((policy, "policy"), (value_model, "value_model")):
-        unexpected = model.load_state_dict(load_file(checkpoint / f"{name}.safetensors"), strict=False).unexpected_keys
-        if unexpected:
-            raise ValueError(f"{checkpoint}/{name}.safetensors does not fit this model (e.g. {unexpected[0]}); was the config changed?")
+        weights = load_file(checkpoint / f"{name}.safetensors")
+        if set(weights) != set(_trainable(model)):
+            raise ValueError(f"{checkpoint / name}.safetensors does not hold this model's trained weights (was the config, e.g. lora, changed?)")
+        model.load_state_dict(weights, strict=False)
     optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=True))
-    rng = torch.load(checkpoint / "rng.pt", weights_only=False)  # our own file: python and numpy states are pickled tuples
+    rng = torch.load(checkpoint / "rng.pt", weights_only=False)  # our own file; python/numpy states are tuples
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
@@ -262,7 +293,7 @@ def train(
     work_dir: Path,
     log_metrics: LogMetrics | None = None,
 ) -> dict[str, float]:
-    """Train the policy; write `out_dir/model` (merged under LoRA unless keep_adapter). Returns the last logged `ppo/train/*` metrics."""
+    """Write the trained policy to `out_dir/model` (merged under LoRA unless keep_adapter); return the last logged metrics."""
     import numpy as np
     import torch
     from tqdm.auto import tqdm
@@ -285,34 +316,31 @@ def train(
     prompts = dataset["prompt"]
     columns = {name: dataset[name] for name in dataset.column_names if name != "prompt"}
 
-    def as_completions(texts: list[str], for_prompts: list) -> list:
-        return [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for t, p in zip(texts, for_prompts)]
+    def completions(texts: list[str], rows: list[int]) -> list:  # messages for conversational prompts, as TRL passes them
+        return [[{"role": "assistant", "content": t}] if isinstance(prompts[i], list) else t for t, i in zip(texts, rows)]
 
-    # A broken reward function fails here, with its name, before any model is loaded or step taken.
+    # A broken reward function fails here, with its name, before the policy is even loaded.
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     scorer = RewardScorer(rewards, reward_model, device)
     sample = list(range(min(4, len(dataset))))
-    scorer.check([prompts[i] for i in sample], as_completions(["0"] * len(sample), [prompts[i] for i in sample]), {k: [v[i] for i in sample] for k, v in columns.items()})
+    scorer.check([prompts[i] for i in sample], completions(["0"] * len(sample), sample), {k: [v[i] for i in sample] for k, v in columns.items()})
 
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     policy, tokenizer = load_causal_lm(sft_model)
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    reference = None  # under LoRA the reference is the policy with its adapters disabled
     if cfg.lora.enabled:
         import peft
 
         policy = peft.get_peft_model(policy, cfg.lora.peft_config())
-        reference = None  # the same weights with the adapters switched off
     else:
-        reference, _ = load_causal_lm(sft_model)
-        reference.to(device).requires_grad_(False)
-    # Value model: the reward model's backbone and head, trained on (InstructGPT §3.5, N+ §7);
-    # without a reward model, the SFT model with a fresh scalar head.
+        reference = load_causal_lm(sft_model)[0].requires_grad_(False)
+    # Value model: the reward model, trained on (InstructGPT §3.5, N+ §7); else the SFT model with a fresh scalar head.
     value_model = AutoModelForSequenceClassification.from_pretrained(str(reward_model or sft_model), num_labels=1, use_safetensors=True)
     value_model.config.pad_token_id = pad_id
-    # Dropout off everywhere (N+ §4): log-probabilities must be the same at rollout and at update.
-    for model in (policy, reference, value_model):
+    for model in (policy, reference, value_model):  # eval(): dropout off (N+ §4), so rollout and update log-probs agree
         if model is not None:
             model.to(device).eval()
     params = [p for m in (policy, value_model) for p in m.parameters() if p.requires_grad]
@@ -328,13 +356,12 @@ def train(
     prompt_ids = [_prompt_ids(tokenizer, p) for p in prompts]
 
     def next_rows() -> list[int]:
-        """The next batch of a per-epoch shuffle; (epoch, index) in the checkpoint is the iterator position."""
+        """The next batch of a per-epoch shuffle; (data_epoch, data_index) is the iterator's position."""
         if state["data_index"] + batch_size > len(dataset):
             state["data_epoch"], state["data_index"] = state["data_epoch"] + 1, 0
         order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(cfg.seed + state["data_epoch"]))
-        rows = order[state["data_index"] : state["data_index"] + batch_size].tolist()
         state["data_index"] += batch_size
-        return rows
+        return order[state["data_index"] - batch_size : state["data_index"]].tolist()
 
     window: dict[str, list[float]] = {}
     metrics: dict[str, float] = state["metrics"]
@@ -345,57 +372,34 @@ def train(
             for group in optimizer.param_groups:
                 group["lr"] = lr
             rows = next_rows()
-            batch_prompts = [prompts[i] for i in rows]
 
-            # 1. Rollout: left-padded prompts (N+ §4), sampled at `temperature` with no top-k/top-p so the
-            #    sampling distribution is the one whose log-probabilities we compute.
+            # 1. Roll out, score, and turn the scores into per-token advantages.
             with torch.no_grad(), autocast():
-                width = max(len(prompt_ids[i]) for i in rows)
-                queries = torch.tensor([[pad_id] * (width - len(prompt_ids[i])) + prompt_ids[i] for i in rows], device=device)
-                query_mask = torch.tensor([[0] * (width - len(prompt_ids[i])) + [1] * len(prompt_ids[i]) for i in rows], device=device)
-                generated = policy.generate(
-                    input_ids=queries, attention_mask=query_mask, do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0,
-                    max_new_tokens=cfg.response_length, pad_token_id=pad_id, eos_token_id=eos_id,
-                )  # fmt: skip
-                responses = generated[:, width:]
-                # Everything after the first EOS is padding and masked out (N+ §4, §7).
-                is_eos = responses == eos_id
-                has_eos = is_eos.any(1)
-                first_eos = torch.where(has_eos, is_eos.int().argmax(1), responses.shape[1])
-                mask = torch.arange(responses.shape[1], device=device)[None, :] <= first_eos[:, None]
-                responses = responses.masked_fill(~mask, pad_id)
-                mask = mask.float()
-                input_ids = torch.cat([queries, responses], 1)
-                attention_mask = torch.cat([query_mask, mask.long()], 1)
-                position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # as `generate` numbers left-padded rows
-                width_r = responses.shape[1]
-                logprobs, entropy = _response_logprobs(policy, input_ids, attention_mask, position_ids, width_r, cfg.temperature, with_entropy=True)
+                inputs, mask, has_eos = _sample(policy, [prompt_ids[i] for i in rows], cfg, pad_id, eos_id, device)
+                width = mask.shape[1]
+                logprobs, entropy = _response_logprobs(policy, inputs, width, cfg.temperature, with_entropy=True)
                 with policy.disable_adapter() if reference is None else contextlib.nullcontext():
-                    ref_logprobs, _ = _response_logprobs(policy if reference is None else reference, input_ids, attention_mask, position_ids, width_r, cfg.temperature)
-                values = _response_values(value_model, input_ids, attention_mask, position_ids, width_r)
-
-                # 2. Score: weighted reward model + reward functions, one scalar per completion.
-                texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-                batch_columns = {k: [v[i] for i in rows] for k, v in columns.items()}
-                total, components = scorer(batch_prompts, as_completions(texts, batch_prompts), batch_columns)
+                    ref_logprobs, _ = _response_logprobs(reference or policy, inputs, width, cfg.temperature)
+                values = _response_values(value_model, inputs, width)
+                texts = tokenizer.batch_decode(inputs["input_ids"][:, -width:], skip_special_tokens=True)
+                total, components = scorer([prompts[i] for i in rows], completions(texts, rows), {k: [v[i] for i in rows] for k, v in columns.items()})
                 scores = torch.tensor(total, device=device, dtype=torch.float)
-                if cfg.missing_eos_penalty is not None:  # N+ §7: penalise completions that never end
+                if cfg.missing_eos_penalty is not None:  # N+ §7: a completion that never ends is penalised
                     scores = scores - cfg.missing_eos_penalty * (~has_eos).float()
-
-                # 3. Rewards and advantages.
                 token_rewards, kl = kl_shaped_rewards(scores, logprobs, ref_logprobs, mask, cfg.kl_coef)
                 if cfg.whiten_rewards:
                     token_rewards = whiten(token_rewards, mask, shift_mean=False)
                 advantages, returns = compute_gae(token_rewards, values, mask, cfg.gamma, cfg.lam)
                 advantages = whiten(advantages, mask)  # advantage normalisation (N+ §7)
 
-            # 4. PPO epochs over shuffled mini-batches (PPO paper, Algorithm 1).
+            # 2. `num_ppo_epochs` passes over shuffled mini-batches (Schulman et al. 2017, Algorithm 1).
             stats: dict[str, list[float]] = {"policy_loss": [], "value_loss": [], "clipfrac": [], "approx_kl": [], "value_clipfrac": []}
             for _ in range(cfg.num_ppo_epochs):
                 for idx in torch.randperm(batch_size, device=device).split(mini_batch_size):
+                    mini = {k: v[idx] for k, v in inputs.items()}
                     with autocast():
-                        new_logprobs, _ = _response_logprobs(policy, input_ids[idx], attention_mask[idx], position_ids[idx], width_r, cfg.temperature)
-                        new_values = _response_values(value_model, input_ids[idx], attention_mask[idx], position_ids[idx], width_r)
+                        new_logprobs, _ = _response_logprobs(policy, mini, width, cfg.temperature)
+                        new_values = _response_values(value_model, mini, width)
                     pg_loss, clipfrac, approx_kl = policy_loss(new_logprobs, logprobs[idx], advantages[idx], mask[idx], cfg.cliprange)
                     vf_loss, vf_clipfrac = value_loss(new_values, values[idx], returns[idx], mask[idx], cfg.cliprange_value)
                     optimizer.zero_grad(set_to_none=True)
@@ -405,10 +409,10 @@ def train(
                     for name, value in zip(stats, (pg_loss, vf_loss, clipfrac, approx_kl, vf_clipfrac)):
                         stats[name].append(value.item())
 
-            # 5. Metrics, averaged over the `logging_steps` window.
+            # 3. Metrics (averaged over the `logging_steps` window) and checkpoints.
             current = {
                 "reward": scores.mean().item(),
-                "kl": kl.sum(1).mean().item(),  # sequence KL to the reference, k1 estimate (N+ §7 reports the same)
+                "kl": kl.sum(1).mean().item(),  # KL(policy || reference) per completion, k1 estimate as N+ §7 reports it
                 "entropy": masked_mean(entropy, mask).item(),
                 "response_length": mask.sum(1).mean().item(),
                 "missing_eos": (~has_eos).float().mean().item(),
@@ -420,8 +424,7 @@ def train(
                 window.setdefault(name, []).append(value)
             progress.set_postfix(reward=f"{current['reward']:.3f}", kl=f"{current['kl']:.3f}")
             if update % cfg.logging_steps == 0 or update == num_updates:
-                metrics = {f"ppo/train/{name}": sum(v) / len(v) for name, v in window.items()}
-                window = {}
+                metrics, window = {f"ppo/train/{name}": sum(v) / len(v) for name, v in window.items()}, {}
                 if log_metrics is not None:
                     log_metrics(metrics, update)
             if update % cfg.save_steps == 0:
