@@ -144,6 +144,9 @@ def evaluate(
     accuracy = {name: stats.bootstrap_mean([float(h) for h in hits], **boot) for name, hits in correct.items()}
     for name, interval in accuracy.items():
         _put(metrics, f"eval/heldout/{name}_exact_match", interval.mean, interval.low, interval.high)
+    if "champion" in correct:  # paired: the same prompts, so the interval is on the differences
+        gain = stats.bootstrap_mean([float(p) - float(c) for p, c in zip(correct[policy_stage], correct["champion"])], **boot)
+        _put(metrics, "eval/heldout/exact_match_gain_vs_champion", gain.mean, gain.low, gain.high)
 
     # KL(policy || SFT) and diversity, on samples drawn from the policy (the k1 estimate needs them).
     policy, tokenizer = load_causal_lm(policy_model)

@@ -1,16 +1,10 @@
 """Proximal policy optimisation for RLHF, written here from the papers (TRL removed its PPOTrainer in 1.13).
 
-One update = roll out one batch of prompts -> score the completions -> shape
-per-token rewards with a KL penalty -> GAE -> `num_ppo_epochs` passes of clipped
-policy and value losses over `num_mini_batches` mini-batches. The math sits in
-small pure functions on tensors (tested with hand-computed values); `train`
-reads top to bottom.
-
-References, cited next to the lines that implement them:
-- PPO: Schulman et al. 2017, "Proximal Policy Optimization Algorithms".
-- GAE: Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized Advantage Estimation".
-- InstructGPT: Ouyang et al. 2022, "Training language models to follow instructions with human feedback".
-- N+: Huang et al. 2024, "The N+ Implementation Details of RLHF with PPO" (§4 general, §6 reward model, §7 PPO).
+One update: sample a batch of completions -> score them -> per-token rewards with a KL penalty
+-> GAE -> `num_ppo_epochs` passes of clipped policy and value losses over `num_mini_batches`.
+The math is in small pure functions on tensors; `train` reads top to bottom. References:
+PPO: Schulman et al. 2017; GAE: Schulman et al. 2016; InstructGPT: Ouyang et al. 2022;
+N+: Huang et al. 2024, "The N+ Implementation Details of RLHF with PPO" (§4 general, §7 PPO details).
 """
 
 from __future__ import annotations
@@ -85,10 +79,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """Mean 0 and (population) std 1 over the real tokens; padding comes out 0.
-
-    shift_mean=False keeps the mean and only rescales, as reward whitening does (N+ §7).
-    """
+    """Mean 0, (population) std 1 over the real tokens, padding 0; shift_mean=False only rescales (reward whitening, N+ §7)."""
     import torch
 
     mean = masked_mean(x, mask)
@@ -100,12 +91,8 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torc
 
 
 def kl_shaped_rewards(scores, logprobs, ref_logprobs, mask, kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token rewards: -kl_coef * (log pi - log pi_ref) on every token, plus the score at the last real token.
-
-    InstructGPT eq. 2 (r_theta(x, y) - beta * log(pi_RL / pi_SFT)) spread over tokens as in
-    N+ §7: the KL term is the k1 estimate per token, the sequence score lands on the EOS token.
-    Returns (rewards, kl) with kl = (logprobs - ref_logprobs) on real tokens, 0 on padding.
-    """
+    """InstructGPT eq. 2, r(x, y) - beta * log(pi_RL / pi_SFT), spread over tokens as in N+ §7:
+    -kl_coef * (logp - ref_logp) on every real token, plus the score on the last one (EOS). Returns (rewards, kl)."""
     import torch
 
     kl = (logprobs - ref_logprobs) * mask
@@ -116,11 +103,8 @@ def kl_shaped_rewards(scores, logprobs, ref_logprobs, mask, kl_coef: float) -> t
 
 
 def compute_gae(rewards, values, mask, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalized advantage estimation, Schulman et al. 2016 eq. 16.
-
-    delta_t = r_t + gamma * V(s_{t+1}) - V(s_t);  A_t = sum_l (gamma * lam)^l delta_{t+l}.
-    The episode ends at the last real token: V = 0 and r = 0 after it. Returns (advantages, returns = A + V).
-    """
+    """GAE, Schulman et al. 2016 eq. 16: A_t = sum_l (gamma lam)^l delta_{t+l}, delta_t = r_t + gamma V_{t+1} - V_t.
+    The episode ends at the last real token (V = r = 0 after it). Returns (advantages, returns = A + V)."""
     import torch
 
     rewards, values = rewards * mask, values * mask
@@ -136,10 +120,8 @@ def compute_gae(rewards, values, mask, gamma: float, lam: float) -> tuple[torch.
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """PPO's clipped surrogate, Schulman et al. 2017 eq. 7, as a loss (negated), mean over real tokens.
-
-    Returns (loss, clipfrac: share of tokens where the clipped term binds, approx_kl: 0.5 * E[(log ratio)^2]).
-    """
+    """Schulman et al. 2017 eq. 7 (negated, mean over real tokens). Returns (loss, clipfrac: share of tokens
+    where the clipped term binds, approx_kl: 0.5 E[(log ratio)^2], Schulman's k2 as CleanRL and TRL report it)."""
     import torch
 
     log_ratio = logprobs - old_logprobs
@@ -148,15 +130,13 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange: float) -> t
     clipped = -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange)
     loss = masked_mean(torch.max(unclipped, clipped), mask)
     clipfrac = masked_mean((clipped > unclipped).float(), mask)
-    approx_kl = 0.5 * masked_mean(log_ratio**2, mask)  # Schulman's k2 estimator, as CleanRL and TRL report it
+    approx_kl = 0.5 * masked_mean(log_ratio**2, mask)
     return loss, clipfrac.detach(), approx_kl.detach()
 
 
 def value_loss(values, old_values, returns, mask, cliprange_value: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """0.5 * max((V - R)^2, (clip(V, V_old +- c) - R)^2), mean over real tokens (N+ §7; PPO2's value clipping).
-
-    Returns (loss, clipfrac: share of tokens where the clipped error is the larger).
-    """
+    """0.5 max((V - R)^2, (clip(V, V_old +- c) - R)^2), mean over real tokens (N+ §7, as OpenAI's PPO2).
+    Returns (loss, clipfrac: share of tokens where the clipped error is the larger)."""
     import torch
 
     clipped_values = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
@@ -169,11 +149,8 @@ def value_loss(values, old_values, returns, mask, cliprange_value: float) -> tup
 
 
 def _sample(policy, prompt_ids: list[list[int]], cfg: PpoConfig, pad_id: int, eos_id: int, device) -> tuple[dict, torch.Tensor, torch.Tensor]:
-    """Left-padded prompts (N+ §4) -> model inputs for prompt + completion, the completion mask, and whether each ended.
-
-    Sampling uses `temperature` and no top-k/top-p, so the sampling distribution is the one whose
-    log-probabilities we compute. Everything after the first EOS becomes padding, masked out (N+ §4, §7).
-    """
+    """Left-padded prompts (N+ §4) -> inputs for prompt + completion, completion mask, whether each ended with EOS.
+    No top-k/top-p: we sample from exactly the distribution whose log-probs we compute. After EOS: padding (N+ §4)."""
     import torch
 
     width = max(map(len, prompt_ids))
@@ -202,8 +179,7 @@ def _response_logprobs(model, inputs: dict, width: int, temperature: float, with
     sampling temperature (N+ §7), or the ratios and KL would describe another policy than the one sampled."""
     import torch
 
-    logits = model(**inputs, logits_to_keep=width + 1).logits[:, :-1].float() / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
+    logp_all = torch.log_softmax(model(**inputs, logits_to_keep=width + 1).logits[:, :-1].float() / temperature, dim=-1)
     logprobs = logp_all.gather(-1, inputs["input_ids"][:, -width:, None]).squeeze(-1)
     return logprobs, (-(logp_all.exp() * logp_all).sum(-1) if with_entropy else None)
 
@@ -267,7 +243,7 @@ def _load_checkpoint(checkpoint: Path, policy, value_model, optimizer) -> dict:
 
     for model, name in ((policy, "policy"), (value_model, "value_model")):
         weights = load_file(checkpoint / f"{name}.safetensors")
-        if set(weights) != set(_trainable(model)):
+        if set(weights) != {n for n, p in model.named_parameters() if p.requires_grad}:
             raise ValueError(f"{checkpoint / name}.safetensors does not hold this model's trained weights (was the config, e.g. lora, changed?)")
         model.load_state_dict(weights, strict=False)
     optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=True))
@@ -379,7 +355,7 @@ def train(
                 width = mask.shape[1]
                 logprobs, entropy = _response_logprobs(policy, inputs, width, cfg.temperature, with_entropy=True)
                 with policy.disable_adapter() if reference is None else contextlib.nullcontext():
-                    ref_logprobs, _ = _response_logprobs(reference or policy, inputs, width, cfg.temperature)
+                    ref_logprobs, _ = _response_logprobs(policy if reference is None else reference, inputs, width, cfg.temperature)
                 values = _response_values(value_model, inputs, width)
                 texts = tokenizer.batch_decode(inputs["input_ids"][:, -width:], skip_special_tokens=True)
                 total, components = scorer([prompts[i] for i in rows], completions(texts, rows), {k: [v[i] for i in rows] for k, v in columns.items()})

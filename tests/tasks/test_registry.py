@@ -81,3 +81,59 @@ def test_first_version_is_champion_a_loser_is_refused_a_winner_promoted(ctx):
     assert AutoTokenizer.from_pretrained(local)("sort 3 -> ")["input_ids"]
     champion = current_champion(cfg)
     assert champion.digest == policy.digest and (champion.path / "model" / "model.safetensors").is_file()
+
+
+def test_gate_on_measured_exact_match_refuses_the_untrained_base_and_promotes_a_trained_model(ctx, tmp_path):
+    """Every number the gate sees here is measured by the eval stage's code, on purpose-built models."""
+    from trainers import eval as evaluation
+    from trainers import sft
+    from trainers.common import ModelConfig
+    from trainers.eval import EvalConfig
+    from tests.helpers import write_data_dir
+
+    data = write_data_dir(tmp_path / "data", rows=600)
+    base = ModelConfig()  # the full tiny model: it learns the task in a few dozen steps
+    cfg = RegistryConfig(model_name="gate-test", gate_metric="eval/heldout/exact_match_gain_vs_champion", min_value=0.0, min_lower_bound=0.0)
+    eval_cfg = EvalConfig(max_prompts=100, max_new_tokens=8, perplexity_rows=0, n_bootstrap=200)
+    parent = tracking.start_run(ctx.experiment_id, "gate", {})
+    run_ctx = ctx.model_copy(update={"parent_run_id": parent})
+
+    def untrained(out_dir, work_dir, log):
+        save_model(*load_base_model(base), out_dir / "model")
+        return {}
+
+    def trained(out_dir, work_dir, log):
+        config = sft.SftConfig(max_steps=60, learning_rate=3e-3, per_device_train_batch_size=64, max_length=64, save_steps=1000)
+        return sft.train(config, base, data, out_dir, work_dir)
+
+    base_ref = run_stage("sft", {"untrained": True}, {}, run_ctx, untrained).ref
+    sft_ref = run_stage("sft", {"steps": 60}, {}, run_ctx, trained).ref
+
+    def evaluate(policy, tag):
+        champion = current_champion(cfg)
+        build = lambda out, work, log: evaluation.evaluate(  # noqa: E731
+            eval_cfg, base, sft_ref.path / "model", policy.path / "model", None, data, out, "dpo",
+            champion_model=champion.path / "model" if champion and champion.digest != policy.digest else None,
+        )
+        return run_stage("eval", {"tag": tag}, {"policy": policy}, run_ctx, build).ref
+
+    first = register_policy(cfg, sft_ref, evaluate(sft_ref, "first"), [sft_ref], run_ctx)
+    assert first["promoted"]  # the first version is champion
+
+    report = evaluate(base_ref, "base vs trained champion")
+    metrics = report.manifest()["metrics"]
+    assert metrics["eval/heldout/exact_match_gain_vs_champion"] < 0 < metrics["eval/heldout/champion_exact_match"]
+    refused = register_policy(cfg, base_ref, report, [base_ref], run_ctx)
+    assert not refused["promoted"] and "is not above 0.0" in refused["reason"]
+    client = MlflowClient()
+    assert str(client.get_model_version_by_alias("gate-test", CHAMPION).version) == first["version"]
+    assert str(client.get_model_version_by_alias("gate-test", CANDIDATE).version) == refused["version"]
+
+    # And the other way round: the untrained base as champion, the trained model wins and moves it.
+    cfg = cfg.model_copy(update={"model_name": "gate-test-promote"})
+    assert register_policy(cfg, base_ref, evaluate(base_ref, "base first"), [base_ref], run_ctx)["promoted"]
+    report = evaluate(sft_ref, "trained vs untrained champion")
+    assert report.manifest()["metrics"]["eval/heldout/exact_match_gain_vs_champion_low"] > 0
+    promoted = register_policy(cfg, sft_ref, report, [sft_ref], run_ctx)
+    assert promoted["promoted"]
+    assert str(client.get_model_version_by_alias("gate-test-promote", CHAMPION).version) == promoted["version"]
