@@ -269,7 +269,12 @@ def train(
     work_dir: Path,
     log_metrics: LogMetrics | None = None,
 ) -> dict[str, float]:
-    """Write the trained policy to `out_dir/model` (merged under LoRA unless keep_adapter); return the last logged metrics."""
+    """Write the trained policy to `out_dir/model` (merged under LoRA unless keep_adapter); return the last logged metrics.
+
+    Metrics, `ppo/train/<name>`: reward (the weighted score PPO optimises), reward_<component> (each reward's raw
+    mean: `reward_model`, `reward_<function name>`), kl, entropy, policy_loss, value_loss, clipfrac, approx_kl,
+    value_clipfrac, response_length, missing_eos (share without EOS), learning_rate.
+    """
     import numpy as np
     import torch
     from tqdm.auto import tqdm

@@ -175,6 +175,25 @@ def test_resume_continues_the_update_counter(tiny, tmp_path):
     assert json.loads((work / "checkpoint-4" / "trainer_state.json").read_text())["data_index"] == 32
 
 
+def test_resume_after_a_crash_matches_an_unbroken_run(tiny, tmp_path):
+    cfg = ppo.PpoConfig(**{**FAST, "total_episodes": 32, "save_steps": 2})
+
+    def crash_at_update_3(values, step):
+        if step == 3:
+            raise RuntimeError("worker killed")
+
+    with pytest.raises(RuntimeError, match="worker killed"):
+        ppo.train(cfg, EXACT_MATCH, tiny["sft"], None, tiny["data"], tmp_path / "out", tmp_path / "work", crash_at_update_3)
+    steps: list[int] = []
+    ppo.train(cfg, EXACT_MATCH, tiny["sft"], None, tiny["data"], tmp_path / "out", tmp_path / "work", lambda v, s: steps.append(s))
+    assert steps == [3, 4]
+    ppo.train(cfg, EXACT_MATCH, tiny["sft"], None, tiny["data"], tmp_path / "straight", tmp_path / "work-straight")
+    # Weights, optimizer, data position and RNG came back from checkpoint-2: the same result as no crash.
+    resumed, _ = load_causal_lm(tmp_path / "out" / "model")
+    straight, _ = load_causal_lm(tmp_path / "straight" / "model")
+    assert not changed(state_dict_copy(resumed), state_dict_copy(straight))
+
+
 def test_a_broken_reward_function_fails_before_training(tiny, tmp_path):
     rewards = RewardsConfig(reward_model_weight=0, functions=[RewardFunctionSpec(path="tests.trainers.test_ppo:short_reward")])
     logged: list[int] = []
