@@ -96,14 +96,9 @@ def _warm_up_imports() -> None:
 
 def _evaluate(args) -> int:
     from flows.evaluate import EvalParams, rlhf_eval
-    from flows.params import deep_merge, parse_override
+    from flows.params import apply_overrides
 
-    values: dict = {"policy": args.policy, "sft_model": args.sft, "reward_model": args.rm}
-    for item in args.overrides:
-        path, value = parse_override(item)
-        for part in reversed(path):
-            value = {part: value}
-        values = deep_merge(values, value)
+    values = apply_overrides({"policy": args.policy, "sft_model": args.sft, "reward_model": args.rm}, args.overrides)
     try:
         params = EvalParams.model_validate(values)
     except (ValidationError, ValueError) as exc:

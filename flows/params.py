@@ -101,10 +101,15 @@ def load_params(preset: str | None = DEFAULT_PRESET, overrides: list[str] = (), 
     values: dict[str, Any] = {}
     if preset:
         values = yaml.safe_load(preset_path(preset).read_text()) or {}
+    return PipelineParams.model_validate(deep_merge(apply_overrides(values, overrides), fields))
+
+
+def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Merge `--set key.path=value` items into a nested dict of parameters."""
     for item in overrides:
         path, value = parse_override(item)
         nested: Any = value
         for part in reversed(path):
             nested = {part: nested}
         values = deep_merge(values, nested)
-    return PipelineParams.model_validate(deep_merge(values, fields))
+    return values

@@ -13,6 +13,7 @@ from trainers.common import ModelConfig
 from trainers.eval import EvalConfig
 
 REPORT_FILES = ("summary.json", "summary.md", "samples.jsonl", "plots")
+CURVES = ("/train/loss", "/train/accuracy", "/train/reward", "/train/kl", "/train/rewards_margins")  # plotted per stage
 
 
 @stage_task("eval")
@@ -83,8 +84,8 @@ def publish_report(report: ArtifactRef, stages: list[ArtifactRef | None], ctx: R
             continue
         run_id = ref.manifest().get("mlflow_run_id")
         if run_id:
-            wanted = ("/train/loss", "/train/accuracy", "/train/reward", "/train/kl", "/train/rewards_margins")
-            histories.update({k: v for k, v in tracking.metric_histories(run_id, ref.stage + "/").items() if k.endswith(wanted) and len(v) > 1})
+            curves = tracking.metric_histories(run_id, ref.stage + "/")
+            histories.update({k: v for k, v in curves.items() if k.endswith(CURVES) and len(v) > 1})
     if histories:
         with tempfile.TemporaryDirectory() as scratch:
             path = plots.training_curves(histories, Path(scratch) / "training_curves.png")

@@ -35,13 +35,13 @@ def gate(cfg: RegistryConfig, metrics: dict[str, float]) -> tuple[bool, str]:
         return False, f"gate metric {cfg.gate_metric!r} missing from eval metrics"
     if value <= cfg.min_value:
         return False, f"{cfg.gate_metric}={value:.4f} is not above {cfg.min_value}"
+    reason = f"{cfg.gate_metric}={value:.4f} > {cfg.min_value}"
     if cfg.min_lower_bound is not None:
         low = metrics.get(f"{cfg.gate_metric}_low")
         if low is None or low <= cfg.min_lower_bound:
             return False, f"{cfg.gate_metric} lower bound {low} is not above {cfg.min_lower_bound}"
-    return True, f"{cfg.gate_metric}={value:.4f} > {cfg.min_value}" + (
-        f", lower bound {metrics[cfg.gate_metric + '_low']:.4f} > {cfg.min_lower_bound}" if cfg.min_lower_bound is not None else ""
-    )
+        reason += f", lower bound {low:.4f} > {cfg.min_lower_bound}"
+    return True, reason
 
 
 def current_champion(cfg: RegistryConfig) -> ArtifactRef | None:

@@ -29,7 +29,7 @@ def resolve_model(source: str | None, role: str) -> tuple[ArtifactRef, dict[str,
     manifest = ref_dir / MANIFEST
     digest = ArtifactRef(stage=role, key="", uri=str(ref_dir)).manifest()["digest"] if manifest.is_file() else content_digest(ref_dir / "model")
     key = hashlib.sha256(str(ref_dir).encode()).hexdigest()[:32]
-    return ArtifactRef(stage=role if role != "policy" else "policy", key=key, uri=str(ref_dir), digest=digest), {}
+    return ArtifactRef(stage=role, key=key, uri=str(ref_dir), digest=digest), {}
 
 
 def _registered(uri: str) -> tuple[ArtifactRef, dict[str, str]]:
