@@ -6,6 +6,7 @@
     rlhf params [--config ...] [--set ...]     # print the resolved parameters, run nothing
     rlhf eval models:/rlhf-policy@candidate    # evaluate a registered version (or a model folder) on demand
     rlhf serve                                 # serve the deployments (see deployments/serve.py)
+    rlhf up                                    # a local Prefect server + MLflow UI + `rlhf serve`, until Ctrl-C
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ QUIET_ENV = {
     "MLFLOW_DISABLE_TELEMETRY": "true",
     "HF_HUB_DISABLE_TELEMETRY": "1",
     "DO_NOT_TRACK": "1",
-    # Transformers/TRL logs reach the Prefect UI only when named here (DESIGN.md).
-    "PREFECT_LOGGING_EXTRA_LOGGERS": "transformers,trl",
+    # Library logs (and our progress lines, logger `trainers`) reach the Prefect UI only when named here (DESIGN.md).
+    "PREFECT_LOGGING_EXTRA_LOGGERS": "transformers,trl,peft,accelerate,trainers",
 }
 
 
@@ -45,6 +46,12 @@ def _parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="serve the deployments (rlhf/full, dpo, grpo, rloo, retrain, rlhf-eval/eval)")
     serve.add_argument("--config", default="tiny", help="preset whose parameters the deployments carry")
     serve.add_argument("--retrain-cron", default=None, help="cron of the retrain deployment (default: Mondays 03:00)")
+    serve.add_argument("--retrain-set", dest="retrain_overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a field of the retrain deployment, e.g. --retrain-set 'data.preference.path=/data/prefs/*.jsonl'")
+    up = commands.add_parser("up", help="start a local Prefect server, the MLflow UI and `rlhf serve` together (Ctrl-C stops all)")
+    up.add_argument("--port", type=int, default=4200, help="Prefect server port on 127.0.0.1 (default 4200)")
+    up.add_argument("--mlflow-port", type=int, default=5000, help="MLflow UI port on 127.0.0.1 (default 5000)")
+    up.add_argument("serve_args", nargs=argparse.REMAINDER, help="arguments passed on to `rlhf serve`")
     return parser
 
 
@@ -58,8 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from deployments.serve import RETRAIN_CRON, serve
 
-        serve(args.config, args.retrain_cron or RETRAIN_CRON)
+        serve(args.config, args.retrain_cron or RETRAIN_CRON, args.retrain_overrides)
         return 0
+    if args.command == "up":
+        from deployments.local import up
+
+        return up(args.port, args.mlflow_port, args.serve_args)
 
     from flows.params import load_params
 
@@ -76,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     _warm_up_imports()
     from flows.rlhf import rlhf
 
-    summary = rlhf(params)
+    summary = rlhf(**dict(params))
     _report(summary)
     return 0
 
@@ -105,7 +116,7 @@ def _evaluate(args) -> int:
         print(f"rlhf: invalid parameters:\n{exc}", file=sys.stderr)
         return 2
     _warm_up_imports()
-    _report(rlhf_eval(params))
+    _report(rlhf_eval(**dict(params)))
     return 0
 
 

@@ -2,6 +2,7 @@
 
     rlhf eval models:/rlhf-policy@candidate              # SFT and reward model from the version's lineage
     rlhf eval path/to/model --sft path/to/sft --rm path/to/rm
+    prefect deployment run rlhf-eval/eval -p policy=models:/rlhf-policy/3
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from prefect import flow
 from pydantic import Field
 
-from flows.params import DEFAULT_PRESET, load_params
+from flows.params import DEFAULT_PRESET, described_by, from_flow_parameters, load_params
 from tasks.data import validate_data
 from tasks.eval import evaluate
 from tasks.pipeline import pipeline_run
@@ -28,6 +29,7 @@ class EvalParams(StrictModel):
     policy: str = Field(description="'models:/<name>/<version>', 'models:/<name>@<alias>', or a local model folder.")
     sft_model: str | None = Field(None, description="Reference SFT model (URI or folder); None: from the registered version's lineage.")
     reward_model: str | None = Field(None, description="Reward model (URI or folder); None: from the lineage, or no reward metrics.")
+    preset: str | None = Field(DEFAULT_PRESET, description="Preset that the model, data, eval and registry fields not given fall back to.")
     experiment_name: str = Field("rlhf", description="MLflow experiment that holds the run.")
     algorithm: str = Field("eval", description="Recorded on the MLflow run.")
     no_cache: bool = Field(False, description="Re-evaluate even when the same report exists.")
@@ -38,8 +40,22 @@ class EvalParams(StrictModel):
 
 
 @flow(name="rlhf-eval", persist_result=False, validate_parameters=True)
-def rlhf_eval(params: EvalParams) -> dict:
+@described_by(EvalParams)
+def rlhf_eval(
+    policy: str,
+    sft_model: str | None = None,
+    reward_model: str | None = None,
+    preset: str | None = DEFAULT_PRESET,
+    experiment_name: str = "rlhf",
+    algorithm: str = "eval",
+    no_cache: bool = False,
+    model: ModelConfig = _defaults.model,
+    data: DataConfig = _defaults.data,
+    eval: EvalConfig = _defaults.eval,
+    registry: RegistryConfig = _defaults.registry,
+) -> dict:
     """Evaluate a registered version or a model folder against SFT and the champion."""
+    params = from_flow_parameters(EvalParams, locals())
     with pipeline_run(params) as run:
         policy, lineage = resolve_model(params.policy, "policy")
         sft_model, _ = resolve_model(params.sft_model or lineage.get("sft"), "sft")

@@ -5,11 +5,12 @@ Presets in `configs/` override the defaults; `--set a.b=value` overrides a prese
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from tasks.registry import RegistryConfig
 from trainers.common import TINY, ModelConfig, StrictModel
@@ -34,6 +35,11 @@ class PipelineParams(StrictModel):
 
     algorithm: Literal["dpo", "grpo", "rloo", "ppo"] = Field(
         "dpo", description="Policy-optimisation stage after SFT: offline on preferences (dpo) or online RL against `rewards`."
+    )
+    preset: str | None = Field(
+        DEFAULT_PRESET,
+        description="Preset (configs/<name>.yaml or a YAML path) that every field not given here falls back to, "
+        "field by field: `-p ppo='{\"kl_coef\": 0.1}'` changes one field of the preset's ppo block.",
     )
     experiment_name: str = Field("rlhf", description="MLflow experiment that holds the runs.")
     no_cache: bool = Field(False, description="Re-run every stage even when its artifact already exists.")
@@ -98,10 +104,46 @@ def deep_merge(base: dict, override: dict) -> dict:
 
 def load_params(preset: str | None = DEFAULT_PRESET, overrides: list[str] = (), **fields: Any) -> PipelineParams:
     """Defaults < preset (YAML) < `--set` overrides < keyword fields."""
-    values: dict[str, Any] = {}
-    if preset:
-        values = yaml.safe_load(preset_path(preset).read_text()) or {}
-    return PipelineParams.model_validate(deep_merge(apply_overrides(values, overrides), fields))
+    return PipelineParams.model_validate(deep_merge(apply_overrides(preset_values(preset), overrides), fields))
+
+
+def preset_values(preset: str | None) -> dict[str, Any]:
+    values = yaml.safe_load(preset_path(preset).read_text()) if preset else None
+    return {**(values or {}), "preset": preset}
+
+
+Params = TypeVar("Params", bound=StrictModel)
+
+
+def from_flow_parameters(model: type[Params], given: dict[str, Any]) -> Params:
+    """The flow's parameters as one typed model, each block merged field by field onto the preset.
+
+    Prefect merges a run's parameters onto its deployment's per top-level name,
+    so `-p ppo='{"kl_coef": 0.1}'` arrives as a PpoConfig with one field set;
+    the fields it leaves unset come from the preset, not from the code defaults.
+    """
+    explicit = {
+        name: value.model_dump(mode="json", exclude_unset=True) if isinstance(value, BaseModel) else value
+        for name, value in given.items()
+    }
+    preset = preset_values(given.get("preset")) if "preset" in model.model_fields else {}
+    base = {name: value for name, value in preset.items() if name in model.model_fields}
+    return model.model_validate(deep_merge(base, explicit))
+
+
+def described_by(model: type[StrictModel]) -> Callable[[Callable], Callable]:
+    """Add the model's field descriptions to a flow function's docstring as `Args:`.
+
+    Prefect reads parameter descriptions from the docstring, and the UI shows
+    them on the run form; this keeps one copy of them, on the model.
+    """
+
+    def describe(fn: Callable) -> Callable:
+        args = "\n".join(f"    {name}: {field.description}" for name, field in model.model_fields.items())
+        fn.__doc__ = f"{fn.__doc__.rstrip()}\n\nArgs:\n{args}\n"
+        return fn
+
+    return describe
 
 
 def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

@@ -1,29 +1,65 @@
 """The `rlhf` flow: data -> sft -> rm -> dpo | grpo | rloo | ppo -> eval -> registry, each a cached, retryable stage.
 
     python -m flows.rlhf [--config PRESET] [--set key.path=value ...] [--no-cache]
+    prefect deployment run rlhf/full -p algorithm=grpo -p grpo='{"beta": 0.1}'
+
+Its parameters are the fields of `PipelineParams`, one per stage block, so a
+deployment run can override a block (or one field of it: blocks merge onto
+the preset) and the Prefect UI draws one typed section per stage.
 """
 
 from __future__ import annotations
 
 import sys
+from typing import Literal
 
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from flows.params import PipelineParams, load_params
+from flows.params import PipelineParams, described_by, from_flow_parameters, load_params
 from tasks.data import validate_data
 from tasks.dpo import train_dpo
 from tasks.eval import evaluate
 from tasks.pipeline import pipeline_run
 from tasks.policy import train_grpo, train_ppo, train_rloo
-from tasks.registry import register_policy
+from tasks.registry import RegistryConfig, register_policy
 from tasks.rm import train_reward_model
 from tasks.sft import train_sft
+from trainers.common import ModelConfig
+from trainers.data import DataConfig
+from trainers.dpo import DpoConfig
+from trainers.eval import EvalConfig
+from trainers.grpo import GrpoConfig
+from trainers.ppo import PpoConfig
+from trainers.rewards import RewardsConfig
+from trainers.rloo import RlooConfig
+from trainers.rm import RewardConfig
+from trainers.sft import SftConfig
+
+TINY = load_params()  # the defaults: the embedded preset
 
 
 @flow(name="rlhf", persist_result=False, validate_parameters=True)
-def rlhf(params: PipelineParams = load_params()) -> dict:
+@described_by(PipelineParams)
+def rlhf(
+    algorithm: Literal["dpo", "grpo", "rloo", "ppo"] = TINY.algorithm,
+    preset: str | None = TINY.preset,
+    experiment_name: str = TINY.experiment_name,
+    no_cache: bool = TINY.no_cache,
+    model: ModelConfig = TINY.model,
+    data: DataConfig = TINY.data,
+    sft: SftConfig = TINY.sft,
+    rm: RewardConfig = TINY.rm,
+    dpo: DpoConfig = TINY.dpo,
+    rewards: RewardsConfig = TINY.rewards,
+    grpo: GrpoConfig = TINY.grpo,
+    rloo: RlooConfig = TINY.rloo,
+    ppo: PpoConfig = TINY.ppo,
+    eval: EvalConfig = TINY.eval,
+    registry: RegistryConfig = TINY.registry,
+) -> dict:
     """Post-train a model with RLHF: validate data, SFT, reward model, DPO/GRPO/RLOO/PPO, evaluate, register."""
+    params = from_flow_parameters(PipelineParams, locals())
     with pipeline_run(params) as run:
         # Futures wire the DAG (the Prefect UI draws it); each stage waits for the
         # one before it so that only one stage trains on the device at a time.
@@ -36,12 +72,12 @@ def rlhf(params: PipelineParams = load_params()) -> dict:
         stages = [f.result() for f in (data, sft_model, reward_model, policy, report) if f is not None]
         registered = None
         if params.registry.enabled:
-            registered = registry.submit(params.registry, policy.result(), report.result(), stages, run.ctx).result()
+            registered = register.submit(params.registry, policy.result(), report.result(), stages, run.ctx).result()
         return run.finish(policy=policy.result(), report=report.result(), stages=stages, registered=registered)
 
 
 @task(name="registry", task_run_name="registry", retries=2, retry_delay_seconds=[10, 60], cache_policy=NO_CACHE, persist_result=False)
-def registry(config, policy, report, stages, ctx) -> dict:
+def register(config, policy, report, stages, ctx) -> dict:
     """Register the policy; move `champion` only if the gate passes."""
     return register_policy(config, policy, report, stages, ctx)
 

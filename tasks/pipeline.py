@@ -10,7 +10,7 @@ import yaml
 from pydantic import BaseModel
 
 from tasks import tracking
-from tasks.stage import ArtifactRef, RunContext, prefect_log
+from tasks.stage import ArtifactRef, RunContext, ensure_device_limit, prefect_log
 
 
 @dataclass
@@ -47,6 +47,8 @@ def _flow_run() -> tuple[str, str]:
 @contextlib.contextmanager
 def pipeline_run(params: BaseModel) -> Iterator[PipelineRun]:
     flow_run_id, flow_run_name = _flow_run()
+    if flow_run_id:
+        ensure_device_limit()
     experiment = tracking.experiment_id(params.experiment_name)
     run_id = tracking.start_run(
         experiment, flow_run_name, {"prefect.flow_run_id": flow_run_id, "rlhf.algorithm": params.algorithm}

@@ -18,6 +18,8 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -77,6 +79,7 @@ class StageOutcome:
     ref: ArtifactRef
     cached: bool
     metrics: dict[str, float]
+    mlflow_run_id: str = ""
 
 
 Build = Callable[[Path, Path, LogMetrics], dict[str, float]]
@@ -161,16 +164,18 @@ def run_stage(
         tracking.log_metrics(run_id, manifest["metrics"])
         tracking.end_run(run_id)
         log(f"{stage}: cached ({final}, produced by MLflow run {manifest['mlflow_run_id']})")
-        return StageOutcome(ref, cached=True, metrics=manifest["metrics"])
+        return StageOutcome(ref, cached=True, metrics=manifest["metrics"], mlflow_run_id=run_id)
 
     run_id = tracking.start_run(ctx.experiment_id, stage, {**tags, "rlhf.cached": "false"}, ctx.parent_run_id)
     tracking.log_params(run_id, config_json)  # the resolved config first, before anything can fail
+    log(f"{stage}: MLflow {tracking.run_link(run_id)}")
     work_dir = stage_root / ".work" / key
     tmp = stage_root / f".tmp-{key}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     started = time.time()
     try:
-        metrics = build(tmp, work_dir, lambda values, step: tracking.log_metrics(run_id, values, step))
+        with device_slot(stage, log):
+            metrics = build(tmp, work_dir, lambda values, step: tracking.log_metrics(run_id, values, step))
         seconds = time.time() - started
         metrics = {**metrics, f"{stage}/time/seconds": round(seconds, 3)}
         manifest = {
@@ -202,7 +207,7 @@ def run_stage(
     ref = ref.model_copy(update={"digest": manifest["digest"]})
     shutil.rmtree(work_dir, ignore_errors=True)  # checkpoints are only a resume source
     log(f"{stage}: done in {seconds:.1f}s -> {final}")
-    return StageOutcome(ref, cached=False, metrics=metrics)
+    return StageOutcome(ref, cached=False, metrics=metrics, mlflow_run_id=run_id)
 
 
 def _log_file(run_id: str, stage_dir: Path, name: str) -> None:
@@ -225,6 +230,48 @@ def _publish(tmp: Path, final: Path) -> None:
 
 
 # --- the Prefect side ------------------------------------------------------------
+
+DEVICE_STAGES = frozenset({"sft", "rm", "dpo", "grpo", "rloo", "ppo", "eval"})
+DEVICE_LIMIT_ENV = "RLHF_DEVICE_LIMIT"
+
+
+def device_limit() -> str:
+    """Name of the Prefect global concurrency limit that device stages hold a slot of while they build."""
+    return os.environ.get(DEVICE_LIMIT_ENV, "rlhf-gpu")
+
+
+def ensure_device_limit(slots: int = 1) -> None:
+    """Create the device limit with `slots` slots if it does not exist (an existing one is left as its owner set it)."""
+    from prefect import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(device_limit())
+        except ObjectNotFound:
+            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=device_limit(), limit=slots))
+
+
+@contextmanager
+def device_slot(stage: str, log: Callable[[str], None] = print) -> Iterator[None]:
+    """Hold one slot of the device limit while a training or generating stage builds.
+
+    Two flow runs then never train on the same GPU at once: the second waits
+    here (its cached stages do not). Outside a Prefect run it is a no-op.
+    """
+    from prefect.context import TaskRunContext
+
+    if stage not in DEVICE_STAGES or TaskRunContext.get() is None:
+        yield
+        return
+    from prefect.concurrency.sync import concurrency
+
+    waited = time.time()
+    with concurrency(device_limit(), occupy=1):
+        if time.time() - waited > 1:
+            log(f"{stage}: waited {time.time() - waited:.0f}s for a slot of concurrency limit {device_limit()!r}")
+        yield
 
 PERMANENT_ERRORS = (ValueError, TypeError, KeyError, ImportError, NotImplementedError)
 
@@ -251,6 +298,7 @@ def stage_task(stage: str, retries: int = 2, retry_delay_seconds: list[float] = 
         @functools.wraps(fn)
         def run(*args, **kwargs):
             outcome = fn(*args, **kwargs)
+            _link_mlflow_run(stage, outcome.mlflow_run_id)
             if outcome.cached:
                 return Completed(data=outcome.ref, name="Cached", message=f"manifest found: {outcome.ref.uri}")
             return outcome.ref
@@ -268,6 +316,15 @@ def stage_task(stage: str, retries: int = 2, retry_delay_seconds: list[float] = 
         )(run)
 
     return decorate
+
+
+def _link_mlflow_run(stage: str, run_id: str) -> None:
+    """A link artifact on the task run to its MLflow run, when the MLflow UI has an address."""
+    link = tracking.run_url(run_id) if run_id else None
+    if link:
+        from prefect.artifacts import create_link_artifact
+
+        create_link_artifact(link, link_text=f"{stage} in MLflow", description=f"MLflow run of the `{stage}` stage")
 
 
 def prefect_log(message: str) -> None:

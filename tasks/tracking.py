@@ -15,6 +15,7 @@ from typing import Any
 STATE_ENV = "RLHF_STATE_DIR"
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 PARAM_VALUE_LIMIT = 6000  # MLflow rejects longer param values
+UI_ENV = "RLHF_MLFLOW_UI"
 
 
 def state_dir() -> Path:
@@ -117,13 +118,26 @@ def log_text(run_id: str, text: str, artifact_file: str) -> None:
     client().log_text(run_id, text, artifact_file)
 
 
-def run_link(run_id: str) -> str:
-    """Where a person finds the run: the UI page on a server, else how to open the local UI."""
+def ui_url() -> str | None:
+    """The MLflow UI's address: the tracking server itself, or `RLHF_MLFLOW_UI` (set by `rlhf up`) for a local store."""
     uri = tracking_uri()
-    run = client().get_run(run_id)
     if uri.startswith("http"):
-        return f"{uri.rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}"
-    return f"run {run_id} in {uri} (open with: mlflow ui --backend-store-uri {uri})"
+        return uri.rstrip("/")
+    return os.environ.get(UI_ENV, "").rstrip("/") or None
+
+
+def run_url(run_id: str) -> str | None:
+    """The run's page in the MLflow UI, when the UI has an address."""
+    ui = ui_url()
+    if ui is None:
+        return None
+    return f"{ui}/#/experiments/{client().get_run(run_id).info.experiment_id}/runs/{run_id}"
+
+
+def run_link(run_id: str) -> str:
+    """Where a person finds the run: its UI page, else how to open the local UI."""
+    uri = tracking_uri()
+    return run_url(run_id) or f"run {run_id} in {uri} (open with: mlflow ui --backend-store-uri {uri})"
 
 
 # --- model registry ----------------------------------------------------------------

@@ -6,8 +6,10 @@ need them, so that config classes stay cheap to import for the flow and the CLI.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
@@ -220,20 +222,56 @@ def metric_name(stage: str, key: str) -> str:
     return f"{stage}/{split}/{re.sub(r'[^A-Za-z0-9_.-]+', '_', key)}"
 
 
+PROGRESS = logging.getLogger("trainers.progress")
+"""Progress lines ("sft: step 40/300 (13%) ... eta 1m20s"); `trainers` is one of Prefect's extra loggers, so they reach the UI."""
+PROGRESS.setLevel(logging.INFO)
+
+
+class Progress:
+    """Step counter with rate and ETA, logged every time a stage logs metrics."""
+
+    def __init__(self, stage: str, total: int, start_step: int = 0):
+        self.stage, self.total, self.start_step, self.started = stage, total, start_step, time.monotonic()
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        elapsed = time.monotonic() - self.started
+        done = step - self.start_step
+        eta = elapsed / done * (self.total - step) if done > 0 else float("nan")
+        shown = " ".join(f"{k.rsplit('/', 1)[-1]}={v:.4g}" for k, v in list(values.items())[:4])
+        PROGRESS.info(
+            f"{self.stage}: step {step}/{self.total} ({step / max(self.total, 1):.0%}) {shown} "
+            f"elapsed {_duration(elapsed)} eta {_duration(eta)}"
+        )
+
+
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
+
+
 def metrics_callback(stage: str, log_metrics: LogMetrics | None):
-    """A transformers TrainerCallback that forwards every log line as namespaced metrics."""
+    """A transformers TrainerCallback that forwards every log line as namespaced metrics and logs progress."""
     from transformers import TrainerCallback
 
     class ForwardMetrics(TrainerCallback):
+        progress: Progress | None = None
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.progress = Progress(stage, state.max_steps, state.global_step)
+
         def on_log(self, args, state, control, logs=None, **kwargs):
-            if log_metrics is None or not logs or not state.is_world_process_zero:
+            if not logs or not state.is_world_process_zero:
                 return
             values = {
                 metric_name(stage, k): float(v)
                 for k, v in logs.items()
                 if isinstance(v, (int, float)) and math.isfinite(v)
             }
-            if values:
+            if self.progress is not None:
+                self.progress.log(state.global_step, values)
+            if values and log_metrics is not None:
                 log_metrics(values, state.global_step)
 
     return ForwardMetrics()

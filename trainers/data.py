@@ -26,10 +26,10 @@ Kind = Literal["sft", "preference", "prompt"]
 
 
 class DatasetSpec(StrictModel):
-    path: str = Field(description="A local .jsonl/.json/.parquet/.csv file, or a Hugging Face hub dataset id.")
+    path: str = Field(description="A local .jsonl/.json/.parquet/.csv file, a glob of them (`prefs/*.jsonl`: new files are picked up), or a Hugging Face hub dataset id.")
     split: str = Field("train", description="Split to read (hub datasets; local files have one split, 'train').")
     name: str | None = Field(None, description="Hub dataset configuration name.")
-    revision: str | None = Field(None, description="Hub revision; pin it so the data fingerprint is stable.")
+    revision: str | None = Field(None, description="Hub revision (a commit, tag or branch; a branch is resolved to its current commit, so new data re-runs the stages).")
 
 
 def _bundled(name: str) -> DatasetSpec:
@@ -61,40 +61,71 @@ class DataConfig(StrictModel):
         return {name: (kind, spec) for name, (kind, spec) in named.items() if spec is not None}
 
 
-def local_file(spec: DatasetSpec) -> Path | None:
-    """The file a spec names, relative to the working directory or else to the project; None for a hub id."""
+def local_files(spec: DatasetSpec) -> list[Path] | None:
+    """The files a spec names (a path or a glob such as `prefs/2026-*.jsonl`), relative to the
+    working directory or else to the project, sorted; None for a hub id."""
+    if any(char in spec.path for char in "*?["):
+        for base in (Path.cwd(), PROJECT_ROOT):
+            pattern = Path(spec.path).expanduser()
+            root, relative = (Path(pattern.anchor), str(pattern.relative_to(pattern.anchor))) if pattern.is_absolute() else (base, spec.path)
+            matched = sorted(path.resolve() for path in root.glob(relative) if path.is_file())
+            if matched:
+                suffixes = {path.suffix for path in matched}
+                if len(suffixes) > 1:
+                    raise ValueError(f"{spec.path}: matches files of several types {sorted(suffixes)}; a dataset is one type")
+                return matched
+        raise ValueError(f"{spec.path}: the pattern matches no file (looked in {Path.cwd()} and {PROJECT_ROOT})")
     for candidate in (Path(spec.path).expanduser(), PROJECT_ROOT / spec.path):
         if candidate.is_file():
-            return candidate.resolve()
+            return [candidate.resolve()]
     if Path(spec.path).suffix in FILE_BUILDERS:
         raise ValueError(f"{spec.path}: no such file (looked in {Path.cwd()} and {PROJECT_ROOT})")
     return None
 
 
 def fingerprint(spec: DatasetSpec) -> str:
-    """Content hash of a local file; for a hub dataset, its id, config, split and revision."""
-    path = local_file(spec)
-    if path is None:
-        return "hub:" + hashlib.sha256(f"{spec.path}|{spec.name}|{spec.split}|{spec.revision}".encode()).hexdigest()
+    """Content hash of the local files (a new file in a glob changes it, a renamed one does not); for a hub
+    dataset its id, config, split and revision, the revision resolved to a commit when the hub answers."""
+    paths = local_files(spec)
+    if paths is None:
+        identity = f"{spec.path}|{spec.name}|{spec.split}|{hub_commit(spec) or spec.revision}"
+        return "hub:" + hashlib.sha256(identity.encode()).hexdigest()
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
+    for path in paths:
+        digest.update(f"{path.stat().st_size}\0".encode())
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
     return "sha256:" + digest.hexdigest()
+
+
+def hub_commit(spec: DatasetSpec) -> str | None:
+    """The commit a hub revision (a branch such as `main`) points at now, so new data re-keys the stages; None offline."""
+    import os
+
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        return None
+    try:
+        from huggingface_hub import HfApi
+
+        return HfApi().dataset_info(spec.path, revision=spec.revision).sha
+    except Exception:  # offline, private without a token, or not on the hub: keep the revision as given
+        return None
 
 
 def load_source(spec: DatasetSpec) -> Dataset:
     """Load a dataset; unreadable files fail with a message that names the file."""
     import datasets
 
-    path = local_file(spec)
+    paths = local_files(spec)
     try:
-        if path is None:
-            return datasets.load_dataset(spec.path, spec.name, split=spec.split, revision=spec.revision)
-        builder = FILE_BUILDERS.get(path.suffix)
+        if paths is None:
+            revision = hub_commit(spec) or spec.revision  # the commit the fingerprint saw
+            return datasets.load_dataset(spec.path, spec.name, split=spec.split, revision=revision)
+        builder = FILE_BUILDERS.get(paths[0].suffix)
         if builder is None:
-            raise ValueError(f"{path}: unsupported file type {path.suffix!r}; use one of {sorted(FILE_BUILDERS)}")
-        return datasets.load_dataset(builder, data_files=str(path), split="train")
+            raise ValueError(f"{spec.path}: unsupported file type {paths[0].suffix!r}; use one of {sorted(FILE_BUILDERS)}")
+        return datasets.load_dataset(builder, data_files=[str(path) for path in paths], split="train")
     except ValueError:
         raise
     except Exception as exc:  # arrow/json parse errors carry no file name

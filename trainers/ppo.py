@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, model_validator
 
-from trainers.common import LogMetrics, LoraConfig, StrictModel
+from trainers.common import LogMetrics, LoraConfig, Progress, StrictModel
 from trainers.rewards import RewardsConfig
 
 if TYPE_CHECKING:
@@ -347,6 +347,7 @@ def train(
     window: dict[str, list[float]] = {}
     metrics: dict[str, float] = state["metrics"]
     progress = tqdm(range(state["update"] + 1, num_updates + 1), initial=state["update"], total=num_updates, desc="ppo", unit="update")
+    progress_log = Progress("ppo", num_updates, state["update"])
     with _cpu_threads(cfg.num_threads), progress:
         for update in progress:
             lr = cfg.learning_rate * (1 - (update - 1) / num_updates if cfg.lr_scheduler_type == "linear" else 1.0)
@@ -406,6 +407,7 @@ def train(
             progress.set_postfix(reward=f"{current['reward']:.3f}", kl=f"{current['kl']:.3f}")
             if update % cfg.logging_steps == 0 or update == num_updates:
                 metrics, window = {f"ppo/train/{name}": sum(v) / len(v) for name, v in window.items()}, {}
+                progress_log.log(update, {k: metrics[k] for k in ("ppo/train/reward", "ppo/train/kl")})
                 if log_metrics is not None:
                     log_metrics(metrics, update)
             if update % cfg.save_steps == 0:

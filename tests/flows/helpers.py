@@ -18,7 +18,7 @@ def run(*overrides: str):
     from flows.rlhf import rlhf
 
     params = load_params("tiny", [*FAST, *overrides])
-    return rlhf(params, return_state=True)
+    return rlhf(**dict(params), return_state=True)
 
 
 def task_states(flow_state) -> dict[str, str]:

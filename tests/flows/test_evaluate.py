@@ -37,7 +37,7 @@ def test_report_artifacts_and_on_demand_evaluation_of_the_champion(prefect, stat
     assert {"plots/win_rates.png", "plots/reward_distributions.png", "plots/exact_match.png", "plots/training_curves.png"} <= plots
 
     on_demand = rlhf_eval(
-        EvalParams(policy="models:/eval-flow-test@champion", eval={"max_prompts": 20, "max_new_tokens": 8}),
+        policy="models:/eval-flow-test@champion", eval={"max_prompts": 20, "max_new_tokens": 8},
         return_state=True,
     )
     assert on_demand.is_completed(), on_demand.message

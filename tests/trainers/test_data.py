@@ -74,6 +74,20 @@ def test_fingerprint_follows_content_not_name(tmp_path):
     assert fa == fb != fc
 
 
+def test_a_glob_reads_every_matching_file_and_a_new_file_changes_the_fingerprint(tmp_path):
+    write_jsonl(tmp_path / "2026-11-01.jsonl", [{"text": "a"}, {"text": "b"}])
+    write_jsonl(tmp_path / "2026-11-08.jsonl", [{"text": "c"}])
+    spec = DatasetSpec(path=str(tmp_path / "2026-*.jsonl"))
+    before = fingerprint(spec)
+    assert sorted(load_source(spec)["text"]) == ["a", "b", "c"]
+    assert fingerprint(spec) == before
+    write_jsonl(tmp_path / "2026-11-15.jsonl", [{"text": "d"}])  # this week's data lands
+    assert fingerprint(spec) != before
+    assert len(load_source(spec)) == 4
+    with pytest.raises(ValueError, match=r"2025-\*.jsonl: the pattern matches no file"):
+        fingerprint(DatasetSpec(path=str(tmp_path / "2025-*.jsonl")))
+
+
 def _frozen(tmp_path, name: str, kind: str, shape: str) -> None:
     (tmp_path / "datasets").mkdir(exist_ok=True)
     dataset = load_source(DatasetSpec(path=str(write_jsonl(tmp_path / f"{name}.jsonl", SHAPES[(kind, shape)] * 16))))

@@ -1,0 +1,250 @@
+"""End to end as a service: a real Prefect server, `rlhf serve`, and `prefect deployment run rlhf/full`.
+
+Every process is started here, binds 127.0.0.1 and is stopped by its pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from deployments.local import stop, wait_until_up
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_RUN = {  # a few steps of every stage; each block merges onto the preset, field by field
+    "model": {"tiny": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}},
+    "sft": {"max_steps": 8, "logging_steps": 2},
+    "rm": {"max_steps": 4, "logging_steps": 2},
+    "ppo": {"total_episodes": 16, "per_device_train_batch_size": 8, "num_mini_batches": 2, "logging_steps": 1},
+    "eval": {"max_prompts": 20, "max_new_tokens": 8},
+}
+FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    """A Prefect server on a free port and `rlhf serve` against it, with their own state folders."""
+    tmp = tmp_path_factory.mktemp("service")
+    port, mlflow_ui = free_port(), "http://127.0.0.1:9"  # no MLflow UI runs: links are only written
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp / "prefect"),
+        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+        "PREFECT_RUNNER_POLL_FREQUENCY": "1",
+        "RLHF_STATE_DIR": str(tmp / "state"),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}",
+        "RLHF_MLFLOW_UI": mlflow_ui,
+    }
+    env.pop("PREFECT_LOGGING_EXTRA_LOGGERS", None)  # `rlhf serve` sets it, as for a user
+    logs = {name: open(tmp / f"{name}.log", "w") for name in ("server", "serve")}
+    processes = []
+    try:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            env=env, stdout=logs["server"], stderr=subprocess.STDOUT, cwd=ROOT,
+        )  # fmt: skip
+        processes.append(server)
+        wait_until_up(f"{env['PREFECT_API_URL']}/health", server, timeout=180)
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", "serve"], env=env, stdout=logs["serve"], stderr=subprocess.STDOUT, cwd=ROOT
+        )
+        processes.append(serve)
+        yield {"env": env, "tmp": tmp, "client": lambda: _client(env), "processes": processes}
+    finally:
+        stop(processes)
+        for process in processes:
+            assert process.poll() is not None, f"pid {process.pid} still running"
+        for log in logs.values():
+            log.close()
+
+
+def _client(env):
+    from prefect.client.orchestration import SyncPrefectClient
+
+    return SyncPrefectClient(env["PREFECT_API_URL"])
+
+
+def prefect_cli(service, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run(
+        [sys.executable, "-m", "prefect", *args], env=service["env"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    if check and done.returncode != 0:
+        raise AssertionError(f"prefect {' '.join(args)} exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
+    return done
+
+
+def deployment(service, name: str, timeout: float = 120):
+    """Wait until `rlhf serve` has registered the deployment."""
+    from prefect.exceptions import ObjectNotFound
+
+    deadline = time.time() + timeout
+    while True:
+        try:
+            with service["client"]() as client:
+                return client.read_deployment_by_name(name)
+        except ObjectNotFound:
+            serve = service["processes"][1]
+            assert serve.poll() is None, (service["tmp"] / "serve.log").read_text()[-3000:]
+            assert time.time() < deadline, f"{name} was not registered within {timeout}s"
+            time.sleep(1)
+
+
+def wait_for(service, flow_run_id, timeout: float = 900):
+    deadline = time.time() + timeout
+    with service["client"]() as client:
+        while True:
+            run = client.read_flow_run(flow_run_id)
+            if run.state.type.value in FINAL:
+                return run
+            assert time.time() < deadline, f"flow run {flow_run_id} still {run.state.name} after {timeout}s"
+            time.sleep(2)
+
+
+def task_states(service, flow_run_id) -> dict[str, str]:
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with service["client"]() as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {r.name: r.state.name for r in runs}
+
+
+def explain(service, run) -> str:
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    with service["client"]() as client:
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
+    return f"{run.state}\n" + "\n".join(log.message for log in logs)[-6000:] + (service["tmp"] / "serve.log").read_text()[-3000:]
+
+
+def test_deployment_run_from_the_cli_then_from_the_api_with_changed_parameters(service):
+    full = deployment(service, "rlhf/full")
+
+    # 1. The real CLI, as a user types it.
+    args = [f"-p={name}={json.dumps(block)}" for name, block in TINY_RUN.items()]
+    done = prefect_cli(service, "deployment", "run", "rlhf/full", *args)
+    flow_run_id = next(line.split()[-1] for line in done.stdout.splitlines() if "UUID" in line)
+    first = wait_for(service, flow_run_id)
+    assert first.state.type.value == "COMPLETED", explain(service, first)
+    assert first.parameters["algorithm"] == "ppo" and first.parameters["ppo"]["total_episodes"] == 16
+    assert task_states(service, first.id) == {
+        "data": "Completed", "sft": "Completed", "rm": "Completed", "ppo": "Completed", "eval": "Completed", "registry": "Completed"
+    }  # fmt: skip
+
+    # Training logs and progress reach the Prefect logs; each stage links to its MLflow run.
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterFlowRunId
+
+    with service["client"]() as client:
+        messages = [log.message for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[first.id])))]
+        links = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[first.id])))
+    assert any(m.startswith("sft: step 8/8 (100%)") for m in messages), messages
+    assert any(m.startswith("ppo: step 2/2 (100%)") for m in messages), messages
+    linked = {a.description.split("`")[1]: a.data for a in links if a.description.startswith("MLflow run of the")}
+    assert set(linked) == {"data", "sft", "rm", "ppo", "eval"}
+    assert all("(http://127.0.0.1:9/#/experiments/" in link for link in linked.values())
+
+    # MLflow holds the parent run of this flow run and one child per stage.
+    from mlflow.tracking import MlflowClient
+
+    mlflow = MlflowClient(tracking_uri=service["env"]["MLFLOW_TRACKING_URI"])
+    experiment = mlflow.get_experiment_by_name("rlhf").experiment_id
+    [parent] = mlflow.search_runs([experiment], f"tags.`prefect.flow_run_id` = '{first.id}'")
+    children = mlflow.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    assert {c.info.run_name for c in children} == {"data", "sft", "rm", "ppo", "eval", "registry"}
+    assert all(c.info.status == "FINISHED" for c in children)
+    assert parent.data.params["ppo.total_episodes"] == "16" and parent.data.params["sft.learning_rate"] == "0.003"
+    assert "eval/heldout/ppo_exact_match" in parent.data.metrics
+
+    # 2. Through the API, as the UI's form does: a changed KL coefficient re-runs only ppo and what follows.
+    with service["client"]() as client:
+        second = client.create_flow_run_from_deployment(full.id, parameters={**TINY_RUN, "ppo": {**TINY_RUN["ppo"], "kl_coef": 0.2}})
+    second = wait_for(service, second.id)
+    assert second.state.type.value == "COMPLETED", explain(service, second)
+    assert task_states(service, second.id) == {
+        "data": "Cached", "sft": "Cached", "rm": "Cached", "ppo": "Completed", "eval": "Completed", "registry": "Completed"
+    }  # fmt: skip
+
+
+def test_the_server_has_the_typed_schema_refuses_bad_values_and_schedules_retraining(service):
+    full = deployment(service, "rlhf/full")
+    schema = full.parameter_openapi_schema
+    assert schema["properties"]["algorithm"]["enum"] == ["dpo", "grpo", "rloo", "ppo"]
+    assert schema["properties"]["ppo"]["description"].startswith("PPO")
+    ppo = schema["definitions"]["PpoConfig"]["properties"]
+    assert ppo["kl_coef"]["description"] and ppo["learning_rate"]["exclusiveMinimum"] == 0
+    assert "sigmoid" in schema["definitions"]["DpoConfig"]["properties"]["loss_type"]["items"]["enum"]
+    assert {"SftConfig", "RewardConfig", "ModelConfig", "DataConfig", "DatasetSpec", "LoraConfig"} <= set(schema["definitions"])
+
+    # The server refuses what the flow would refuse, naming the field.
+    refused = prefect_cli(service, "deployment", "run", "rlhf/full", "-p", "algorithm=sac", check=False)
+    assert refused.returncode != 0 and "algorithm" in refused.stdout + refused.stderr
+    import httpx
+
+    with service["client"]() as client:
+        with pytest.raises(httpx.HTTPStatusError) as negative:
+            client.create_flow_run_from_deployment(full.id, parameters={"ppo": {"learning_rate": -1}})
+        with pytest.raises(httpx.HTTPStatusError) as misspelt:
+            client.create_flow_run_from_deployment(full.id, parameters={"ppo": {"kl_coeff": 0.1}})
+    assert "field 'ppo.learning_rate'" in negative.value.response.text and "minimum of 0" in negative.value.response.text
+    assert "kl_coeff" in misspelt.value.response.text
+
+    retrain = deployment(service, "rlhf/retrain")
+    assert [s.schedule.cron for s in retrain.schedules] == ["0 3 * * 1"] and all(s.active for s in retrain.schedules)
+    assert deployment(service, "rlhf-eval/eval").parameters["policy"] == "models:/rlhf-policy@candidate"
+
+
+def test_prefect_yaml_registers_the_same_deployments_on_a_process_pool(service):
+    deployment(service, "rlhf/full")  # after serve registered its own: these replace them
+    prefect_cli(service, "work-pool", "create", "rlhf-process", "--type", "process")
+    prefect_cli(service, "--no-prompt", "deploy", "--all", "--prefect-file", "deployments/prefect.yaml")
+    made = {name: deployment(service, name) for name in ("rlhf/full", "rlhf/dpo", "rlhf/grpo", "rlhf/rloo", "rlhf/retrain", "rlhf-eval/eval")}
+    assert {d.work_pool_name for d in made.values()} == {"rlhf-process"}
+    assert [s.schedule.cron for s in made["rlhf/retrain"].schedules] == ["0 3 * * 1"]
+    assert made["rlhf/full"].parameters == {"algorithm": "ppo", "preset": "tiny"} and made["rlhf/full"].enforce_parameter_schema
+    assert made["rlhf/full"].parameter_openapi_schema["definitions"]["PpoConfig"]["properties"]["kl_coef"]["description"]
+    assert made["rlhf/full"].job_variables["env"]["PREFECT_LOGGING_EXTRA_LOGGERS"].startswith("transformers,trl")
+
+
+def children(pid: int) -> list[int]:
+    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [int(child) for child in found]
+
+
+def test_rlhf_up_starts_prefect_mlflow_and_serve_and_stops_them_all(tmp_path):
+    import signal
+
+    port, mlflow_port = free_port(), free_port()
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "RLHF_STATE_DIR": str(tmp_path / "state")}
+    env.pop("MLFLOW_TRACKING_URI")  # the default: SQLite under the state folder, shown by the MLflow UI
+    with open(tmp_path / "up.log", "w") as log:
+        up = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", "up", "--port", str(port), "--mlflow-port", str(mlflow_port)],
+            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+        )  # fmt: skip
+        try:
+            wait_until_up(f"http://127.0.0.1:{port}/api/health", up, timeout=180)
+            wait_until_up(f"http://127.0.0.1:{mlflow_port}/health", up, timeout=120)
+            service = {"env": {**env, "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}, "tmp": tmp_path}
+            service["client"] = lambda: _client(service["env"])
+            service["processes"] = [up, up]
+            assert deployment(service, "rlhf/retrain").schedules
+            started = children(up.pid)
+            assert len(started) == 3, (tmp_path / "up.log").read_text()[-3000:]
+        finally:
+            up.send_signal(signal.SIGTERM)
+            up.wait(60)
+    assert up.returncode == 0
+    still_running = [pid for pid in started if Path(f"/proc/{pid}").exists()]
+    assert still_running == []

@@ -1,0 +1,50 @@
+"""Training stages hold a slot of the `rlhf-gpu` concurrency limit: two runs never train on one device at once."""
+
+from __future__ import annotations
+
+import time
+
+from tasks import tracking
+from tasks.stage import RunContext, device_limit, ensure_device_limit, run_stage
+
+
+def overlaps(spans: list[tuple[float, float]]) -> bool:
+    spans = sorted(spans)
+    return any(later[0] < earlier[1] for earlier, later in zip(spans, spans[1:]))
+
+
+def test_device_stages_wait_for_each_other_and_data_stages_do_not(prefect, tmp_path):
+    from prefect import flow, get_client, task
+
+    ensure_device_limit()
+    with get_client(sync_client=True) as client:
+        assert client.read_global_concurrency_limit_by_name(device_limit()).limit == 1
+    experiment = tracking.experiment_id("device-slot-test")
+    ctx = RunContext(
+        artifact_root=str(tmp_path), experiment_id=experiment, parent_run_id=tracking.start_run(experiment, "parent", {})
+    )
+    spans: dict[str, list[tuple[float, float]]] = {"sft": [], "data": []}
+
+    def build(stage):
+        def run(out_dir, work_dir, log_metrics):
+            started = time.time()
+            time.sleep(1.0)
+            spans[stage].append((started, time.time()))
+            (out_dir / "done").write_text(stage)
+            return {}
+
+        return run
+
+    @task
+    def stage(name: str, run: int):
+        return run_stage(name, {"run": run}, {}, ctx, build(name)).ref
+
+    @flow
+    def two_runs_at_once():
+        futures = [stage.submit(name, run) for name in ("sft", "data") for run in (1, 2)]
+        return [future.result() for future in futures]
+
+    two_runs_at_once()
+    assert len(spans["sft"]) == len(spans["data"]) == 2
+    assert not overlaps(spans["sft"])
+    assert overlaps(spans["data"])  # the control: without a slot they do run side by side
