@@ -69,6 +69,25 @@ class PipelineParams(StrictModel):
                 )
         return self
 
+    def token_limits(self) -> dict[str, int]:
+        """The most tokens a row of each dataset may take in the stages that read it (the data stage's `fits_max_length`)."""
+        limits = {"sft": self.sft.max_length}
+        preference = [self.rm.max_length] if self.needs_reward_model else []
+        if self.algorithm == "dpo":
+            preference.append(self.dpo.max_length)
+        if preference:
+            limits["preference"] = limits["preference_eval"] = min(preference)
+        if self.algorithm in ("grpo", "rloo"):
+            online = getattr(self, self.algorithm)
+            room = online.max_length - online.max_completion_length
+            if room < 1:
+                raise ValueError(
+                    f"{self.algorithm}.max_completion_length={online.max_completion_length} leaves no room for a prompt "
+                    f"in {self.algorithm}.max_length={online.max_length}"
+                )
+            limits["prompts"] = limits["prompts_eval"] = room
+        return limits
+
     @property
     def needs_reward_model(self) -> bool:
         """The rm stage runs when evaluation or the online stage's rewards use it."""

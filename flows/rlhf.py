@@ -63,7 +63,7 @@ def rlhf(
     with pipeline_run(params) as run:
         # Futures wire the DAG (the Prefect UI draws it); each stage waits for the
         # one before it so that only one stage trains on the device at a time.
-        data = validate_data.submit(params.data, run.ctx)
+        data = validate_data.submit(params.data, run.ctx, params.model, params.token_limits())
         sft_model = train_sft.submit(params.sft, params.model, data, run.ctx)
         reward_model = train_reward_model.submit(params.rm, sft_model, data, run.ctx) if params.needs_reward_model else None
         policy = optimise_policy(params, sft_model, reward_model, data, run.ctx)

@@ -35,7 +35,7 @@ PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "g
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # Source files whose change must re-run a stage (its "code version").
 STAGE_CODE = {
-    "data": ["trainers/data.py", "validators"],
+    "data": ["tasks/data.py", "trainers/data.py", "validators"],
     "sft": ["trainers/sft.py", "trainers/common.py", "trainers/tiny.py"],
     "rm": ["trainers/rm.py", "trainers/common.py"],
     "dpo": ["trainers/dpo.py", "trainers/common.py"],
@@ -102,7 +102,9 @@ def stage_key(stage: str, config: BaseModel | dict, upstream: dict[str, Artifact
     payload = {
         "stage": stage,
         "config": config.model_dump(mode="json") if isinstance(config, BaseModel) else config,
-        "upstream": {name: [ref.key, ref.digest] for name, ref in sorted(upstream.items())},
+        # Upstream outputs by content: identical bytes from another config (or a stricter
+        # data check) are the same input. A ref without a digest counts by its key.
+        "upstream": {name: ref.digest or ref.key for name, ref in sorted(upstream.items())},
         "fingerprints": dict(sorted(fingerprints.items())),
         "code": code_version(stage),
     }
@@ -110,10 +112,12 @@ def stage_key(stage: str, config: BaseModel | dict, upstream: dict[str, Artifact
     return hashlib.sha256(canonical.encode()).hexdigest()[:32]
 
 
-def content_digest(directory: Path) -> str:
-    """sha256 over every file's relative path and bytes (the manifest excluded)."""
+def content_digest(directory: Path, only: tuple[str, ...] = ()) -> str:
+    """sha256 over every file's relative path and bytes (the manifest excluded), or over the files under `only`."""
     digest = hashlib.sha256()
-    for file in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST):
+    roots = [directory / part for part in only] or [directory]
+    files = {p for root in roots for p in ([root] if root.is_file() else root.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    for file in sorted(files):
         digest.update(file.relative_to(directory).as_posix().encode() + b"\0")
         with open(file, "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
@@ -140,11 +144,14 @@ def run_stage(
     fingerprints: dict[str, str] | None = None,
     log_files: tuple[str, ...] = (),
     log: Callable[[str], None] = print,
+    digest_of: tuple[str, ...] = (),
 ) -> StageOutcome:
     """Publish `<root>/<stage>/<key>/` by running `build`, or reuse it when its manifest exists.
 
     `log_files` are paths inside the stage directory logged to the stage's MLflow
     run (reports, tables); model weights are logged once, by the pipeline.
+    `digest_of` names the paths dependents key on (default: every file), so a
+    re-run that changes only a report (timestamps, a new rule) re-trains nothing.
     """
     fingerprints = fingerprints or {}
     key = stage_key(stage, config, upstream, fingerprints)
@@ -183,7 +190,7 @@ def run_stage(
             "key": key,
             "config": config_json,
             "upstream": {name: {"stage": r.stage, "key": r.key, "digest": r.digest} for name, r in upstream.items()},
-            "digest": content_digest(tmp),
+            "digest": content_digest(tmp, digest_of),
             "fingerprints": fingerprints,
             "code_version": code_version(stage),
             "versions": _versions(),

@@ -269,7 +269,7 @@ def metrics_callback(stage: str, log_metrics: LogMetrics | None):
                 for k, v in logs.items()
                 if isinstance(v, (int, float)) and math.isfinite(v)
             }
-            if self.progress is not None:
+            if self.progress is not None and "train_runtime" not in logs:  # not the closing summary
                 self.progress.log(state.global_step, values)
             if values and log_metrics is not None:
                 log_metrics(values, state.global_step)

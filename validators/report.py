@@ -11,7 +11,7 @@ import dataclasses
 import json
 import pathlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from validators.formats import DatasetFormat
@@ -30,7 +30,8 @@ class RuleResult:
     failed_count: int
     """Rows that broke the rule (0 for table-level rules such as `non_empty_dataset`)."""
     examples: list[dict[str, Any]] = field(default_factory=list)
-    """Up to MAX_EXAMPLES `{"row": 0-based dataset index, "value": short explanation}`."""
+    """Up to MAX_EXAMPLES `{"row": 0-based dataset index, "value": short explanation}`
+    (`{"line": 1-based line, ...}` in a raw-file report)."""
 
 
 @dataclass
@@ -44,6 +45,9 @@ class ValidationReport:
     rules: list[RuleResult]
     data_docs: str | None = None
     """Path of the Great Expectations Data Docs index.html, when they were built."""
+    unit: Literal["row", "line"] = "row"
+    """What num_rows and the examples count: 0-based dataset rows, or the
+    1-based lines of a file (validators.files checks a file before it is parsed)."""
 
     @property
     def success(self) -> bool:
@@ -64,12 +68,15 @@ class ValidationReport:
 
     def summary(self) -> str:
         """A short markdown table of the rules, for Prefect artifacts and MLflow."""
-        shape = "no usable format" if self.format is None else self.format.describe()
+        if self.unit == "line":
+            shape = "raw file"
+        else:
+            shape = "no usable format" if self.format is None else self.format.describe()
         verdict = "passed" if self.success else f"FAILED {len(self.failed_rules)} of {len(self.rules)} rules"
         lines = [
-            f"**{self.source}** ({shape}, {self.num_rows} rows): {verdict}",
+            f"**{self.source}** ({shape}, {self.num_rows} {self.unit}s): {verdict}",
             "",
-            "| rule | result | failed rows | requirement |",
+            f"| rule | result | failed {self.unit}s | requirement |",
             "|---|---|---:|---|",
         ]
         for result in self.rules:
@@ -82,24 +89,28 @@ class ValidationReport:
     def failure_message(self) -> str:
         """One line per failed rule, naming the source, the rule and example rows."""
         lines = []
-        rows_explained = False  # "(0-based)" is said once, at the first row quoted
+        # "(0-based)" is said once, at the first row quoted; lines need no note
+        # (1-based, as editors number them).
+        rows_explained = self.unit == "line"
         for result in self.failed_rules:
             if result.rule == "format":
                 lines.append(f"{self.source}: rule 'format' failed: {result.description}")
                 continue
             line = f"{self.source}: rule '{result.rule}' failed"
             if result.failed_count:
-                line += f" for {result.failed_count} of {self.num_rows} rows"
+                line += f" for {result.failed_count} of {self.num_rows} {self.unit}s"
             line += f" ({result.description})"
             if result.examples:
                 quoted = []
                 for example in result.examples[:MESSAGE_EXAMPLES]:
                     base = "" if rows_explained else " (0-based)"
                     rows_explained = True
-                    quoted.append(f"row {example['row']}{base}: {example['value']}")
+                    quoted.append(f"{self.unit} {example[self.unit]}{base}: {example['value']}")
                 line += ", e.g. " + "; ".join(quoted)
             elif result.failed_count == 0:
-                line += f": the dataset has {self.num_rows} rows"
+                holder = "file" if self.unit == "line" else "dataset"
+                plural = "" if self.num_rows == 1 else "s"
+                line += f": the {holder} has {self.num_rows} {self.unit}{plural}"
             lines.append(line)
         if self.data_docs:
             lines.append(f"Data Docs: {self.data_docs}")

@@ -30,8 +30,10 @@ class Rule:
     """The requirement in English; it appears in messages and in the Data Docs."""
     column: str | None
     """The derived column the expectation reads; None for a table-level rule."""
-    expect: Literal["at_least_one", "in_set"]
+    expect: Literal["at_least_one", "in_set", "at_most"]
     value_set: tuple[Any, ...] = ()
+    max_value: int | None = None
+    """The limit of an "at_most" rule (a count between 0 and max_value passes)."""
 
 
 @dataclass

@@ -51,7 +51,7 @@ def derived_frame(derived: Derived, rules: list[Rule], num_rows: int) -> pd.Data
         if rule.column is None:
             continue
         values = derived.columns[rule.column]
-        dtype = "Int64" if rule.expect == "at_least_one" else object
+        dtype = "Int64" if rule.expect in ("at_least_one", "at_most") else object
         frame[rule.column] = pd.Series(values, dtype=dtype, index=frame.index)
     return frame
 
@@ -164,6 +164,8 @@ def _expectation(rule: Rule):
         return gxe.ExpectTableRowCountToBeBetween(min_value=1, **common)
     if rule.expect == "at_least_one":
         return gxe.ExpectColumnValuesToBeBetween(column=rule.column, min_value=1, **common)
+    if rule.expect == "at_most":
+        return gxe.ExpectColumnValuesToBeBetween(column=rule.column, min_value=0, max_value=rule.max_value, **common)
     return gxe.ExpectColumnValuesToBeInSet(column=rule.column, value_set=list(rule.value_set), **common)
 
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pathlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from validators.formats import Kind, read_format
+from validators.lengths import count_tokens, fits_max_length
 from validators.report import MAX_EXAMPLES, DataValidationError, RuleResult, ValidationReport
 from validators.rules import derive, rules_for
 from validators.suite import derived_frame, run_suite
@@ -23,14 +24,20 @@ def validate_dataset(
     *,
     source: str,
     report_dir: pathlib.Path | None = None,
+    max_tokens: int | None = None,
+    tokenizer: Any = None,
 ) -> ValidationReport:
     """Check `dataset` against the rules for its kind and format.
 
+    With `max_tokens`, rule `fits_max_length` also counts every row's tokens
+    with `tokenizer` (see validators.lengths).
     Writes report_dir/validation.json and report_dir/data_docs/ (GX Data Docs)
     when report_dir is given, whether validation passes or not. Returns the
     report when every rule passes; raises DataValidationError (with .report)
     naming the source, the failed rules and example rows otherwise.
     """
+    if max_tokens is not None and tokenizer is None:
+        raise ValueError(f"max_tokens={max_tokens} needs the tokenizer that counts the tokens")
     report_dir = None if report_dir is None else pathlib.Path(report_dir)
     try:
         fmt, values = read_format(kind, dataset, source)
@@ -40,6 +47,10 @@ def validate_dataset(
 
     rules = rules_for(fmt)
     derived = derive(fmt, values, rules)
+    if max_tokens is not None:
+        rule = fits_max_length(fmt, max_tokens)
+        derived.columns[rule.column], derived.explanations[rule.name] = count_tokens(fmt, values, tokenizer, max_tokens)
+        rules.append(rule)
     frame = derived_frame(derived, rules, num_rows=len(dataset))
     docs_dir = None if report_dir is None else report_dir / DATA_DOCS_DIR
     run = run_suite(kind, frame, rules, source=source, docs_dir=docs_dir)

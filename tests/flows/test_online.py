@@ -24,7 +24,10 @@ def test_each_online_algorithm_runs_and_reuses_sft_and_rm(prefect, state):
         switched = run(*ONLINE_FAST, f"algorithm={algorithm}")
         assert switched.is_completed(), switched.message
         states = task_states(switched)
-        assert states == {"data": "Cached", "sft": "Cached", "rm": "Cached", algorithm: "Completed", "eval": "Completed", "registry": "Completed"}
+        # ppo has no prompt-length limit, so `data` re-checks without it (rloo's limit is grpo's:
+        # cached); the same frozen datasets come out, so sft and rm (keyed on their bytes) are reused.
+        data = "Cached" if algorithm == "rloo" else "Completed"
+        assert states == {"data": data, "sft": "Cached", "rm": "Cached", algorithm: "Completed", "eval": "Completed", "registry": "Completed"}
         metrics = switched.result()["metrics"]
         assert f"eval/heldout/{algorithm}_exact_match" in metrics
 

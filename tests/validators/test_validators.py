@@ -296,3 +296,14 @@ def test_import_is_cheap():
     code = "import sys, validators; print(sorted(m for m in ('great_expectations', 'datasets', 'pandas', 'torch') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO_ROOT)
     assert out.stdout.strip() == "[]"
+
+
+def test_fits_max_length_counts_conversations_with_the_chat_template():
+    from trainers.tiny import build_tokenizer
+
+    rows = [{"messages": [user("sort 21"), assistant("12")]}, {"messages": [user("x" * 50), assistant("12")]}]
+    # 1 token per byte plus one role token per turn, "<|end|>" after the user turn and EOS after the answer
+    message = expect_failure("sft", rows, "fits_max_length", row=1, max_tokens=20, tokenizer=build_tokenizer())
+    assert "messages is 56 tokens > 20" in message
+    with pytest.raises(ValueError, match="needs the tokenizer"):
+        validate_dataset("sft", make(rows), source=SOURCE, max_tokens=20)

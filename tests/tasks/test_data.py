@@ -1,0 +1,54 @@
+"""The `data` stage (tasks/data.py) on good data: token limits enter its key and its report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tasks import tracking
+from tasks.data import validate_data
+from tasks.stage import RunContext
+from tests.helpers import write_data_dir
+from trainers.common import ModelConfig
+from trainers.data import DataConfig, DatasetSpec
+
+
+@pytest.fixture
+def small_data(tmp_path) -> DataConfig:
+    root = write_data_dir(tmp_path / "good", rows=8)
+    names = DataConfig.model_fields
+    return DataConfig(**{name: DatasetSpec(path=str(root / "datasets" / f"{name}.parquet")) for name in names})
+
+
+@pytest.fixture
+def ctx(tmp_path) -> RunContext:
+    experiment = tracking.experiment_id("test-data")
+    parent = tracking.start_run(experiment, "parent", {})
+    return RunContext(artifact_root=str(tmp_path / "artifacts"), experiment_id=experiment, parent_run_id=parent)
+
+
+def test_token_limits_enter_the_key_and_the_report(small_data, ctx):
+    plain = validate_data.fn(small_data, ctx)
+    limited = validate_data.fn(small_data, ctx, model=ModelConfig(), max_tokens={"sft": 64, "prompts_eval": 32})
+    assert plain.key != limited.key
+    assert limited.manifest()["config"]["max_tokens"] == {"prompts_eval": 32, "sft": 64}
+    report = json.loads((limited.path / "report" / "sft" / "validation.json").read_text())
+    assert {"rule": "fits_max_length", "success": True} == {k: report["rules"][-1][k] for k in ("rule", "success")}
+    held_out = json.loads((limited.path / "report" / "prompts_eval" / "validation.json").read_text())
+    assert held_out["rules"][-1]["rule"] == "no_train_eval_leakage" and held_out["success"]
+    assert sorted(p.name for p in (limited.path / "datasets").iterdir()) == [f"{n}.parquet" for n in sorted(DataConfig.model_fields)]
+
+
+@pytest.mark.parametrize(
+    "model, max_tokens, error",
+    [
+        (ModelConfig(), {"rm": 64}, r"unknown datasets \['rm'\]"),
+        (ModelConfig(), {"sft": 0}, r"positive token counts, got \{'sft': 0\}"),
+        (None, {"sft": 64}, "needs the model"),
+    ],
+)
+def test_token_limits_are_checked_before_any_file_is_read(model, max_tokens, error, ctx, tmp_path):
+    missing = DataConfig(sft=DatasetSpec(path=str(tmp_path / "nowhere.jsonl")))
+    with pytest.raises(ValueError, match=error):
+        validate_data.fn(missing, ctx, model=model, max_tokens=max_tokens)
