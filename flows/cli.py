@@ -25,6 +25,9 @@ QUIET_ENV = {
     "DO_NOT_TRACK": "1",
     # Library logs (and our progress lines, logger `trainers`) reach the Prefect UI only when named here (DESIGN.md).
     "PREFECT_LOGGING_EXTRA_LOGGERS": "transformers,trl,peft,accelerate,trainers",
+    # The temporary server's first start migrates a fresh database: 20 s (the default) is too
+    # short on a busy 2-core machine.
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
 }
 
 

@@ -10,7 +10,7 @@ import yaml
 from pydantic import BaseModel
 
 from tasks import tracking
-from tasks.stage import ArtifactRef, RunContext, ensure_device_limit, prefect_log
+from tasks.stage import ArtifactRef, RunContext, coordinated, ensure_device_limit, prefect_log
 
 
 @dataclass
@@ -47,7 +47,7 @@ def _flow_run() -> tuple[str, str]:
 @contextlib.contextmanager
 def pipeline_run(params: BaseModel) -> Iterator[PipelineRun]:
     flow_run_id, flow_run_name = _flow_run()
-    if flow_run_id:
+    if flow_run_id and coordinated():
         ensure_device_limit()
     experiment = tracking.experiment_id(params.experiment_name)
     run_id = tracking.start_run(

@@ -28,7 +28,7 @@ from typing import Any, Callable
 from pydantic import BaseModel, ConfigDict
 
 from tasks import tracking
-from trainers.common import LogMetrics
+from trainers.common import LogMetrics, last_checkpoint
 
 MANIFEST = "manifest.json"
 PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "great-expectations", "prefect", "mlflow")
@@ -161,60 +161,97 @@ def run_stage(
     config_json = config.model_dump(mode="json") if isinstance(config, BaseModel) else config
     tags = {"rlhf.stage": stage, "rlhf.key": key, "rlhf.artifact": str(final)}
 
-    if (final / MANIFEST).is_file() and not ctx.force:
-        manifest = ref.manifest()
-        ref = ref.model_copy(update={"digest": manifest["digest"]})
-        run_id = tracking.start_run(
-            ctx.experiment_id, stage, {**tags, "rlhf.cached": "true", "rlhf.produced_by": manifest["mlflow_run_id"]}, ctx.parent_run_id
-        )
-        tracking.log_params(run_id, config_json)
-        tracking.log_metrics(run_id, manifest["metrics"])
-        tracking.end_run(run_id)
-        log(f"{stage}: cached ({final}, produced by MLflow run {manifest['mlflow_run_id']})")
-        return StageOutcome(ref, cached=True, metrics=manifest["metrics"], mlflow_run_id=run_id)
+    stage_root.mkdir(parents=True, exist_ok=True)
+    # One builder per key: a second run with the same inputs waits here, then finds the manifest.
+    with _key_lock(stage_root, key, stage, log):
+        if (final / MANIFEST).is_file() and not ctx.force:
+            manifest = ref.manifest()
+            ref = ref.model_copy(update={"digest": manifest["digest"]})
+            run_id = tracking.start_run(
+                ctx.experiment_id, stage, {**tags, "rlhf.cached": "true", "rlhf.produced_by": manifest["mlflow_run_id"]}, ctx.parent_run_id
+            )
+            tracking.log_params(run_id, config_json)
+            tracking.log_metrics(run_id, manifest["metrics"])
+            tracking.end_run(run_id)
+            log(f"{stage}: cached ({final}, produced by MLflow run {manifest['mlflow_run_id']})")
+            return StageOutcome(ref, cached=True, metrics=manifest["metrics"], mlflow_run_id=run_id)
 
-    run_id = tracking.start_run(ctx.experiment_id, stage, {**tags, "rlhf.cached": "false"}, ctx.parent_run_id)
-    tracking.log_params(run_id, config_json)  # the resolved config first, before anything can fail
-    log(f"{stage}: MLflow {tracking.run_link(run_id)}")
-    work_dir = stage_root / ".work" / key
-    tmp = stage_root / f".tmp-{key}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(parents=True)
-    started = time.time()
+        work_dir = stage_root / ".work" / key
+        for leftover in stage_root.glob(f".tmp-{key}-*"):  # half-built by a process that died
+            shutil.rmtree(leftover, ignore_errors=True)
+        # Runs of this key still RUNNING belonged to a process that died (we hold the key's lock).
+        for stale in tracking.end_stale_runs(ctx.experiment_id, key):
+            log(f"{stage}: marked MLflow run {stale} KILLED (its process died before finishing)")
+        resume = last_checkpoint(work_dir)
+        if resume:
+            tags["rlhf.resumed_from"] = Path(resume).name
+            log(f"{stage}: resuming from {resume}")
+        run_id = tracking.start_run(ctx.experiment_id, stage, {**tags, "rlhf.cached": "false"}, ctx.parent_run_id)
+        tracking.log_params(run_id, config_json)  # the resolved config first, before anything can fail
+        log(f"{stage}: MLflow {tracking.run_link(run_id)}")
+        tmp = stage_root / f".tmp-{key}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir(parents=True)
+        started = time.time()
+        last_step = [0]
+
+        def log_metrics(values: dict[str, float], step: int) -> None:
+            last_step[0] = max(last_step[0], step)
+            tracking.log_metrics(run_id, values, step)
+
+        try:
+            with device_slot(stage, log):
+                metrics = build(tmp, work_dir, log_metrics)
+            seconds = time.time() - started
+            metrics = {**metrics, f"{stage}/time/seconds": round(seconds, 3)}
+            manifest = {
+                "stage": stage,
+                "key": key,
+                "config": config_json,
+                "upstream": {name: {"stage": r.stage, "key": r.key, "digest": r.digest} for name, r in upstream.items()},
+                "digest": content_digest(tmp, digest_of),
+                "fingerprints": fingerprints,
+                "code_version": code_version(stage),
+                "versions": _versions(),
+                "metrics": metrics,
+                "mlflow_run_id": run_id,
+                "timings": {"started": started, "finished": time.time(), "seconds": seconds},
+            }
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+            for name in (MANIFEST, *log_files):
+                _log_file(run_id, tmp, name)
+            tracking.log_metrics(run_id, metrics, last_step[0])  # the final values sit at the end of the curves
+            _publish(tmp, final)
+        except BaseException as exc:
+            for name in log_files:  # a failed validation still leaves its report in MLflow
+                _log_file(run_id, tmp if (tmp / name).exists() else work_dir, name)
+            tracking.set_tags(run_id, {"rlhf.error": f"{type(exc).__name__}: {exc}"})
+            tracking.end_run(run_id, failed=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        tracking.end_run(run_id)
+        ref = ref.model_copy(update={"digest": manifest["digest"]})
+        shutil.rmtree(work_dir, ignore_errors=True)  # checkpoints are only a resume source
+        log(f"{stage}: done in {seconds:.1f}s -> {final}")
+        return StageOutcome(ref, cached=False, metrics=metrics, mlflow_run_id=run_id)
+
+
+@contextmanager
+def _key_lock(stage_root: Path, key: str, stage: str, log: Callable[[str], None]) -> Iterator[None]:
+    """An OS file lock per stage key (released by the OS if the holder dies, even by SIGKILL)."""
+    from filelock import FileLock, Timeout
+
+    locks = stage_root / ".locks"
+    locks.mkdir(exist_ok=True)
+    lock = FileLock(locks / f"{key}.lock")
     try:
-        with device_slot(stage, log):
-            metrics = build(tmp, work_dir, lambda values, step: tracking.log_metrics(run_id, values, step))
-        seconds = time.time() - started
-        metrics = {**metrics, f"{stage}/time/seconds": round(seconds, 3)}
-        manifest = {
-            "stage": stage,
-            "key": key,
-            "config": config_json,
-            "upstream": {name: {"stage": r.stage, "key": r.key, "digest": r.digest} for name, r in upstream.items()},
-            "digest": content_digest(tmp, digest_of),
-            "fingerprints": fingerprints,
-            "code_version": code_version(stage),
-            "versions": _versions(),
-            "metrics": metrics,
-            "mlflow_run_id": run_id,
-            "timings": {"started": started, "finished": time.time(), "seconds": seconds},
-        }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
-        for name in (MANIFEST, *log_files):
-            _log_file(run_id, tmp, name)
-        tracking.log_metrics(run_id, metrics)
-        _publish(tmp, final)
-    except BaseException as exc:
-        for name in log_files:  # a failed validation still leaves its report in MLflow
-            _log_file(run_id, tmp if (tmp / name).exists() else work_dir, name)
-        tracking.set_tags(run_id, {"rlhf.error": f"{type(exc).__name__}: {exc}"})
-        tracking.end_run(run_id, failed=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    tracking.end_run(run_id)
-    ref = ref.model_copy(update={"digest": manifest["digest"]})
-    shutil.rmtree(work_dir, ignore_errors=True)  # checkpoints are only a resume source
-    log(f"{stage}: done in {seconds:.1f}s -> {final}")
-    return StageOutcome(ref, cached=False, metrics=metrics, mlflow_run_id=run_id)
+        lock.acquire(timeout=0)
+    except Timeout:
+        log(f"{stage}: another run is building {key}; waiting for it")
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _log_file(run_id: str, stage_dir: Path, name: str) -> None:
@@ -247,6 +284,15 @@ def device_limit() -> str:
     return os.environ.get(DEVICE_LIMIT_ENV, "rlhf-gpu")
 
 
+def coordinated() -> bool:
+    """Runs share device slots only through a Prefect server (`PREFECT_API_URL`). A temporary
+    server lives as long as one `rlhf run` and keeps its leases in memory: a slot held by a
+    run that was killed would never come back."""
+    from prefect.settings import PREFECT_API_URL
+
+    return bool(PREFECT_API_URL.value())
+
+
 def ensure_device_limit(slots: int = 1) -> None:
     """Create the device limit with `slots` slots if it does not exist (an existing one is left as its owner set it)."""
     from prefect import get_client
@@ -265,17 +311,19 @@ def device_slot(stage: str, log: Callable[[str], None] = print) -> Iterator[None
     """Hold one slot of the device limit while a training or generating stage builds.
 
     Two flow runs then never train on the same GPU at once: the second waits
-    here (its cached stages do not). Outside a Prefect run it is a no-op.
+    here (its cached stages do not). Outside a Prefect run, or without a Prefect
+    server, it is a no-op. The slot is leased for a minute at a time and renewed
+    while the stage runs, so a run that is killed frees it within a minute.
     """
     from prefect.context import TaskRunContext
 
-    if stage not in DEVICE_STAGES or TaskRunContext.get() is None:
+    if stage not in DEVICE_STAGES or TaskRunContext.get() is None or not coordinated():
         yield
         return
     from prefect.concurrency.sync import concurrency
 
     waited = time.time()
-    with concurrency(device_limit(), occupy=1):
+    with concurrency(device_limit(), occupy=1, lease_duration=60):
         if time.time() - waited > 1:
             log(f"{stage}: waited {time.time() - waited:.0f}s for a slot of concurrency limit {device_limit()!r}")
         yield

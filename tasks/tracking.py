@@ -60,6 +60,16 @@ def end_run(run_id: str, failed: bool = False) -> None:
     client().set_terminated(run_id, status="FAILED" if failed else "FINISHED")
 
 
+def end_stale_runs(experiment: str, key: str) -> list[str]:
+    """Mark the RUNNING runs of a stage key KILLED: their process died (the caller holds the key's lock)."""
+    mlflow = client()
+    stale = mlflow.search_runs([experiment], f"tags.`rlhf.key` = '{key}' and attributes.status = 'RUNNING'")
+    for run in stale:
+        mlflow.set_tag(run.info.run_id, "rlhf.error", "the process died before the stage finished")
+        mlflow.set_terminated(run.info.run_id, status="KILLED")
+    return [run.info.run_id for run in stale]
+
+
 def set_tags(run_id: str, tags: dict[str, str]) -> None:
     from mlflow.entities import RunTag
 

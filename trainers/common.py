@@ -196,15 +196,16 @@ def load_split(data_dir: Path, name: str):
     return Dataset.from_parquet(str(data_dir / "datasets" / f"{name}.parquet"))
 
 
+COMPLETE = "checkpoint.complete"
+"""Written into a checkpoint folder once the trainer has saved all of it (weights, optimizer,
+scheduler, RNG, trainer state): a folder without it was being written when the process died."""
+
+
 def last_checkpoint(work_dir: Path) -> str | None:
-    """Newest complete `checkpoint-N` folder; a half-written one has no trainer_state.json yet."""
+    """Newest complete `checkpoint-N` folder, or None; half-written ones (no COMPLETE marker) are never used."""
     if not work_dir.is_dir():
         return None
-    done = [
-        p
-        for p in work_dir.glob("checkpoint-*")
-        if p.name.split("-")[-1].isdigit() and (p / "trainer_state.json").is_file()
-    ]
+    done = [p for p in work_dir.glob("checkpoint-*") if p.name.split("-")[-1].isdigit() and (p / COMPLETE).is_file()]
     return str(max(done, key=lambda p: int(p.name.split("-")[-1]))) if done else None
 
 
@@ -249,6 +250,20 @@ def _duration(seconds: float) -> str:
         return "?"
     minutes, seconds = divmod(int(seconds), 60)
     return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
+
+
+def stage_callbacks(stage: str, log_metrics: LogMetrics | None) -> list:
+    """The TrainerCallbacks of every TRL stage: metrics and progress, and complete-checkpoint markers."""
+    from transformers import TrainerCallback
+
+    class MarkComplete(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            # Called after the trainer wrote the whole checkpoint (and rotated old ones).
+            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            if folder.is_dir() and state.is_world_process_zero:
+                (folder / COMPLETE).write_text(f"{state.global_step}\n")
+
+    return [metrics_callback(stage, log_metrics), MarkComplete()]
 
 
 def metrics_callback(stage: str, log_metrics: LogMetrics | None):

@@ -49,7 +49,7 @@ def train(
 ) -> dict[str, float]:
     import trl
 
-    from trainers.common import final_train_metrics, last_checkpoint, load_causal_lm, load_split, metrics_callback, save_model
+    from trainers.common import final_train_metrics, last_checkpoint, load_causal_lm, load_split, save_model, stage_callbacks
 
     policy, tokenizer = load_causal_lm(sft_model)
     args = trl.DPOConfig(
@@ -66,7 +66,7 @@ def train(
         train_dataset=load_split(data_dir, "preference"),
         processing_class=tokenizer,
         peft_config=cfg.lora.peft_config(),
-        callbacks=[metrics_callback("dpo", log_metrics)],
+        callbacks=stage_callbacks("dpo", log_metrics),
     )
     trainer.train(resume_from_checkpoint=last_checkpoint(work_dir))
     save_model(trainer.model, tokenizer, out_dir / "model", keep_adapter=cfg.lora.keep_adapter)

@@ -55,7 +55,7 @@ def train(
     """Train with TRL's GRPOTrainer (`stage="grpo"`) or RLOOTrainer (`stage="rloo"`) on `prompts`."""
     import trl
 
-    from trainers.common import final_train_metrics, last_checkpoint, load_causal_lm, load_split, metrics_callback, save_model
+    from trainers.common import final_train_metrics, last_checkpoint, load_causal_lm, load_split, save_model, stage_callbacks
     from trainers.rewards import trl_reward_funcs
 
     trainer_cls, config_cls = {"grpo": (trl.GRPOTrainer, trl.GRPOConfig), "rloo": (trl.RLOOTrainer, trl.RLOOConfig)}[stage]
@@ -80,7 +80,7 @@ def train(
         train_dataset=prompts,
         processing_class=tokenizer,
         peft_config=cfg.lora.peft_config(),
-        callbacks=[metrics_callback(stage, log_metrics)],
+        callbacks=stage_callbacks(stage, log_metrics),
     )
     trainer.train(resume_from_checkpoint=last_checkpoint(work_dir))
     save_model(trainer.model, tokenizer, out_dir / "model", keep_adapter=cfg.lora.keep_adapter)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, model_validator
 
-from trainers.common import LogMetrics, LoraConfig, Progress, StrictModel
+from trainers.common import COMPLETE, LogMetrics, LoraConfig, Progress, StrictModel
 from trainers.rewards import RewardsConfig
 
 if TYPE_CHECKING:
@@ -212,8 +212,8 @@ def _trainable(model) -> dict[str, torch.Tensor]:
 
 
 def _save_checkpoint(work_dir: Path, update: int, policy, value_model, optimizer, state: dict) -> None:
-    """Written into a hidden sibling and renamed into place when complete, so `last_checkpoint` (which
-    also wants `trainer_state.json`) never sees a half-written one. Keeps the two newest."""
+    """Written into a hidden sibling and renamed into place when complete (with the COMPLETE marker
+    `last_checkpoint` wants), so a half-written one is never used. Keeps the two newest."""
     import numpy as np
     import torch
     from safetensors.torch import save_file
@@ -229,6 +229,7 @@ def _save_checkpoint(work_dir: Path, update: int, policy, value_model, optimizer
         rng["cuda"] = torch.cuda.get_rng_state_all()
     torch.save(rng, tmp / "rng.pt")
     (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+    (tmp / COMPLETE).write_text(f"{update}\n")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     done = sorted((p for p in work_dir.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()), key=lambda p: int(p.name.split("-")[-1]))

@@ -32,7 +32,7 @@ def train(
     import trl
     from transformers import AutoModelForSequenceClassification
 
-    from trainers.common import final_train_metrics, last_checkpoint, load_split, load_tokenizer, metrics_callback, save_model
+    from trainers.common import final_train_metrics, last_checkpoint, load_split, load_tokenizer, save_model, stage_callbacks
 
     tokenizer = load_tokenizer(sft_model)
     model = AutoModelForSequenceClassification.from_pretrained(str(sft_model), num_labels=1, use_safetensors=True)
@@ -52,7 +52,7 @@ def train(
         eval_dataset=eval_dataset,
         processing_class=tokenizer,
         peft_config=cfg.lora.peft_config("SEQ_CLS"),
-        callbacks=[metrics_callback("rm", log_metrics)],
+        callbacks=stage_callbacks("rm", log_metrics),
     )
     trainer.train(resume_from_checkpoint=last_checkpoint(work_dir))
     metrics = final_train_metrics("rm", trainer)

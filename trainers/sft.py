@@ -35,7 +35,7 @@ def train(
     """Fine-tune the base model on `<data_dir>/datasets/sft.parquet`; write the model to `out_dir`."""
     import trl
 
-    from trainers.common import final_train_metrics, last_checkpoint, load_base_model, load_split, metrics_callback, save_model
+    from trainers.common import final_train_metrics, last_checkpoint, load_base_model, load_split, save_model, stage_callbacks
 
     policy, tokenizer = load_base_model(model)
     args = trl.SFTConfig(
@@ -51,7 +51,7 @@ def train(
         train_dataset=load_split(data_dir, "sft"),
         processing_class=tokenizer,
         peft_config=cfg.lora.peft_config(),
-        callbacks=[metrics_callback("sft", log_metrics)],
+        callbacks=stage_callbacks("sft", log_metrics),
     )
     trainer.train(resume_from_checkpoint=last_checkpoint(work_dir))
     save_model(trainer.model, tokenizer, out_dir / "model", keep_adapter=cfg.lora.keep_adapter)

@@ -1,5 +1,7 @@
+import shutil
+
 from trainers import sft
-from trainers.common import load_base_model, load_causal_lm, metric_name
+from trainers.common import COMPLETE, last_checkpoint, load_base_model, load_causal_lm, metric_name
 
 from tests.helpers import FAST, SMALL_MODEL, changed, state_dict_copy, write_data_dir
 
@@ -30,6 +32,22 @@ def test_sft_resumes_from_the_newest_checkpoint(tmp_path):
     sft.train(config.model_copy(update={"max_steps": 6}), SMALL_MODEL, data, tmp_path / "second", tmp_path / "work",
               lambda values, step: steps.append(step))
     assert steps and min(steps) > 4
+
+
+def test_a_checkpoint_cut_off_mid_write_is_never_used(tmp_path):
+    data = write_data_dir(tmp_path / "data")
+    config = sft.SftConfig(max_steps=4, **{**FAST, "save_steps": 2})
+    sft.train(config, SMALL_MODEL, data, tmp_path / "first", tmp_path / "work")
+    assert last_checkpoint(tmp_path / "work") == str(tmp_path / "work" / "checkpoint-4")
+    # The process died while writing checkpoint-6: weights and a truncated trainer state, no marker.
+    shutil.copytree(tmp_path / "work" / "checkpoint-4", tmp_path / "work" / "checkpoint-6")
+    (tmp_path / "work" / "checkpoint-6" / COMPLETE).unlink()
+    (tmp_path / "work" / "checkpoint-6" / "trainer_state.json").write_text('{"global_step": 6, "log_hist')
+    assert last_checkpoint(tmp_path / "work") == str(tmp_path / "work" / "checkpoint-4")
+    steps: list[int] = []
+    sft.train(config.model_copy(update={"max_steps": 6}), SMALL_MODEL, data, tmp_path / "second", tmp_path / "work",
+              lambda values, step: steps.append(step))
+    assert min(steps) == 5 and max(steps) == 6  # resumed after step 4, from the complete checkpoint
 
 
 def test_metric_names_follow_stage_split_name():

@@ -95,6 +95,6 @@ def test_the_data_stage_rejects_the_file(case, good_specs, run_ids, tmp_path, mo
     assert all(str(BAD) in line for line in message.splitlines() if ": rule '" in line), message
 
     stage_root = tmp_path / "artifacts" / "data"
-    assert [path.name for path in stage_root.iterdir()] == [".work"], "nothing is published"
+    assert sorted(path.name for path in stage_root.iterdir()) == [".locks", ".work"], "nothing is published"
     slot = next(slot for slot, name in case["files"].items() if BAD / name == reported)
     assert list(stage_root.glob(f".work/*/report/{slot}/*.json")), "the report stays in the work dir"

@@ -1,0 +1,88 @@
+"""A flow run killed with SIGKILL mid-training resumes from its newest complete checkpoint.
+
+The runs are real `rlhf run` processes (each with its temporary Prefect server);
+the kill takes the whole process group, as a preempted node would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SETTINGS = [
+    "algorithm=dpo", "eval.use_reward_model=false", "registry.enabled=false", "eval.max_prompts=50",
+    "sft.max_steps=60", "sft.save_steps=20", "sft.logging_steps=5",
+    "dpo.max_steps=30", "dpo.save_steps=10", "dpo.logging_steps=5",
+]  # fmt: skip
+
+
+def start(state: Path, log: Path) -> subprocess.Popen:
+    (state / "prefect").mkdir(parents=True, exist_ok=True)
+    env = {
+        **os.environ,
+        "RLHF_STATE_DIR": str(state),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{state / 'mlflow.db'}",
+        "PREFECT_HOME": str(state / "prefect"),
+    }
+    args = [sys.executable, "-m", "flows.cli", "run", *(f"--set={item}" for item in SETTINGS)]
+    with open(log, "a") as out:
+        return subprocess.Popen(args, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def kill_after_checkpoint(process: subprocess.Popen, state: Path, stage: str, log: Path, timeout: float = 300) -> int:
+    """SIGKILL the run's process group once `stage` has a complete checkpoint; return that checkpoint's step."""
+    deadline = time.time() + timeout
+    while True:
+        done = list((state / "artifacts" / stage / ".work").glob("*/checkpoint-*/checkpoint.complete"))
+        if done:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            return max(int(marker.parent.name.split("-")[1]) for marker in done)
+        assert process.poll() is None, f"the run ended before a {stage} checkpoint:\n{log.read_text()[-3000:]}"
+        assert time.time() < deadline, f"no {stage} checkpoint within {timeout}s"
+        time.sleep(0.05)
+
+
+def finish(process: subprocess.Popen, log: Path) -> None:
+    assert process.wait(600) == 0, log.read_text()[-4000:]
+
+
+def manifest_metrics(state: Path, stage: str) -> dict[str, float]:
+    [manifest] = (state / "artifacts" / stage).glob("*/manifest.json")
+    return json.loads(manifest.read_text())["metrics"]
+
+
+def test_a_killed_run_resumes_sft_and_dpo_from_their_checkpoints_and_ends_where_an_unbroken_run_ends(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    unbroken, crashed = tmp_path / "unbroken", tmp_path / "crashed"
+    log = tmp_path / "runs.log"
+    finish(start(unbroken, log), log)
+
+    sft_step = kill_after_checkpoint(start(crashed, log), crashed, "sft", log)
+    dpo_step = kill_after_checkpoint(start(crashed, log), crashed, "dpo", log)  # sft resumes and finishes here
+    assert 20 <= sft_step < 60 and 10 <= dpo_step < 30
+    finish(start(crashed, log), log)
+
+    mlflow = MlflowClient(tracking_uri=f"sqlite:///{crashed / 'mlflow.db'}")
+    experiment = mlflow.get_experiment_by_name("rlhf").experiment_id
+    for stage, resumed_at, total in (("sft", sft_step, 60), ("dpo", dpo_step, 30)):
+        runs = mlflow.search_runs([experiment], f"attributes.run_name = '{stage}' and tags.`rlhf.cached` = 'false'")
+        by_status = sorted(run.info.status for run in runs)
+        assert by_status == ["FINISHED", "KILLED"], by_status  # the killed attempt is closed, not left RUNNING
+        [resumed] = [run for run in runs if run.info.status == "FINISHED"]
+        assert resumed.data.tags["rlhf.resumed_from"] == f"checkpoint-{resumed_at}"
+        steps = sorted({m.step for m in mlflow.get_metric_history(resumed.info.run_id, f"{stage}/train/loss")})
+        # The step counter continues after the checkpoint and stops at the configured total.
+        assert steps == list(range(resumed_at + 5, total + 1, 5)), steps
+
+        expected, got = manifest_metrics(unbroken, stage), manifest_metrics(crashed, stage)
+        assert abs(got[f"{stage}/train/loss"] - expected[f"{stage}/train/loss"]) < 1e-4, (stage, got, expected)
+    final = manifest_metrics(crashed, "eval")["eval/heldout/dpo_exact_match"]
+    assert abs(final - manifest_metrics(unbroken, "eval")["eval/heldout/dpo_exact_match"]) <= 0.02
