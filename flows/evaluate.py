@@ -16,6 +16,7 @@ from tasks.eval import evaluate
 from tasks.pipeline import pipeline_run
 from tasks.registry import RegistryConfig
 from tasks.resolve import resolve_model
+from tasks.stage import RetryConfig, retrying
 from trainers.common import ModelConfig, StrictModel
 from trainers.data import DataConfig
 from trainers.eval import EvalConfig
@@ -37,6 +38,7 @@ class EvalParams(StrictModel):
     data: DataConfig = Field(default=_defaults.data, description="Held-out datasets (checked by the `data` stage).")
     eval: EvalConfig = Field(default=_defaults.eval, description="Held-out evaluation.")
     registry: RegistryConfig = Field(default=_defaults.registry, description="Where the champion to compare against lives.")
+    retry: RetryConfig = Field(default=_defaults.retry, description="Retries with backoff after transient errors, and a time limit per stage.")
 
 
 @flow(name="rlhf-eval", persist_result=False, validate_parameters=True)
@@ -53,6 +55,7 @@ def rlhf_eval(
     data: DataConfig = _defaults.data,
     eval: EvalConfig = _defaults.eval,
     registry: RegistryConfig = _defaults.registry,
+    retry: RetryConfig = _defaults.retry,
 ) -> dict:
     """Evaluate a registered version or a model folder against SFT and the champion."""
     params = from_flow_parameters(EvalParams, locals())
@@ -61,6 +64,7 @@ def rlhf_eval(
         sft_model, _ = resolve_model(params.sft_model or lineage.get("sft"), "sft")
         reward_source = params.reward_model or lineage.get("rm")
         reward_model = resolve_model(reward_source, "rm")[0] if reward_source else None
-        data = validate_data.submit(params.data, run.ctx)
-        report = evaluate.submit(params.eval, params.model, data, sft_model, policy, reward_model, params.registry, run.ctx)
+        stage = retrying(params.retry)
+        data = stage(validate_data).submit(params.data, run.ctx)
+        report = stage(evaluate).submit(params.eval, params.model, data, sft_model, policy, reward_model, params.registry, run.ctx)
         return run.finish(policy=policy, report=report.result(), stages=[data.result(), sft_model, policy, report.result()])

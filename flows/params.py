@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, Field, model_validator
 
 from tasks.registry import RegistryConfig
+from tasks.stage import RetryConfig
 from trainers.common import TINY, ModelConfig, StrictModel
 from trainers.data import DataConfig
 from trainers.dpo import DpoConfig
@@ -54,6 +55,7 @@ class PipelineParams(StrictModel):
     ppo: PpoConfig = Field(default_factory=PpoConfig, description="PPO (ours: trainers/ppo.py).")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
     registry: RegistryConfig = Field(default_factory=RegistryConfig, description="MLflow model registry and promotion gate.")
+    retry: RetryConfig = Field(default_factory=RetryConfig, description="Retries with backoff after transient errors, and a time limit per stage.")
 
     @model_validator(mode="after")
     def _fits_tiny_model(self):

@@ -25,6 +25,7 @@ from tasks.policy import train_grpo, train_ppo, train_rloo
 from tasks.registry import RegistryConfig, register_policy
 from tasks.rm import train_reward_model
 from tasks.sft import train_sft
+from tasks.stage import RetryConfig, is_transient, retrying
 from trainers.common import ModelConfig
 from trainers.data import DataConfig
 from trainers.dpo import DpoConfig
@@ -57,26 +58,28 @@ def rlhf(
     ppo: PpoConfig = TINY.ppo,
     eval: EvalConfig = TINY.eval,
     registry: RegistryConfig = TINY.registry,
+    retry: RetryConfig = TINY.retry,
 ) -> dict:
     """Post-train a model with RLHF: validate data, SFT, reward model, DPO/GRPO/RLOO/PPO, evaluate, register."""
     params = from_flow_parameters(PipelineParams, locals())
     with pipeline_run(params) as run:
         # Futures wire the DAG (the Prefect UI draws it); each stage waits for the
         # one before it so that only one stage trains on the device at a time.
-        data = validate_data.submit(params.data, run.ctx, params.model, params.token_limits())
-        sft_model = train_sft.submit(params.sft, params.model, data, run.ctx)
-        reward_model = train_reward_model.submit(params.rm, sft_model, data, run.ctx) if params.needs_reward_model else None
+        stage = retrying(params.retry)
+        data = stage(validate_data).submit(params.data, run.ctx, params.model, params.token_limits())
+        sft_model = stage(train_sft).submit(params.sft, params.model, data, run.ctx)
+        reward_model = stage(train_reward_model).submit(params.rm, sft_model, data, run.ctx) if params.needs_reward_model else None
         policy = optimise_policy(params, sft_model, reward_model, data, run.ctx)
-        report = evaluate.submit(params.eval, params.model, data, sft_model, policy,
+        report = stage(evaluate).submit(params.eval, params.model, data, sft_model, policy,
                                  reward_model if params.eval.use_reward_model else None, params.registry, run.ctx)  # fmt: skip
         stages = [f.result() for f in (data, sft_model, reward_model, policy, report) if f is not None]
         registered = None
         if params.registry.enabled:
-            registered = register.submit(params.registry, policy.result(), report.result(), stages, run.ctx).result()
+            registered = stage(register).submit(params.registry, policy.result(), report.result(), stages, run.ctx).result()
         return run.finish(policy=policy.result(), report=report.result(), stages=stages, registered=registered)
 
 
-@task(name="registry", task_run_name="registry", retries=2, retry_delay_seconds=[10, 60], cache_policy=NO_CACHE, persist_result=False)
+@task(name="registry", task_run_name="registry", retry_condition_fn=is_transient, cache_policy=NO_CACHE, persist_result=False)
 def register(config, policy, report, stages, ctx) -> dict:
     """Register the policy; move `champion` only if the gate passes."""
     return register_policy(config, policy, report, stages, ctx)
@@ -85,10 +88,10 @@ def register(config, policy, report, stages, ctx) -> dict:
 def optimise_policy(params: PipelineParams, sft_model, reward_model, data, ctx):
     after = [reward_model] if reward_model is not None else []
     if params.algorithm == "dpo":
-        return train_dpo.submit(params.dpo, sft_model, data, ctx, wait_for=after)
+        return retrying(params.retry)(train_dpo).submit(params.dpo, sft_model, data, ctx, wait_for=after)
     online = {"grpo": train_grpo, "rloo": train_rloo, "ppo": train_ppo}[params.algorithm]
     config = getattr(params, params.algorithm)
-    return online.submit(config, params.rewards, sft_model, reward_model, data, ctx, wait_for=after)
+    return retrying(params.retry)(online).submit(config, params.rewards, sft_model, reward_model, data, ctx, wait_for=after)
 
 if __name__ == "__main__":
     from flows.cli import main

@@ -25,7 +25,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from tasks import tracking
 from trainers.common import LogMetrics, last_checkpoint
@@ -275,6 +275,12 @@ def _publish(tmp: Path, final: Path) -> None:
 
 # --- the Prefect side ------------------------------------------------------------
 
+
+def retrying(config: RetryConfig) -> Callable:
+    """`retrying(params.retry)(train_sft).submit(...)`: the task with the run's retry policy and time limit."""
+    return lambda task: task.with_options(**config.task_options())
+
+
 DEVICE_STAGES = frozenset({"sft", "rm", "dpo", "grpo", "rloo", "ppo", "eval"})
 DEVICE_LIMIT_ENV = "RLHF_DEVICE_LIMIT"
 
@@ -329,6 +335,27 @@ def device_slot(stage: str, log: Callable[[str], None] = print) -> Iterator[None
         yield
 
 PERMANENT_ERRORS = (ValueError, TypeError, KeyError, ImportError, NotImplementedError)
+
+
+class RetryConfig(BaseModel):
+    """How stages meet failure: transient errors (I/O, network, a lost device) retry with backoff;
+    bad config or data (ValueError, TypeError, KeyError, ImportError) fail at once."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    retries: int = Field(2, ge=0, le=20, description="Retries of a stage after a transient error; 0 fails at the first.")
+    delay_seconds: list[float] = Field([10, 60], min_length=1, description="Wait before each retry, in seconds (the last repeats).")
+    jitter_factor: float = Field(0.2, ge=0, le=1, description="Random extra share of each delay, so retries of parallel runs spread out.")
+    timeout_seconds: float | None = Field(
+        None, gt=0, description="A stage running longer fails (its child processes are killed) and is retried; None: no limit."
+    )
+
+    def task_options(self) -> dict[str, Any]:
+        return {
+            "retries": self.retries,
+            "retry_delay_seconds": list(self.delay_seconds),
+            "retry_jitter_factor": self.jitter_factor or None,
+            "timeout_seconds": self.timeout_seconds,
+        }
 
 
 def is_transient(task, task_run, state) -> bool:

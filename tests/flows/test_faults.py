@@ -1,0 +1,66 @@
+"""Transient failures retry with backoff and the flow completes; permanent ones fail at once."""
+
+from __future__ import annotations
+
+import importlib
+from collections import Counter
+
+import flows.rlhf
+from tests.flows.helpers import run
+from tests.flows.test_online import ONLINE_FAST
+
+STAGE_MODULES = ["tasks.data", "tasks.sft", "tasks.rm", "tasks.dpo", "tasks.policy", "tasks.eval"]
+NO_WAIT = ["retry.delay_seconds=[0]", "retry.jitter_factor=0"]
+
+
+def inject(monkeypatch, error: Exception, only: str | None = None) -> Counter:
+    """Make the first attempt of every stage (or of `only`) raise `error`; count the attempts."""
+    attempts: Counter = Counter()
+
+    def failing_first(original):
+        def attempt(stage, *args, **kwargs):
+            attempts[stage] += 1
+            if attempts[stage] == 1 and only in (None, stage):
+                raise error
+            return original(stage, *args, **kwargs)
+
+        return attempt
+
+    for module in STAGE_MODULES:
+        monkeypatch.setattr(f"{module}.run_stage", failing_first(importlib.import_module(module).run_stage))
+    register = flows.rlhf.register_policy
+    monkeypatch.setattr(flows.rlhf, "register_policy", lambda *a, **k: failing_first(lambda _, *a, **k: register(*a, **k))("registry", *a, **k))
+    return attempts
+
+
+def run_counts(flow_state) -> dict[str, tuple[str, int]]:
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_state.state_details.flow_run_id])))
+    return {r.name: (r.state.type.value, r.run_count) for r in runs}
+
+
+def test_every_stage_survives_a_transient_failure_with_one_retry(prefect, state, monkeypatch):
+    attempts = inject(monkeypatch, ConnectionError("injected: the tracking server dropped the connection"))
+    dpo = run(*NO_WAIT)
+    assert dpo.is_completed(), dpo.message
+    stages = ["data", "sft", "rm", "dpo", "eval", "registry"]
+    assert run_counts(dpo) == {stage: ("COMPLETED", 2) for stage in stages}
+    assert attempts == Counter({stage: 2 for stage in stages})
+
+    attempts.clear()
+    ppo = run(*ONLINE_FAST, "algorithm=ppo", *NO_WAIT)  # the online stages live in tasks.policy
+    assert ppo.is_completed(), ppo.message
+    assert run_counts(ppo)["ppo"] == ("COMPLETED", 2) and attempts["ppo"] == 2
+
+
+def test_a_permanent_failure_is_not_retried(prefect, state, monkeypatch):
+    attempts = inject(monkeypatch, ValueError("injected: rm.max_length does not fit the data"), only="rm")
+    failed = run(*NO_WAIT)
+    assert failed.is_failed()
+    counts = run_counts(failed)
+    assert counts["rm"] == ("FAILED", 1) and attempts["rm"] == 1
+    assert counts["dpo"] == ("PENDING", 0)  # nothing after it trained
+    assert "ValueError: injected: rm.max_length does not fit the data" in failed.message
