@@ -10,6 +10,7 @@ import yaml
 from pydantic import BaseModel
 
 from tasks import tracking
+from tasks.secrets import install_log_filter, redact
 from tasks.stage import ArtifactRef, RunContext, coordinated, ensure_device_limit, prefect_log
 
 
@@ -53,7 +54,8 @@ def pipeline_run(params: BaseModel) -> Iterator[PipelineRun]:
     run_id = tracking.start_run(
         experiment, flow_run_name, {"prefect.flow_run_id": flow_run_id, "rlhf.algorithm": params.algorithm}
     )
-    config = params.model_dump(mode="json")
+    install_log_filter()
+    config = redact(params.model_dump(mode="json"))
     tracking.log_params(run_id, config)
     tracking.log_text(run_id, yaml.safe_dump(config, sort_keys=False), "config.yaml")
     ctx = RunContext(

@@ -28,6 +28,7 @@ from typing import Any, Callable
 from pydantic import BaseModel, ConfigDict, Field
 
 from tasks import tracking
+from tasks.secrets import redact, redact_text
 from trainers.common import LogMetrics, last_checkpoint
 
 MANIFEST = "manifest.json"
@@ -154,11 +155,12 @@ def run_stage(
     re-run that changes only a report (timestamps, a new rule) re-trains nothing.
     """
     fingerprints = fingerprints or {}
-    key = stage_key(stage, config, upstream, fingerprints)
+    # Secrets are masked before anything is keyed, logged or written: a rotated token re-trains nothing.
+    config_json = redact(config.model_dump(mode="json") if isinstance(config, BaseModel) else config)
+    key = stage_key(stage, config_json, upstream, fingerprints)
     stage_root = Path(ctx.artifact_root) / stage
     final = stage_root / key
     ref = ArtifactRef(stage=stage, key=key, uri=str(final))
-    config_json = config.model_dump(mode="json") if isinstance(config, BaseModel) else config
     tags = {"rlhf.stage": stage, "rlhf.key": key, "rlhf.artifact": str(final)}
 
     stage_root.mkdir(parents=True, exist_ok=True)
@@ -416,6 +418,7 @@ def prefect_log(message: str) -> None:
     from prefect import get_run_logger
     from prefect.exceptions import MissingContextError
 
+    message = redact_text(message)
     try:
         get_run_logger().info(message)
     except MissingContextError:

@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from tasks.secrets import redact, redact_text
+
 STATE_ENV = "RLHF_STATE_DIR"
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 PARAM_VALUE_LIMIT = 6000  # MLflow rejects longer param values
@@ -73,7 +75,7 @@ def end_stale_runs(experiment: str, key: str) -> list[str]:
 def set_tags(run_id: str, tags: dict[str, str]) -> None:
     from mlflow.entities import RunTag
 
-    client().log_batch(run_id, tags=[RunTag(k, str(v)[:5000]) for k, v in tags.items()])
+    client().log_batch(run_id, tags=[RunTag(k, redact_text(str(v))[:5000]) for k, v in tags.items()])
 
 
 def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -92,7 +94,7 @@ def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
 def log_params(run_id: str, config: dict[str, Any], prefix: str = "") -> None:
     from mlflow.entities import Param
 
-    params = [Param(k, v) for k, v in flatten(config, prefix).items()]
+    params = [Param(k, v) for k, v in flatten(redact(config), prefix).items()]
     for start in range(0, len(params), 100):  # MLflow caps a batch at 100 params
         client().log_batch(run_id, params=params[start : start + 100])
 
@@ -125,7 +127,7 @@ def log_table(run_id: str, rows: list[dict], artifact_file: str) -> None:
 
 
 def log_text(run_id: str, text: str, artifact_file: str) -> None:
-    client().log_text(run_id, text, artifact_file)
+    client().log_text(run_id, redact_text(text), artifact_file)
 
 
 def ui_url() -> str | None:
