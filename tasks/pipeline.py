@@ -47,6 +47,7 @@ def _flow_run() -> tuple[str, str]:
 
 @contextlib.contextmanager
 def pipeline_run(params: BaseModel) -> Iterator[PipelineRun]:
+    tracking.check_reachable()
     flow_run_id, flow_run_name = _flow_run()
     if flow_run_id and coordinated():
         ensure_device_limit()

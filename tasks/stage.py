@@ -200,6 +200,7 @@ def run_stage(
             last_step[0] = max(last_step[0], step)
             tracking.log_metrics(run_id, values, step)
 
+        children_before = _child_pids()
         try:
             with device_slot(stage, log):
                 metrics = build(tmp, work_dir, log_metrics)
@@ -224,6 +225,9 @@ def run_stage(
             tracking.log_metrics(run_id, metrics, last_step[0])  # the final values sit at the end of the curves
             _publish(tmp, final)
         except BaseException as exc:
+            # A timed-out or failed build leaves no workers behind (data loaders, generation servers).
+            for pid in _child_pids() - children_before:
+                _kill(pid, log)
             for name in log_files:  # a failed validation still leaves its report in MLflow
                 _log_file(run_id, tmp if (tmp / name).exists() else work_dir, name)
             tracking.set_tags(run_id, {"rlhf.error": f"{type(exc).__name__}: {exc}"})
@@ -235,6 +239,25 @@ def run_stage(
         shutil.rmtree(work_dir, ignore_errors=True)  # checkpoints are only a resume source
         log(f"{stage}: done in {seconds:.1f}s -> {final}")
         return StageOutcome(ref, cached=False, metrics=metrics, mlflow_run_id=run_id)
+
+
+def _child_pids() -> set[int]:
+    import psutil
+
+    return {child.pid for child in psutil.Process().children(recursive=True)}
+
+
+def _kill(pid: int, log: Callable[[str], None]) -> None:
+    import psutil
+
+    try:
+        process = psutil.Process(pid)
+        name = process.name()
+        process.kill()
+        process.wait(10)
+        log(f"killed child process {pid} ({name}) left by the failed stage")
+    except psutil.Error:
+        pass  # already gone
 
 
 @contextmanager

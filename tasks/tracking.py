@@ -30,6 +30,29 @@ def tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{state_dir() / 'mlflow.db'}"
 
 
+def check_reachable(timeout: float = 5.0) -> None:
+    """Fail before anything is logged when the tracking server does not answer: no half-logged runs."""
+    uri = tracking_uri()
+    if not uri.startswith("http"):
+        return
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout) as response:
+            if response.status == 200:
+                return
+            problem = f"HTTP {response.status}"
+    except urllib.error.HTTPError as exc:
+        problem = f"HTTP {exc.code}"
+    except OSError as exc:
+        problem = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
+    raise ConnectionError(
+        f"MLflow tracking server {uri} cannot be reached ({problem}); nothing was logged and no stage ran. "
+        "Start it, or point MLFLOW_TRACKING_URI at one (unset: SQLite under the state folder)."
+    )
+
+
 def client():
     from mlflow.tracking import MlflowClient
 

@@ -64,3 +64,52 @@ def test_a_permanent_failure_is_not_retried(prefect, state, monkeypatch):
     assert counts["rm"] == ("FAILED", 1) and attempts["rm"] == 1
     assert counts["dpo"] == ("PENDING", 0)  # nothing after it trained
     assert "ValueError: injected: rm.max_length does not fit the data" in failed.message
+
+
+def test_a_stage_that_times_out_fails_and_kills_its_child_processes(prefect, tmp_path):
+    import subprocess
+    import time
+
+    import psutil
+    from prefect import flow, task
+
+    from tasks import tracking
+    from tasks.stage import RetryConfig, RunContext, retrying, run_stage
+
+    experiment = tracking.experiment_id("timeout-test")
+    ctx = RunContext(artifact_root=str(tmp_path), experiment_id=experiment, parent_run_id=tracking.start_run(experiment, "parent", {}))
+    spawned: list[int] = []
+
+    def hanging_build(out_dir, work_dir, log_metrics):
+        spawned.append(subprocess.Popen(["sleep", "120"]).pid)  # a worker that would outlive the stage
+        while True:  # a training loop that never ends
+            time.sleep(0.05)
+
+    @task
+    def sft_stage():
+        return run_stage("sft", {"hangs": True}, {}, ctx, hanging_build).ref
+
+    @flow
+    def timed():
+        return retrying(RetryConfig(retries=0, timeout_seconds=2))(sft_stage).submit().result()
+
+    started = time.time()
+    state = timed(return_state=True)
+    assert state.is_failed() and time.time() - started < 30
+    assert "timed out" in state.message.lower() or "timeout" in state.message.lower(), state.message
+    [worker] = spawned
+    assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE
+    assert not list((tmp_path / "sft").glob("[0-9a-f]*")), "nothing published"
+
+
+def test_an_unreachable_mlflow_server_fails_the_run_at_its_start_naming_the_uri(prefect, state, monkeypatch):
+    from tests.deployments.test_service import free_port
+    from tests.flows.helpers import task_states
+
+    uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    failed = run()
+    assert failed.is_failed()
+    assert f"MLflow tracking server {uri} cannot be reached" in failed.message
+    assert task_states(failed) == {}  # no stage started
+    assert not (state / "artifacts").exists()

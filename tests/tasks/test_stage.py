@@ -58,9 +58,9 @@ def test_publish_then_reuse_by_manifest(ctx):
     by_cached = {r.data.tags["rlhf.cached"]: r for r in runs}
     assert by_cached["true"].data.tags["rlhf.produced_by"] == by_cached["false"].info.run_id
     assert by_cached["false"].data.params["beta"] == "0.1"
-    # per-step value from training (step 1) and the final value (step 0)
+    # per-step value from training (step 1) and the final value, at the last step (not at 0, the start of the curve)
     history = client.get_metric_history(by_cached["false"].info.run_id, "dpo/train/loss")
-    assert sorted(m.step for m in history) == [0, 1]
+    assert sorted(m.step for m in history) == [1, 1]
 
 
 def test_deleted_artifact_runs_again_and_force_ignores_the_cache(ctx):
@@ -81,3 +81,28 @@ def test_a_failing_stage_publishes_nothing_and_marks_its_run_failed(ctx):
     assert [p.name for p in stage_root.iterdir() if p.name not in (".work", ".locks")] == []
     failed = MlflowClient().search_runs([ctx.experiment_id], "attributes.status = 'FAILED'")
     assert any("disk vanished" in r.data.tags.get("rlhf.error", "") for r in failed)
+
+
+def test_two_runs_with_the_same_inputs_at_once_build_once_and_share_the_result(ctx):
+    import threading
+    import time
+
+    calls: list = []
+
+    def slow(out_dir, work_dir, log_metrics):
+        time.sleep(1.0)  # the second run arrives while the first is still building
+        return writing(calls)(out_dir, work_dir, log_metrics)
+
+    outcomes: list = []
+    runs = [threading.Thread(target=lambda: outcomes.append(run_stage("dpo", DpoConfig(), {}, ctx, slow))) for _ in range(2)]
+    for run in runs:
+        run.start()
+        time.sleep(0.2)
+    for run in runs:
+        run.join()
+    assert len(calls) == 1  # built once
+    assert sorted(o.cached for o in outcomes) == [False, True]  # the second reused the first one's result
+    assert outcomes[0].ref == outcomes[1].ref
+    assert (outcomes[0].ref.path / "model" / "weights.bin").read_bytes() == b"w"
+    stage_root = outcomes[0].ref.path.parent
+    assert [p.name for p in stage_root.iterdir() if p.name.startswith(".tmp")] == []
