@@ -58,6 +58,17 @@ class PipelineParams(StrictModel):
     retry: RetryConfig = Field(default_factory=RetryConfig, description="Retries with backoff after transient errors, and a time limit per stage.")
 
     @model_validator(mode="after")
+    def _room_for_prompts(self):
+        if self.algorithm in ("grpo", "rloo"):
+            online = getattr(self, self.algorithm)
+            if online.max_completion_length >= online.max_length:
+                raise ValueError(
+                    f"{self.algorithm}.max_completion_length={online.max_completion_length} leaves no room for a prompt "
+                    f"in {self.algorithm}.max_length={online.max_length}"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _fits_tiny_model(self):
         if self.model.name_or_path != TINY:
             return self
@@ -81,13 +92,7 @@ class PipelineParams(StrictModel):
             limits["preference"] = limits["preference_eval"] = min(preference)
         if self.algorithm in ("grpo", "rloo"):
             online = getattr(self, self.algorithm)
-            room = online.max_length - online.max_completion_length
-            if room < 1:
-                raise ValueError(
-                    f"{self.algorithm}.max_completion_length={online.max_completion_length} leaves no room for a prompt "
-                    f"in {self.algorithm}.max_length={online.max_length}"
-                )
-            limits["prompts"] = limits["prompts_eval"] = room
+            limits["prompts"] = limits["prompts_eval"] = online.max_length - online.max_completion_length
         return limits
 
     @property

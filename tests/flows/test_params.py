@@ -23,6 +23,16 @@ def test_bad_values_fail_before_any_model_loads():
         load_params("tiny", ["sft.learning_rat=0.1"])
     with pytest.raises(ValueError, match="unknown preset 'nope'"):
         load_params("nope")
+    with pytest.raises(ValidationError, match="grpo.max_completion_length=64 leaves no room for a prompt in grpo.max_length=64"):
+        load_params("tiny", ["algorithm=grpo", "grpo.max_completion_length=64"])
+    load_params("tiny", ["algorithm=dpo", "grpo.max_completion_length=64"])  # grpo does not run: not its business
+
+
+def test_token_limits_follow_the_stages_that_read_each_dataset():
+    dpo = load_params("tiny", ["dpo.max_length=48"]).token_limits()
+    assert dpo == {"sft": 64, "preference": 48, "preference_eval": 48}
+    grpo = load_params("tiny", ["algorithm=grpo", "grpo.max_completion_length=8"]).token_limits()
+    assert grpo["prompts"] == grpo["prompts_eval"] == 64 - 8 and grpo["preference"] == 64  # the rm reads preferences
 
 
 def test_cli_reports_invalid_parameters_with_exit_code_2(capsys):
