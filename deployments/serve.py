@@ -57,7 +57,7 @@ def deployments(
 def serve(preset: str = DEFAULT_PRESET, retrain_cron: str = RETRAIN_CRON, retrain_overrides: list[str] = ()) -> None:
     from prefect import serve as prefect_serve
 
-    from tasks.stage import ensure_device_limit
+    from tasks.orchestration import ensure_device_limit
 
     made = deployments(preset, retrain_cron, retrain_overrides)
     ensure_device_limit()

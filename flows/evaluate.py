@@ -13,10 +13,10 @@ from pydantic import Field
 from flows.params import DEFAULT_PRESET, described_by, from_flow_parameters, load_params
 from tasks.data import validate_data
 from tasks.eval import evaluate
+from tasks.orchestration import RetryConfig, retrying
 from tasks.pipeline import pipeline_run
 from tasks.registry import RegistryConfig
 from tasks.resolve import resolve_model
-from tasks.stage import RetryConfig, retrying
 from trainers.common import ModelConfig, StrictModel
 from trainers.data import DataConfig
 from trainers.eval import EvalConfig

@@ -12,8 +12,8 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, Field, model_validator
 
+from tasks.orchestration import RetryConfig
 from tasks.registry import RegistryConfig
-from tasks.stage import RetryConfig
 from trainers.common import TINY, ModelConfig, StrictModel
 from trainers.data import DataConfig
 from trainers.dpo import DpoConfig

@@ -20,12 +20,12 @@ from flows.params import PipelineParams, described_by, from_flow_parameters, loa
 from tasks.data import validate_data
 from tasks.dpo import train_dpo
 from tasks.eval import evaluate
+from tasks.orchestration import RetryConfig, is_transient, retrying
 from tasks.pipeline import pipeline_run
 from tasks.policy import train_grpo, train_ppo, train_rloo
 from tasks.registry import RegistryConfig, register_policy
 from tasks.rm import train_reward_model
 from tasks.sft import train_sft
-from tasks.stage import RetryConfig, is_transient, retrying
 from trainers.common import ModelConfig
 from trainers.data import DataConfig
 from trainers.dpo import DpoConfig

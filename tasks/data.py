@@ -7,7 +7,8 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tasks.stage import RunContext, StageOutcome, prefect_log, run_stage, stage_task
+from tasks.orchestration import prefect_log, stage_task
+from tasks.stage import RunContext, StageOutcome, run_stage
 from trainers.common import ModelConfig, load_tokenizer
 from trainers.data import DataConfig, fingerprint, load_source, local_files
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from tasks.stage import ArtifactRef, RunContext, StageOutcome, prefect_log, run_stage, stage_task
+from tasks.orchestration import prefect_log, stage_task
+from tasks.stage import ArtifactRef, RunContext, StageOutcome, run_stage
 from trainers.dpo import DpoConfig
 
 

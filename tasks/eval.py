@@ -7,8 +7,9 @@ import tempfile
 from pathlib import Path
 
 from tasks import tracking
+from tasks.orchestration import prefect_log, stage_task
 from tasks.registry import RegistryConfig, current_champion
-from tasks.stage import ArtifactRef, RunContext, StageOutcome, prefect_log, run_stage, stage_task
+from tasks.stage import ArtifactRef, RunContext, StageOutcome, run_stage
 from trainers.common import ModelConfig
 from trainers.eval import EvalConfig
 

@@ -10,8 +10,9 @@ import yaml
 from pydantic import BaseModel
 
 from tasks import tracking
+from tasks.orchestration import coordinated, ensure_device_limit, prefect_log
 from tasks.secrets import install_log_filter, redact
-from tasks.stage import ArtifactRef, RunContext, coordinated, ensure_device_limit, prefect_log
+from tasks.stage import ArtifactRef, RunContext
 
 
 @dataclass

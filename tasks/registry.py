@@ -11,7 +11,8 @@ from __future__ import annotations
 from pydantic import Field
 
 from tasks import tracking
-from tasks.stage import ArtifactRef, RunContext, prefect_log
+from tasks.orchestration import prefect_log
+from tasks.stage import ArtifactRef, RunContext
 from trainers.common import StrictModel
 
 CHAMPION, CANDIDATE = "champion", "candidate"

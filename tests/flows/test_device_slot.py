@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 
 from tasks import tracking
-from tasks.stage import RunContext, device_limit, ensure_device_limit, run_stage
+from tasks.orchestration import device_limit, ensure_device_limit
+from tasks.stage import RunContext, run_stage
 
 
 def overlaps(spans: list[tuple[float, float]]) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
-from flows.evaluate import EvalParams, rlhf_eval
+from flows.evaluate import rlhf_eval
 from tests.flows.helpers import run, task_states
 
 

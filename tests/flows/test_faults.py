@@ -74,7 +74,8 @@ def test_a_stage_that_times_out_fails_and_kills_its_child_processes(prefect, tmp
     from prefect import flow, task
 
     from tasks import tracking
-    from tasks.stage import RetryConfig, RunContext, retrying, run_stage
+    from tasks.orchestration import RetryConfig, retrying
+    from tasks.stage import RunContext, run_stage
 
     experiment = tracking.experiment_id("timeout-test")
     ctx = RunContext(artifact_root=str(tmp_path), experiment_id=experiment, parent_run_id=tracking.start_run(experiment, "parent", {}))

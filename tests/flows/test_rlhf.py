@@ -10,6 +10,7 @@ from mlflow.tracking import MlflowClient
 
 from tests.flows.helpers import STAGES, run, task_states
 
+
 def run_without_registry(*overrides: str):
     """The registry's champion is an input of eval; keep it out of the caching test (see test_registry)."""
     return run("registry.enabled=false", *overrides)

@@ -29,13 +29,11 @@ def files_containing(root: Path, *secrets: str) -> list[str]:
 
 def test_secrets_appear_in_no_log_param_artifact_or_manifest(prefect, state, monkeypatch):
     from mlflow.tracking import MlflowClient
-    from prefect import get_client
+    from prefect import get_client, get_run_logger
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
     import tasks.eval
-    from prefect import get_run_logger
-
-    from tasks.stage import prefect_log
+    from tasks.orchestration import prefect_log
 
     monkeypatch.setenv("HF_TOKEN", ENV_SECRET)
     evaluate = tasks.eval.run_stage

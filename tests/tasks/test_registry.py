@@ -85,11 +85,11 @@ def test_first_version_is_champion_a_loser_is_refused_a_winner_promoted(ctx):
 
 def test_gate_on_measured_exact_match_refuses_the_untrained_base_and_promotes_a_trained_model(ctx, tmp_path):
     """Every number the gate sees here is measured by the eval stage's code, on purpose-built models."""
+    from tests.helpers import write_data_dir
     from trainers import eval as evaluation
     from trainers import sft
     from trainers.common import ModelConfig
     from trainers.eval import EvalConfig
-    from tests.helpers import write_data_dir
 
     data = write_data_dir(tmp_path / "data", rows=600)
     base = ModelConfig()  # the full tiny model: it learns the task in a few dozen steps

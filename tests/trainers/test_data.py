@@ -6,7 +6,6 @@ import pytest
 
 from tests.helpers import FAST, SMALL_MODEL, write_jsonl
 from trainers import dpo, rm, sft
-from trainers.common import load_base_model, save_model
 from trainers.data import DatasetSpec, fingerprint, load_source
 from validators import detect_format, validate_dataset
 

@@ -1,10 +1,9 @@
 import pytest
 from pydantic import ValidationError
 
+from tests.helpers import FAST, SMALL_MODEL, changed, state_dict_copy, write_data_dir
 from trainers import dpo
 from trainers.common import load_base_model, load_causal_lm, save_model
-
-from tests.helpers import FAST, SMALL_MODEL, changed, state_dict_copy, write_data_dir
 
 
 def test_dpo_moves_the_policy_towards_chosen(tmp_path):

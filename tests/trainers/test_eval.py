@@ -1,11 +1,10 @@
 import json
 
+from tests.helpers import FAST, SMALL_MODEL, write_data_dir
 from trainers import eval as evaluation
 from trainers import sft
 from trainers.common import load_base_model, save_model
 from trainers.eval import generate, reward_scores
-
-from tests.helpers import FAST, SMALL_MODEL, write_data_dir
 
 
 def test_evaluate_reports_every_model_and_writes_samples(tmp_path):

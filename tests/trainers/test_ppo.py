@@ -8,11 +8,10 @@ import torch
 from pydantic import ValidationError
 from transformers import AutoModelForSequenceClassification
 
+from tests.helpers import SMALL_MODEL, changed, state_dict_copy, write_data_dir
 from trainers import ppo
 from trainers.common import LoraConfig, load_base_model, load_causal_lm, save_model
 from trainers.rewards import RewardFunctionSpec, RewardsConfig
-
-from tests.helpers import SMALL_MODEL, changed, state_dict_copy, write_data_dir
 
 EXACT_MATCH = RewardsConfig(reward_model_weight=0, functions=[RewardFunctionSpec(path="trainers.sort_task:exact_match")])
 # 8 prompts per update in 2 mini-batches of 4; 16 episodes = 2 updates.

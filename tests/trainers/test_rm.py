@@ -1,9 +1,8 @@
 from transformers import AutoModelForSequenceClassification
 
+from tests.helpers import FAST, SMALL_MODEL, write_data_dir
 from trainers import rm
 from trainers.common import load_base_model, save_model
-
-from tests.helpers import FAST, SMALL_MODEL, write_data_dir
 
 
 def test_reward_model_learns_to_prefer_chosen(tmp_path):

@@ -1,9 +1,8 @@
 import shutil
 
+from tests.helpers import FAST, SMALL_MODEL, changed, state_dict_copy, write_data_dir
 from trainers import sft
 from trainers.common import COMPLETE, last_checkpoint, load_base_model, load_causal_lm, metric_name
-
-from tests.helpers import FAST, SMALL_MODEL, changed, state_dict_copy, write_data_dir
 
 
 def test_sft_trains_the_tiny_model_and_lowers_its_loss(tmp_path):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -15,7 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import datasets
 import pytest
 
-from validators import DataValidationError, DatasetFormat, detect_format, validate_dataset
+from validators import DatasetFormat, DataValidationError, detect_format, validate_dataset
 
 SOURCE = "data/tiny.jsonl"
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
