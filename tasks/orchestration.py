@@ -108,8 +108,9 @@ def is_transient(task, task_run, state) -> bool:
     return not isinstance(exc, PERMANENT_ERRORS)
 
 
-def stage_task(stage: str, retries: int = 2, retry_delay_seconds: list[float] = (10, 60)):
-    """Make `fn(...) -> StageOutcome` a Prefect task named after the stage.
+def stage_task(stage: str):
+    """Make `fn(...) -> StageOutcome` a Prefect task named after the stage, with the default RetryConfig
+    (a flow applies the run's own with `retrying(params.retry)`).
 
     A manifest hit finishes in a `Cached` state (type COMPLETED), so the Prefect
     UI and API show which stages did not run; the task's result is the ArtifactRef.
@@ -132,8 +133,7 @@ def stage_task(stage: str, retries: int = 2, retry_delay_seconds: list[float] = 
         return task(
             name=stage,
             task_run_name=stage,
-            retries=retries,
-            retry_delay_seconds=list(retry_delay_seconds),
+            **RetryConfig().task_options(),
             retry_condition_fn=is_transient,
             # Weights never pass through Prefect's result storage: tasks return refs,
             # and the artifact store decides about caching (see module docstring).

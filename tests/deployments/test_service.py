@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from deployments.local import stop, wait_until_up
+from tests.flows.helpers import task_runs
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_RUN = {  # a few steps of every stage; each block merges onto the preset, field by field
@@ -114,11 +115,8 @@ def wait_for(service, flow_run_id, timeout: float = 900):
 
 
 def task_states(service, flow_run_id) -> dict[str, str]:
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
     with service["client"]() as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-    return {r.name: r.state.name for r in runs}
+        return {r.name: r.state.name for r in task_runs(flow_run_id, client)}
 
 
 def explain(service, run) -> str:

@@ -21,12 +21,16 @@ def run(*overrides: str):
     return rlhf(**dict(params), return_state=True)
 
 
-def task_states(flow_state) -> dict[str, str]:
+def task_runs(flow_run_id, client=None) -> list:
+    """The task runs of a flow run, read through `client` (default: the current Prefect API)."""
     from prefect import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_state.state_details.flow_run_id]))
-        )
-    return {r.name: r.state.name for r in runs}
+    if client is None:
+        with get_client(sync_client=True) as client:
+            return task_runs(flow_run_id, client)
+    return client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+
+
+def task_states(flow_state) -> dict[str, str]:
+    return {r.name: r.state.name for r in task_runs(flow_state.state_details.flow_run_id)}

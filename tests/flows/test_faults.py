@@ -6,7 +6,7 @@ import importlib
 from collections import Counter
 
 import flows.rlhf
-from tests.flows.helpers import run
+from tests.flows.helpers import run, task_runs
 from tests.flows.test_online import ONLINE_FAST
 
 STAGE_MODULES = ["tasks.data", "tasks.sft", "tasks.rm", "tasks.dpo", "tasks.policy", "tasks.eval"]
@@ -34,12 +34,7 @@ def inject(monkeypatch, error: Exception, only: str | None = None) -> Counter:
 
 
 def run_counts(flow_state) -> dict[str, tuple[str, int]]:
-    from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_state.state_details.flow_run_id])))
-    return {r.name: (r.state.type.value, r.run_count) for r in runs}
+    return {r.name: (r.state.type.value, r.run_count) for r in task_runs(flow_state.state_details.flow_run_id)}
 
 
 def test_every_stage_survives_a_transient_failure_with_one_retry(prefect, state, monkeypatch):
