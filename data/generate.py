@@ -72,14 +72,14 @@ def varied_corruption(digits: str, rng: random.Random) -> str:
     answer = correct(digits)
     i = rng.randrange(len(answer))
     options = [
-        lambda: answer[:i] + answer[i + 1 :],                       # drop a digit
-        lambda: answer[:i] + answer[i] + answer[i:],                # duplicate a digit
+        lambda: answer[:i] + answer[i + 1 :],  # drop a digit
+        lambda: answer[:i] + answer[i] + answer[i:],  # duplicate a digit
         lambda: answer[:i] + rng.choice("0123456789") + answer[i + 1 :],  # replace a digit
-        lambda: digits,                                             # echo the input
-        lambda: answer[::-1],                                       # descending
-        lambda: answer[: rng.randrange(1, len(answer))],            # truncated
-        lambda: answer + rng.choice("0123456789"),                  # extra digit
-        lambda: _swap_random_neighbours(answer, rng),               # a random local swap
+        lambda: digits,  # echo the input
+        lambda: answer[::-1],  # descending
+        lambda: answer[: rng.randrange(1, len(answer))],  # truncated
+        lambda: answer + rng.choice("0123456789"),  # extra digit
+        lambda: _swap_random_neighbours(answer, rng),  # a random local swap
     ]
     for _ in range(20):
         wrong = rng.choice(options)()
@@ -134,22 +134,12 @@ def build(seed: int = SEED) -> dict[str, list[dict]]:
     eval_prompts = unique_digits(rng, SIZES["prompts_eval"], held_out)
     eval_pairs = unique_digits(rng, SIZES["preference_eval"], held_out)
     return {
-        "sft": [
-            {"prompt": prompt_for(d), "completion": demonstration(d, rng)}
-            for d in training_digits(rng, SIZES["sft"], held_out)
-        ],
+        "sft": [{"prompt": prompt_for(d), "completion": demonstration(d, rng)} for d in training_digits(rng, SIZES["sft"], held_out)],
         "preference": [
-            {"prompt": prompt_for(d), "chosen": correct(d), "rejected": rejected_for(d, rng)}
-            for d in training_digits(rng, SIZES["preference"], held_out)
+            {"prompt": prompt_for(d), "chosen": correct(d), "rejected": rejected_for(d, rng)} for d in training_digits(rng, SIZES["preference"], held_out)
         ],
-        "preference_eval": [
-            {"prompt": prompt_for(d), "chosen": correct(d), "rejected": rejected_for(d, rng)}
-            for d in eval_pairs
-        ],
-        "prompts": [
-            {"prompt": prompt_for(d), "answer": correct(d)}
-            for d in training_digits(rng, SIZES["prompts"], held_out)
-        ],
+        "preference_eval": [{"prompt": prompt_for(d), "chosen": correct(d), "rejected": rejected_for(d, rng)} for d in eval_pairs],
+        "prompts": [{"prompt": prompt_for(d), "answer": correct(d)} for d in training_digits(rng, SIZES["prompts"], held_out)],
         "prompts_eval": [{"prompt": prompt_for(d), "answer": correct(d)} for d in eval_prompts],
     }
 

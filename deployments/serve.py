@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from flows.params import DEFAULT_PRESET, load_params
+from rlhf_pipeline.flows.params import DEFAULT_PRESET, load_params
 
 if TYPE_CHECKING:
     from prefect.deployments.runner import RunnerDeployment
@@ -23,18 +23,18 @@ if TYPE_CHECKING:
 RETRAIN_CRON = "0 3 * * 1"  # Mondays 03:00: weekly retraining on the newest data
 
 
-def deployments(
-    preset: str = DEFAULT_PRESET, retrain_cron: str = RETRAIN_CRON, retrain_overrides: list[str] = ()
-) -> list[RunnerDeployment]:
+def deployments(preset: str = DEFAULT_PRESET, retrain_cron: str = RETRAIN_CRON, retrain_overrides: list[str] = ()) -> list[RunnerDeployment]:
     """The six deployments; `retrain_overrides` (`data.preference.path=/data/prefs/*.jsonl`...) point retraining at fresh data."""
-    from flows.evaluate import rlhf_eval
-    from flows.rlhf import rlhf
+    from rlhf_pipeline.flows.evaluate import rlhf_eval
+    from rlhf_pipeline.flows.rlhf import rlhf
 
     def params(overrides: list[str] = (), **fields) -> dict:
         return load_params(preset, overrides, **fields).model_dump(mode="json")
 
     return [
-        rlhf.to_deployment(name="full", parameters=params(algorithm="ppo"), description="data -> sft -> rm -> ppo -> eval -> registry (the classic RLHF recipe)."),
+        rlhf.to_deployment(
+            name="full", parameters=params(algorithm="ppo"), description="data -> sft -> rm -> ppo -> eval -> registry (the classic RLHF recipe)."
+        ),
         *(
             rlhf.to_deployment(name=algorithm, parameters=params(algorithm=algorithm), description=f"The pipeline with {algorithm}.")
             for algorithm in ("dpo", "grpo", "rloo")
@@ -56,8 +56,7 @@ def deployments(
 
 def serve(preset: str = DEFAULT_PRESET, retrain_cron: str = RETRAIN_CRON, retrain_overrides: list[str] = ()) -> None:
     from prefect import serve as prefect_serve
-
-    from tasks.orchestration import ensure_device_limit
+    from rlhf_pipeline.tasks.orchestration import ensure_device_limit
 
     made = deployments(preset, retrain_cron, retrain_overrides)
     ensure_device_limit()

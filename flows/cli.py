@@ -1,12 +1,12 @@
 """`rlhf`: the command line.
 
-    rlhf run                                   # the embedded default (configs/tiny.yaml)
-    rlhf run --config my.yaml --set sft.learning_rate=1e-4 --set dpo.beta=0.2
-    rlhf run --no-cache                        # re-run every stage
-    rlhf params [--config ...] [--set ...]     # print the resolved parameters, run nothing
-    rlhf eval models:/rlhf-policy@candidate    # evaluate a registered version (or a model folder) on demand
-    rlhf serve                                 # serve the deployments (see deployments/serve.py)
-    rlhf up                                    # a local Prefect server + MLflow UI + `rlhf serve`, until Ctrl-C
+rlhf run                                   # the embedded default (configs/tiny.yaml)
+rlhf run --config my.yaml --set sft.learning_rate=1e-4 --set dpo.beta=0.2
+rlhf run --no-cache                        # re-run every stage
+rlhf params [--config ...] [--set ...]     # print the resolved parameters, run nothing
+rlhf eval models:/rlhf-policy@candidate    # evaluate a registered version (or a model folder) on demand
+rlhf serve                                 # serve the deployments (see deployments/serve.py)
+rlhf up                                    # a local Prefect server + MLflow UI + `rlhf serve`, until Ctrl-C
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ QUIET_ENV = {
     "HF_HUB_DISABLE_TELEMETRY": "1",
     "DO_NOT_TRACK": "1",
     # Library logs (and our progress lines, logger `trainers`) reach the Prefect UI only when named here (DESIGN.md).
-    "PREFECT_LOGGING_EXTRA_LOGGERS": "transformers,trl,peft,accelerate,trainers",
+    "PREFECT_LOGGING_EXTRA_LOGGERS": "transformers,trl,peft,accelerate,rlhf_pipeline",
     # The temporary server's first start migrates a fresh database: 20 s (the default) is too
     # short on a busy 2-core machine.
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
@@ -37,20 +37,33 @@ def _parser() -> argparse.ArgumentParser:
     for name, help_text in (("run", "run the rlhf flow"), ("params", "print the resolved parameters as JSON")):
         sub = commands.add_parser(name, help=help_text)
         sub.add_argument("--config", default="tiny", help="preset name in configs/ or a YAML file (default: tiny)")
-        sub.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                         help="override one field, e.g. --set sft.learning_rate=1e-4 (repeatable)")
+        sub.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override one field, e.g. --set sft.learning_rate=1e-4 (repeatable)",
+        )
         sub.add_argument("--no-cache", action="store_true", help="re-run every stage even if its artifact exists")
     evaluate = commands.add_parser("eval", help="evaluate a registered version or a model folder (the rlhf-eval flow)")
     evaluate.add_argument("policy", help="models:/<name>/<version>, models:/<name>@<alias>, or a model folder")
     evaluate.add_argument("--sft", default=None, help="reference SFT model (default: from the version's lineage)")
     evaluate.add_argument("--rm", default=None, help="reward model (default: from the version's lineage)")
-    evaluate.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                          help="override an eval field, e.g. --set eval.max_prompts=200")
+    evaluate.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override an eval field, e.g. --set eval.max_prompts=200"
+    )
     serve = commands.add_parser("serve", help="serve the deployments (rlhf/full, dpo, grpo, rloo, retrain, rlhf-eval/eval)")
     serve.add_argument("--config", default="tiny", help="preset whose parameters the deployments carry")
     serve.add_argument("--retrain-cron", default=None, help="cron of the retrain deployment (default: Mondays 03:00)")
-    serve.add_argument("--retrain-set", dest="retrain_overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a field of the retrain deployment, e.g. --retrain-set 'data.preference.path=/data/prefs/*.jsonl'")
+    serve.add_argument(
+        "--retrain-set",
+        dest="retrain_overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a field of the retrain deployment, e.g. --retrain-set 'data.preference.path=/data/prefs/*.jsonl'",
+    )
     up = commands.add_parser("up", help="start a local Prefect server, the MLflow UI and `rlhf serve` together (Ctrl-C stops all)")
     up.add_argument("--port", type=int, default=4200, help="Prefect server port on 127.0.0.1 (default 4200)")
     up.add_argument("--mlflow-port", type=int, default=5000, help="MLflow UI port on 127.0.0.1 (default 5000)")
@@ -66,16 +79,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "eval":
         return _evaluate(args)
     if args.command == "serve":
-        from deployments.serve import RETRAIN_CRON, serve
+        from rlhf_pipeline.deployments.serve import RETRAIN_CRON, serve
 
         serve(args.config, args.retrain_cron or RETRAIN_CRON, args.retrain_overrides)
         return 0
     if args.command == "up":
-        from deployments.local import up
+        from rlhf_pipeline.deployments.local import up
 
         return up(args.port, args.mlflow_port, args.serve_args)
 
-    from flows.params import load_params
+    from rlhf_pipeline.flows.params import load_params
 
     try:
         extra = {"no_cache": True} if args.no_cache else {}
@@ -88,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     _warm_up_imports()
-    from flows.rlhf import rlhf
+    from rlhf_pipeline.flows.rlhf import rlhf
 
     summary = rlhf(**dict(params))
     _report(summary)
@@ -109,8 +122,8 @@ def _warm_up_imports() -> None:
 
 
 def _evaluate(args) -> int:
-    from flows.evaluate import EvalParams, rlhf_eval
-    from flows.params import apply_overrides
+    from rlhf_pipeline.flows.evaluate import EvalParams, rlhf_eval
+    from rlhf_pipeline.flows.params import apply_overrides
 
     values = apply_overrides({"policy": args.policy, "sft_model": args.sft, "reward_model": args.rm}, args.overrides)
     try:

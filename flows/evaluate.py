@@ -1,25 +1,24 @@
 """The `rlhf-eval` flow: evaluate any registered version or model folder on demand, with the eval stage's report.
 
-    rlhf eval models:/rlhf-policy@candidate              # SFT and reward model from the version's lineage
-    rlhf eval path/to/model --sft path/to/sft --rm path/to/rm
-    prefect deployment run rlhf-eval/eval -p policy=models:/rlhf-policy/3
+rlhf eval models:/rlhf-policy@candidate              # SFT and reward model from the version's lineage
+rlhf eval path/to/model --sft path/to/sft --rm path/to/rm
+prefect deployment run rlhf-eval/eval -p policy=models:/rlhf-policy/3
 """
 
 from __future__ import annotations
 
 from prefect import flow
 from pydantic import Field
-
-from flows.params import DEFAULT_PRESET, described_by, from_flow_parameters, load_params
-from tasks.data import validate_data
-from tasks.eval import evaluate
-from tasks.orchestration import RetryConfig, retrying
-from tasks.pipeline import pipeline_run
-from tasks.registry import RegistryConfig
-from tasks.resolve import resolve_model
-from trainers.common import ModelConfig, StrictModel
-from trainers.data import DataConfig
-from trainers.eval import EvalConfig
+from rlhf_pipeline.flows.params import DEFAULT_PRESET, described_by, from_flow_parameters, load_params
+from rlhf_pipeline.tasks.data import validate_data
+from rlhf_pipeline.tasks.eval import evaluate
+from rlhf_pipeline.tasks.orchestration import RetryConfig, retrying
+from rlhf_pipeline.tasks.pipeline import pipeline_run
+from rlhf_pipeline.tasks.registry import RegistryConfig
+from rlhf_pipeline.tasks.resolve import resolve_model
+from rlhf_pipeline.trainers.common import ModelConfig, StrictModel
+from rlhf_pipeline.trainers.data import DataConfig
+from rlhf_pipeline.trainers.eval import EvalConfig
 
 _defaults = load_params(DEFAULT_PRESET)
 

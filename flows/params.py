@@ -6,28 +6,28 @@ Presets in `configs/` override the defaults; `--set a.b=value` overrides a prese
 from __future__ import annotations
 
 from collections.abc import Callable
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, Field, model_validator
-
-from tasks.orchestration import RetryConfig
-from tasks.registry import RegistryConfig
-from trainers.common import TINY, ModelConfig, StrictModel
-from trainers.data import DataConfig
-from trainers.dpo import DpoConfig
-from trainers.eval import EvalConfig
-from trainers.grpo import GrpoConfig
-from trainers.ppo import PpoConfig
-from trainers.rewards import RewardsConfig
-from trainers.rloo import RlooConfig
-from trainers.rm import RewardConfig
-from trainers.sft import SftConfig
+from rlhf_pipeline.tasks.orchestration import RetryConfig
+from rlhf_pipeline.tasks.registry import RegistryConfig
+from rlhf_pipeline.trainers.common import TINY, ModelConfig, StrictModel
+from rlhf_pipeline.trainers.data import DataConfig
+from rlhf_pipeline.trainers.dpo import DpoConfig
+from rlhf_pipeline.trainers.eval import EvalConfig
+from rlhf_pipeline.trainers.grpo import GrpoConfig
+from rlhf_pipeline.trainers.ppo import PpoConfig
+from rlhf_pipeline.trainers.rewards import RewardsConfig
+from rlhf_pipeline.trainers.rloo import RlooConfig
+from rlhf_pipeline.trainers.rm import RewardConfig
+from rlhf_pipeline.trainers.sft import SftConfig
 
 ONLINE = ("grpo", "rloo", "ppo")
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+CONFIG_DIR = Path(str(resources.files("rlhf_pipeline.configs")))  # package data: present in a wheel too
 DEFAULT_PRESET = "tiny"
 
 
@@ -77,8 +77,7 @@ class PipelineParams(StrictModel):
             length = getattr(self, stage).max_length
             if length > limit:
                 raise ValueError(
-                    f"{stage}.max_length={length} exceeds the tiny model's "
-                    f"model.tiny.max_position_embeddings={limit}: lower one or raise the other"
+                    f"{stage}.max_length={length} exceeds the tiny model's model.tiny.max_position_embeddings={limit}: lower one or raise the other"
                 )
         return self
 
@@ -109,7 +108,7 @@ def preset_path(preset: str) -> Path:
     named = CONFIG_DIR / f"{preset}.yaml"
     if not named.is_file():
         known = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
-        raise ValueError(f"unknown preset {preset!r}: not a YAML file, nor one of configs/ ({known})")
+        raise ValueError(f"unknown preset {preset!r}: not a YAML file, nor a preset of {CONFIG_DIR} ({known})")
     return named
 
 
@@ -148,10 +147,7 @@ def from_flow_parameters(model: type[Params], given: dict[str, Any]) -> Params:
     so `-p ppo='{"kl_coef": 0.1}'` arrives as a PpoConfig with one field set;
     the fields it leaves unset come from the preset, not from the code defaults.
     """
-    explicit = {
-        name: value.model_dump(mode="json", exclude_unset=True) if isinstance(value, BaseModel) else value
-        for name, value in given.items()
-    }
+    explicit = {name: value.model_dump(mode="json", exclude_unset=True) if isinstance(value, BaseModel) else value for name, value in given.items()}
     preset = preset_values(given.get("preset")) if "preset" in model.model_fields else {}
     base = {name: value for name, value in preset.items() if name in model.model_fields}
     return model.model_validate(deep_merge(base, explicit))

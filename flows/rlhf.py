@@ -15,27 +15,26 @@ from typing import Literal
 
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
-
-from flows.params import PipelineParams, described_by, from_flow_parameters, load_params
-from tasks.data import validate_data
-from tasks.dpo import train_dpo
-from tasks.eval import evaluate
-from tasks.orchestration import RetryConfig, is_transient, retrying
-from tasks.pipeline import pipeline_run
-from tasks.policy import train_grpo, train_ppo, train_rloo
-from tasks.registry import RegistryConfig, register_policy
-from tasks.rm import train_reward_model
-from tasks.sft import train_sft
-from trainers.common import ModelConfig
-from trainers.data import DataConfig
-from trainers.dpo import DpoConfig
-from trainers.eval import EvalConfig
-from trainers.grpo import GrpoConfig
-from trainers.ppo import PpoConfig
-from trainers.rewards import RewardsConfig
-from trainers.rloo import RlooConfig
-from trainers.rm import RewardConfig
-from trainers.sft import SftConfig
+from rlhf_pipeline.flows.params import PipelineParams, described_by, from_flow_parameters, load_params
+from rlhf_pipeline.tasks.data import validate_data
+from rlhf_pipeline.tasks.dpo import train_dpo
+from rlhf_pipeline.tasks.eval import evaluate
+from rlhf_pipeline.tasks.orchestration import RetryConfig, is_transient, retrying
+from rlhf_pipeline.tasks.pipeline import pipeline_run
+from rlhf_pipeline.tasks.policy import train_grpo, train_ppo, train_rloo
+from rlhf_pipeline.tasks.registry import RegistryConfig, register_policy
+from rlhf_pipeline.tasks.rm import train_reward_model
+from rlhf_pipeline.tasks.sft import train_sft
+from rlhf_pipeline.trainers.common import ModelConfig
+from rlhf_pipeline.trainers.data import DataConfig
+from rlhf_pipeline.trainers.dpo import DpoConfig
+from rlhf_pipeline.trainers.eval import EvalConfig
+from rlhf_pipeline.trainers.grpo import GrpoConfig
+from rlhf_pipeline.trainers.ppo import PpoConfig
+from rlhf_pipeline.trainers.rewards import RewardsConfig
+from rlhf_pipeline.trainers.rloo import RlooConfig
+from rlhf_pipeline.trainers.rm import RewardConfig
+from rlhf_pipeline.trainers.sft import SftConfig
 
 TINY = load_params()  # the defaults: the embedded preset
 
@@ -93,7 +92,8 @@ def optimise_policy(params: PipelineParams, sft_model, reward_model, data, ctx):
     config = getattr(params, params.algorithm)
     return retrying(params.retry)(online).submit(config, params.rewards, sft_model, reward_model, data, ctx, wait_for=after)
 
+
 if __name__ == "__main__":
-    from flows.cli import main
+    from rlhf_pipeline.flows.cli import main
 
     sys.exit(main(["run", *sys.argv[1:]]))

@@ -7,13 +7,13 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tasks.orchestration import prefect_log, stage_task
-from tasks.stage import RunContext, StageOutcome, run_stage
-from trainers.common import ModelConfig, load_tokenizer
-from trainers.data import DataConfig, fingerprint, load_source, local_files
+from rlhf_pipeline.tasks.orchestration import prefect_log, stage_task
+from rlhf_pipeline.tasks.stage import RunContext, StageOutcome, run_stage
+from rlhf_pipeline.trainers.common import ModelConfig, load_tokenizer
+from rlhf_pipeline.trainers.data import DataConfig, fingerprint, load_source, local_files
 
 if TYPE_CHECKING:
-    from validators import ValidationReport
+    from rlhf_pipeline.validators import ValidationReport
 
 # Held-out dataset -> the datasets trained on that must not share a prompt with it.
 HELD_OUT = {
@@ -46,9 +46,9 @@ def validate_data(
         keyed = {**keyed, "max_tokens": limits, "tokenizer": tokenizer_id}
 
     def build(out_dir: Path, work_dir: Path, log_metrics) -> dict[str, float]:
-        from validators import DataValidationError, check_files, validate_dataset
-        from validators.leakage import Split, check_leakage
-        from validators.validate import REPORT_FILE
+        from rlhf_pipeline.validators import DataValidationError, check_files, validate_dataset
+        from rlhf_pipeline.validators.leakage import Split, check_leakage
+        from rlhf_pipeline.validators.validate import REPORT_FILE
 
         # Reports go to the work dir first: it survives a failure, so the
         # Data Docs path in the error message stays valid.
@@ -68,8 +68,12 @@ def validate_data(
             try:
                 dataset = load_source(spec)
                 report = validate_dataset(
-                    kind, dataset, source=spec.path, report_dir=report_dir / name,
-                    max_tokens=limits.get(name), tokenizer=tokenizer,
+                    kind,
+                    dataset,
+                    source=spec.path,
+                    report_dir=report_dir / name,
+                    max_tokens=limits.get(name),
+                    tokenizer=tokenizer,
                 )
             except ValueError as exc:  # a broken rule, or a file `datasets` cannot read
                 failures.append(exc)

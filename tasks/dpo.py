@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from tasks.orchestration import prefect_log, stage_task
-from tasks.stage import ArtifactRef, RunContext, StageOutcome, run_stage
-from trainers.dpo import DpoConfig
+from rlhf_pipeline.tasks.orchestration import prefect_log, stage_task
+from rlhf_pipeline.tasks.stage import ArtifactRef, RunContext, StageOutcome, run_stage
+from rlhf_pipeline.trainers.dpo import DpoConfig
 
 
 @stage_task("dpo")
 def train_dpo(config: DpoConfig, sft_model: ArtifactRef, data: ArtifactRef, ctx: RunContext) -> StageOutcome:
     def build(out_dir, work_dir, log_metrics):
-        from trainers import dpo
+        from rlhf_pipeline.trainers import dpo
 
         return dpo.train(config, sft_model.path / "model", data.path, out_dir, work_dir, log_metrics)
 

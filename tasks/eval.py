@@ -6,12 +6,12 @@ import json
 import tempfile
 from pathlib import Path
 
-from tasks import tracking
-from tasks.orchestration import prefect_log, stage_task
-from tasks.registry import RegistryConfig, current_champion
-from tasks.stage import ArtifactRef, RunContext, StageOutcome, run_stage
-from trainers.common import ModelConfig
-from trainers.eval import EvalConfig
+from rlhf_pipeline.tasks import tracking
+from rlhf_pipeline.tasks.orchestration import prefect_log, stage_task
+from rlhf_pipeline.tasks.registry import RegistryConfig, current_champion
+from rlhf_pipeline.tasks.stage import ArtifactRef, RunContext, StageOutcome, run_stage
+from rlhf_pipeline.trainers.common import ModelConfig
+from rlhf_pipeline.trainers.eval import EvalConfig
 
 REPORT_FILES = ("summary.json", "summary.md", "samples.jsonl", "plots")
 CURVES = ("/train/loss", "/train/accuracy", "/train/reward", "/train/kl", "/train/rewards_margins")  # plotted per stage
@@ -35,7 +35,7 @@ def evaluate(
         champion = None
 
     def build(out_dir, work_dir, log_metrics):
-        from trainers import eval as evaluation
+        from rlhf_pipeline.trainers import eval as evaluation
 
         return evaluation.evaluate(
             config,
@@ -63,8 +63,7 @@ def evaluate(
 def publish_report(report: ArtifactRef, stages: list[ArtifactRef | None], ctx: RunContext) -> None:
     """Prefect markdown + table artifacts, and training curves of every stage, for this flow run."""
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
-
-    from trainers import plots
+    from rlhf_pipeline.trainers import plots
 
     link = tracking.run_link(ctx.parent_run_id)
     summary = (report.path / "summary.md").read_text()

@@ -14,10 +14,9 @@ from contextlib import contextmanager
 from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, Field
-
-from tasks import tracking
-from tasks.secrets import redact_text
-from tasks.stage import StageOutcome
+from rlhf_pipeline.tasks import tracking
+from rlhf_pipeline.tasks.secrets import redact_text
+from rlhf_pipeline.tasks.stage import StageOutcome
 
 
 def retrying(config: RetryConfig) -> Callable:
@@ -77,6 +76,7 @@ def device_slot(stage: str, log: Callable[[str], None] = print) -> Iterator[None
         if time.time() - waited > 1:
             log(f"{stage}: waited {time.time() - waited:.0f}s for a slot of concurrency limit {device_limit()!r}")
         yield
+
 
 PERMANENT_ERRORS = (ValueError, TypeError, KeyError, ImportError, NotImplementedError)
 

@@ -8,11 +8,10 @@ from typing import Iterator
 
 import yaml
 from pydantic import BaseModel
-
-from tasks import tracking
-from tasks.orchestration import coordinated, ensure_device_limit, prefect_log
-from tasks.secrets import install_log_filter, redact
-from tasks.stage import ArtifactRef, RunContext
+from rlhf_pipeline.tasks import tracking
+from rlhf_pipeline.tasks.orchestration import coordinated, ensure_device_limit, prefect_log
+from rlhf_pipeline.tasks.secrets import install_log_filter, redact
+from rlhf_pipeline.tasks.stage import ArtifactRef, RunContext
 
 
 @dataclass
@@ -53,9 +52,7 @@ def pipeline_run(params: BaseModel) -> Iterator[PipelineRun]:
     if flow_run_id and coordinated():
         ensure_device_limit()
     experiment = tracking.experiment_id(params.experiment_name)
-    run_id = tracking.start_run(
-        experiment, flow_run_name, {"prefect.flow_run_id": flow_run_id, "rlhf.algorithm": params.algorithm}
-    )
+    run_id = tracking.start_run(experiment, flow_run_name, {"prefect.flow_run_id": flow_run_id, "rlhf.algorithm": params.algorithm})
     install_log_filter()
     config = redact(params.model_dump(mode="json"))
     tracking.log_params(run_id, config)

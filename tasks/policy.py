@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from tasks.orchestration import prefect_log, stage_task
-from tasks.stage import ArtifactRef, RunContext, StageOutcome, run_stage
-from trainers.common import StrictModel
-from trainers.rewards import RewardsConfig, fingerprint
+from rlhf_pipeline.tasks.orchestration import prefect_log, stage_task
+from rlhf_pipeline.tasks.stage import ArtifactRef, RunContext, StageOutcome, run_stage
+from rlhf_pipeline.trainers.common import StrictModel
+from rlhf_pipeline.trainers.rewards import RewardsConfig, fingerprint
 
-TRAINERS = {"grpo": "trainers.grpo", "rloo": "trainers.rloo", "ppo": "trainers.ppo"}
+TRAINERS = {"grpo": "rlhf_pipeline.trainers.grpo", "rloo": "rlhf_pipeline.trainers.rloo", "ppo": "rlhf_pipeline.trainers.ppo"}
 
 
 def _train_online(

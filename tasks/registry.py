@@ -9,11 +9,10 @@ becomes champion. `models:/<name>@champion` then loads with `from_pretrained`.
 from __future__ import annotations
 
 from pydantic import Field
-
-from tasks import tracking
-from tasks.orchestration import prefect_log
-from tasks.stage import ArtifactRef, RunContext
-from trainers.common import StrictModel
+from rlhf_pipeline.tasks import tracking
+from rlhf_pipeline.tasks.orchestration import prefect_log
+from rlhf_pipeline.tasks.stage import ArtifactRef, RunContext
+from rlhf_pipeline.trainers.common import StrictModel
 
 CHAMPION, CANDIDATE = "champion", "candidate"
 
@@ -58,9 +57,7 @@ def current_champion(cfg: RegistryConfig) -> ArtifactRef | None:
     return ArtifactRef(stage="champion", key=f"{cfg.model_name}/v{version}", uri=str(folder), digest=digest)
 
 
-def register_policy(
-    cfg: RegistryConfig, policy: ArtifactRef, report: ArtifactRef, stages: list[ArtifactRef], ctx: RunContext
-) -> dict:
+def register_policy(cfg: RegistryConfig, policy: ArtifactRef, report: ArtifactRef, stages: list[ArtifactRef], ctx: RunContext) -> dict:
     """Register (or reuse) the policy's version, set `candidate`, and promote it if the gate passes."""
     metrics = report.manifest()["metrics"]
     version = tracking.find_version(cfg.model_name, "rlhf.policy_digest", policy.digest)
@@ -103,4 +100,3 @@ def _flow_run_id() -> str:
     from prefect.runtime import flow_run
 
     return flow_run.get_id() or ""
-

@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from tasks import tracking
-from tasks.stage import MANIFEST, ArtifactRef, content_digest
+from rlhf_pipeline.tasks import tracking
+from rlhf_pipeline.tasks.stage import MANIFEST, ArtifactRef, content_digest
 
 
 def resolve_model(source: str | None, role: str) -> tuple[ArtifactRef, dict[str, str]]:
@@ -34,7 +34,7 @@ def resolve_model(source: str | None, role: str) -> tuple[ArtifactRef, dict[str,
 
 def _registered(uri: str) -> tuple[ArtifactRef, dict[str, str]]:
     spec = uri.removeprefix("models:/")
-    name, alias_or_version = (spec.split("@", 1) if "@" in spec else spec.rsplit("/", 1))
+    name, alias_or_version = spec.split("@", 1) if "@" in spec else spec.rsplit("/", 1)
     version = alias_or_version if "@" not in spec else tracking.alias_version(name, alias_or_version)
     if version is None:
         raise ValueError(f"{uri}: registered model {name!r} has no alias {alias_or_version!r}")
@@ -42,9 +42,7 @@ def _registered(uri: str) -> tuple[ArtifactRef, dict[str, str]]:
     tracking.download_version(name, version, folder / "model")
     tags = tracking.version_tags(name, version)
     root = Path(tracking.state_dir() / "artifacts")
-    lineage = {
-        stage: str(root / stage / key) for stage, key in ((t.removeprefix("rlhf.key."), v) for t, v in tags.items() if t.startswith("rlhf.key."))
-    }
+    lineage = {stage: str(root / stage / key) for stage, key in ((t.removeprefix("rlhf.key."), v) for t, v in tags.items() if t.startswith("rlhf.key."))}
     stage = tags.get("rlhf.policy_stage", "policy")
     ref = ArtifactRef(stage=stage, key=f"{name}/v{version}", uri=str(folder), digest=tags.get("rlhf.policy_digest", ""))
     return ref, lineage

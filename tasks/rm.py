@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from tasks.orchestration import prefect_log, stage_task
-from tasks.stage import ArtifactRef, RunContext, StageOutcome, run_stage
-from trainers.rm import RewardConfig
+from rlhf_pipeline.tasks.orchestration import prefect_log, stage_task
+from rlhf_pipeline.tasks.stage import ArtifactRef, RunContext, StageOutcome, run_stage
+from rlhf_pipeline.trainers.rm import RewardConfig
 
 
 @stage_task("rm")
 def train_reward_model(config: RewardConfig, sft_model: ArtifactRef, data: ArtifactRef, ctx: RunContext) -> StageOutcome:
     def build(out_dir, work_dir, log_metrics):
-        from trainers import rm
+        from rlhf_pipeline.trainers import rm
 
         return rm.train(config, sft_model.path / "model", data.path, out_dir, work_dir, log_metrics)
 

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from tasks.orchestration import prefect_log, stage_task
-from tasks.stage import ArtifactRef, RunContext, StageOutcome, run_stage
-from trainers.common import ModelConfig
-from trainers.sft import SftConfig
+from rlhf_pipeline.tasks.orchestration import prefect_log, stage_task
+from rlhf_pipeline.tasks.stage import ArtifactRef, RunContext, StageOutcome, run_stage
+from rlhf_pipeline.trainers.common import ModelConfig
+from rlhf_pipeline.trainers.sft import SftConfig
 
 
 @stage_task("sft")
 def train_sft(config: SftConfig, model: ModelConfig, data: ArtifactRef, ctx: RunContext) -> StageOutcome:
     def build(out_dir, work_dir, log_metrics):
-        from trainers import sft
+        from rlhf_pipeline.trainers import sft
 
         return sft.train(config, model, data.path, out_dir, work_dir, log_metrics)
 

@@ -26,10 +26,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict
-
-from tasks import tracking
-from tasks.secrets import redact
-from trainers.common import LogMetrics, last_checkpoint
+from rlhf_pipeline.tasks import tracking
+from rlhf_pipeline.tasks.secrets import redact
+from rlhf_pipeline.trainers.common import LogMetrics, last_checkpoint
 
 MANIFEST = "manifest.json"
 PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "great-expectations", "prefect", "mlflow")
@@ -201,7 +200,7 @@ def run_stage(
             tracking.log_metrics(run_id, values, step)
 
         children_before = _child_pids()
-        from tasks.orchestration import device_slot  # the Prefect side; imported here, it imports this module
+        from rlhf_pipeline.tasks.orchestration import device_slot  # the Prefect side; imported here, it imports this module
 
         try:
             with device_slot(stage, log):

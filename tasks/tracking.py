@@ -12,17 +12,18 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tasks.secrets import redact, redact_text
+from rlhf_pipeline.tasks.secrets import redact, redact_text
 
 STATE_ENV = "RLHF_STATE_DIR"
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
 PARAM_VALUE_LIMIT = 6000  # MLflow rejects longer param values
 UI_ENV = "RLHF_MLFLOW_UI"
 
 
 def state_dir() -> Path:
-    """Run state (MLflow database and artifacts, stage artifacts, checkpoints): `$RLHF_STATE_DIR` or `<project>/state`."""
-    return Path(os.environ.get(STATE_ENV) or PROJECT_ROOT / "state").resolve()
+    """Run state (MLflow database and artifacts, stage artifacts, checkpoints): `$RLHF_STATE_DIR`, else
+    `./state` of the working directory, beside the user, never inside the installed package (a
+    wheel's site-packages, or a checkout that several working copies share through one environment)."""
+    return Path(os.environ.get(STATE_ENV) or Path.cwd() / "state").resolve()
 
 
 def tracking_uri() -> str:

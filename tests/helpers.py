@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from trainers.common import ModelConfig, TinyModelConfig
-from trainers.data import DataConfig, load_source
+from rlhf_pipeline.trainers.common import ModelConfig, TinyModelConfig
+from rlhf_pipeline.trainers.data import DataConfig, load_source
 
 # A smaller tiny model than the default, so trainer tests take seconds.
 SMALL_MODEL = ModelConfig(tiny=TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2))

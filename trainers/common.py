@@ -87,9 +87,7 @@ class TrainingConfig(StrictModel):
     per_device_train_batch_size: int = Field(8, ge=1, description="Examples per device per forward pass.")
     gradient_accumulation_steps: int = Field(1, ge=1, description="Forward passes per optimizer step.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
-    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = Field(
-        "linear", description="Learning-rate schedule after warm-up."
-    )
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = Field("linear", description="Learning-rate schedule after warm-up.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     max_length: int = Field(1024, ge=8, description="Longest tokenized sequence; longer ones are truncated or dropped (TRL's rule per trainer).")
@@ -141,7 +139,7 @@ def load_tokenizer(source: str | Path, model: ModelConfig | None = None) -> PreT
     from transformers import AutoTokenizer
 
     if str(source) == TINY:
-        from trainers.tiny import build_tokenizer
+        from rlhf_pipeline.trainers.tiny import build_tokenizer
 
         return build_tokenizer()
     kwargs = {}
@@ -159,7 +157,7 @@ def load_base_model(model: ModelConfig) -> tuple[PreTrainedModel, PreTrainedToke
 
     tokenizer = load_tokenizer(model.name_or_path, model)
     if model.name_or_path == TINY:
-        from trainers.tiny import build_model
+        from rlhf_pipeline.trainers.tiny import build_model
 
         return build_model(model.tiny, tokenizer, seed=model.seed), tokenizer
     policy = AutoModelForCausalLM.from_pretrained(
@@ -223,7 +221,7 @@ def metric_name(stage: str, key: str) -> str:
     return f"{stage}/{split}/{re.sub(r'[^A-Za-z0-9_.-]+', '_', key)}"
 
 
-PROGRESS = logging.getLogger("trainers.progress")
+PROGRESS = logging.getLogger("rlhf_pipeline.trainers.progress")
 """Progress lines ("sft: step 40/300 (13%) ... eta 1m20s"); `trainers` is one of Prefect's extra loggers, so they reach the UI."""
 PROGRESS.setLevel(logging.INFO)
 
@@ -239,10 +237,7 @@ class Progress:
         done = step - self.start_step
         eta = elapsed / done * (self.total - step) if done > 0 else float("nan")
         shown = " ".join(f"{k.rsplit('/', 1)[-1]}={v:.4g}" for k, v in list(values.items())[:4])
-        PROGRESS.info(
-            f"{self.stage}: step {step}/{self.total} ({step / max(self.total, 1):.0%}) {shown} "
-            f"elapsed {_duration(elapsed)} eta {_duration(eta)}"
-        )
+        PROGRESS.info(f"{self.stage}: step {step}/{self.total} ({step / max(self.total, 1):.0%}) {shown} elapsed {_duration(elapsed)} eta {_duration(eta)}")
 
 
 def _duration(seconds: float) -> str:
@@ -279,11 +274,7 @@ def metrics_callback(stage: str, log_metrics: LogMetrics | None):
         def on_log(self, args, state, control, logs=None, **kwargs):
             if not logs or not state.is_world_process_zero:
                 return
-            values = {
-                metric_name(stage, k): float(v)
-                for k, v in logs.items()
-                if isinstance(v, (int, float)) and math.isfinite(v)
-            }
+            values = {metric_name(stage, k): float(v) for k, v in logs.items() if isinstance(v, (int, float)) and math.isfinite(v)}
             if self.progress is not None and "train_runtime" not in logs:  # not the closing summary
                 self.progress.log(state.global_step, values)
             if values and log_metrics is not None:

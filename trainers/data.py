@@ -8,17 +8,19 @@ stages read, so a stage never sees a file that changed under it.
 from __future__ import annotations
 
 import hashlib
+from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
-
-from trainers.common import StrictModel
+from rlhf_pipeline.trainers.common import StrictModel
 
 if TYPE_CHECKING:
     from datasets import Dataset
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+# The bundled task ships as package data; `data/sort/...` paths that are not in the working
+# directory resolve here (the checkout in an editable install, site-packages/rlhf_pipeline in a wheel).
+BUNDLED_ROOT = Path(str(resources.files("rlhf_pipeline.data"))).parent
 BUNDLED = "data/sort"
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -26,10 +28,14 @@ Kind = Literal["sft", "preference", "prompt"]
 
 
 class DatasetSpec(StrictModel):
-    path: str = Field(description="A local .jsonl/.json/.parquet/.csv file, a glob of them (`prefs/*.jsonl`: new files are picked up), or a Hugging Face hub dataset id.")
+    path: str = Field(
+        description="A local .jsonl/.json/.parquet/.csv file, a glob of them (`prefs/*.jsonl`: new files are picked up), or a Hugging Face hub dataset id."
+    )
     split: str = Field("train", description="Split to read (hub datasets; local files have one split, 'train').")
     name: str | None = Field(None, description="Hub dataset configuration name.")
-    revision: str | None = Field(None, description="Hub revision (a commit, tag or branch; a branch is resolved to its current commit, so new data re-runs the stages).")
+    revision: str | None = Field(
+        None, description="Hub revision (a commit, tag or branch; a branch is resolved to its current commit, so new data re-runs the stages)."
+    )
 
 
 def _bundled(name: str) -> DatasetSpec:
@@ -65,7 +71,7 @@ def local_files(spec: DatasetSpec) -> list[Path] | None:
     """The files a spec names (a path or a glob such as `prefs/2026-*.jsonl`), relative to the
     working directory or else to the project, sorted; None for a hub id."""
     if any(char in spec.path for char in "*?["):
-        for base in (Path.cwd(), PROJECT_ROOT):
+        for base in (Path.cwd(), BUNDLED_ROOT):
             pattern = Path(spec.path).expanduser()
             root, relative = (Path(pattern.anchor), str(pattern.relative_to(pattern.anchor))) if pattern.is_absolute() else (base, spec.path)
             matched = sorted(path.resolve() for path in root.glob(relative) if path.is_file())
@@ -74,12 +80,12 @@ def local_files(spec: DatasetSpec) -> list[Path] | None:
                 if len(suffixes) > 1:
                     raise ValueError(f"{spec.path}: matches files of several types {sorted(suffixes)}; a dataset is one type")
                 return matched
-        raise ValueError(f"{spec.path}: the pattern matches no file (looked in {Path.cwd()} and {PROJECT_ROOT})")
-    for candidate in (Path(spec.path).expanduser(), PROJECT_ROOT / spec.path):
+        raise ValueError(f"{spec.path}: the pattern matches no file (looked in {Path.cwd()} and {BUNDLED_ROOT})")
+    for candidate in (Path(spec.path).expanduser(), BUNDLED_ROOT / spec.path):
         if candidate.is_file():
             return [candidate.resolve()]
     if Path(spec.path).suffix in FILE_BUILDERS:
-        raise ValueError(f"{spec.path}: no such file (looked in {Path.cwd()} and {PROJECT_ROOT})")
+        raise ValueError(f"{spec.path}: no such file (looked in {Path.cwd()} and {BUNDLED_ROOT})")
     return None
 
 

@@ -9,8 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
-
-from trainers.common import LogMetrics, TrainingConfig
+from rlhf_pipeline.trainers.common import LogMetrics, TrainingConfig
 
 DpoLoss = Literal[
     "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
@@ -33,8 +32,7 @@ class DpoConfig(TrainingConfig):
     def _weights_match_losses(self):
         if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_type):
             raise ValueError(
-                f"loss_weights has {len(self.loss_weights)} entries but loss_type has "
-                f"{len(self.loss_type)} ({self.loss_type}): give one weight per loss type"
+                f"loss_weights has {len(self.loss_weights)} entries but loss_type has {len(self.loss_type)} ({self.loss_type}): give one weight per loss type"
             )
         return self
 
@@ -48,8 +46,7 @@ def train(
     log_metrics: LogMetrics | None = None,
 ) -> dict[str, float]:
     import trl
-
-    from trainers.common import final_train_metrics, last_checkpoint, load_causal_lm, load_split, save_model, stage_callbacks
+    from rlhf_pipeline.trainers.common import final_train_metrics, last_checkpoint, load_causal_lm, load_split, save_model, stage_callbacks
 
     policy, tokenizer = load_causal_lm(sft_model)
     args = trl.DPOConfig(

@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pydantic import Field
-
-from trainers.common import ModelConfig, StrictModel
+from rlhf_pipeline.trainers.common import ModelConfig, StrictModel
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -115,19 +114,15 @@ def evaluate(
     `_low`/`_high` 95% bootstrap bounds on exact match and win rates.
     """
     import torch
+    from rlhf_pipeline.trainers import metrics as stats
+    from rlhf_pipeline.trainers.common import load_base_model, load_causal_lm, load_split, load_tokenizer
     from transformers import AutoModelForSequenceClassification
-
-    from trainers import metrics as stats
-    from trainers.common import load_base_model, load_causal_lm, load_split, load_tokenizer
 
     prompts_ds = load_split(data_dir, "prompts_eval")
     if cfg.max_prompts:
         prompts_ds = prompts_ds.select(range(min(cfg.max_prompts, len(prompts_ds))))
     if cfg.answer_column not in prompts_ds.column_names:
-        raise ValueError(
-            f"prompts_eval has no reference column {cfg.answer_column!r} (columns: {prompts_ds.column_names}); "
-            "set eval.answer_column"
-        )
+        raise ValueError(f"prompts_eval has no reference column {cfg.answer_column!r} (columns: {prompts_ds.column_names}); set eval.answer_column")
     prompts, answers = prompts_ds["prompt"], prompts_ds[cfg.answer_column]
     boot = {"n_bootstrap": cfg.n_bootstrap, "seed": cfg.seed}
     metrics: dict[str, float] = {"eval/heldout/num_prompts": float(len(prompts))}
@@ -192,7 +187,7 @@ def evaluate(
     )  # fmt: skip
     metrics["eval/heldout/hacking_warnings"] = float(len(warnings))
 
-    from trainers.eval_report import write_report
+    from rlhf_pipeline.trainers.eval_report import write_report
 
     write_report(out_dir, cfg.num_samples_logged, prompts, answers, completions, correct, rewards, metrics, warnings, accuracy, win_rates)
     return metrics

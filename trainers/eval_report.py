@@ -8,7 +8,7 @@ from typing import Any
 
 
 def write_report(out_dir: Path, num_samples: int, prompts, answers, completions, correct, rewards, metrics, warnings, accuracy, win_rates) -> None:
-    from trainers import plots
+    from rlhf_pipeline.trainers import plots
 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "summary.json").write_text(json.dumps({"metrics": metrics, "warnings": warnings}, indent=2, sort_keys=True))

@@ -6,10 +6,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field
-
-from trainers import online
-from trainers.common import LogMetrics
-from trainers.rewards import RewardsConfig
+from rlhf_pipeline.trainers import online
+from rlhf_pipeline.trainers.common import LogMetrics
+from rlhf_pipeline.trainers.rewards import RewardsConfig
 
 
 class GrpoConfig(online.OnlineConfig):

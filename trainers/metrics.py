@@ -171,9 +171,7 @@ def _score(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: 
     return out
 
 
-def sequence_logprobs(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list, completions: list, batch_size: int = 64
-) -> list[float]:
+def sequence_logprobs(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list, completions: list, batch_size: int = 64) -> list[float]:
     """Sum of log pi(completion token | everything before it) per row, EOS included.
 
     Prompts are strings (scored as TRL's standard rows: `prompt + completion + eos`)
@@ -208,9 +206,7 @@ def kl_to_reference(policy_logprobs: Sequence[float], reference_logprobs: Sequen
     log-likelihood ratio, and single samples can be negative.
     """
     if len(policy_logprobs) != len(reference_logprobs) or not policy_logprobs:
-        raise ValueError(
-            f"kl_to_reference needs two equally long, non-empty lists, got {len(policy_logprobs)} and {len(reference_logprobs)}"
-        )
+        raise ValueError(f"kl_to_reference needs two equally long, non-empty lists, got {len(policy_logprobs)} and {len(reference_logprobs)}")
     return sum(p - r for p, r in zip(policy_logprobs, reference_logprobs)) / len(policy_logprobs)
 
 
@@ -235,8 +231,7 @@ def hacking_warnings(
     warnings = []
     if task_delta is not None and reward_delta > 0 and task_delta < 0:
         warnings.append(
-            f"reward-model score rose by {reward_delta:+.2f} while {task_name} fell by {task_delta:+.2f}: "
-            "the policy may be gaming the reward model"
+            f"reward-model score rose by {reward_delta:+.2f} while {task_name} fell by {task_delta:+.2f}: the policy may be gaming the reward model"
         )
     if abs(length_drift) > max_length_drift:
         warnings.append(

@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import Field, model_validator
-
-from trainers.common import LogMetrics, TrainingConfig
-from trainers.rewards import RewardsConfig
+from rlhf_pipeline.trainers.common import LogMetrics, TrainingConfig
+from rlhf_pipeline.trainers.rewards import RewardsConfig
 
 
 class OnlineConfig(TrainingConfig):
@@ -54,9 +53,8 @@ def train(
 ) -> dict[str, float]:
     """Train with TRL's GRPOTrainer (`stage="grpo"`) or RLOOTrainer (`stage="rloo"`) on `prompts`."""
     import trl
-
-    from trainers.common import final_train_metrics, last_checkpoint, load_causal_lm, load_split, save_model, stage_callbacks
-    from trainers.rewards import trl_reward_funcs
+    from rlhf_pipeline.trainers.common import final_train_metrics, last_checkpoint, load_causal_lm, load_split, save_model, stage_callbacks
+    from rlhf_pipeline.trainers.rewards import trl_reward_funcs
 
     trainer_cls, config_cls = {"grpo": (trl.GRPOTrainer, trl.GRPOConfig), "rloo": (trl.RLOOTrainer, trl.RLOOConfig)}[stage]
     prompts = load_split(data_dir, "prompts")

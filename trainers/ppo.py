@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, model_validator
-
-from trainers.common import COMPLETE, LogMetrics, LoraConfig, Progress, StrictModel
-from trainers.rewards import RewardsConfig
+from rlhf_pipeline.trainers.common import COMPLETE, LogMetrics, LoraConfig, Progress, StrictModel
+from rlhf_pipeline.trainers.rewards import RewardsConfig
 
 if TYPE_CHECKING:
     import torch
@@ -33,7 +32,9 @@ class PpoConfig(StrictModel):
     lr_scheduler_type: Literal["linear", "constant"] = Field("linear", description="'linear': anneal to 0 over the updates (TRL's default); 'constant'.")
     total_episodes: int | None = Field(None, ge=1, description="Prompts rolled out in all; None: one pass over the `prompts` split.")
     per_device_train_batch_size: int = Field(
-        64, ge=1, description="Prompts rolled out per update (one completion each). Unlike TRL's old PPOTrainer it is the whole rollout batch, split into `num_mini_batches`."
+        64,
+        ge=1,
+        description="Prompts rolled out per update (one completion each). Unlike TRL's old PPOTrainer it is the whole rollout batch, split into `num_mini_batches`.",
     )
     num_mini_batches: int = Field(1, ge=1, description="Optimizer steps per PPO epoch; each takes per_device_train_batch_size / num_mini_batches rollouts.")
     num_ppo_epochs: int = Field(4, ge=1, description="Passes over each rollout batch.")
@@ -62,7 +63,9 @@ class PpoConfig(StrictModel):
     def _batches_fit(self):
         batch, minis = self.per_device_train_batch_size, self.num_mini_batches
         if batch % minis:
-            raise ValueError(f"per_device_train_batch_size={batch} must be divisible by num_mini_batches={minis} (mini-batches of {batch / minis:.2f} rollouts)")
+            raise ValueError(
+                f"per_device_train_batch_size={batch} must be divisible by num_mini_batches={minis} (mini-batches of {batch / minis:.2f} rollouts)"
+            )
         if self.total_episodes is not None and self.total_episodes < batch:
             raise ValueError(f"total_episodes={self.total_episodes} is less than one rollout batch (per_device_train_batch_size={batch}): no update would run")
         return self
@@ -278,12 +281,11 @@ def train(
     """
     import numpy as np
     import torch
+    from rlhf_pipeline.trainers.common import last_checkpoint, load_causal_lm, load_split, save_model
+    from rlhf_pipeline.trainers.eval import _prompt_ids
+    from rlhf_pipeline.trainers.rewards import RewardScorer
     from tqdm.auto import tqdm
     from transformers import AutoModelForSequenceClassification
-
-    from trainers.common import last_checkpoint, load_causal_lm, load_split, save_model
-    from trainers.eval import _prompt_ids
-    from trainers.rewards import RewardScorer
 
     # Fail on the config and the data before any model is loaded.
     if rewards.uses_reward_model and reward_model is None:

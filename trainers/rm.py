@@ -9,15 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from pydantic import Field
-
-from trainers.common import LogMetrics, TrainingConfig
+from rlhf_pipeline.trainers.common import LogMetrics, TrainingConfig
 
 
 class RewardConfig(TrainingConfig):
     learning_rate: float = Field(1e-4, gt=0, description="Peak learning rate (TRL RewardConfig default 1e-4).")
-    center_rewards_coefficient: float | None = Field(
-        None, ge=0, description="Pull mean reward towards 0 (TRL RewardConfig.center_rewards_coefficient)."
-    )
+    center_rewards_coefficient: float | None = Field(None, ge=0, description="Pull mean reward towards 0 (TRL RewardConfig.center_rewards_coefficient).")
 
 
 def train(
@@ -30,9 +27,8 @@ def train(
 ) -> dict[str, float]:
     """Train a scalar reward head on `preference`; report pairwise accuracy on `preference_eval` if present."""
     import trl
+    from rlhf_pipeline.trainers.common import final_train_metrics, last_checkpoint, load_split, load_tokenizer, save_model, stage_callbacks
     from transformers import AutoModelForSequenceClassification
-
-    from trainers.common import final_train_metrics, last_checkpoint, load_split, load_tokenizer, save_model, stage_callbacks
 
     tokenizer = load_tokenizer(sft_model)
     model = AutoModelForSequenceClassification.from_pretrained(str(sft_model), num_labels=1, use_safetensors=True)

@@ -1,7 +1,7 @@
 """Supervised fine-tuning with TRL's SFTTrainer.
 
-    from trainers.sft import SftConfig, train
-    metrics = train(SftConfig(), ModelConfig(), data_dir, out_dir, work_dir)
+from rlhf_pipeline.trainers.sft import SftConfig, train
+metrics = train(SftConfig(), ModelConfig(), data_dir, out_dir, work_dir)
 """
 
 from __future__ import annotations
@@ -9,8 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pydantic import Field
-
-from trainers.common import LogMetrics, ModelConfig, TrainingConfig
+from rlhf_pipeline.trainers.common import LogMetrics, ModelConfig, TrainingConfig
 
 
 class SftConfig(TrainingConfig):
@@ -18,9 +17,7 @@ class SftConfig(TrainingConfig):
     completion_only_loss: bool | None = Field(
         None, description="Train on completion tokens only (prompt-completion rows). None: TRL decides (on for such rows)."
     )
-    assistant_only_loss: bool = Field(
-        False, description="Train on assistant turns only (conversational rows); needs {% generation %} in the chat template."
-    )
+    assistant_only_loss: bool = Field(False, description="Train on assistant turns only (conversational rows); needs {% generation %} in the chat template.")
     packing: bool = Field(False, description="Pack several examples into one sequence of max_length.")
 
 
@@ -34,8 +31,7 @@ def train(
 ) -> dict[str, float]:
     """Fine-tune the base model on `<data_dir>/datasets/sft.parquet`; write the model to `out_dir`."""
     import trl
-
-    from trainers.common import final_train_metrics, last_checkpoint, load_base_model, load_split, save_model, stage_callbacks
+    from rlhf_pipeline.trainers.common import final_train_metrics, last_checkpoint, load_base_model, load_split, save_model, stage_callbacks
 
     policy, tokenizer = load_base_model(model)
     args = trl.SFTConfig(

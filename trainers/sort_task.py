@@ -1,6 +1,6 @@
 """Reward functions of the bundled "sort the digits" task (TRL's reward-function signature).
 
-    rewards.functions: [{path: "trainers.sort_task:exact_match", weight: 1.0}]
+rewards.functions: [{path: "rlhf_pipeline.trainers.sort_task:exact_match", weight: 1.0}]
 """
 
 from __future__ import annotations

@@ -8,10 +8,10 @@ Kinds are "sft", "preference" and "prompt"; each accepts TRL's formats for it
 pandas and datasets are imported only when a dataset is validated.
 """
 
-from validators.files import check_files
-from validators.formats import DatasetFormat, detect_format
-from validators.report import DataValidationError, RuleResult, ValidationReport
-from validators.validate import validate_dataset
+from rlhf_pipeline.validators.files import check_files
+from rlhf_pipeline.validators.formats import DatasetFormat, detect_format
+from rlhf_pipeline.validators.report import DataValidationError, RuleResult, ValidationReport
+from rlhf_pipeline.validators.validate import validate_dataset
 
 __all__ = [
     "DataValidationError",

@@ -21,7 +21,7 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-from validators.report import MAX_EXAMPLES, RuleResult, ValidationReport, short_repr
+from rlhf_pipeline.validators.report import MAX_EXAMPLES, RuleResult, ValidationReport, short_repr
 
 MAX_ROW_BYTES = 1 << 20
 """Longest row (one line) accepted, in bytes (rule `row_size`). 1 MiB of text is

@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from validators.report import DataValidationError, RuleResult, ValidationReport
+from rlhf_pipeline.validators.report import DataValidationError, RuleResult, ValidationReport
 
 if TYPE_CHECKING:
     import datasets
@@ -60,9 +60,7 @@ def detect_format(kind: Kind, dataset: datasets.Dataset, source: str) -> Dataset
     return read_format(kind, dataset, source)[0]
 
 
-def read_format(
-    kind: Kind, dataset: datasets.Dataset, source: str
-) -> tuple[DatasetFormat, dict[str, list[Any]]]:
+def read_format(kind: Kind, dataset: datasets.Dataset, source: str) -> tuple[DatasetFormat, dict[str, list[Any]]]:
     """detect_format plus the values of the format's columns, read once."""
     if kind not in KINDS:
         raise ValueError(f"unknown dataset kind {kind!r}; expected one of {', '.join(KINDS)}")
@@ -119,10 +117,7 @@ def _columns_for(kind: str, found: list[str], fail) -> tuple[tuple[str, ...], st
             hint = "; this looks like preference data (kind 'preference')"
         elif has("prompt"):
             hint = "; 'prompt' alone is prompt-only data (kind 'prompt'), SFT also needs 'completion'"
-        raise fail(
-            "sft data needs a 'text' column, a 'messages' column, or 'prompt' and 'completion' "
-            f"columns; {listed}{hint}"
-        )
+        raise fail(f"sft data needs a 'text' column, a 'messages' column, or 'prompt' and 'completion' columns; {listed}{hint}")
     if kind == "preference":
         if has("chosen") and has("rejected"):
             if has("prompt"):
@@ -135,10 +130,7 @@ def _columns_for(kind: str, found: list[str], fail) -> tuple[tuple[str, ...], st
                 f"columns (and optionally 'prompt'); {listed}"
             )
         missing = [c for c in ("chosen", "rejected") if not has(c)]
-        raise fail(
-            "preference data needs 'chosen' and 'rejected' columns (plus an optional 'prompt'); "
-            f"{listed}, missing {missing}"
-        )
+        raise fail(f"preference data needs 'chosen' and 'rejected' columns (plus an optional 'prompt'); {listed}, missing {missing}")
     if has("prompt"):
         return ("prompt",), "explicit"
     hint = "; 'messages' is SFT data: rename it to 'prompt' if it holds prompts" if has("messages") else ""

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from validators.formats import read_format
-from validators.report import MAX_EXAMPLES, RuleResult, short_repr
+from rlhf_pipeline.validators.formats import read_format
+from rlhf_pipeline.validators.report import MAX_EXAMPLES, RuleResult, short_repr
 
 if TYPE_CHECKING:
     import datasets

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from validators.formats import DatasetFormat, value_type
-from validators.report import short_repr
-from validators.rules import ROLES, Rule
+from rlhf_pipeline.validators.formats import DatasetFormat, value_type
+from rlhf_pipeline.validators.report import short_repr
+from rlhf_pipeline.validators.rules import ROLES, Rule
 
 RULE = "fits_max_length"
 COLUMN = "token_count"
@@ -26,9 +26,7 @@ def fits_max_length(fmt: DatasetFormat, limit: int) -> Rule:
     return Rule(RULE, f"{sequences} must fit in {limit} tokens", COLUMN, "at_most", max_value=limit)
 
 
-def count_tokens(
-    fmt: DatasetFormat, values: dict[str, list[Any]], tokenizer: Any, limit: int
-) -> tuple[list[int | None], dict[int, str]]:
+def count_tokens(fmt: DatasetFormat, values: dict[str, list[Any]], tokenizer: Any, limit: int) -> tuple[list[int | None], dict[int, str]]:
     """Longest sequence per row in tokens (None: a row other rules reject), and why rows over `limit` fail."""
     counts: list[int | None] = []
     explanations: dict[int, str] = {}

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from validators.formats import DatasetFormat
+    from rlhf_pipeline.validators.formats import DatasetFormat
 
 MAX_EXAMPLES = 5  # rows kept per failed rule in the report
 MESSAGE_EXAMPLES = 3  # rows quoted per failed rule in the exception message
@@ -81,9 +81,7 @@ class ValidationReport:
         ]
         for result in self.rules:
             outcome = "pass" if result.success else "**FAIL**"
-            lines.append(
-                f"| `{result.rule}` | {outcome} | {result.failed_count} | {_cell(result.description)} |"
-            )
+            lines.append(f"| `{result.rule}` | {outcome} | {result.failed_count} | {_cell(result.description)} |")
         return "\n".join(lines)
 
     def failure_message(self) -> str:

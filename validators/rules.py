@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
-from validators.formats import DatasetFormat, value_type
-from validators.report import short_repr
+from rlhf_pipeline.validators.formats import DatasetFormat, value_type
+from rlhf_pipeline.validators.report import short_repr
 
 ROLES = ("system", "user", "assistant", "tool")
 PROMPT_END_ROLES = ("user", "tool")
@@ -52,9 +52,7 @@ def rules_for(fmt: DatasetFormat) -> list[Rule]:
     rules = [
         Rule("non_empty_dataset", "the dataset must have at least one row", None, "at_least_one"),
         _in_set("consistent_types", f"every value of {columns} must be {fmt.value_type}", "type_ok", True),
-        _at_least_one(
-            "text_not_blank", f"{texts} must be a non-empty, non-whitespace string", "shortest_text_length"
-        ),
+        _at_least_one("text_not_blank", f"{texts} must be a non-empty, non-whitespace string", "shortest_text_length"),
     ]
     if fmt.conversational:
         roles = ", ".join(ROLES)
@@ -67,9 +65,7 @@ def rules_for(fmt: DatasetFormat) -> list[Rule]:
         ]
     if implicit_pair:
         rules += [
-            _at_least_one(
-                "shared_prompt_turns", "chosen and rejected must start with the same prompt turns", "shared_prompt_turns"
-            ),
+            _at_least_one("shared_prompt_turns", "chosen and rejected must start with the same prompt turns", "shared_prompt_turns"),
             _in_set(
                 "prompt_ends_with_user_turn",
                 "the prompt turns chosen and rejected share must end with a user or tool turn",
@@ -88,9 +84,7 @@ def rules_for(fmt: DatasetFormat) -> list[Rule]:
         )
     if fmt.kind == "preference":
         compared = " in their final turns" if implicit_pair else ""
-        rules.append(
-            _in_set("chosen_differs_from_rejected", f"chosen must differ from rejected{compared}", "chosen_differs", True)
-        )
+        rules.append(_in_set("chosen_differs_from_rejected", f"chosen must differ from rejected{compared}", "chosen_differs", True))
     return rules
 
 

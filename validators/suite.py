@@ -13,7 +13,7 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from validators.rules import Derived, Rule
+from rlhf_pipeline.validators.rules import Derived, Rule
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -71,11 +71,7 @@ def run_suite(
     context = gx.get_context(mode="ephemeral")
     # Without this every run draws tqdm "Calculating Metrics" bars on stderr.
     context.variables.progress_bars = ProgressBarsConfig(globally=False)
-    batch = (
-        context.data_sources.add_pandas("derived")
-        .add_dataframe_asset(kind)
-        .add_batch_definition_whole_dataframe("all rows")
-    )
+    batch = context.data_sources.add_pandas("derived").add_dataframe_asset(kind).add_batch_definition_whole_dataframe("all rows")
     suite = context.suites.add(gx.ExpectationSuite(name=kind, expectations=[_expectation(r) for r in rules]))
     definition = context.validation_definitions.add(gx.ValidationDefinition(name=kind, data=batch, suite=suite))
     # COMPLETE lists every offending row; the ROW_ID column names them.
@@ -133,9 +129,7 @@ def _run_with_data_docs(context, definition, frame, result_format, source, docs_
             result_format=result_format,
         )
     )
-    checkpoint_result = checkpoint.run(
-        batch_parameters={"dataframe": frame}, run_id=RunIdentifier(run_name=_run_name(source))
-    )
+    checkpoint_result = checkpoint.run(batch_parameters={"dataframe": frame}, run_id=RunIdentifier(run_name=_run_name(source)))
     (result,) = checkpoint_result.run_results.values()
     _prune_unused_images(docs_dir)
     return result, docs_dir / "index.html"

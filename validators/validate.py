@@ -5,11 +5,11 @@ from __future__ import annotations
 import pathlib
 from typing import TYPE_CHECKING, Any
 
-from validators.formats import Kind, read_format
-from validators.lengths import count_tokens, fits_max_length
-from validators.report import MAX_EXAMPLES, DataValidationError, RuleResult, ValidationReport
-from validators.rules import derive, rules_for
-from validators.suite import derived_frame, run_suite
+from rlhf_pipeline.validators.formats import Kind, read_format
+from rlhf_pipeline.validators.lengths import count_tokens, fits_max_length
+from rlhf_pipeline.validators.report import MAX_EXAMPLES, DataValidationError, RuleResult, ValidationReport
+from rlhf_pipeline.validators.rules import derive, rules_for
+from rlhf_pipeline.validators.suite import derived_frame, run_suite
 
 if TYPE_CHECKING:
     import datasets

@@ -1,10 +1,10 @@
 import inspect
 
-from deployments.serve import deployments
-from flows.evaluate import EvalParams, rlhf_eval
-from flows.params import PipelineParams, from_flow_parameters, load_params
-from flows.rlhf import rlhf
-from trainers.ppo import PpoConfig
+from rlhf_pipeline.deployments.serve import deployments
+from rlhf_pipeline.flows.evaluate import EvalParams, rlhf_eval
+from rlhf_pipeline.flows.params import PipelineParams, from_flow_parameters, load_params
+from rlhf_pipeline.flows.rlhf import rlhf
+from rlhf_pipeline.trainers.ppo import PpoConfig
 
 
 def test_deployments_carry_valid_typed_parameters_and_the_retrain_schedule():

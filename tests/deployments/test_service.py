@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
+from rlhf_pipeline.deployments.local import stop, wait_until_up
 
-from deployments.local import stop, wait_until_up
 from tests.flows.helpers import task_runs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,9 +59,7 @@ def service(tmp_path_factory):
         )  # fmt: skip
         processes.append(server)
         wait_until_up(f"{env['PREFECT_API_URL']}/health", server, timeout=180)
-        serve = subprocess.Popen(
-            [sys.executable, "-m", "flows.cli", "serve"], env=env, stdout=logs["serve"], stderr=subprocess.STDOUT, cwd=ROOT
-        )
+        serve = subprocess.Popen([sys.executable, "-m", "rlhf_pipeline.flows.cli", "serve"], env=env, stdout=logs["serve"], stderr=subprocess.STDOUT, cwd=ROOT)
         processes.append(serve)
         yield {"env": env, "tmp": tmp, "client": lambda: _client(env), "processes": processes}
     finally:
@@ -79,9 +77,7 @@ def _client(env):
 
 
 def prefect_cli(service, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run(
-        [sys.executable, "-m", "prefect", *args], env=service["env"], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
+    done = subprocess.run([sys.executable, "-m", "prefect", *args], env=service["env"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     if check and done.returncode != 0:
         raise AssertionError(f"prefect {' '.join(args)} exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
     return done
@@ -228,7 +224,7 @@ def test_rlhf_up_starts_prefect_mlflow_and_serve_and_stops_them_all(tmp_path):
     env.pop("MLFLOW_TRACKING_URI")  # the default: SQLite under the state folder, shown by the MLflow UI
     with open(tmp_path / "up.log", "w") as log:
         up = subprocess.Popen(
-            [sys.executable, "-m", "flows.cli", "up", "--port", str(port), "--mlflow-port", str(mlflow_port)],
+            [sys.executable, "-m", "rlhf_pipeline.flows.cli", "up", "--port", str(port), "--mlflow-port", str(mlflow_port)],
             env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
         )  # fmt: skip
         try:

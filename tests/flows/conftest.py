@@ -2,8 +2,7 @@ from __future__ import annotations
 
 import pytest
 from prefect.testing.utilities import prefect_test_harness
-
-from tasks import tracking
+from rlhf_pipeline.tasks import tracking
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flows.params import load_params
+from rlhf_pipeline.flows.params import load_params
 
 FAST = [
     "model.tiny.hidden_size=32", "model.tiny.intermediate_size=64", "model.tiny.num_hidden_layers=2",
@@ -15,7 +15,7 @@ STAGES = ["data", "sft", "rm", "dpo", "eval"]
 
 
 def run(*overrides: str):
-    from flows.rlhf import rlhf
+    from rlhf_pipeline.flows.rlhf import rlhf
 
     params = load_params("tiny", [*FAST, *overrides])
     return rlhf(**dict(params), return_state=True)

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 from prefect import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+from rlhf_pipeline.flows.evaluate import rlhf_eval
 
-from flows.evaluate import rlhf_eval
 from tests.flows.helpers import run, task_states
 
 
 def prefect_artifacts(flow_state) -> dict[str, object]:
     with get_client(sync_client=True) as client:
-        found = client.read_artifacts(
-            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_state.state_details.flow_run_id]))
-        )
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_state.state_details.flow_run_id])))
     return {a.key: a for a in found}
 
 
@@ -37,7 +35,8 @@ def test_report_artifacts_and_on_demand_evaluation_of_the_champion(prefect, stat
     assert {"plots/win_rates.png", "plots/reward_distributions.png", "plots/exact_match.png", "plots/training_curves.png"} <= plots
 
     on_demand = rlhf_eval(
-        policy="models:/eval-flow-test@champion", eval={"max_prompts": 20, "max_new_tokens": 8},
+        policy="models:/eval-flow-test@champion",
+        eval={"max_prompts": 20, "max_new_tokens": 8},
         return_state=True,
     )
     assert on_demand.is_completed(), on_demand.message

@@ -5,11 +5,18 @@ from __future__ import annotations
 import importlib
 from collections import Counter
 
-import flows.rlhf
+from rlhf_pipeline import flows
 from tests.flows.helpers import run, task_runs
 from tests.flows.test_online import ONLINE_FAST
 
-STAGE_MODULES = ["tasks.data", "tasks.sft", "tasks.rm", "tasks.dpo", "tasks.policy", "tasks.eval"]
+STAGE_MODULES = [
+    "rlhf_pipeline.tasks.data",
+    "rlhf_pipeline.tasks.sft",
+    "rlhf_pipeline.tasks.rm",
+    "rlhf_pipeline.tasks.dpo",
+    "rlhf_pipeline.tasks.policy",
+    "rlhf_pipeline.tasks.eval",
+]
 NO_WAIT = ["retry.delay_seconds=[0]", "retry.jitter_factor=0"]
 
 
@@ -67,10 +74,9 @@ def test_a_stage_that_times_out_fails_and_kills_its_child_processes(prefect, tmp
 
     import psutil
     from prefect import flow, task
-
-    from tasks import tracking
-    from tasks.orchestration import RetryConfig, retrying
-    from tasks.stage import RunContext, run_stage
+    from rlhf_pipeline.tasks import tracking
+    from rlhf_pipeline.tasks.orchestration import RetryConfig, retrying
+    from rlhf_pipeline.tasks.stage import RunContext, run_stage
 
     experiment = tracking.experiment_id("timeout-test")
     ctx = RunContext(artifact_root=str(tmp_path), experiment_id=experiment, parent_run_id=tracking.start_run(experiment, "parent", {}))

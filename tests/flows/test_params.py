@@ -1,8 +1,7 @@
 import pytest
 from pydantic import ValidationError
-
-from flows.cli import main
-from flows.params import PipelineParams, load_params
+from rlhf_pipeline.flows.cli import main
+from rlhf_pipeline.flows.params import PipelineParams, load_params
 
 
 def test_tiny_preset_overrides_defaults_and_set_overrides_the_preset():
@@ -43,7 +42,7 @@ def test_cli_reports_invalid_parameters_with_exit_code_2(capsys):
 
 
 def test_parameter_schema_is_typed_and_documented():
-    from flows.rlhf import rlhf
+    from rlhf_pipeline.flows.rlhf import rlhf
 
     schema = rlhf.parameters.model_dump()
     definitions = schema["definitions"]

@@ -27,9 +27,7 @@ def test_pipeline_runs_caches_and_reruns_only_what_changed(prefect, state):
     # MLflow: one parent, five children with params and metrics, and the artifacts.
     client = MlflowClient()
     parent = client.get_run(summary["mlflow_run_id"])
-    children = client.search_runs(
-        [parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'"
-    )
+    children = client.search_runs([parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
     assert sorted(r.info.run_name for r in children) == sorted(STAGES)
     by_stage = {r.info.run_name: r for r in children}
     assert by_stage["dpo"].data.params["beta"] == "0.1"
@@ -46,9 +44,7 @@ def test_pipeline_runs_caches_and_reruns_only_what_changed(prefect, state):
     second = run_without_registry()
     assert task_states(second) == {stage: "Cached" for stage in STAGES}
     assert second.result()["artifacts"] == summary["artifacts"]
-    cached = client.search_runs(
-        [parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{second.result()['mlflow_run_id']}'"
-    )
+    cached = client.search_runs([parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{second.result()['mlflow_run_id']}'")
     assert len(cached) == 5 and all(r.data.tags["rlhf.cached"] == "true" for r in cached)
 
     # Only dpo.beta changed: only dpo and eval run.

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tasks import tracking
-from tasks.secrets import redact
+from rlhf_pipeline.tasks import tracking
+from rlhf_pipeline.tasks.secrets import redact
+
 from tests.flows.helpers import run
 
 ENV_SECRET = "hf_env_7Hq2LmZp9RwX4vKd"
@@ -20,20 +21,16 @@ def test_redact_masks_secret_keys_and_env_values_but_not_tokenizer_words(monkeyp
 
 
 def files_containing(root: Path, *secrets: str) -> list[str]:
-    return [
-        str(path)
-        for path in root.rglob("*")
-        if path.is_file() and any(secret.encode() in path.read_bytes() for secret in secrets)
-    ]
+    return [str(path) for path in root.rglob("*") if path.is_file() and any(secret.encode() in path.read_bytes() for secret in secrets)]
 
 
 def test_secrets_appear_in_no_log_param_artifact_or_manifest(prefect, state, monkeypatch):
     from mlflow.tracking import MlflowClient
     from prefect import get_client, get_run_logger
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from rlhf_pipeline.tasks.orchestration import prefect_log
 
-    import tasks.eval
-    from tasks.orchestration import prefect_log
+    from rlhf_pipeline import tasks
 
     monkeypatch.setenv("HF_TOKEN", ENV_SECRET)
     evaluate = tasks.eval.run_stage

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from rlhf_pipeline.tasks import tracking
+from rlhf_pipeline.tasks.data import validate_data
+from rlhf_pipeline.tasks.stage import RunContext
+from rlhf_pipeline.trainers.common import ModelConfig
+from rlhf_pipeline.trainers.data import DataConfig, DatasetSpec
 
-from tasks import tracking
-from tasks.data import validate_data
-from tasks.stage import RunContext
 from tests.helpers import write_data_dir
-from trainers.common import ModelConfig
-from trainers.data import DataConfig, DatasetSpec
 
 
 @pytest.fixture

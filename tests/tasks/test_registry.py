@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 from mlflow.tracking import MlflowClient
+from rlhf_pipeline.tasks import tracking
+from rlhf_pipeline.tasks.registry import CANDIDATE, CHAMPION, RegistryConfig, current_champion, gate, register_policy
+from rlhf_pipeline.tasks.stage import RunContext, run_stage
+from rlhf_pipeline.trainers.common import load_base_model, save_model
 
-from tasks import tracking
-from tasks.registry import CANDIDATE, CHAMPION, RegistryConfig, current_champion, gate, register_policy
-from tasks.stage import RunContext, run_stage
 from tests.helpers import SMALL_MODEL
-from trainers.common import load_base_model, save_model
 
 
 def test_gate_needs_the_value_and_its_lower_bound_above_the_bars():
@@ -85,11 +85,12 @@ def test_first_version_is_champion_a_loser_is_refused_a_winner_promoted(ctx):
 
 def test_gate_on_measured_exact_match_refuses_the_untrained_base_and_promotes_a_trained_model(ctx, tmp_path):
     """Every number the gate sees here is measured by the eval stage's code, on purpose-built models."""
+    from rlhf_pipeline.trainers import eval as evaluation
+    from rlhf_pipeline.trainers import sft
+    from rlhf_pipeline.trainers.common import ModelConfig
+    from rlhf_pipeline.trainers.eval import EvalConfig
+
     from tests.helpers import write_data_dir
-    from trainers import eval as evaluation
-    from trainers import sft
-    from trainers.common import ModelConfig
-    from trainers.eval import EvalConfig
 
     data = write_data_dir(tmp_path / "data", rows=600)
     base = ModelConfig()  # the full tiny model: it learns the task in a few dozen steps
@@ -112,7 +113,14 @@ def test_gate_on_measured_exact_match_refuses_the_untrained_base_and_promotes_a_
     def evaluate(policy, tag):
         champion = current_champion(cfg)
         build = lambda out, work, log: evaluation.evaluate(  # noqa: E731
-            eval_cfg, base, sft_ref.path / "model", policy.path / "model", None, data, out, "dpo",
+            eval_cfg,
+            base,
+            sft_ref.path / "model",
+            policy.path / "model",
+            None,
+            data,
+            out,
+            "dpo",
             champion_model=champion.path / "model" if champion and champion.digest != policy.digest else None,
         )
         return run_stage("eval", {"tag": tag}, {"policy": policy}, run_ctx, build).ref

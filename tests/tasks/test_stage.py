@@ -4,10 +4,9 @@ import json
 
 import pytest
 from mlflow.tracking import MlflowClient
-
-from tasks import tracking
-from tasks.stage import MANIFEST, ArtifactRef, RunContext, run_stage, stage_key
-from trainers.dpo import DpoConfig
+from rlhf_pipeline.tasks import tracking
+from rlhf_pipeline.tasks.stage import MANIFEST, ArtifactRef, RunContext, run_stage, stage_key
+from rlhf_pipeline.trainers.dpo import DpoConfig
 
 
 @pytest.fixture

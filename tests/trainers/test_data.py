@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from rlhf_pipeline.trainers import dpo, rm, sft
+from rlhf_pipeline.trainers.data import DatasetSpec, fingerprint, load_source
+from rlhf_pipeline.validators import detect_format, validate_dataset
 
 from tests.helpers import FAST, SMALL_MODEL, write_jsonl
-from trainers import dpo, rm, sft
-from trainers.data import DatasetSpec, fingerprint, load_source
-from validators import detect_format, validate_dataset
 
 
 def conversation(prompt: str, answer: str) -> list[dict]:
@@ -24,12 +24,14 @@ SHAPES = {
     ("preference", "standard explicit"): [{"prompt": "sort 21 -> ", "chosen": "12", "rejected": "21", "source": "x"}],
     ("preference", "standard implicit"): [{"chosen": "sort 21 -> 12", "rejected": "sort 21 -> 21", "source": "x"}],
     ("preference", "conversational explicit"): [
-        {"prompt": [{"role": "user", "content": "sort 21 -> "}], "chosen": [{"role": "assistant", "content": "12"}],
-         "rejected": [{"role": "assistant", "content": "21"}], "source": "x"}
+        {
+            "prompt": [{"role": "user", "content": "sort 21 -> "}],
+            "chosen": [{"role": "assistant", "content": "12"}],
+            "rejected": [{"role": "assistant", "content": "21"}],
+            "source": "x",
+        }
     ],
-    ("preference", "conversational implicit"): [
-        {"chosen": conversation("sort 21 -> ", "12"), "rejected": conversation("sort 21 -> ", "21"), "source": "x"}
-    ],
+    ("preference", "conversational implicit"): [{"chosen": conversation("sort 21 -> ", "12"), "rejected": conversation("sort 21 -> ", "21"), "source": "x"}],
     ("prompt", "standard"): [{"prompt": "sort 21 -> ", "answer": "12"}],
     ("prompt", "conversational"): [{"prompt": [{"role": "user", "content": "sort 21 -> "}], "answer": "12"}],
 }

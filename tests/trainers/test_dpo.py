@@ -1,9 +1,9 @@
 import pytest
 from pydantic import ValidationError
+from rlhf_pipeline.trainers import dpo
+from rlhf_pipeline.trainers.common import load_base_model, load_causal_lm, save_model
 
 from tests.helpers import FAST, SMALL_MODEL, changed, state_dict_copy, write_data_dir
-from trainers import dpo
-from trainers.common import load_base_model, load_causal_lm, save_model
 
 
 def test_dpo_moves_the_policy_towards_chosen(tmp_path):
@@ -13,7 +13,10 @@ def test_dpo_moves_the_policy_towards_chosen(tmp_path):
     before = state_dict_copy(policy)
     metrics = dpo.train(
         dpo.DpoConfig(max_steps=10, beta=0.1, loss_type=["sigmoid", "sft"], **FAST),
-        tmp_path / "sft", data, tmp_path / "out", tmp_path / "work",
+        tmp_path / "sft",
+        data,
+        tmp_path / "out",
+        tmp_path / "work",
     )
     after, _ = load_causal_lm(tmp_path / "out" / "model")
     assert changed(before, state_dict_copy(after))

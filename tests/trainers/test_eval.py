@@ -1,10 +1,11 @@
 import json
 
+from rlhf_pipeline.trainers import eval as evaluation
+from rlhf_pipeline.trainers import sft
+from rlhf_pipeline.trainers.common import load_base_model, save_model
+from rlhf_pipeline.trainers.eval import generate, reward_scores
+
 from tests.helpers import FAST, SMALL_MODEL, write_data_dir
-from trainers import eval as evaluation
-from trainers import sft
-from trainers.common import load_base_model, save_model
-from trainers.eval import generate, reward_scores
 
 
 def test_evaluate_reports_every_model_and_writes_samples(tmp_path):
@@ -15,8 +16,14 @@ def test_evaluate_reports_every_model_and_writes_samples(tmp_path):
 
     save_model(AutoModelForSequenceClassification.from_pretrained(tmp_path / "sft" / "model", num_labels=1), tokenizer, tmp_path / "rm")
     metrics = evaluation.evaluate(
-        evaluation.EvalConfig(max_new_tokens=8, num_samples_logged=5), SMALL_MODEL,
-        tmp_path / "sft" / "model", tmp_path / "sft" / "model", tmp_path / "rm", data, tmp_path / "out", "dpo",
+        evaluation.EvalConfig(max_new_tokens=8, num_samples_logged=5),
+        SMALL_MODEL,
+        tmp_path / "sft" / "model",
+        tmp_path / "sft" / "model",
+        tmp_path / "rm",
+        data,
+        tmp_path / "out",
+        "dpo",
     )
     for name in ("base", "sft", "dpo"):
         assert 0.0 <= metrics[f"eval/heldout/{name}_exact_match"] <= 1.0

@@ -1,9 +1,8 @@
 import math
 
 import pytest
-
-from trainers.common import ModelConfig, TinyModelConfig, load_base_model
-from trainers.metrics import (
+from rlhf_pipeline.trainers.common import ModelConfig, TinyModelConfig, load_base_model
+from rlhf_pipeline.trainers.metrics import (
     Interval,
     bootstrap_mean,
     distinct_n,

@@ -2,12 +2,12 @@
 
 import pytest
 from pydantic import ValidationError
+from rlhf_pipeline.trainers import grpo, rloo
+from rlhf_pipeline.trainers.common import load_base_model, load_causal_lm, save_model
+from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, RewardsConfig
 from transformers import AutoModelForSequenceClassification
 
 from tests.helpers import FAST, SMALL_MODEL, changed, state_dict_copy, write_data_dir
-from trainers import grpo, rloo
-from trainers.common import load_base_model, load_causal_lm, save_model
-from trainers.rewards import RewardFunctionSpec, RewardsConfig
 
 ONLINE = {**FAST, "per_device_train_batch_size": 8, "max_steps": 2, "max_completion_length": 6, "num_generations": 4}
 VERIFIER = RewardsConfig(reward_model_weight=0, functions=[RewardFunctionSpec(path="tests.helpers:length_reward")])
@@ -52,7 +52,7 @@ def test_group_must_divide_the_generation_batch():
 
 def test_broken_reward_function_fails_before_training(tmp_path, sft_dir):
     data = write_data_dir(tmp_path / "data", rows=16)
-    bad = RewardsConfig(reward_model_weight=0, functions=[RewardFunctionSpec(path="trainers.sort_task:nope")])
-    with pytest.raises(ValueError, match="trainers.sort_task:nope"):
+    bad = RewardsConfig(reward_model_weight=0, functions=[RewardFunctionSpec(path="rlhf_pipeline.trainers.sort_task:nope")])
+    with pytest.raises(ValueError, match="rlhf_pipeline.trainers.sort_task:nope"):
         rloo.train(rloo.RlooConfig(**ONLINE), bad, sft_dir, None, data, tmp_path / "out", tmp_path / "work")
     assert not (tmp_path / "work").exists()

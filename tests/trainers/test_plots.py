@@ -1,7 +1,6 @@
 import pytest
-
-from trainers import plots
-from trainers.metrics import bootstrap_mean, win_rate
+from rlhf_pipeline.trainers import plots
+from rlhf_pipeline.trainers.metrics import bootstrap_mean, win_rate
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -6,14 +6,14 @@ import sys
 import pytest
 import torch
 from pydantic import ValidationError
+from rlhf_pipeline.trainers import ppo
+from rlhf_pipeline.trainers.common import LoraConfig, load_base_model, load_causal_lm, save_model
+from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, RewardsConfig
 from transformers import AutoModelForSequenceClassification
 
 from tests.helpers import SMALL_MODEL, changed, state_dict_copy, write_data_dir
-from trainers import ppo
-from trainers.common import LoraConfig, load_base_model, load_causal_lm, save_model
-from trainers.rewards import RewardFunctionSpec, RewardsConfig
 
-EXACT_MATCH = RewardsConfig(reward_model_weight=0, functions=[RewardFunctionSpec(path="trainers.sort_task:exact_match")])
+EXACT_MATCH = RewardsConfig(reward_model_weight=0, functions=[RewardFunctionSpec(path="rlhf_pipeline.trainers.sort_task:exact_match")])
 # 8 prompts per update in 2 mini-batches of 4; 16 episodes = 2 updates.
 FAST = dict(per_device_train_batch_size=8, num_mini_batches=2, num_ppo_epochs=2, total_episodes=16, response_length=6,
             learning_rate=1e-3, temperature=1.0, logging_steps=1, num_threads=1)  # fmt: skip
@@ -134,7 +134,13 @@ def tiny(tmp_path_factory):
 def test_training_with_reward_functions_only(tiny, tmp_path):
     logged: list[tuple[int, dict]] = []
     metrics = ppo.train(
-        ppo.PpoConfig(**FAST), EXACT_MATCH, tiny["sft"], None, tiny["data"], tmp_path / "out", tmp_path / "work",
+        ppo.PpoConfig(**FAST),
+        EXACT_MATCH,
+        tiny["sft"],
+        None,
+        tiny["data"],
+        tmp_path / "out",
+        tmp_path / "work",
         lambda values, step: logged.append((step, values)),
     )
     trained, _ = load_causal_lm(tmp_path / "out" / "model")

@@ -1,8 +1,8 @@
+from rlhf_pipeline.trainers import rm
+from rlhf_pipeline.trainers.common import load_base_model, save_model
 from transformers import AutoModelForSequenceClassification
 
 from tests.helpers import FAST, SMALL_MODEL, write_data_dir
-from trainers import rm
-from trainers.common import load_base_model, save_model
 
 
 def test_reward_model_learns_to_prefer_chosen(tmp_path):
@@ -11,7 +11,11 @@ def test_reward_model_learns_to_prefer_chosen(tmp_path):
     save_model(policy, tokenizer, tmp_path / "sft")
     logged: list[dict] = []
     metrics = rm.train(
-        rm.RewardConfig(max_steps=30, **FAST), tmp_path / "sft", data, tmp_path / "out", tmp_path / "work",
+        rm.RewardConfig(max_steps=30, **FAST),
+        tmp_path / "sft",
+        data,
+        tmp_path / "out",
+        tmp_path / "work",
         lambda values, step: logged.append(values),
     )
     accuracies = [v["rm/train/accuracy"] for v in logged if "rm/train/accuracy" in v]

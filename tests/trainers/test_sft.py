@@ -1,15 +1,20 @@
 import shutil
 
+from rlhf_pipeline.trainers import sft
+from rlhf_pipeline.trainers.common import COMPLETE, last_checkpoint, load_base_model, load_causal_lm, metric_name
+
 from tests.helpers import FAST, SMALL_MODEL, changed, state_dict_copy, write_data_dir
-from trainers import sft
-from trainers.common import COMPLETE, last_checkpoint, load_base_model, load_causal_lm, metric_name
 
 
 def test_sft_trains_the_tiny_model_and_lowers_its_loss(tmp_path):
     data = write_data_dir(tmp_path / "data")
     logged: list[tuple[dict, int]] = []
     metrics = sft.train(
-        sft.SftConfig(max_steps=12, **FAST), SMALL_MODEL, data, tmp_path / "out", tmp_path / "work",
+        sft.SftConfig(max_steps=12, **FAST),
+        SMALL_MODEL,
+        data,
+        tmp_path / "out",
+        tmp_path / "work",
         lambda values, step: logged.append((values, step)),
     )
     before = state_dict_copy(load_base_model(SMALL_MODEL)[0])
@@ -28,8 +33,7 @@ def test_sft_resumes_from_the_newest_checkpoint(tmp_path):
     sft.train(config, SMALL_MODEL, data, tmp_path / "first", tmp_path / "work")
     steps: list[int] = []
     # Same work dir, more steps: training continues at step 4, not from 0.
-    sft.train(config.model_copy(update={"max_steps": 6}), SMALL_MODEL, data, tmp_path / "second", tmp_path / "work",
-              lambda values, step: steps.append(step))
+    sft.train(config.model_copy(update={"max_steps": 6}), SMALL_MODEL, data, tmp_path / "second", tmp_path / "work", lambda values, step: steps.append(step))
     assert steps and min(steps) > 4
 
 
@@ -44,8 +48,7 @@ def test_a_checkpoint_cut_off_mid_write_is_never_used(tmp_path):
     (tmp_path / "work" / "checkpoint-6" / "trainer_state.json").write_text('{"global_step": 6, "log_hist')
     assert last_checkpoint(tmp_path / "work") == str(tmp_path / "work" / "checkpoint-4")
     steps: list[int] = []
-    sft.train(config.model_copy(update={"max_steps": 6}), SMALL_MODEL, data, tmp_path / "second", tmp_path / "work",
-              lambda values, step: steps.append(step))
+    sft.train(config.model_copy(update={"max_steps": 6}), SMALL_MODEL, data, tmp_path / "second", tmp_path / "work", lambda values, step: steps.append(step))
     assert min(steps) == 5 and max(steps) == 6  # resumed after step 4, from the complete checkpoint
 
 
@@ -56,7 +59,7 @@ def test_metric_names_follow_stage_split_name():
 
 
 def test_lora_trains_adapters_and_saves_a_merged_loadable_model(tmp_path):
-    from trainers.common import LoraConfig
+    from rlhf_pipeline.trainers.common import LoraConfig
 
     data = write_data_dir(tmp_path / "data")
     config = sft.SftConfig(max_steps=3, lora=LoraConfig(enabled=True, r=4, lora_alpha=8), **FAST)

@@ -1,5 +1,5 @@
-from trainers.common import ModelConfig, load_base_model
-from trainers.tiny import EOS, build_tokenizer
+from rlhf_pipeline.trainers.common import ModelConfig, load_base_model
+from rlhf_pipeline.trainers.tiny import EOS, build_tokenizer
 
 
 def test_tokenizer_round_trips_any_utf8_text():

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from rlhf_pipeline.tasks import tracking
+from rlhf_pipeline.tasks.data import validate_data
+from rlhf_pipeline.tasks.stage import RunContext
+from rlhf_pipeline.trainers.common import ModelConfig
+from rlhf_pipeline.trainers.data import DataConfig, DatasetSpec
 
-import validators.files
-from tasks import tracking
-from tasks.data import validate_data
-from tasks.stage import RunContext
+from rlhf_pipeline import validators
 from tests.helpers import write_data_dir
-from trainers.common import ModelConfig
-from trainers.data import DataConfig, DatasetSpec
 
 BAD = Path(__file__).resolve().parents[1] / "data" / "bad"
 MANIFEST = BAD / "cases.yaml"

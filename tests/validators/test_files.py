@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from validators import DataValidationError, check_files
-from validators.files import MAX_ROW_BYTES
+from rlhf_pipeline.validators import DataValidationError, check_files
+from rlhf_pipeline.validators.files import MAX_ROW_BYTES
 
 
 def row(prompt: str) -> str:

@@ -14,8 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import datasets
 import pytest
-
-from validators import DatasetFormat, DataValidationError, detect_format, validate_dataset
+from rlhf_pipeline.validators import DatasetFormat, DataValidationError, detect_format, validate_dataset
 
 SOURCE = "data/tiny.jsonl"
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -244,9 +243,9 @@ def test_missing_value_is_a_type_error():
 
 
 def test_empty_dataset():
-    empty = datasets.Dataset.from_dict({"prompt": [], "chosen": [], "rejected": []}, features=datasets.Features(
-        {c: datasets.Value("string") for c in ("prompt", "chosen", "rejected")}
-    ))
+    empty = datasets.Dataset.from_dict(
+        {"prompt": [], "chosen": [], "rejected": []}, features=datasets.Features({c: datasets.Value("string") for c in ("prompt", "chosen", "rejected")})
+    )
     message = expect_failure("preference", empty, "non_empty_dataset")
     assert "the dataset has 0 rows" in message
 
@@ -299,7 +298,7 @@ def test_import_is_cheap():
 
 
 def test_fits_max_length_counts_conversations_with_the_chat_template():
-    from trainers.tiny import build_tokenizer
+    from rlhf_pipeline.trainers.tiny import build_tokenizer
 
     rows = [{"messages": [user("sort 21"), assistant("12")]}, {"messages": [user("x" * 50), assistant("12")]}]
     # 1 token per byte plus one role token per turn, "<|end|>" after the user turn and EOS after the answer
