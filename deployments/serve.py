@@ -1,4 +1,5 @@
-"""Serve the pipeline as Prefect deployments: `rlhf/full`, `rlhf/dpo`, `rlhf/grpo`, `rlhf/rloo`, `rlhf/retrain`, `rlhf-eval/eval`.
+"""Serve the pipeline as Prefect deployments: `rlhf/full` (ppo), one per other algorithm of the table of
+stages (`rlhf/dpo`, `rlhf/kto`, `rlhf/grpo`, `rlhf/rloo`), `rlhf/retrain` and `rlhf-eval/eval`.
 
     prefect server start --host 127.0.0.1          # one terminal
     rlhf serve                                     # another (PREFECT_API_URL=http://127.0.0.1:4200/api)
@@ -16,6 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from rlhf_pipeline.flows.params import DEFAULT_PRESET, load_params
+from rlhf_pipeline.tasks.stages import ALGORITHMS
 
 if TYPE_CHECKING:
     from prefect.deployments.runner import RunnerDeployment
@@ -24,7 +26,7 @@ RETRAIN_CRON = "0 3 * * 1"  # Mondays 03:00: weekly retraining on the newest dat
 
 
 def deployments(preset: str = DEFAULT_PRESET, retrain_cron: str = RETRAIN_CRON, retrain_overrides: list[str] = ()) -> list[RunnerDeployment]:
-    """The six deployments; `retrain_overrides` (`data.preference.path=/data/prefs/*.jsonl`...) point retraining at fresh data."""
+    """The deployments; `retrain_overrides` (`data.preference.path=/data/prefs/*.jsonl`...) point retraining at fresh data."""
     from rlhf_pipeline.flows.evaluate import rlhf_eval
     from rlhf_pipeline.flows.rlhf import rlhf
 
@@ -37,7 +39,8 @@ def deployments(preset: str = DEFAULT_PRESET, retrain_cron: str = RETRAIN_CRON, 
         ),
         *(
             rlhf.to_deployment(name=algorithm, parameters=params(algorithm=algorithm), description=f"The pipeline with {algorithm}.")
-            for algorithm in ("dpo", "grpo", "rloo")
+            for algorithm in ALGORITHMS
+            if algorithm != "ppo"
         ),
         rlhf.to_deployment(
             name="retrain",
@@ -56,6 +59,7 @@ def deployments(preset: str = DEFAULT_PRESET, retrain_cron: str = RETRAIN_CRON, 
 
 def serve(preset: str = DEFAULT_PRESET, retrain_cron: str = RETRAIN_CRON, retrain_overrides: list[str] = ()) -> None:
     from prefect import serve as prefect_serve
+
     from rlhf_pipeline.tasks.orchestration import ensure_device_limit
 
     made = deployments(preset, retrain_cron, retrain_overrides)

@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
+    _make_state_folders()
 
     if args.command == "eval":
         return _evaluate(args)
@@ -106,6 +107,20 @@ def main(argv: list[str] | None = None) -> int:
     summary = rlhf(**dict(params))
     _report(summary)
     return 0
+
+
+def _make_state_folders() -> None:
+    """Create the folders the environment names (a fresh PREFECT_HOME, RLHF_STATE_DIR, a SQLite tracking
+    URI's folder): Prefect's temporary server cannot open its database in a folder that does not exist,
+    and waits two minutes before it says so."""
+    from pathlib import Path
+
+    folders = [os.environ.get("PREFECT_HOME"), os.environ.get("RLHF_STATE_DIR")]
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    if uri.startswith("sqlite:///"):
+        folders.append(str(Path(uri.removeprefix("sqlite:///")).parent))
+    for folder in filter(None, folders):
+        Path(folder).expanduser().mkdir(parents=True, exist_ok=True)
 
 
 def _warm_up_imports() -> None:

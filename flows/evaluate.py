@@ -8,14 +8,15 @@ prefect deployment run rlhf-eval/eval -p policy=models:/rlhf-policy/3
 from __future__ import annotations
 
 from prefect import flow
-from pydantic import Field
+from pydantic import Field, field_validator
+
 from rlhf_pipeline.flows.params import DEFAULT_PRESET, described_by, from_flow_parameters, load_params
 from rlhf_pipeline.tasks.data import validate_data
 from rlhf_pipeline.tasks.eval import evaluate
 from rlhf_pipeline.tasks.orchestration import RetryConfig, retrying
 from rlhf_pipeline.tasks.pipeline import pipeline_run
 from rlhf_pipeline.tasks.registry import RegistryConfig
-from rlhf_pipeline.tasks.resolve import resolve_model
+from rlhf_pipeline.tasks.resolve import check_model_source, resolve_model
 from rlhf_pipeline.trainers.common import ModelConfig, StrictModel
 from rlhf_pipeline.trainers.data import DataConfig
 from rlhf_pipeline.trainers.eval import EvalConfig
@@ -38,6 +39,11 @@ class EvalParams(StrictModel):
     eval: EvalConfig = Field(default=_defaults.eval, description="Held-out evaluation.")
     registry: RegistryConfig = Field(default=_defaults.registry, description="Where the champion to compare against lives.")
     retry: RetryConfig = Field(default=_defaults.retry, description="Retries with backoff after transient errors, and a time limit per stage.")
+
+    @field_validator("policy", "sft_model", "reward_model")
+    @classmethod
+    def _known_form(cls, source: str | None) -> str | None:
+        return source if source is None else check_model_source(source)
 
 
 @flow(name="rlhf-eval", persist_result=False, validate_parameters=True)
@@ -64,6 +70,6 @@ def rlhf_eval(
         reward_source = params.reward_model or lineage.get("rm")
         reward_model = resolve_model(reward_source, "rm")[0] if reward_source else None
         stage = retrying(params.retry)
-        data = stage(validate_data).submit(params.data, run.ctx)
+        data = stage(validate_data).submit(params.data, run.ctx)  # held-out sets only need their own rules
         report = stage(evaluate).submit(params.eval, params.model, data, sft_model, policy, reward_model, params.registry, run.ctx)
         return run.finish(policy=policy, report=report.result(), stages=[data.result(), sft_model, policy, report.result()])

@@ -11,31 +11,24 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, Field, model_validator
-from rlhf_pipeline.tasks.orchestration import RetryConfig
-from rlhf_pipeline.tasks.registry import RegistryConfig
-from rlhf_pipeline.trainers.common import TINY, ModelConfig, StrictModel
-from rlhf_pipeline.trainers.data import DataConfig
-from rlhf_pipeline.trainers.dpo import DpoConfig
-from rlhf_pipeline.trainers.eval import EvalConfig
-from rlhf_pipeline.trainers.grpo import GrpoConfig
-from rlhf_pipeline.trainers.ppo import PpoConfig
-from rlhf_pipeline.trainers.rewards import RewardsConfig
-from rlhf_pipeline.trainers.rloo import RlooConfig
-from rlhf_pipeline.trainers.rm import RewardConfig
-from rlhf_pipeline.trainers.sft import SftConfig
+from pydantic import BaseModel, Field, create_model, model_validator
 
-ONLINE = ("grpo", "rloo", "ppo")
+from rlhf_pipeline.tasks.orchestration import RetryConfig
+from rlhf_pipeline.tasks.stages import ALGORITHMS, BY_NAME, POLICY, STAGES
+from rlhf_pipeline.trainers.common import TINY, ModelConfig, StrictModel
+from rlhf_pipeline.trainers.rewards import RewardsConfig
 
 CONFIG_DIR = Path(str(resources.files("rlhf_pipeline.configs")))  # package data: present in a wheel too
 DEFAULT_PRESET = "tiny"
 
+Algorithm = Literal[ALGORITHMS]  # the table's policy-optimisation rows: dpo, grpo, rloo, ppo, ...
 
-class PipelineParams(StrictModel):
-    """Everything one run of the `rlhf` flow depends on."""
 
-    algorithm: Literal["dpo", "grpo", "rloo", "ppo"] = Field(
-        "dpo", description="Policy-optimisation stage after SFT: offline on preferences (dpo) or online RL against `rewards`."
+class RunSettings(StrictModel):
+    """The blocks of a run that are not stages; `PipelineParams` adds one block per stage of the table."""
+
+    algorithm: Algorithm = Field(
+        "dpo", description="Policy-optimisation stage after SFT: offline on preferences (dpo, kto) or online RL against `rewards` (grpo, rloo, ppo)."
     )
     preset: str | None = Field(
         DEFAULT_PRESET,
@@ -45,27 +38,53 @@ class PipelineParams(StrictModel):
     experiment_name: str = Field("rlhf", description="MLflow experiment that holds the runs.")
     no_cache: bool = Field(False, description="Re-run every stage even when its artifact already exists.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="The base model.")
-    data: DataConfig = Field(default_factory=DataConfig, description="Datasets (checked by the `data` stage).")
-    sft: SftConfig = Field(default_factory=SftConfig, description="Supervised fine-tuning (TRL SFTTrainer).")
-    rm: RewardConfig = Field(default_factory=RewardConfig, description="Reward model (TRL RewardTrainer).")
-    dpo: DpoConfig = Field(default_factory=DpoConfig, description="DPO (TRL DPOTrainer).")
     rewards: RewardsConfig = Field(default_factory=RewardsConfig, description="Rewards of the online stages (grpo, rloo, ppo).")
-    grpo: GrpoConfig = Field(default_factory=GrpoConfig, description="GRPO (TRL GRPOTrainer).")
-    rloo: RlooConfig = Field(default_factory=RlooConfig, description="RLOO (TRL RLOOTrainer).")
-    ppo: PpoConfig = Field(default_factory=PpoConfig, description="PPO (ours: trainers/ppo.py).")
-    eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
-    registry: RegistryConfig = Field(default_factory=RegistryConfig, description="MLflow model registry and promotion gate.")
     retry: RetryConfig = Field(default_factory=RetryConfig, description="Retries with backoff after transient errors, and a time limit per stage.")
+
+    def config(self, stage: str) -> StrictModel:
+        return getattr(self, stage)
+
+    def plan(self) -> list[str]:
+        """The stages this run builds, in order: data, sft, rm (when used), the algorithm's, eval, registry (when enabled)."""
+        wanted = {"data", "sft", self.algorithm, "eval"}
+        if self.needs_reward_model:
+            wanted.add("rm")
+        if self.config("registry").enabled:
+            wanted.add("registry")
+        return [stage.name for stage in STAGES if stage.name in wanted]
+
+    def upstream(self, stage: str) -> tuple[str, ...]:
+        """The stages whose artifacts `stage` takes in this run: the table's, the policy stage named, and the
+        reward model only where the stage uses it (the online stages' rewards, eval's `use_reward_model`)."""
+        row = BY_NAME[stage]
+        uses_reward_model = self.config("eval").use_reward_model if stage == "eval" else row.online and self.rewards.uses_reward_model
+        names = [self.algorithm if name == POLICY else name for name in row.upstream]
+        return tuple(name for name in names if name != "rm" or uses_reward_model)
+
+    def token_limits(self) -> dict[str, int]:
+        """The most tokens a row of each dataset may take in the stages of this run that read it (the data stage's `fits_max_length`)."""
+        limits: dict[str, int] = {}
+        for stage in self.plan():
+            limit = getattr(self.config(stage), "row_token_limit", lambda: None)()
+            for dataset in BY_NAME[stage].reads if limit is not None else ():
+                limits[dataset] = min(limit, limits.get(dataset, limit))
+        return limits
+
+    @property
+    def needs_reward_model(self) -> bool:
+        """The rm stage runs when evaluation or the online stage's rewards use it."""
+        online_uses_it = BY_NAME[self.algorithm].online and self.rewards.uses_reward_model
+        return online_uses_it or self.config("eval").use_reward_model
 
     @model_validator(mode="after")
     def _room_for_prompts(self):
-        if self.algorithm in ("grpo", "rloo"):
-            online = getattr(self, self.algorithm)
-            if online.max_completion_length >= online.max_length:
-                raise ValueError(
-                    f"{self.algorithm}.max_completion_length={online.max_completion_length} leaves no room for a prompt "
-                    f"in {self.algorithm}.max_length={online.max_length}"
-                )
+        """A prompt budget of zero tokens is a config error, shown with the numbers, not a data error."""
+        online = self.config(self.algorithm)
+        if hasattr(online, "max_completion_length") and online.max_completion_length >= online.max_length:
+            raise ValueError(
+                f"{self.algorithm}.max_completion_length={online.max_completion_length} leaves no room for a prompt "
+                f"in {self.algorithm}.max_length={online.max_length}"
+            )
         return self
 
     @model_validator(mode="after")
@@ -73,32 +92,40 @@ class PipelineParams(StrictModel):
         if self.model.name_or_path != TINY:
             return self
         limit = self.model.tiny.max_position_embeddings
-        for stage in ("sft", "rm", "dpo", "grpo", "rloo"):
-            length = getattr(self, stage).max_length
-            if length > limit:
+        for stage in STAGES:
+            length = getattr(self.config(stage.name), "max_length", None)
+            if length is not None and length > limit:
                 raise ValueError(
-                    f"{stage}.max_length={length} exceeds the tiny model's model.tiny.max_position_embeddings={limit}: lower one or raise the other"
+                    f"{stage.name}.max_length={length} exceeds the tiny model's model.tiny.max_position_embeddings={limit}: lower one or raise the other"
                 )
         return self
 
-    def token_limits(self) -> dict[str, int]:
-        """The most tokens a row of each dataset may take in the stages that read it (the data stage's `fits_max_length`)."""
-        limits = {"sft": self.sft.max_length}
-        preference = [self.rm.max_length] if self.needs_reward_model else []
-        if self.algorithm == "dpo":
-            preference.append(self.dpo.max_length)
-        if preference:
-            limits["preference"] = limits["preference_eval"] = min(preference)
-        if self.algorithm in ("grpo", "rloo"):
-            online = getattr(self, self.algorithm)
-            limits["prompts"] = limits["prompts_eval"] = online.max_length - online.max_completion_length
-        return limits
 
-    @property
-    def needs_reward_model(self) -> bool:
-        """The rm stage runs when evaluation or the online stage's rewards use it."""
-        online_uses_it = self.algorithm in ONLINE and self.rewards.uses_reward_model
-        return online_uses_it or self.eval.use_reward_model
+def _stage_blocks() -> dict[str, Any]:
+    """One field per stage of the table, in its order, with the row's description; `rewards` sits with the online stages."""
+    fields: dict[str, Any] = {}
+    for stage in STAGES:
+        fields[stage.name] = (stage.config, Field(default_factory=stage.config, description=stage.description))
+    return fields
+
+
+PipelineParams = create_model(
+    "PipelineParams",
+    __base__=RunSettings,
+    __doc__="Everything one run of the `rlhf` flow depends on: the run's settings and one block per stage (`tasks.stages.STAGES`).",
+    **_stage_blocks(),
+)
+
+
+def parameter_order() -> list[str]:
+    """The flow's parameters as a person reads them: the run's settings, then the stages in pipeline order
+    (`rewards` just before the first online stage), then `retry`."""
+    order = ["algorithm", "preset", "experiment_name", "no_cache", "model"]
+    for stage in STAGES:
+        if stage.online and "rewards" not in order:
+            order.append("rewards")
+        order.append(stage.name)
+    return [*order, "retry"]
 
 
 def preset_path(preset: str) -> Path:
@@ -133,8 +160,14 @@ def load_params(preset: str | None = DEFAULT_PRESET, overrides: list[str] = (), 
 
 
 def preset_values(preset: str | None) -> dict[str, Any]:
-    values = yaml.safe_load(preset_path(preset).read_text()) if preset else None
-    return {**(values or {}), "preset": preset}
+    """A preset's values; `extends: <preset>` starts from another one, so a preset lists only what it changes."""
+    values = (yaml.safe_load(preset_path(preset).read_text()) if preset else None) or {}
+    if "extends" in values:
+        parent = values.pop("extends")
+        if parent == preset:
+            raise ValueError(f"preset {preset!r} extends itself")
+        values = deep_merge(preset_values(parent), values)
+    return {**values, "preset": preset}
 
 
 Params = TypeVar("Params", bound=StrictModel)

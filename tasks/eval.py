@@ -9,7 +9,8 @@ from pathlib import Path
 from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.orchestration import prefect_log, stage_task
 from rlhf_pipeline.tasks.registry import RegistryConfig, current_champion
-from rlhf_pipeline.tasks.stage import ArtifactRef, RunContext, StageOutcome, run_stage
+from rlhf_pipeline.tasks.stage import ArtifactRef, RunContext, StageOutcome, read_history, run_stage
+from rlhf_pipeline.tasks.stages import BY_NAME
 from rlhf_pipeline.trainers.common import ModelConfig
 from rlhf_pipeline.trainers.eval import EvalConfig
 
@@ -49,13 +50,14 @@ def evaluate(
             champion_model=champion.path / "model" if champion else None,
         )
 
-    upstream = {"data": data, "sft": sft_model, "policy": policy}
+    row = BY_NAME["eval"]
+    upstream = {"data": data.select(row.reads), "sft": sft_model, "policy": policy}
     if reward_model:
         upstream["rm"] = reward_model
     if champion:
         upstream["champion"] = champion
     settings = {"eval": config.model_dump(mode="json"), "model": model.model_dump(mode="json")}
-    outcome = run_stage("eval", settings, upstream, ctx, build, log_files=REPORT_FILES, log=prefect_log)
+    outcome = run_stage("eval", settings, upstream, ctx, build, log_files=REPORT_FILES, log=prefect_log, trainer=row.trainer, device=row.device)
     publish_report(outcome.ref, [data, sft_model, reward_model, policy], ctx)
     return outcome
 
@@ -63,6 +65,7 @@ def evaluate(
 def publish_report(report: ArtifactRef, stages: list[ArtifactRef | None], ctx: RunContext) -> None:
     """Prefect markdown + table artifacts, and training curves of every stage, for this flow run."""
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
     from rlhf_pipeline.trainers import plots
 
     link = tracking.run_link(ctx.parent_run_id)
@@ -78,14 +81,15 @@ def publish_report(report: ArtifactRef, stages: list[ArtifactRef | None], ctx: R
         flat = [{k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in row.items()} for row in rows]
         tracking.log_table(ctx.parent_run_id, flat, "eval/samples_table.json")
 
+    # Curves come from the artifacts (`history.jsonl`), not from the runs that produced them: those may
+    # live in another tracking store, and an external model (the rlhf-eval flow) has none.
     histories: dict[str, list[tuple[int, float]]] = {}
     for ref in filter(None, stages):
-        if not (ref.path / "manifest.json").is_file():  # an external model (the rlhf-eval flow)
-            continue
-        run_id = ref.manifest().get("mlflow_run_id")
-        if run_id:
-            curves = tracking.metric_histories(run_id, ref.stage + "/")
-            histories.update({k: v for k, v in curves.items() if k.endswith(CURVES) and len(v) > 1})
+        curves: dict[str, dict[int, float]] = {}
+        for step, values in read_history(ref.path):
+            for name, value in values.items():
+                curves.setdefault(name, {})[step] = value  # a resumed build logs a few steps twice: the last wins
+        histories.update({k: sorted(v.items()) for k, v in curves.items() if k.endswith(CURVES) and len(v) > 1})
     if histories:
         with tempfile.TemporaryDirectory() as scratch:
             path = plots.training_curves(histories, Path(scratch) / "training_curves.png")

@@ -14,9 +14,10 @@ from contextlib import contextmanager
 from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, Field
+
 from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.secrets import redact_text
-from rlhf_pipeline.tasks.stage import StageOutcome
+from rlhf_pipeline.tasks.stage import ArtifactRef, StageOutcome
 
 
 def retrying(config: RetryConfig) -> Callable:
@@ -24,7 +25,6 @@ def retrying(config: RetryConfig) -> Callable:
     return lambda task: task.with_options(**config.task_options())
 
 
-DEVICE_STAGES = frozenset({"sft", "rm", "dpo", "grpo", "rloo", "ppo", "eval"})
 DEVICE_LIMIT_ENV = "RLHF_DEVICE_LIMIT"
 
 
@@ -66,7 +66,7 @@ def device_slot(stage: str, log: Callable[[str], None] = print) -> Iterator[None
     """
     from prefect.context import TaskRunContext
 
-    if stage not in DEVICE_STAGES or TaskRunContext.get() is None or not coordinated():
+    if TaskRunContext.get() is None or not coordinated():
         yield
         return
     from prefect.concurrency.sync import concurrency
@@ -102,10 +102,19 @@ class RetryConfig(BaseModel):
         }
 
 
+# MLflow answers these for a run, model or experiment that is not in the store: asking again cannot help.
+PERMANENT_MLFLOW_CODES = frozenset({"RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "RESOURCE_ALREADY_EXISTS"})
+
+
 def is_transient(task, task_run, state) -> bool:
-    """Retry I/O and infrastructure failures; bad config or data (ValueError...) fails at once."""
+    """Retry I/O and infrastructure failures; bad config or data (ValueError...) and MLflow's
+    "does not exist" fail at once."""
     exc = state.result(raise_on_failure=False)
-    return not isinstance(exc, PERMANENT_ERRORS)
+    return not is_permanent(exc)
+
+
+def is_permanent(exc: BaseException) -> bool:
+    return isinstance(exc, PERMANENT_ERRORS) or getattr(exc, "error_code", None) in PERMANENT_MLFLOW_CODES
 
 
 def stage_task(stage: str):
@@ -123,7 +132,7 @@ def stage_task(stage: str):
 
     def decorate(fn: Callable[..., StageOutcome]):
         @functools.wraps(fn)
-        def run(*args, **kwargs):
+        def run(*args, **kwargs) -> ArtifactRef:
             outcome = fn(*args, **kwargs)
             _link_mlflow_run(stage, outcome.mlflow_run_id)
             if outcome.cached:

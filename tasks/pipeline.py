@@ -8,6 +8,7 @@ from typing import Iterator
 
 import yaml
 from pydantic import BaseModel
+
 from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.orchestration import coordinated, ensure_device_limit, prefect_log
 from rlhf_pipeline.tasks.secrets import install_log_filter, redact

@@ -9,6 +9,7 @@ becomes champion. `models:/<name>@champion` then loads with `from_pretrained`.
 from __future__ import annotations
 
 from pydantic import Field
+
 from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.orchestration import prefect_log
 from rlhf_pipeline.tasks.stage import ArtifactRef, RunContext
@@ -100,3 +101,13 @@ def _flow_run_id() -> str:
     from prefect.runtime import flow_run
 
     return flow_run.get_id() or ""
+
+
+def register_task():
+    """`register_policy` as the flow's `registry` task (transient errors retried, never cached: the gate reads the live registry)."""
+    from prefect import task
+    from prefect.cache_policies import NO_CACHE
+
+    from rlhf_pipeline.tasks.orchestration import is_transient
+
+    return task(name="registry", task_run_name="registry", retry_condition_fn=is_transient, cache_policy=NO_CACHE, persist_result=False)(register_policy)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 
 from rlhf_pipeline.tasks import tracking
@@ -32,10 +33,21 @@ def resolve_model(source: str | None, role: str) -> tuple[ArtifactRef, dict[str,
     return ArtifactRef(stage=role, key=key, uri=str(ref_dir), digest=digest), {}
 
 
+MODEL_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<version>\d+)|@(?P<alias>[A-Za-z0-9_-]+))$")
+ACCEPTED = "'models:/<name>/<version>' (e.g. models:/rlhf-policy/3), 'models:/<name>@<alias>' (e.g. models:/rlhf-policy@champion), or a model folder"
+
+
+def check_model_source(source: str) -> str:
+    """A registry URI must name a version or an alias: refused with the accepted forms before anything runs."""
+    if source.startswith("models:/") and not MODEL_URI.match(source):
+        raise ValueError(f"{source!r} names no version or alias; expected {ACCEPTED}")
+    return source
+
+
 def _registered(uri: str) -> tuple[ArtifactRef, dict[str, str]]:
-    spec = uri.removeprefix("models:/")
-    name, alias_or_version = spec.split("@", 1) if "@" in spec else spec.rsplit("/", 1)
-    version = alias_or_version if "@" not in spec else tracking.alias_version(name, alias_or_version)
+    match = MODEL_URI.match(check_model_source(uri))
+    name, alias_or_version = match["name"], match["version"] or match["alias"]
+    version = match["version"] or tracking.alias_version(name, match["alias"])
     if version is None:
         raise ValueError(f"{uri}: registered model {name!r} has no alias {alias_or_version!r}")
     folder = tracking.state_dir() / "registry" / name / f"v{version}"

@@ -82,6 +82,19 @@ def start_run(experiment: str, run_name: str, tags: dict[str, str], parent_run_i
     return run.info.run_id
 
 
+def run_exists(run_id: str) -> bool:
+    """Whether this tracking store holds the run (a cached artifact's producer may live in another one)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client().get_run(run_id)
+        return True
+    except MlflowException as exc:
+        if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return False
+        raise
+
+
 def end_run(run_id: str, failed: bool = False) -> None:
     client().set_terminated(run_id, status="FAILED" if failed else "FINISHED")
 
@@ -235,10 +248,3 @@ def download_version(name: str, version: str, dst: Path) -> Path:
 
 def artifact_uri(run_id: str, path: str) -> str:
     return f"{client().get_run(run_id).info.artifact_uri}/{path}"
-
-
-def metric_histories(run_id: str, prefix: str = "") -> dict[str, list[tuple[int, float]]]:
-    """Every metric of a run whose name starts with `prefix`, as (step, value) lists."""
-    mlflow = client()
-    names = [k for k in mlflow.get_run(run_id).data.metrics if k.startswith(prefix)]
-    return {name: sorted((m.step, m.value) for m in mlflow.get_metric_history(run_id, name)) for name in names}

@@ -6,14 +6,15 @@ need them, so that config classes stay cheap to import for the flow and the CLI.
 
 from __future__ import annotations
 
+import difflib
 import logging
 import math
 import re
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -79,6 +80,19 @@ class LoraConfig(StrictModel):
         )
 
 
+MANAGED_ARGUMENTS = frozenset({"output_dir", "report_to", "use_cpu", "save_only_model", "activation_checkpointing"})
+"""TRL arguments the pipeline sets itself: overriding them would break resume, the device choice or tracking."""
+
+
+def trl_config_fields(name: str) -> set[str]:
+    """The fields of a TRL config class (imported only when a stage has overrides to check)."""
+    import dataclasses
+
+    import trl
+
+    return {field.name for field in dataclasses.fields(getattr(trl, name))}
+
+
 class TrainingConfig(StrictModel):
     """Fields shared by the TRL-backed stages; names follow transformers' TrainingArguments."""
 
@@ -98,8 +112,40 @@ class TrainingConfig(StrictModel):
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters (peft).")
     trl_overrides: dict[str, Any] = Field(
         default_factory=dict,
-        description="Any other argument of the TRL config of this stage, passed through unchanged.",
+        description="Any other argument of the TRL config of this stage, passed through unchanged (not one this block declares).",
     )
+
+    trl_config: ClassVar[str] = ""
+    """The TRL config class the stage builds (`SFTConfig`...): `trl_overrides` may only name its fields."""
+
+    @model_validator(mode="after")
+    def _honest_overrides(self):
+        """A key that shadows a declared field would be silently overwritten or overwrite it; a key TRL does not
+        have would fail only when the weights are loaded. Both fail here, with the field to use."""
+        if not self.trl_overrides:
+            return self
+        shadowed = sorted(set(self.trl_overrides) & (set(type(self).model_fields) | MANAGED_ARGUMENTS))
+        if shadowed:
+            managed = [key for key in shadowed if key in MANAGED_ARGUMENTS]
+            raise ValueError(
+                f"trl_overrides sets {shadowed}: "
+                + "; ".join(f"{key!r} is this block's field `{key}`: set it there" for key in shadowed if key not in managed)
+                + "".join(
+                    f"{'; ' if len(shadowed) > len(managed) else ''}{key!r} is managed by the pipeline (checkpoints, device, tracking)" for key in managed
+                )
+            )
+        if self.trl_config:
+            known = trl_config_fields(self.trl_config)
+            unknown = sorted(set(self.trl_overrides) - known)
+            if unknown:
+                close = {key: difflib.get_close_matches(key, known, n=1) for key in unknown}
+                hints = ", ".join(f"{key!r}" + (f" (did you mean {match[0]!r}?)" if match else "") for key, match in close.items())
+                raise ValueError(f"trl_overrides names {hints}, which trl.{self.trl_config} does not have")
+        return self
+
+    def row_token_limit(self) -> int:
+        """The most tokens one row of the datasets this stage reads may take (the data stage checks it)."""
+        return self.max_length
 
     def trl_arguments(self, work_dir: Path) -> dict[str, Any]:
         """Keyword arguments shared by every TRL config (SFTConfig, RewardConfig, DPOConfig...)."""
@@ -135,39 +181,14 @@ class TrainingConfig(StrictModel):
 # --- loading and saving -----------------------------------------------------------
 
 
-def load_tokenizer(source: str | Path, model: ModelConfig | None = None) -> PreTrainedTokenizerBase:
+def load_tokenizer(source: str | Path, revision: str | None = None, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """The tokenizer of a model folder or hub id (the base model's: `trainers.base.load_base_tokenizer`)."""
     from transformers import AutoTokenizer
 
-    if str(source) == TINY:
-        from rlhf_pipeline.trainers.tiny import build_tokenizer
-
-        return build_tokenizer()
-    kwargs = {}
-    if model is not None:
-        kwargs = {"revision": model.revision, "trust_remote_code": model.trust_remote_code}
-    tokenizer = AutoTokenizer.from_pretrained(str(source), **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(str(source), revision=revision, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
-
-
-def load_base_model(model: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The untrained starting point: the tiny model (seeded) or a pretrained one by name or path."""
-    from transformers import AutoModelForCausalLM
-
-    tokenizer = load_tokenizer(model.name_or_path, model)
-    if model.name_or_path == TINY:
-        from rlhf_pipeline.trainers.tiny import build_model
-
-        return build_model(model.tiny, tokenizer, seed=model.seed), tokenizer
-    policy = AutoModelForCausalLM.from_pretrained(
-        model.name_or_path,
-        revision=model.revision,
-        trust_remote_code=model.trust_remote_code,
-        dtype="auto",
-        use_safetensors=True,
-    )
-    return policy, tokenizer
 
 
 def load_causal_lm(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

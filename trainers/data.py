@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
-from rlhf_pipeline.trainers.common import StrictModel
+
+from rlhf_pipeline.trainers.common import ModelConfig, StrictModel
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -136,3 +137,79 @@ def load_source(spec: DatasetSpec) -> Dataset:
         raise
     except Exception as exc:  # arrow/json parse errors carry no file name
         raise ValueError(f"{spec.path}: could not be read as a dataset: {type(exc).__name__}: {exc}") from exc
+
+
+# Held-out dataset -> the datasets trained on that must not share a prompt with it.
+HELD_OUT = {
+    "preference_eval": ("preference",),  # reward-model accuracy is measured on it
+    # Exact match of the final policy: SFT, DPO and the online trainers all saw their prompts.
+    "prompts_eval": ("sft", "preference", "prompts"),
+}
+
+
+def train(cfg: DataConfig, model: ModelConfig, max_tokens: dict[str, int], out_dir: Path, work_dir: Path, log_metrics=None) -> dict[str, float]:
+    """The `data` stage: check every dataset (raw file, Great Expectations rules, token lengths, train/eval
+    leakage), then freeze Parquet copies into `out_dir/datasets/<name>.parquet` for later stages.
+
+    `max_tokens` maps a dataset name to the most tokens one of its rows may take in the stages that read
+    it (rule `fits_max_length`), counted with `model`'s tokenizer. Every broken dataset is reported at
+    once and nothing is written to `out_dir`; the reports stay in `work_dir/report` (named in the error).
+    """
+    import json
+    import shutil
+
+    from rlhf_pipeline.validators import DataValidationError, check_files, validate_dataset
+    from rlhf_pipeline.validators.leakage import Split, check_leakage
+    from rlhf_pipeline.validators.validate import REPORT_FILE
+
+    sources = cfg.sources()
+    limits = {name: limit for name, limit in max_tokens.items() if name in sources}
+    report_dir = work_dir / "report"
+    tokenizer = None
+    if limits:
+        from rlhf_pipeline.trainers.base import load_base_tokenizer
+
+        tokenizer = load_base_tokenizer(model)
+    failures: list[ValueError] = []
+    passed: dict[str, tuple] = {}
+    for name, (kind, spec) in sources.items():
+        # Raw bytes first: `datasets` names neither file nor line for a cut-off
+        # JSON line, a non-UTF-8 byte or an empty file.
+        files = check_files(kind, local_files(spec) or [])
+        if files:
+            (report_dir / name).mkdir(parents=True, exist_ok=True)
+            text = json.dumps([report.to_dict() for report in files], indent=2, ensure_ascii=False)
+            (report_dir / name / "files.json").write_text(text + "\n")
+        broken = [report for report in files if not report.success]
+        if broken:
+            failures += [DataValidationError(report) for report in broken]
+            continue
+        try:
+            dataset = load_source(spec)
+            report = validate_dataset(kind, dataset, source=spec.path, report_dir=report_dir / name, max_tokens=limits.get(name), tokenizer=tokenizer)
+        except ValueError as exc:  # a broken rule, or a file `datasets` cannot read
+            failures.append(exc)
+            continue
+        passed[name] = (Split(name, kind, spec.path, dataset), report)
+
+    for held_out, trained in HELD_OUT.items():
+        training = [passed[name][0] for name in trained if name in passed]
+        if held_out not in passed or not training:
+            continue  # a dataset that failed its own rules is already reported
+        split, report = passed[held_out]
+        report.rules.append(check_leakage(split, training))
+        report.write_json(report_dir / held_out / REPORT_FILE)
+        if not report.success:
+            failures.append(DataValidationError(report))
+
+    # Report every broken dataset at once, then stop before any training.
+    if len(failures) == 1:
+        raise failures[0]
+    if failures:
+        raise ValueError(f"{len(failures)} data checks failed:\n" + "\n".join(map(str, failures)))
+    metrics: dict[str, float] = {}
+    for name, (split, _) in passed.items():
+        split.dataset.to_parquet(str(out_dir / "datasets" / f"{name}.parquet"))
+        metrics[f"data/{name}/rows"] = float(len(split.dataset))
+    shutil.copytree(report_dir, out_dir / "report")
+    return metrics

@@ -6,9 +6,10 @@ The reference model is the SFT model itself (TRL copies it when none is given).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
+
 from rlhf_pipeline.trainers.common import LogMetrics, TrainingConfig
 
 DpoLoss = Literal[
@@ -18,6 +19,7 @@ DpoLoss = Literal[
 
 
 class DpoConfig(TrainingConfig):
+    trl_config: ClassVar[str] = "DPOConfig"
     learning_rate: float = Field(1e-6, gt=0, description="Peak learning rate (TRL DPOConfig default 1e-6).")
     beta: float = Field(0.1, gt=0, description="KL strength to the reference model (TRL DPOConfig.beta).")
     loss_type: list[DpoLoss] = Field(
@@ -46,9 +48,10 @@ def train(
     log_metrics: LogMetrics | None = None,
 ) -> dict[str, float]:
     import trl
+
     from rlhf_pipeline.trainers.common import final_train_metrics, last_checkpoint, load_causal_lm, load_split, save_model, stage_callbacks
 
-    policy, tokenizer = load_causal_lm(sft_model)
+    # The TRL config first: a combination TRL refuses fails before any weights load.
     args = trl.DPOConfig(
         **cfg.trl_arguments(work_dir),
         max_length=cfg.max_length,
@@ -57,6 +60,7 @@ def train(
         loss_weights=cfg.loss_weights,
         label_smoothing=cfg.label_smoothing,
     )
+    policy, tokenizer = load_causal_lm(sft_model)
     trainer = trl.DPOTrainer(
         model=policy,
         args=args,

@@ -12,10 +12,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pydantic import Field
+
 from rlhf_pipeline.trainers.common import ModelConfig, StrictModel
+from rlhf_pipeline.trainers.text import generate, reward_scores
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    pass
 
 
 class EvalConfig(StrictModel):
@@ -30,66 +32,6 @@ class EvalConfig(StrictModel):
     seed: int = Field(0, description="Seed of the policy samples (KL, diversity) and of the bootstrap.")
     use_reward_model: bool = Field(True, description="Score answers and held-out pairs with the rm stage's model (trains it even for dpo).")
     num_samples_logged: int = Field(50, ge=0, description="Rows of the samples table (prompt, answers, rewards).")
-
-
-def generate(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list, max_new_tokens: int, batch_size: int, sample: bool = False
-) -> list[str]:
-    """Greedy (or, with `sample`, temperature-1) completions for standard or conversational prompts."""
-    import torch
-
-    tokenizer.padding_side = "left"
-    model.eval()
-    out: list[str] = []
-    for start in range(0, len(prompts), batch_size):
-        batch = prompts[start : start + batch_size]
-        ids = [_prompt_ids(tokenizer, p) for p in batch]
-        width = max(map(len, ids))
-        input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(x)) + x for x in ids])
-        attention = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
-        with torch.no_grad():
-            generated = model.generate(
-                input_ids=input_ids.to(model.device),
-                attention_mask=attention.to(model.device),
-                max_new_tokens=max_new_tokens,
-                do_sample=sample,
-                temperature=1.0 if sample else None,
-                top_k=0 if sample else None,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-            )
-        out.extend(tokenizer.batch_decode(generated[:, width:], skip_special_tokens=True))
-    return out
-
-
-def _prompt_ids(tokenizer, prompt) -> list[int]:
-    if isinstance(prompt, list):
-        return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-    return tokenizer(prompt)["input_ids"]
-
-
-def reward_scores(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list, completions: list, batch_size: int) -> list[float]:
-    """Scalar rewards of prompt + completion, formatted as TRL's RewardTrainer formats them."""
-    import torch
-
-    texts = []
-    for prompt, completion in zip(prompts, completions):
-        if isinstance(prompt, list):
-            reply = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
-            texts.append(tokenizer.apply_chat_template(prompt + reply, tokenize=True, return_dict=True)["input_ids"])
-        else:
-            texts.append(tokenizer(prompt + completion + tokenizer.eos_token)["input_ids"])
-    model.eval()
-    scores: list[float] = []
-    for start in range(0, len(texts), batch_size):
-        batch = texts[start : start + batch_size]
-        width = max(map(len, batch))
-        input_ids = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x in batch])
-        attention = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in batch])
-        with torch.no_grad():
-            logits = model(input_ids=input_ids.to(model.device), attention_mask=attention.to(model.device)).logits
-        scores.extend(logits[:, 0].float().tolist())
-    return scores
 
 
 def _exact(completions: list[str], answers: list[str]) -> list[bool]:
@@ -114,9 +56,11 @@ def evaluate(
     `_low`/`_high` 95% bootstrap bounds on exact match and win rates.
     """
     import torch
-    from rlhf_pipeline.trainers import metrics as stats
-    from rlhf_pipeline.trainers.common import load_base_model, load_causal_lm, load_split, load_tokenizer
     from transformers import AutoModelForSequenceClassification
+
+    from rlhf_pipeline.trainers import metrics as stats
+    from rlhf_pipeline.trainers.base import load_base_model
+    from rlhf_pipeline.trainers.common import load_causal_lm, load_split, load_tokenizer
 
     prompts_ds = load_split(data_dir, "prompts_eval")
     if cfg.max_prompts:
@@ -127,7 +71,7 @@ def evaluate(
     boot = {"n_bootstrap": cfg.n_bootstrap, "seed": cfg.seed}
     metrics: dict[str, float] = {"eval/heldout/num_prompts": float(len(prompts))}
 
-    loaders = {"base": lambda: load_base_model(base), "sft": lambda: load_causal_lm(sft_model), policy_stage: lambda: load_causal_lm(policy_model)}
+    loaders = {"base": lambda: load_base_model(base), "sft": lambda: load_causal_lm(sft_model), "policy": lambda: load_causal_lm(policy_model)}
     if champion_model is not None:
         loaders["champion"] = lambda: load_causal_lm(champion_model)
     completions: dict[str, list[str]] = {}
@@ -140,7 +84,7 @@ def evaluate(
     for name, interval in accuracy.items():
         _put(metrics, f"eval/heldout/{name}_exact_match", interval.mean, interval.low, interval.high)
     if "champion" in correct:  # paired: the same prompts, so the interval is on the differences
-        gain = stats.bootstrap_mean([float(p) - float(c) for p, c in zip(correct[policy_stage], correct["champion"])], **boot)
+        gain = stats.bootstrap_mean([float(p) - float(c) for p, c in zip(correct["policy"], correct["champion"])], **boot)
         _put(metrics, "eval/heldout/exact_match_gain_vs_champion", gain.mean, gain.low, gain.high)
 
     # KL(policy || SFT) and diversity, on samples drawn from the policy (the k1 estimate needs them).
@@ -152,16 +96,16 @@ def evaluate(
     reference_logps = stats.sequence_logprobs(reference, tokenizer, prompts, samples, cfg.batch_size)
     kl = stats.kl_to_reference(policy_logps, reference_logps)
     metrics["eval/heldout/kl_to_sft"] = kl
-    metrics[f"eval/heldout/{policy_stage}_distinct_2"] = stats.distinct_n(samples, 2)
-    metrics[f"eval/heldout/{policy_stage}_mean_length"] = stats.mean_length(completions[policy_stage])
-    drift = stats.length_drift(completions[policy_stage], completions["sft"])
+    metrics["eval/heldout/policy_distinct_2"] = stats.distinct_n(samples, 2)
+    metrics["eval/heldout/policy_mean_length"] = stats.mean_length(completions["policy"])
+    drift = stats.length_drift(completions["policy"], completions["sft"])
     metrics["eval/heldout/length_drift"] = drift
     if cfg.perplexity_rows:
         rows = load_split(data_dir, "sft")
         rows = rows.select(range(min(cfg.perplexity_rows, len(rows))))
         texts = _sft_texts(rows)
         metrics["eval/sft_split/sft_perplexity"] = stats.perplexity(reference, tokenizer, texts, cfg.batch_size)
-        metrics[f"eval/sft_split/{policy_stage}_perplexity"] = stats.perplexity(policy, tokenizer, texts, cfg.batch_size)
+        metrics["eval/sft_split/policy_perplexity"] = stats.perplexity(policy, tokenizer, texts, cfg.batch_size)
     del policy, reference
 
     rewards: dict[str, list[float]] = {}
@@ -173,14 +117,14 @@ def evaluate(
             rewards[name] = reward_scores(rm, rm_tokenizer, prompts, completions[name], cfg.batch_size)
             metrics[f"eval/heldout/{name}_mean_reward"] = sum(rewards[name]) / len(rewards[name])
         for rival in [n for n in ("sft", "champion") if n in rewards]:
-            win = stats.win_rate(rewards[policy_stage], rewards[rival], **boot)
+            win = stats.win_rate(rewards["policy"], rewards[rival], **boot)
             win_rates[f"{policy_stage} vs {rival}"] = win
             _put(metrics, f"eval/heldout/win_rate_vs_{rival}", win.rate, win.low, win.high)
         if (data_dir / "datasets" / "preference_eval.parquet").is_file():
             metrics["eval/heldout/rm_pairwise_accuracy"] = _pairwise_accuracy(rm, rm_tokenizer, load_split(data_dir, "preference_eval"), cfg.batch_size)
 
-    reward_delta = metrics.get(f"eval/heldout/{policy_stage}_mean_reward", 0.0) - metrics.get("eval/heldout/sft_mean_reward", 0.0)
-    task_delta = accuracy[policy_stage].mean - accuracy["sft"].mean
+    reward_delta = metrics.get("eval/heldout/policy_mean_reward", 0.0) - metrics.get("eval/heldout/sft_mean_reward", 0.0)
+    task_delta = accuracy["policy"].mean - accuracy["sft"].mean
     warnings = stats.hacking_warnings(
         reward_delta=reward_delta, task_delta=task_delta, length_drift=drift, kl=kl,
         max_length_drift=cfg.max_length_drift, max_kl=cfg.max_kl,

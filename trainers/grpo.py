@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
+
 from rlhf_pipeline.trainers import online
 from rlhf_pipeline.trainers.common import LogMetrics
 from rlhf_pipeline.trainers.rewards import RewardsConfig
 
 
 class GrpoConfig(online.OnlineConfig):
+    trl_config: ClassVar[str] = "GRPOConfig"
     beta: float = Field(
         0.04, ge=0, description="KL coefficient to the reference model. TRL's default is 0 (no reference); 0.04 keeps the policy near SFT and reports the KL."
     )

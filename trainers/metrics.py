@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
+from rlhf_pipeline.trainers.text import completion_ids
+
 if TYPE_CHECKING:
     import numpy as np
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -127,25 +129,13 @@ def length_drift(policy_texts: Sequence[str], sft_texts: Sequence[str]) -> float
 # --- scoring under a causal LM -----------------------------------------------------
 
 
-def _completion_ids(tokenizer: PreTrainedTokenizerBase, prompt, completion) -> tuple[list[int], int]:
-    """Token ids of prompt + completion and where the completion starts, formatted as TRL formats them."""
-    if isinstance(prompt, list):
-        reply = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
-        prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-        full = tokenizer.apply_chat_template(prompt + reply, tokenize=True, return_dict=True)["input_ids"]
-    else:  # TRL's standard rows: the completion gets an explicit EOS, which is scored too
-        prompt_ids = tokenizer(prompt)["input_ids"]
-        full = tokenizer(prompt + completion + tokenizer.eos_token)["input_ids"]
-    return list(full), len(prompt_ids)
-
-
 def _score(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list, completions: list, batch_size: int) -> list[tuple[float, int]]:
     """(sum of completion log-probabilities, number of completion tokens) per row."""
     import torch
 
     if len(prompts) != len(completions):
         raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
-    rows = [_completion_ids(tokenizer, p, c) for p, c in zip(prompts, completions)]
+    rows = [completion_ids(tokenizer, p, c) for p, c in zip(prompts, completions)]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # masked out: any id will do
     was_training = model.training
     model.eval()

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import Field, model_validator
+
 from rlhf_pipeline.trainers.common import LogMetrics, TrainingConfig
 from rlhf_pipeline.trainers.rewards import RewardsConfig
 
@@ -35,6 +36,10 @@ class OnlineConfig(TrainingConfig):
             )
         return self
 
+    def row_token_limit(self) -> int:
+        """A prompt must leave room for the completion in max_length."""
+        return self.max_length - self.max_completion_length
+
     def trl_kwargs(self) -> dict[str, Any]:
         """Fields specific to the algorithm (each subclass adds its own)."""
         return {}
@@ -53,6 +58,7 @@ def train(
 ) -> dict[str, float]:
     """Train with TRL's GRPOTrainer (`stage="grpo"`) or RLOOTrainer (`stage="rloo"`) on `prompts`."""
     import trl
+
     from rlhf_pipeline.trainers.common import final_train_metrics, last_checkpoint, load_causal_lm, load_split, save_model, stage_callbacks
     from rlhf_pipeline.trainers.rewards import trl_reward_funcs
 
@@ -60,7 +66,7 @@ def train(
     prompts = load_split(data_dir, "prompts")
     # Reward functions are imported and called on a sample before the first step.
     reward_funcs, reward_weights = trl_reward_funcs(rewards, reward_model, prompts[:4])
-    policy, tokenizer = load_causal_lm(sft_model)
+    # The TRL config first: a combination TRL refuses fails before any weights load.
     args = config_cls(
         **cfg.trl_arguments(work_dir),
         num_generations=cfg.num_generations,
@@ -71,6 +77,7 @@ def train(
         reward_weights=reward_weights,
         **cfg.trl_kwargs(),
     )
+    policy, tokenizer = load_causal_lm(sft_model)
     trainer = trainer_cls(
         model=policy,
         reward_funcs=reward_funcs,

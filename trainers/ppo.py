@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, model_validator
+
 from rlhf_pipeline.trainers.common import COMPLETE, LogMetrics, LoraConfig, Progress, StrictModel
 from rlhf_pipeline.trainers.rewards import RewardsConfig
 
@@ -281,11 +282,12 @@ def train(
     """
     import numpy as np
     import torch
-    from rlhf_pipeline.trainers.common import last_checkpoint, load_causal_lm, load_split, save_model
-    from rlhf_pipeline.trainers.eval import _prompt_ids
-    from rlhf_pipeline.trainers.rewards import RewardScorer
     from tqdm.auto import tqdm
     from transformers import AutoModelForSequenceClassification
+
+    from rlhf_pipeline.trainers.common import last_checkpoint, load_causal_lm, load_split, save_model
+    from rlhf_pipeline.trainers.rewards import RewardScorer
+    from rlhf_pipeline.trainers.text import prompt_ids as render_prompt
 
     # Fail on the config and the data before any model is loaded.
     if rewards.uses_reward_model and reward_model is None:
@@ -337,7 +339,7 @@ def train(
         state = _load_checkpoint(Path(checkpoint), policy, value_model, optimizer)
     for stale in work_dir.glob(".checkpoint-*.tmp") if work_dir.is_dir() else []:
         shutil.rmtree(stale, ignore_errors=True)
-    prompt_ids = [_prompt_ids(tokenizer, p) for p in prompts]
+    prompt_ids = [render_prompt(tokenizer, p) for p in prompts]
 
     def next_rows() -> list[int]:
         """The next batch of a per-epoch shuffle; (data_epoch, data_index) is the iterator's position."""

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from pydantic import Field, field_validator, model_validator
+
 from rlhf_pipeline.trainers.common import StrictModel
 
 if TYPE_CHECKING:
@@ -121,8 +122,9 @@ class RewardScorer:
         if cfg.uses_reward_model:
             if reward_model is None:
                 raise ValueError("rewards.reward_model_weight > 0 but no reward model was trained")
-            from rlhf_pipeline.trainers.common import load_tokenizer
             from transformers import AutoModelForSequenceClassification
+
+            from rlhf_pipeline.trainers.common import load_tokenizer
 
             self.model = AutoModelForSequenceClassification.from_pretrained(str(reward_model), num_labels=1, use_safetensors=True)
             self.model.to(device).eval().requires_grad_(False)
@@ -137,7 +139,7 @@ class RewardScorer:
         components: dict[str, list[float]] = {}
         total = [0.0] * len(completions)
         if self.model is not None:
-            from rlhf_pipeline.trainers.eval import reward_scores
+            from rlhf_pipeline.trainers.text import reward_scores
 
             scores = reward_scores(self.model, self.tokenizer, prompts, completions, batch_size)
             components["reward_model"] = scores

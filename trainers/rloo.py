@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import Field
+
 from rlhf_pipeline.trainers import online
 from rlhf_pipeline.trainers.common import LogMetrics
 from rlhf_pipeline.trainers.rewards import RewardsConfig
 
 
 class RlooConfig(online.OnlineConfig):
+    trl_config: ClassVar[str] = "RLOOConfig"
     beta: float = Field(0.05, ge=0, description="KL coefficient to the reference model (TRL RLOOConfig default 0.05).")
     normalize_advantages: bool = Field(False, description="Whiten the leave-one-out advantages of each batch.")
 

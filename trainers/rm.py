@@ -7,18 +7,21 @@ so it reads answers the way the policy writes them.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import ClassVar
 
 from pydantic import Field
+
 from rlhf_pipeline.trainers.common import LogMetrics, TrainingConfig
 
 
-class RewardConfig(TrainingConfig):
+class RewardModelConfig(TrainingConfig):
+    trl_config: ClassVar[str] = "RewardConfig"
     learning_rate: float = Field(1e-4, gt=0, description="Peak learning rate (TRL RewardConfig default 1e-4).")
     center_rewards_coefficient: float | None = Field(None, ge=0, description="Pull mean reward towards 0 (TRL RewardConfig.center_rewards_coefficient).")
 
 
 def train(
-    cfg: RewardConfig,
+    cfg: RewardModelConfig,
     sft_model: Path,
     data_dir: Path,
     out_dir: Path,
@@ -27,20 +30,22 @@ def train(
 ) -> dict[str, float]:
     """Train a scalar reward head on `preference`; report pairwise accuracy on `preference_eval` if present."""
     import trl
-    from rlhf_pipeline.trainers.common import final_train_metrics, last_checkpoint, load_split, load_tokenizer, save_model, stage_callbacks
     from transformers import AutoModelForSequenceClassification
 
-    tokenizer = load_tokenizer(sft_model)
-    model = AutoModelForSequenceClassification.from_pretrained(str(sft_model), num_labels=1, use_safetensors=True)
-    model.config.pad_token_id = tokenizer.pad_token_id
-    eval_path = data_dir / "datasets" / "preference_eval.parquet"
-    eval_dataset = load_split(data_dir, "preference_eval") if eval_path.is_file() else None
+    from rlhf_pipeline.trainers.common import final_train_metrics, last_checkpoint, load_split, load_tokenizer, save_model, stage_callbacks
+
+    # The TRL config first: a combination TRL refuses fails before any weights load.
     args = trl.RewardConfig(
         **cfg.trl_arguments(work_dir),
         max_length=cfg.max_length,
         center_rewards_coefficient=cfg.center_rewards_coefficient,
         eval_strategy="no",
     )
+    tokenizer = load_tokenizer(sft_model)
+    model = AutoModelForSequenceClassification.from_pretrained(str(sft_model), num_labels=1, use_safetensors=True)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    eval_path = data_dir / "datasets" / "preference_eval.parquet"
+    eval_dataset = load_split(data_dir, "preference_eval") if eval_path.is_file() else None
     trainer = trl.RewardTrainer(
         model=model,
         args=args,

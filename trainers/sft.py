@@ -7,12 +7,15 @@ metrics = train(SftConfig(), ModelConfig(), data_dir, out_dir, work_dir)
 from __future__ import annotations
 
 from pathlib import Path
+from typing import ClassVar
 
 from pydantic import Field
+
 from rlhf_pipeline.trainers.common import LogMetrics, ModelConfig, TrainingConfig
 
 
 class SftConfig(TrainingConfig):
+    trl_config: ClassVar[str] = "SFTConfig"
     learning_rate: float = Field(2e-5, gt=0, description="Peak learning rate (TRL SFTConfig default 2e-5).")
     completion_only_loss: bool | None = Field(
         None, description="Train on completion tokens only (prompt-completion rows). None: TRL decides (on for such rows)."
@@ -31,9 +34,11 @@ def train(
 ) -> dict[str, float]:
     """Fine-tune the base model on `<data_dir>/datasets/sft.parquet`; write the model to `out_dir`."""
     import trl
-    from rlhf_pipeline.trainers.common import final_train_metrics, last_checkpoint, load_base_model, load_split, save_model, stage_callbacks
 
-    policy, tokenizer = load_base_model(model)
+    from rlhf_pipeline.trainers.base import load_base_model
+    from rlhf_pipeline.trainers.common import final_train_metrics, last_checkpoint, load_split, save_model, stage_callbacks
+
+    # The TRL config first: a combination TRL refuses fails before any weights load.
     args = trl.SFTConfig(
         **cfg.trl_arguments(work_dir),
         max_length=cfg.max_length,
@@ -41,6 +46,7 @@ def train(
         assistant_only_loss=cfg.assistant_only_loss,
         packing=cfg.packing,
     )
+    policy, tokenizer = load_base_model(model)
     trainer = trl.SFTTrainer(
         model=policy,
         args=args,

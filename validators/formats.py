@@ -4,7 +4,9 @@ TRL's formats (https://huggingface.co/docs/trl/dataset_formats), per kind:
 - sft: `text` (language modeling), `messages` (conversational language
   modeling), `prompt` + `completion` (prompt-completion, standard or conversational);
 - preference: `prompt` + `chosen` + `rejected` (explicit prompt), `chosen` +
-  `rejected` (implicit prompt: a conversational pair repeats the prompt turns);
+  `rejected` (implicit prompt: a conversational pair repeats the prompt turns),
+  `prompt` + `completion` + `label` (unpaired preference, KTO's: one completion
+  per row, `label` a boolean, True for desirable);
 - prompt: `prompt` (prompt-only, for GRPO, RLOO and PPO).
 "Standard" values are strings, "conversational" values are lists of
 {"role", "content"} dicts. Other columns are extra and pass through (GRPO hands
@@ -26,6 +28,8 @@ Kind = Literal["sft", "preference", "prompt"]
 KINDS: tuple[str, ...] = ("sft", "preference", "prompt")
 STRING = "a string"
 MESSAGES = "a list of {role, content} messages"
+LABEL = "label"
+"""The boolean column of unpaired preference rows (True: the completion is desirable)."""
 
 
 @dataclass(frozen=True)
@@ -43,8 +47,20 @@ class DatasetFormat:
     def value_type(self) -> str:
         return MESSAGES if self.conversational else STRING
 
+    @property
+    def unpaired(self) -> bool:
+        """One completion per row with a boolean `label` (TRL's unpaired preference format, for KTO)."""
+        return self.kind == "preference" and LABEL in self.columns
+
+    @property
+    def text_columns(self) -> tuple[str, ...]:
+        """The columns holding text (strings or messages): every column but the unpaired `label`."""
+        return tuple(column for column in self.columns if column != LABEL)
+
     def describe(self) -> str:
         style = "conversational" if self.conversational else "standard"
+        if self.unpaired:
+            return f"{style} unpaired preference ({', '.join(self.columns)})"
         shape = {
             ("sft", "implicit"): "language modeling",
             ("sft", "explicit"): "prompt-completion",
@@ -75,10 +91,12 @@ def read_format(kind: Kind, dataset: datasets.Dataset, source: str) -> tuple[Dat
     # with_format(None): plain Python values whatever format the caller set;
     # slicing (unlike dataset.data) honours select()/shuffle() index mappings.
     values = dataset.with_format(None).select_columns(list(columns))[:]
+    # The unpaired `label` is a boolean: its values are the rules' business (label_is_boolean), not the format's.
+    texts = tuple(column for column in columns if column != LABEL)
     if num_rows:
-        conversational = _conversational_from_values(kind, columns, values, fail)
+        conversational = _conversational_from_values(kind, texts, values, fail)
     else:  # nothing to look at: fall back on the declared features
-        conversational = any(_is_list_feature(dataset.features.get(c)) for c in columns)
+        conversational = any(_is_list_feature(dataset.features.get(c)) for c in texts)
     return DatasetFormat(kind, conversational, prompt, columns), values
 
 
@@ -123,14 +141,16 @@ def _columns_for(kind: str, found: list[str], fail) -> tuple[tuple[str, ...], st
             if has("prompt"):
                 return ("prompt", "chosen", "rejected"), "explicit"
             return ("chosen", "rejected"), "implicit"
-        if has("completion") and has("label"):
-            raise fail(
-                "unpaired preference data (prompt/completion/label, TRL's KTO format) is not "
-                "supported here: this stage needs paired rows with 'chosen' and 'rejected' "
-                f"columns (and optionally 'prompt'); {listed}"
-            )
+        if has("completion") and has(LABEL):
+            if has("prompt"):
+                return ("prompt", "completion", LABEL), "explicit"
+            # TRL extracts an implicit prompt from chosen/rejected only; an unpaired row must name its prompt.
+            raise fail(f"unpaired preference data (TRL's KTO format) needs 'prompt', 'completion' and 'label' columns; {listed}, missing ['prompt']")
         missing = [c for c in ("chosen", "rejected") if not has(c)]
-        raise fail(f"preference data needs 'chosen' and 'rejected' columns (plus an optional 'prompt'); {listed}, missing {missing}")
+        raise fail(
+            "preference data needs 'chosen' and 'rejected' columns (plus an optional 'prompt'), or unpaired "
+            f"'prompt', 'completion' and 'label' columns; {listed}, missing {missing}"
+        )
     if has("prompt"):
         return ("prompt",), "explicit"
     hint = "; 'messages' is SFT data: rename it to 'prompt' if it holds prompts" if has("messages") else ""

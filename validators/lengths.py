@@ -22,7 +22,7 @@ UNREADABLE = -1  # the count of a row the tokenizer cannot encode: below the exp
 
 
 def fits_max_length(fmt: DatasetFormat, limit: int) -> Rule:
-    sequences = " and ".join(label for label, _ in _sequences(fmt, {c: "" for c in fmt.columns}))
+    sequences = " and ".join(label for label, _ in _sequences(fmt, {c: "" for c in fmt.text_columns}))
     return Rule(RULE, f"{sequences} must fit in {limit} tokens", COLUMN, "at_most", max_value=limit)
 
 
@@ -31,7 +31,7 @@ def count_tokens(fmt: DatasetFormat, values: dict[str, list[Any]], tokenizer: An
     counts: list[int | None] = []
     explanations: dict[int, str] = {}
     for index in range(len(values[fmt.columns[0]])):
-        row = {column: values[column][index] for column in fmt.columns}
+        row = {column: values[column][index] for column in fmt.text_columns}
         if not _countable(fmt, row):
             counts.append(None)  # consistent_types or valid_roles reports this row
             continue
@@ -52,6 +52,8 @@ def count_tokens(fmt: DatasetFormat, values: dict[str, list[Any]], tokenizer: An
 
 def _sequences(fmt: DatasetFormat, row: dict[str, Any]) -> list[tuple[str, Any]]:
     """(label, text or turns) of each sequence the trainer builds from the row."""
+    if fmt.unpaired:  # KTOTrainer tokenizes prompt + completion, as SFT's prompt-completion rows
+        return [("prompt + completion", row["prompt"] + row["completion"])]
     if fmt.kind == "preference":
         if fmt.prompt == "explicit":
             prompt = row["prompt"]

@@ -10,16 +10,17 @@ Each failing row also gets an English explanation for the report.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
-from rlhf_pipeline.validators.formats import DatasetFormat, value_type
+from rlhf_pipeline.validators.formats import LABEL, DatasetFormat, value_type
 from rlhf_pipeline.validators.report import short_repr
 
 ROLES = ("system", "user", "assistant", "tool")
 PROMPT_END_ROLES = ("user", "tool")
 
-Row = dict[str, Any]  # the format's columns -> this row's values
+Row = dict[str, Any]  # the format's columns (an unpaired row's `label` included) -> this row's values
 Check = Callable[[DatasetFormat, Row, Row], "tuple[Any, str | None]"]
 
 
@@ -46,7 +47,7 @@ class Derived:
 
 def rules_for(fmt: DatasetFormat) -> list[Rule]:
     """The rules a dataset of this format must pass, in the order they are reported."""
-    columns = ", ".join(fmt.columns)
+    columns = ", ".join(fmt.text_columns)
     implicit_pair = fmt.kind == "preference" and fmt.conversational and fmt.prompt == "implicit"
     texts = f"every message content in {columns}" if fmt.conversational else f"every value of {columns}"
     rules = [
@@ -82,7 +83,24 @@ def rules_for(fmt: DatasetFormat) -> list[Rule]:
                 *PROMPT_END_ROLES,
             )
         )
-    if fmt.kind == "preference":
+    if fmt.unpaired:
+        rules += [
+            _in_set("label_is_boolean", "every label must be true or false (a boolean; not 0/1, a string or missing)", "label_boolean", True),
+            # KTO's loss has a desirable and an undesirable term (Ethayarajh et al. 2024, Eq. 7); with one
+            # label only, half of it never trains. Reported on every row, since no row can fix it alone.
+            _at_least_one(
+                "both_labels_present",
+                "the dataset must hold at least one desirable (label true) and one undesirable (label false) row",
+                "rows_with_other_label",
+            ),
+            _in_set(
+                "no_conflicting_labels",
+                "the same prompt and completion must not be labelled both desirable and undesirable",
+                "label_unambiguous",
+                True,
+            ),
+        ]
+    elif fmt.kind == "preference":
         compared = " in their final turns" if implicit_pair else ""
         rules.append(_in_set("chosen_differs_from_rejected", f"chosen must differ from rejected{compared}", "chosen_differs", True))
     return rules
@@ -103,12 +121,13 @@ def derive(fmt: DatasetFormat, values: dict[str, list[Any]], rules: list[Rule]) 
     for rule in row_rules:
         derived.columns[rule.column] = []
         derived.explanations[rule.name] = {}
+    checks = {**CHECKS, **_label_checks(fmt, values)} if fmt.unpaired else CHECKS
     num_rows = len(values[fmt.columns[0]])
     for index in range(num_rows):
         row = {column: values[column][index] for column in fmt.columns}
-        typed = {c: v for c, v in row.items() if value_type(v) == fmt.value_type}
+        typed = {c: row[c] for c in fmt.text_columns if value_type(row[c]) == fmt.value_type}
         for rule in row_rules:
-            value, why = CHECKS[rule.name](fmt, row, typed)
+            value, why = checks[rule.name](fmt, row, typed)
             derived.columns[rule.column].append(value)
             if why is not None:
                 derived.explanations[rule.name][index] = why
@@ -119,7 +138,8 @@ def derive(fmt: DatasetFormat, values: dict[str, list[Any]], rules: list[Rule]) 
 
 
 def _check_types(fmt: DatasetFormat, row: Row, typed: Row) -> tuple[Any, str | None]:
-    for column, value in row.items():
+    for column in fmt.text_columns:
+        value = row[column]
         if column not in typed:
             shown = "" if value is None else f": {short_repr(value)}"
             return False, f"{column} is {value_type(value)}, expected {fmt.value_type}{shown}"
@@ -226,6 +246,46 @@ def _check_differs(fmt: DatasetFormat, row: Row, typed: Row) -> tuple[Any, str |
     return (False, f"{label} == {short_repr(shown)}") if same else (True, None)
 
 
+def _check_label(fmt: DatasetFormat, row: Row, typed: Row) -> tuple[Any, str | None]:
+    label = row[LABEL]
+    if isinstance(label, bool):
+        return True, None
+    shown = "" if label is None else f": {short_repr(label)}"
+    return False, f"label is {value_type(label)}, expected true or false{shown}"
+
+
+def _label_checks(fmt: DatasetFormat, values: dict[str, list[Any]]) -> dict[str, Check]:
+    """The unpaired rules that look at other rows: the label counts and the first row of each (prompt, completion, label)."""
+    labels = values[LABEL]
+    counts = Counter(label for label in labels if isinstance(label, bool))
+    first_row: dict[tuple[str, str, bool], int] = {}
+    for index, label in enumerate(labels):
+        prompt, completion = values["prompt"][index], values["completion"][index]
+        if isinstance(label, bool) and value_type(prompt) == value_type(completion) == fmt.value_type:
+            first_row.setdefault((*_pair_key(prompt, completion), label), index)
+
+    def both_labels(fmt: DatasetFormat, row: Row, typed: Row) -> tuple[Any, str | None]:
+        label = row[LABEL]
+        if not isinstance(label, bool):
+            return None, None  # label_is_boolean reports it
+        others = counts[not label]
+        if others:
+            return others, None
+        missing = "undesirable" if label else "desirable"
+        return 0, f"all {counts[label]} labels are {label}: no {missing} row (label {not label}) for KTO to contrast this one with"
+
+    def unambiguous(fmt: DatasetFormat, row: Row, typed: Row) -> tuple[Any, str | None]:
+        label = row[LABEL]
+        if not isinstance(label, bool) or len(typed) < 2:
+            return None, None  # label_is_boolean or consistent_types reports it
+        other = first_row.get((*_pair_key(typed["prompt"], typed["completion"]), not label))
+        if other is None:
+            return True, None
+        return False, f"row {other} has the same prompt and completion {short_repr(_answer(typed['completion']))} labelled {not label}"
+
+    return {"label_is_boolean": _check_label, "both_labels_present": both_labels, "no_conflicting_labels": unambiguous}
+
+
 CHECKS: dict[str, Check] = {
     "consistent_types": _check_types,
     "text_not_blank": _check_text,
@@ -242,7 +302,7 @@ def _trained_conversations(fmt: DatasetFormat) -> tuple[str, ...]:
     """Conversational columns the model is trained to produce: they must hold an assistant answer."""
     if not fmt.conversational:
         return ()
-    if fmt.kind == "sft":
+    if fmt.kind == "sft" or fmt.unpaired:
         return ("completion",) if fmt.prompt == "explicit" else ("messages",)
     if fmt.kind == "preference":
         return ("chosen", "rejected")
@@ -258,6 +318,15 @@ def _texts(column: str, value: Any):
         if turn.get("tool_calls") and not turn.get("content"):
             continue  # an assistant turn that only calls tools carries no text
         yield f"{column}[{i}].content", turn.get("content")
+
+
+def _pair_key(prompt: Any, completion: Any) -> tuple[str, str]:
+    """A hashable form of a prompt and completion (strings, or the role and content of each turn)."""
+    return repr(prompt if isinstance(prompt, str) else _turns(prompt)), repr(completion if isinstance(completion, str) else _turns(completion))
+
+
+def _answer(completion: Any) -> Any:
+    return completion if isinstance(completion, str) else (completion[-1].get("content") if completion else completion)
 
 
 def _turns(conversation: list[dict]) -> list[tuple[Any, Any]]:

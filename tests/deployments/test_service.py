@@ -159,7 +159,7 @@ def test_deployment_run_from_the_cli_then_from_the_api_with_changed_parameters(s
     assert {c.info.run_name for c in children} == {"data", "sft", "rm", "ppo", "eval", "registry"}
     assert all(c.info.status == "FINISHED" for c in children)
     assert parent.data.params["ppo.total_episodes"] == "16" and parent.data.params["sft.learning_rate"] == "0.003"
-    assert "eval/heldout/ppo_exact_match" in parent.data.metrics
+    assert "eval/heldout/policy_exact_match" in parent.data.metrics
 
     # 2. Through the API, as the UI's form does: a changed KL coefficient re-runs only ppo and what follows.
     with service["client"]() as client:
@@ -179,7 +179,7 @@ def test_the_server_has_the_typed_schema_refuses_bad_values_and_schedules_retrai
     ppo = schema["definitions"]["PpoConfig"]["properties"]
     assert ppo["kl_coef"]["description"] and ppo["learning_rate"]["exclusiveMinimum"] == 0
     assert "sigmoid" in schema["definitions"]["DpoConfig"]["properties"]["loss_type"]["items"]["enum"]
-    assert {"SftConfig", "RewardConfig", "ModelConfig", "DataConfig", "DatasetSpec", "LoraConfig"} <= set(schema["definitions"])
+    assert {"SftConfig", "RewardModelConfig", "ModelConfig", "DataConfig", "DatasetSpec", "LoraConfig"} <= set(schema["definitions"])
 
     # The server refuses what the flow would refuse, naming the field.
     refused = prefect_cli(service, "deployment", "run", "rlhf/full", "-p", "algorithm=sac", check=False)

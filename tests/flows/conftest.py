@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 from prefect.testing.utilities import prefect_test_harness
+
 from rlhf_pipeline.tasks import tracking
 
 

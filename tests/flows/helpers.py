@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rlhf_pipeline.flows.params import load_params
 
-FAST = [
-    "model.tiny.hidden_size=32", "model.tiny.intermediate_size=64", "model.tiny.num_hidden_layers=2",
-    "model.tiny.num_attention_heads=2",
-    "sft.max_steps=8", "rm.max_steps=4", "dpo.max_steps=4",
-    "sft.logging_steps=2", "rm.logging_steps=2", "dpo.logging_steps=2",
-    "eval.max_prompts=20", "eval.max_new_tokens=8",
-]  # fmt: skip
+CI_PRESET = str(Path(__file__).resolve().parents[1] / "ci.yaml")  # the tiny default, shrunk to seconds
 STAGES = ["data", "sft", "rm", "dpo", "eval"]
 
 
 def run(*overrides: str):
     from rlhf_pipeline.flows.rlhf import rlhf
 
-    params = load_params("tiny", [*FAST, *overrides])
+    params = load_params(CI_PRESET, list(overrides))
     return rlhf(**dict(params), return_state=True)
 
 

@@ -84,5 +84,5 @@ def test_a_killed_run_resumes_sft_and_dpo_from_their_checkpoints_and_ends_where_
 
         expected, got = manifest_metrics(unbroken, stage), manifest_metrics(crashed, stage)
         assert abs(got[f"{stage}/train/loss"] - expected[f"{stage}/train/loss"]) < 1e-4, (stage, got, expected)
-    final = manifest_metrics(crashed, "eval")["eval/heldout/dpo_exact_match"]
-    assert abs(final - manifest_metrics(unbroken, "eval")["eval/heldout/dpo_exact_match"]) <= 0.02
+    final = manifest_metrics(crashed, "eval")["eval/heldout/policy_exact_match"]
+    assert abs(final - manifest_metrics(unbroken, "eval")["eval/heldout/policy_exact_match"]) <= 0.02

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prefect import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
-from rlhf_pipeline.flows.evaluate import rlhf_eval
 
+from rlhf_pipeline.flows.evaluate import rlhf_eval
 from tests.flows.helpers import run, task_states
 
 
@@ -23,8 +23,8 @@ def test_report_artifacts_and_on_demand_evaluation_of_the_champion(prefect, stat
 
     artifacts = prefect_artifacts(trained)
     markdown = artifacts["rlhf-eval-summary"].data
-    exact = summary["metrics"]["eval/heldout/dpo_exact_match"]
-    assert f"| `eval/heldout/dpo_exact_match` | {exact:.4f} |" in markdown
+    exact = summary["metrics"]["eval/heldout/policy_exact_match"]
+    assert f"| `eval/heldout/policy_exact_match` | {exact:.4f} |" in markdown
     assert "win_rate_vs_sft" in markdown and summary["mlflow_run_id"] in markdown
     assert "rlhf-eval-samples" in artifacts
     from mlflow.tracking import MlflowClient
@@ -42,5 +42,5 @@ def test_report_artifacts_and_on_demand_evaluation_of_the_champion(prefect, stat
     assert on_demand.is_completed(), on_demand.message
     result = on_demand.result()
     # Same model, same held-out prompts, same greedy decoding: same score.
-    assert result["metrics"]["eval/heldout/dpo_exact_match"] == exact
+    assert result["metrics"]["eval/heldout/policy_exact_match"] == exact
     assert set(task_states(on_demand)) == {"data", "eval"}

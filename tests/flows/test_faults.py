@@ -5,18 +5,11 @@ from __future__ import annotations
 import importlib
 from collections import Counter
 
-from rlhf_pipeline import flows
+from rlhf_pipeline.tasks import registry
 from tests.flows.helpers import run, task_runs
 from tests.flows.test_online import ONLINE_FAST
 
-STAGE_MODULES = [
-    "rlhf_pipeline.tasks.data",
-    "rlhf_pipeline.tasks.sft",
-    "rlhf_pipeline.tasks.rm",
-    "rlhf_pipeline.tasks.dpo",
-    "rlhf_pipeline.tasks.policy",
-    "rlhf_pipeline.tasks.eval",
-]
+STAGE_MODULES = ["rlhf_pipeline.tasks.data", "rlhf_pipeline.tasks.training", "rlhf_pipeline.tasks.eval"]
 NO_WAIT = ["retry.delay_seconds=[0]", "retry.jitter_factor=0"]
 
 
@@ -35,8 +28,8 @@ def inject(monkeypatch, error: Exception, only: str | None = None) -> Counter:
 
     for module in STAGE_MODULES:
         monkeypatch.setattr(f"{module}.run_stage", failing_first(importlib.import_module(module).run_stage))
-    register = flows.rlhf.register_policy
-    monkeypatch.setattr(flows.rlhf, "register_policy", lambda *a, **k: failing_first(lambda _, *a, **k: register(*a, **k))("registry", *a, **k))
+    register = registry.register_policy
+    monkeypatch.setattr(registry, "register_policy", lambda *a, **k: failing_first(lambda _, *a, **k: register(*a, **k))("registry", *a, **k))
     return attempts
 
 
@@ -53,7 +46,7 @@ def test_every_stage_survives_a_transient_failure_with_one_retry(prefect, state,
     assert attempts == Counter({stage: 2 for stage in stages})
 
     attempts.clear()
-    ppo = run(*ONLINE_FAST, "algorithm=ppo", *NO_WAIT)  # the online stages live in tasks.policy
+    ppo = run(*ONLINE_FAST, "algorithm=ppo", *NO_WAIT)  # the online stages too (tasks.training)
     assert ppo.is_completed(), ppo.message
     assert run_counts(ppo)["ppo"] == ("COMPLETED", 2) and attempts["ppo"] == 2
 
@@ -74,6 +67,7 @@ def test_a_stage_that_times_out_fails_and_kills_its_child_processes(prefect, tmp
 
     import psutil
     from prefect import flow, task
+
     from rlhf_pipeline.tasks import tracking
     from rlhf_pipeline.tasks.orchestration import RetryConfig, retrying
     from rlhf_pipeline.tasks.stage import RunContext, run_stage
@@ -115,3 +109,14 @@ def test_an_unreachable_mlflow_server_fails_the_run_at_its_start_naming_the_uri(
     assert f"MLflow tracking server {uri} cannot be reached" in failed.message
     assert task_states(failed) == {}  # no stage started
     assert not (state / "artifacts").exists()
+
+
+def test_mlflow_does_not_exist_errors_are_permanent_and_connection_errors_transient():
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, TEMPORARILY_UNAVAILABLE
+
+    from rlhf_pipeline.tasks.orchestration import is_permanent
+
+    assert is_permanent(MlflowException("Run with id=abc not found", error_code=RESOURCE_DOES_NOT_EXIST))
+    assert not is_permanent(MlflowException("upstream connect error", error_code=TEMPORARILY_UNAVAILABLE))
+    assert not is_permanent(ConnectionError("reset by peer")) and is_permanent(ValueError("bad config"))

@@ -1,5 +1,8 @@
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
+
 from rlhf_pipeline.flows.cli import main
 from rlhf_pipeline.flows.params import PipelineParams, load_params
 
@@ -28,10 +31,13 @@ def test_bad_values_fail_before_any_model_loads():
 
 
 def test_token_limits_follow_the_stages_that_read_each_dataset():
+    # preference: read by rm (64) and dpo (48); preference_eval by rm alone; prompts by nobody in a dpo run.
     dpo = load_params("tiny", ["dpo.max_length=48"]).token_limits()
-    assert dpo == {"sft": 64, "preference": 48, "preference_eval": 48}
-    grpo = load_params("tiny", ["algorithm=grpo", "grpo.max_completion_length=8"]).token_limits()
-    assert grpo["prompts"] == grpo["prompts_eval"] == 64 - 8 and grpo["preference"] == 64  # the rm reads preferences
+    assert dpo == {"sft": 64, "preference": 48, "preference_eval": 64}
+    grpo = load_params("tiny", ["algorithm=grpo", "grpo.max_completion_length=8", "rm.max_length=60"]).token_limits()
+    assert grpo == {"sft": 64, "preference": 60, "preference_eval": 60, "prompts": 64 - 8}
+    no_rm = load_params("tiny", ["algorithm=grpo", "eval.use_reward_model=false"]).token_limits()
+    assert no_rm == {"sft": 64, "prompts": 64 - 8}  # rm does not run: its limit checks nothing
 
 
 def test_cli_reports_invalid_parameters_with_exit_code_2(capsys):
@@ -48,3 +54,37 @@ def test_parameter_schema_is_typed_and_documented():
     definitions = schema["definitions"]
     assert definitions["DpoConfig"]["properties"]["beta"]["description"].startswith("KL strength")
     assert "exclusiveMinimum" in definitions["DpoConfig"]["properties"]["beta"]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("dpo.trl_overrides={beta: 0.5}", "'beta' is this block's field `beta`: set it there"),
+        ("sft.trl_overrides={output_dir: /tmp/x}", "'output_dir' is managed by the pipeline"),
+        ("dpo.trl_overrides={betta: 0.5}", "'betta' \\(did you mean 'beta'\\?\\), which trl.DPOConfig does not have"),
+        ("rm.trl_overrides={nope: 1}", "'nope', which trl.RewardConfig does not have"),
+    ],
+)
+def test_trl_overrides_that_shadow_a_field_or_that_trl_lacks_fail_with_the_parameters(override, message, capsys):
+    with pytest.raises(ValidationError, match=message):
+        load_params("tiny", [override])
+    assert main(["params", "--set", override]) == 2
+    assert override.split(".")[0] in capsys.readouterr().err
+
+
+def test_trl_overrides_that_trl_has_pass_through():
+    params = load_params("tiny", ["dpo.trl_overrides={truncation_mode: keep_start}", "sft.trl_overrides={save_total_limit: 1}"])
+    assert params.dpo.trl_arguments(Path("/tmp/work"))["truncation_mode"] == "keep_start"
+    assert params.sft.trl_arguments(Path("/tmp/work"))["save_total_limit"] == 1
+
+
+def test_a_preset_extends_another_and_lists_only_what_it_changes(tmp_path):
+    child = tmp_path / "child.yaml"
+    child.write_text("extends: tiny\nsft: {max_steps: 7}\n")
+    params = load_params(str(child))
+    assert params.sft.max_steps == 7
+    assert params.sft.learning_rate == 3e-3 == load_params("tiny").sft.learning_rate  # from tiny, not the code default
+    loop = tmp_path / "loop.yaml"
+    loop.write_text(f"extends: {loop}\n")
+    with pytest.raises(ValueError, match="extends itself"):
+        load_params(str(loop))

@@ -30,10 +30,10 @@ def test_pipeline_runs_caches_and_reruns_only_what_changed(prefect, state):
     children = client.search_runs([parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
     assert sorted(r.info.run_name for r in children) == sorted(STAGES)
     by_stage = {r.info.run_name: r for r in children}
-    assert by_stage["dpo"].data.params["beta"] == "0.1"
+    assert by_stage["dpo"].data.params["dpo.beta"] == "0.1"
     assert len(client.get_metric_history(by_stage["sft"].info.run_id, "sft/train/loss")) >= 4
     assert "rm/eval/accuracy" in by_stage["rm"].data.metrics
-    assert "eval/heldout/dpo_exact_match" in parent.data.metrics
+    assert "eval/heldout/policy_exact_match" in parent.data.metrics
     top = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"model", "config.yaml", "eval"} <= top
     assert "model/model.safetensors" in {a.path for a in client.list_artifacts(parent.info.run_id, "model")}

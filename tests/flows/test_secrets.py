@@ -7,7 +7,6 @@ from pathlib import Path
 
 from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.secrets import redact
-
 from tests.flows.helpers import run
 
 ENV_SECRET = "hf_env_7Hq2LmZp9RwX4vKd"
@@ -28,9 +27,9 @@ def test_secrets_appear_in_no_log_param_artifact_or_manifest(prefect, state, mon
     from mlflow.tracking import MlflowClient
     from prefect import get_client, get_run_logger
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
-    from rlhf_pipeline.tasks.orchestration import prefect_log
 
     from rlhf_pipeline import tasks
+    from rlhf_pipeline.tasks.orchestration import prefect_log
 
     monkeypatch.setenv("HF_TOKEN", ENV_SECRET)
     evaluate = tasks.eval.run_stage

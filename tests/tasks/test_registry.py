@@ -7,7 +7,8 @@ from mlflow.tracking import MlflowClient
 from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.registry import CANDIDATE, CHAMPION, RegistryConfig, current_champion, gate, register_policy
 from rlhf_pipeline.tasks.stage import RunContext, run_stage
-from rlhf_pipeline.trainers.common import load_base_model, save_model
+from rlhf_pipeline.trainers.base import load_base_model
+from rlhf_pipeline.trainers.common import save_model
 
 from tests.helpers import SMALL_MODEL
 

@@ -1,7 +1,8 @@
 import pytest
 from pydantic import ValidationError
 from rlhf_pipeline.trainers import dpo
-from rlhf_pipeline.trainers.common import load_base_model, load_causal_lm, save_model
+from rlhf_pipeline.trainers.base import load_base_model
+from rlhf_pipeline.trainers.common import load_causal_lm, save_model
 
 from tests.helpers import FAST, SMALL_MODEL, changed, state_dict_copy, write_data_dir
 

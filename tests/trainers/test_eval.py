@@ -2,7 +2,8 @@ import json
 
 from rlhf_pipeline.trainers import eval as evaluation
 from rlhf_pipeline.trainers import sft
-from rlhf_pipeline.trainers.common import load_base_model, save_model
+from rlhf_pipeline.trainers.base import load_base_model
+from rlhf_pipeline.trainers.common import save_model
 from rlhf_pipeline.trainers.eval import generate, reward_scores
 
 from tests.helpers import FAST, SMALL_MODEL, write_data_dir

@@ -1,7 +1,8 @@
 import math
 
 import pytest
-from rlhf_pipeline.trainers.common import ModelConfig, TinyModelConfig, load_base_model
+from rlhf_pipeline.trainers.base import load_base_model
+from rlhf_pipeline.trainers.common import ModelConfig, TinyModelConfig
 from rlhf_pipeline.trainers.metrics import (
     Interval,
     bootstrap_mean,

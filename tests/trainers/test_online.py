@@ -3,7 +3,8 @@
 import pytest
 from pydantic import ValidationError
 from rlhf_pipeline.trainers import grpo, rloo
-from rlhf_pipeline.trainers.common import load_base_model, load_causal_lm, save_model
+from rlhf_pipeline.trainers.base import load_base_model
+from rlhf_pipeline.trainers.common import load_causal_lm, save_model
 from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, RewardsConfig
 from transformers import AutoModelForSequenceClassification
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 from rlhf_pipeline.trainers import ppo
-from rlhf_pipeline.trainers.common import LoraConfig, load_base_model, load_causal_lm, save_model
+from rlhf_pipeline.trainers.base import load_base_model
+from rlhf_pipeline.trainers.common import LoraConfig, load_causal_lm, save_model
 from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, RewardsConfig
 from transformers import AutoModelForSequenceClassification
 

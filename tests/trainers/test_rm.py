@@ -1,5 +1,6 @@
 from rlhf_pipeline.trainers import rm
-from rlhf_pipeline.trainers.common import load_base_model, save_model
+from rlhf_pipeline.trainers.base import load_base_model
+from rlhf_pipeline.trainers.common import save_model
 from transformers import AutoModelForSequenceClassification
 
 from tests.helpers import FAST, SMALL_MODEL, write_data_dir

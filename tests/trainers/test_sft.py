@@ -1,7 +1,8 @@
 import shutil
 
 from rlhf_pipeline.trainers import sft
-from rlhf_pipeline.trainers.common import COMPLETE, last_checkpoint, load_base_model, load_causal_lm, metric_name
+from rlhf_pipeline.trainers.base import load_base_model
+from rlhf_pipeline.trainers.common import COMPLETE, last_checkpoint, load_causal_lm, metric_name
 
 from tests.helpers import FAST, SMALL_MODEL, changed, state_dict_copy, write_data_dir
 

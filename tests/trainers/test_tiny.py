@@ -1,4 +1,5 @@
-from rlhf_pipeline.trainers.common import ModelConfig, load_base_model
+from rlhf_pipeline.trainers.base import load_base_model
+from rlhf_pipeline.trainers.common import ModelConfig
 from rlhf_pipeline.trainers.tiny import EOS, build_tokenizer
 
 

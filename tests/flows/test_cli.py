@@ -1,0 +1,55 @@
+"""The `rlhf` command as a user meets it: wrong model URIs, fresh folders, state beside the working directory."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlhf_pipeline.flows.cli import main
+from tests.flows.helpers import CI_PRESET
+
+
+@pytest.mark.parametrize("uri", ["models:/rlhf-policy", "models:/rlhf-policy/", "models:/rlhf-policy/latest", "models:/@champion"])
+def test_eval_of_a_registry_uri_without_version_or_alias_exits_2_showing_the_accepted_forms(uri, capsys):
+    assert main(["eval", uri]) == 2
+    err = capsys.readouterr().err
+    assert f"{uri!r} names no version or alias" in err
+    assert "models:/<name>/<version>" in err and "models:/<name>@<alias>" in err and "a model folder" in err
+
+
+def test_the_state_folder_is_beside_the_working_directory(tmp_path, monkeypatch):
+    from rlhf_pipeline.tasks import tracking
+
+    monkeypatch.delenv(tracking.STATE_ENV)
+    monkeypatch.chdir(tmp_path)
+    assert tracking.state_dir() == tmp_path / "state"
+    monkeypatch.setenv(tracking.STATE_ENV, str(tmp_path / "elsewhere"))
+    assert tracking.state_dir() == tmp_path / "elsewhere"
+
+
+@pytest.mark.e2e
+def test_rlhf_run_creates_prefect_home_state_and_tracking_folders_that_do_not_exist(tmp_path):
+    fresh = tmp_path / "not" / "there" / "yet"
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(fresh / "prefect"),
+        "PREFECT_LOCAL_STORAGE_PATH": str(fresh / "prefect" / "storage"),
+        "RLHF_STATE_DIR": str(fresh / "state"),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{fresh / 'mlflow' / 'mlflow.db'}",
+    }
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "rlhf_pipeline.flows.cli", "run", "--config", CI_PRESET, "--set", "registry.enabled=false"],
+        env=env, cwd=elsewhere, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "== finished ==" in done.stdout and "eval/heldout/policy_exact_match" in done.stdout
+    assert (fresh / "mlflow" / "mlflow.db").is_file()
+    assert {p.name for p in (fresh / "state" / "artifacts").iterdir()} >= {"data", "sft", "rm", "dpo", "eval"}
+    assert any((fresh / "prefect").iterdir())
+    assert not (elsewhere / "state").exists()  # RLHF_STATE_DIR wins over ./state

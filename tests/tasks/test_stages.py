@@ -1,0 +1,72 @@
+"""The table of stages and what is derived from it: trainer contracts, code versions, the algorithm choices."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlhf_pipeline.flows.params import PipelineParams, load_params
+from rlhf_pipeline.tasks.stage import code_version, project_imports
+from rlhf_pipeline.tasks.stages import ALGORITHMS, BY_NAME, DEVICE_STAGES, STAGES
+from rlhf_pipeline.tasks.training import MODEL_INPUTS, trainer_parameters
+
+TINY = "rlhf_pipeline.trainers.tiny"
+EVAL = "rlhf_pipeline.trainers.eval"
+
+
+def closure(stage: str) -> set[str]:
+    return set(project_imports(BY_NAME[stage].trainer))
+
+
+@pytest.mark.parametrize("stage", [s.name for s in STAGES if s.trainer and s.name not in ("data", "eval")])
+def test_every_trainer_takes_what_its_row_says(stage):
+    parameters = trainer_parameters(BY_NAME[stage])
+    takes = {MODEL_INPUTS[p] for p in parameters if p in MODEL_INPUTS}
+    assert takes <= set(BY_NAME[stage].upstream), f"{stage} takes {takes} but its row lists {BY_NAME[stage].upstream}"
+    assert {"cfg", "data_dir", "out_dir", "work_dir"} <= set(parameters)
+
+
+def test_code_versions_follow_the_imports_not_a_list():
+    # The tiny tokenizer and model are read by the stages that start from the base model only.
+    assert {stage for stage in BY_NAME if BY_NAME[stage].trainer and TINY in closure(stage)} == {"data", "sft", "eval"}
+    # Editing the evaluation code re-keys eval alone (PPO and the rewards render text through trainers.text).
+    assert {stage for stage in BY_NAME if BY_NAME[stage].trainer and EVAL in closure(stage)} == {"eval"}
+    assert "rlhf_pipeline.trainers.text" in closure("ppo") and "rlhf_pipeline.trainers.rewards" in closure("grpo")
+    # Imports inside functions count: the data stage's validators are imported lazily.
+    assert "rlhf_pipeline.validators.rules" in closure("data")
+
+
+def test_imports_inside_functions_count_and_imports_for_annotations_do_not(tmp_path):
+    from rlhf_pipeline.tasks.stage import _imported_modules
+
+    module = tmp_path / "trainer.py"
+    module.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from rlhf_pipeline.trainers.tiny import build_model\n"
+        "def train():\n    from rlhf_pipeline.trainers import text\n    import rlhf_pipeline.trainers.metrics\n"
+    )
+    assert set(_imported_modules(module, "trainer")) == {
+        "rlhf_pipeline", "rlhf_pipeline.trainers", "rlhf_pipeline.trainers.text", "rlhf_pipeline.trainers.metrics",
+    }  # fmt: skip
+
+
+def test_a_source_edit_changes_exactly_the_versions_of_the_stages_that_import_it(monkeypatch):
+    from rlhf_pipeline.tasks import stage as stage_module
+
+    before = {s.name: code_version(s.trainer) for s in STAGES}
+    edited = BY_NAME["eval"].trainer.replace(".", "/").removeprefix("rlhf_pipeline/")
+    original = stage_module.source
+    monkeypatch.setattr(stage_module, "source", lambda file: original(file) + (b"# edit" if file.as_posix().endswith(edited + ".py") else b""))
+    after = {s.name: code_version(s.trainer) for s in STAGES}
+    assert {name for name in before if before[name] != after[name]} == {"eval"}
+
+
+def test_the_algorithm_choices_device_stages_and_blocks_come_from_the_table():
+    assert set(ALGORITHMS) >= {"dpo", "grpo", "rloo", "ppo"}
+    assert PipelineParams.model_fields["algorithm"].annotation.__args__ == ALGORITHMS
+    assert DEVICE_STAGES == {s.name for s in STAGES if s.device} and "data" not in DEVICE_STAGES
+    assert {s.name for s in STAGES} <= set(PipelineParams.model_fields)
+    params = load_params("tiny", ["algorithm=grpo", "rewards.reward_model_weight=0", "eval.use_reward_model=false"])
+    assert params.plan() == ["data", "sft", "grpo", "eval", "registry"]
+    assert params.upstream("eval") == ("data", "sft", "grpo")
+    with_rm = load_params("tiny", ["algorithm=ppo", "rewards.reward_model_weight=1"])
+    assert with_rm.plan() == ["data", "sft", "rm", "ppo", "eval", "registry"] and with_rm.upstream("ppo") == ("data", "sft", "rm")
