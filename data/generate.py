@@ -1,6 +1,6 @@
 """Generate the bundled "sort the digits" datasets (seeded, deterministic).
 
-    python data/generate.py            # rewrites data/sort/*.jsonl
+    python -m rlhf_pipeline.data.generate     # rewrites data/sort/*.jsonl
 
 The task is chosen so that alignment has something to fix, as in real RLHF
 (measured designs in shared/DESIGN.md):

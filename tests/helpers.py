@@ -28,12 +28,23 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def state_dict_copy(model) -> dict:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+def trainable(model) -> dict:
+    """A copy of every parameter the optimizer would train (`requires_grad`), by name."""
+    return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
 
 
-def changed(before: dict, after: dict) -> bool:
-    return any(not (before[k] == after[k]).all() for k in before)
+def unchanged(before: dict, after) -> list[str]:
+    """The names in `before` (from `trainable`) whose tensor is bit-identical in `after`, a model or a
+    name -> tensor dict (e.g. a safetensors file). Tests assert `== []`, or the exact list of tensors that
+    must stay frozen, so one tensor that did not train fails by name; a name missing from `after` is an error."""
+    import torch
+
+    if not isinstance(after, dict):
+        after = dict(after.named_parameters())
+    missing = sorted(before.keys() - after.keys())
+    if missing:
+        raise KeyError(f"{len(missing)} tensors of `before` are not in `after`: {missing}")
+    return sorted(name for name, tensor in before.items() if torch.equal(tensor, after[name].detach().to(tensor.device)))
 
 
 def length_reward(prompts, completions, **_) -> list[float]:

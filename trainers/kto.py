@@ -10,15 +10,17 @@ reference model is the SFT model itself (TRL copies it when none is given).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
+
 from rlhf_pipeline.trainers.common import LogMetrics, TrainingConfig
 
 KtoLoss = Literal["kto", "apo_zero_unpaired"]  # TRL 1.16 KTOConfig.loss_type choices
 
 
 class KtoConfig(TrainingConfig):
+    trl_config: ClassVar[str] = "KTOConfig"
     learning_rate: float = Field(1e-6, gt=0, description="Peak learning rate (TRL KTOConfig default 1e-6).")
     beta: float = Field(0.1, gt=0, description="KL strength to the reference model (TRL KTOConfig.beta); higher stays closer.")
     desirable_weight: float = Field(1.0, gt=0, description="Weight of the loss on desirable rows (lambda_D of the KTO paper, Eq. 7).")
@@ -59,17 +61,19 @@ def train(
     log_metrics: LogMetrics | None = None,
 ) -> dict[str, float]:
     import trl
+    from trl.data_utils import maybe_extract_prompt, unpair_preference_dataset
+
     from rlhf_pipeline.trainers.common import final_train_metrics, last_checkpoint, load_causal_lm, load_split, save_model, stage_callbacks
-    from trl.data_utils import unpair_preference_dataset
 
     policy, tokenizer = load_causal_lm(sft_model)
     rows = load_split(data_dir, "preference")
     if "chosen" in rows.column_names and "rejected" in rows.column_names:
         # TRL would unpair them itself, but into blocks (1,000 desirable rows, then their 1,000 undesirable twins) ...
-        rows = unpair_preference_dataset(rows)
+        # An implicit prompt (the turns chosen and rejected share) must come out before the pair is split.
+        rows = unpair_preference_dataset(rows.map(maybe_extract_prompt))
     # ... and KTO samples sequentially (see KtoConfig), so batches keep the file's order: shuffle once, seeded,
     # so that every batch mixes both labels and a resumed run sees the same order.
-    rows = rows.shuffle(seed=cfg.seed).flatten_indices()
+    rows = rows.shuffle(seed=cfg.seed)
     args = trl.KTOConfig(
         **cfg.trl_arguments(work_dir),
         max_length=cfg.max_length,

@@ -55,7 +55,7 @@ class DatasetFormat:
     @property
     def text_columns(self) -> tuple[str, ...]:
         """The columns holding text (strings or messages): every column but the unpaired `label`."""
-        return tuple(column for column in self.columns if column != LABEL)
+        return _text_columns(self.columns)
 
     def describe(self) -> str:
         style = "conversational" if self.conversational else "standard"
@@ -92,7 +92,7 @@ def read_format(kind: Kind, dataset: datasets.Dataset, source: str) -> tuple[Dat
     # slicing (unlike dataset.data) honours select()/shuffle() index mappings.
     values = dataset.with_format(None).select_columns(list(columns))[:]
     # The unpaired `label` is a boolean: its values are the rules' business (label_is_boolean), not the format's.
-    texts = tuple(column for column in columns if column != LABEL)
+    texts = _text_columns(columns)
     if num_rows:
         conversational = _conversational_from_values(kind, texts, values, fail)
     else:  # nothing to look at: fall back on the declared features
@@ -155,6 +155,10 @@ def _columns_for(kind: str, found: list[str], fail) -> tuple[tuple[str, ...], st
         return ("prompt",), "explicit"
     hint = "; 'messages' is SFT data: rename it to 'prompt' if it holds prompts" if has("messages") else ""
     raise fail(f"prompt data needs a 'prompt' column (a string or a list of messages); {listed}{hint}")
+
+
+def _text_columns(columns: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(column for column in columns if column != LABEL)
 
 
 def _conversational_from_values(kind, columns, values, fail) -> bool:

@@ -302,8 +302,10 @@ def _trained_conversations(fmt: DatasetFormat) -> tuple[str, ...]:
     """Conversational columns the model is trained to produce: they must hold an assistant answer."""
     if not fmt.conversational:
         return ()
-    if fmt.kind == "sft" or fmt.unpaired:
+    if fmt.kind == "sft":
         return ("completion",) if fmt.prompt == "explicit" else ("messages",)
+    if fmt.unpaired:
+        return ("completion",)
     if fmt.kind == "preference":
         return ("chosen", "rejected")
     return ()

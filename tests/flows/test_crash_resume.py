@@ -14,6 +14,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.e2e  # a pipeline run end to end: the fast loop skips it (-m 'not e2e')
+
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = [
     "algorithm=dpo", "eval.use_reward_model=false", "registry.enabled=false", "eval.max_prompts=50",

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.orchestration import device_limit, ensure_device_limit
 from rlhf_pipeline.tasks.stage import RunContext, run_stage
+
+pytestmark = pytest.mark.e2e  # a pipeline run end to end: the fast loop skips it (-m 'not e2e')
 
 
 def overlaps(spans: list[tuple[float, float]]) -> bool:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 from prefect import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
 from rlhf_pipeline.flows.evaluate import rlhf_eval
 from tests.flows.helpers import run, task_states
+
+pytestmark = pytest.mark.e2e  # a pipeline run end to end: the fast loop skips it (-m 'not e2e')
 
 
 def prefect_artifacts(flow_state) -> dict[str, object]:

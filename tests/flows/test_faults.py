@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 from collections import Counter
 
+import pytest
+
 from rlhf_pipeline.tasks import registry
 from tests.flows.helpers import run, task_runs
 from tests.flows.test_online import ONLINE_FAST
@@ -37,6 +39,7 @@ def run_counts(flow_state) -> dict[str, tuple[str, int]]:
     return {r.name: (r.state.type.value, r.run_count) for r in task_runs(flow_state.state_details.flow_run_id)}
 
 
+@pytest.mark.e2e
 def test_every_stage_survives_a_transient_failure_with_one_retry(prefect, state, monkeypatch):
     attempts = inject(monkeypatch, ConnectionError("injected: the tracking server dropped the connection"))
     dpo = run(*NO_WAIT)
@@ -51,6 +54,7 @@ def test_every_stage_survives_a_transient_failure_with_one_retry(prefect, state,
     assert run_counts(ppo)["ppo"] == ("COMPLETED", 2) and attempts["ppo"] == 2
 
 
+@pytest.mark.e2e
 def test_a_permanent_failure_is_not_retried(prefect, state, monkeypatch):
     attempts = inject(monkeypatch, ValueError("injected: rm.max_length does not fit the data"), only="rm")
     failed = run(*NO_WAIT)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.flows.helpers import run, task_states
+
+pytestmark = pytest.mark.e2e  # a pipeline run end to end: the fast loop skips it (-m 'not e2e')
 
 ONLINE_FAST = [  # a reward that varies on an untrained model's samples, mixed with the reward model
     "rewards.functions=[{path: 'tests.helpers:length_reward', weight: 1.0}]",

@@ -6,9 +6,12 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.flows.helpers import STAGES, run, task_states
+
+pytestmark = pytest.mark.e2e  # a pipeline run end to end: the fast loop skips it (-m 'not e2e')
 
 
 def run_without_registry(*overrides: str):

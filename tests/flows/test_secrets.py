@@ -5,9 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.secrets import redact
 from tests.flows.helpers import run
+
+pytestmark = pytest.mark.e2e  # a pipeline run end to end: the fast loop skips it (-m 'not e2e')
 
 ENV_SECRET = "hf_env_7Hq2LmZp9RwX4vKd"
 CONFIG_SECRET = "hf_cfg_3Jt8NcYb5SuE1gFa"

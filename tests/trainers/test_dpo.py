@@ -4,24 +4,29 @@ from rlhf_pipeline.trainers import dpo
 from rlhf_pipeline.trainers.base import load_base_model
 from rlhf_pipeline.trainers.common import load_causal_lm, save_model
 
-from tests.helpers import FAST, SMALL_MODEL, changed, state_dict_copy, write_data_dir
+from tests.helpers import FAST, SMALL_MODEL, trainable, unchanged, write_data_dir
 
 
 def test_dpo_moves_the_policy_towards_chosen(tmp_path):
     data = write_data_dir(tmp_path / "data")
     policy, tokenizer = load_base_model(SMALL_MODEL)
     save_model(policy, tokenizer, tmp_path / "sft")
-    before = state_dict_copy(policy)
+    before = trainable(policy)
+    logged: list[dict] = []
     metrics = dpo.train(
         dpo.DpoConfig(max_steps=10, beta=0.1, loss_type=["sigmoid", "sft"], **FAST),
         tmp_path / "sft",
         data,
         tmp_path / "out",
         tmp_path / "work",
+        lambda values, step: logged.append(values),
     )
     after, _ = load_causal_lm(tmp_path / "out" / "model")
-    assert changed(before, state_dict_copy(after))
-    assert metrics["dpo/train/rewards_margins"] > 0
+    assert unchanged(before, after) == []
+    margins = [values["dpo/train/rewards_margins"] for values in logged if "dpo/train/rewards_margins" in values]
+    # Step 1 scores the policy before its first update, when it still is the reference: no implicit reward yet.
+    assert len(margins) == 10 and margins[0] == 0.0
+    assert metrics["dpo/train/rewards_margins"] == margins[-1] > 0
 
 
 def test_loss_weights_must_match_loss_types():

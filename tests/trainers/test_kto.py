@@ -1,18 +1,14 @@
 import pytest
 from datasets import Dataset
 from pydantic import ValidationError
+
 from rlhf_pipeline.trainers import kto
 from rlhf_pipeline.trainers.base import load_base_model
 from rlhf_pipeline.trainers.common import load_causal_lm, save_model
 from rlhf_pipeline.trainers.metrics import sequence_logprobs
-
-from tests.helpers import FAST, SMALL_MODEL, write_data_dir
+from tests.helpers import FAST, SMALL_MODEL, trainable, unchanged, write_data_dir
 
 CONFIG = dict(FAST, max_steps=8, per_device_train_batch_size=8)
-
-
-def trainable(model) -> dict:
-    return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
 
 
 def kto_from_base(tmp_path, data_dir):
@@ -30,9 +26,7 @@ def kto_from_base(tmp_path, data_dir):
         log_metrics=lambda values, step: logged.append(values),
     )
     trained, _ = load_causal_lm(tmp_path / "out" / "model")
-    weights_after = dict(trained.named_parameters())
-    unchanged = [name for name, tensor in weights_before.items() if (tensor == weights_after[name]).all()]
-    assert not unchanged, f"{len(unchanged)} of {len(weights_before)} trainable tensors did not move: {unchanged[:5]}"
+    assert unchanged(weights_before, trained) == []
     return metrics, logged, (policy, tokenizer), (trained, tokenizer)
 
 

@@ -2,9 +2,10 @@ import shutil
 
 from rlhf_pipeline.trainers import sft
 from rlhf_pipeline.trainers.base import load_base_model
-from rlhf_pipeline.trainers.common import COMPLETE, last_checkpoint, load_causal_lm, metric_name
+from rlhf_pipeline.trainers.common import COMPLETE, last_checkpoint, load_causal_lm, load_split, metric_name
+from safetensors.torch import load_file
 
-from tests.helpers import FAST, SMALL_MODEL, changed, state_dict_copy, write_data_dir
+from tests.helpers import FAST, SMALL_MODEL, trainable, unchanged, write_data_dir
 
 
 def test_sft_trains_the_tiny_model_and_lowers_its_loss(tmp_path):
@@ -18,9 +19,16 @@ def test_sft_trains_the_tiny_model_and_lowers_its_loss(tmp_path):
         tmp_path / "work",
         lambda values, step: logged.append((values, step)),
     )
-    before = state_dict_copy(load_base_model(SMALL_MODEL)[0])
+    before = trainable(load_base_model(SMALL_MODEL)[0])
     after, tokenizer = load_causal_lm(tmp_path / "out" / "model")
-    assert changed(before, state_dict_copy(after))
+    assert unchanged(before, after) == []
+    # Row by row, the embedding moves exactly for the tokens the model reads with a label after them: AdamW
+    # (weight_decay=0) leaves a row with zero gradient in place, so PAD (masked), the special tokens, bytes the
+    # data never uses, and EOS (only ever the last token, whose prediction has no label) keep their init.
+    rows = load_split(data, "sft")
+    read = {i for prompt, completion in zip(rows["prompt"], rows["completion"]) for i in tokenizer(prompt + completion)["input_ids"]}
+    moved = (before["model.embed_tokens.weight"] != after.model.embed_tokens.weight).any(dim=1)
+    assert moved.nonzero().flatten().tolist() == sorted(read)
     losses = [v["sft/train/loss"] for v, _ in logged if "sft/train/loss" in v]
     assert len(losses) == 12 and losses[-1] < losses[0] * 0.95
     assert metrics["sft/train/loss"] == losses[-1]
@@ -32,10 +40,10 @@ def test_sft_resumes_from_the_newest_checkpoint(tmp_path):
     data = write_data_dir(tmp_path / "data")
     config = sft.SftConfig(max_steps=4, **{**FAST, "save_steps": 2})
     sft.train(config, SMALL_MODEL, data, tmp_path / "first", tmp_path / "work")
-    steps: list[int] = []
+    logged: list[tuple[int, dict]] = []
     # Same work dir, more steps: training continues at step 4, not from 0.
-    sft.train(config.model_copy(update={"max_steps": 6}), SMALL_MODEL, data, tmp_path / "second", tmp_path / "work", lambda values, step: steps.append(step))
-    assert steps and min(steps) > 4
+    sft.train(config.model_copy(update={"max_steps": 6}), SMALL_MODEL, data, tmp_path / "second", tmp_path / "work", lambda values, step: logged.append((step, values)))
+    assert [step for step, values in logged if "sft/train/loss" in values] == [5, 6]
 
 
 def test_a_checkpoint_cut_off_mid_write_is_never_used(tmp_path):
@@ -48,9 +56,10 @@ def test_a_checkpoint_cut_off_mid_write_is_never_used(tmp_path):
     (tmp_path / "work" / "checkpoint-6" / COMPLETE).unlink()
     (tmp_path / "work" / "checkpoint-6" / "trainer_state.json").write_text('{"global_step": 6, "log_hist')
     assert last_checkpoint(tmp_path / "work") == str(tmp_path / "work" / "checkpoint-4")
-    steps: list[int] = []
-    sft.train(config.model_copy(update={"max_steps": 6}), SMALL_MODEL, data, tmp_path / "second", tmp_path / "work", lambda values, step: steps.append(step))
-    assert min(steps) == 5 and max(steps) == 6  # resumed after step 4, from the complete checkpoint
+    logged: list[tuple[int, dict]] = []
+    sft.train(config.model_copy(update={"max_steps": 6}), SMALL_MODEL, data, tmp_path / "second", tmp_path / "work", lambda values, step: logged.append((step, values)))
+    # Resumed after step 4, from the complete checkpoint (the closing summary, logged at step 6 too, has no loss).
+    assert [step for step, values in logged if "sft/train/loss" in values] == [5, 6]
 
 
 def test_metric_names_follow_stage_split_name():
@@ -63,10 +72,17 @@ def test_lora_trains_adapters_and_saves_a_merged_loadable_model(tmp_path):
     from rlhf_pipeline.trainers.common import LoraConfig
 
     data = write_data_dir(tmp_path / "data")
-    config = sft.SftConfig(max_steps=3, lora=LoraConfig(enabled=True, r=4, lora_alpha=8), **FAST)
+    # save_steps=1: the work dir keeps the adapters of steps 2 and 3 (TRL keeps the two newest checkpoints).
+    config = sft.SftConfig(max_steps=3, lora=LoraConfig(enabled=True, r=4, lora_alpha=8), **{**FAST, "save_steps": 1})
     sft.train(config, SMALL_MODEL, data, tmp_path / "out", tmp_path / "work")
     files = {p.name for p in (tmp_path / "out" / "model").iterdir()}
     assert "model.safetensors" in files and "adapter_config.json" not in files  # merged
-    before = state_dict_copy(load_base_model(SMALL_MODEL)[0])
-    after = state_dict_copy(load_causal_lm(tmp_path / "out" / "model")[0])
-    assert before.keys() == after.keys() and changed(before, after)
+    before = trainable(load_base_model(SMALL_MODEL)[0])
+    after = load_causal_lm(tmp_path / "out" / "model")[0]
+    assert before.keys() == dict(after.named_parameters()).keys()
+    # peft's "all-linear" adapts every Linear of the blocks but not the output head: once merged, exactly
+    # those weights moved, and the frozen embedding, norms and lm_head are bit-identical to the base model.
+    assert unchanged(before, after) == sorted(name for name in before if "_proj." not in name)
+    adapters = load_file(tmp_path / "work" / "checkpoint-2" / "adapter_model.safetensors")
+    assert len(adapters) == 2 * 7 * 2  # 2 blocks x 7 linear layers x (lora_A, lora_B)
+    assert unchanged(adapters, load_file(tmp_path / "work" / "checkpoint-3" / "adapter_model.safetensors")) == []  # every adapter trains

@@ -10,9 +10,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import datasets
 import pytest
+
 from rlhf_pipeline.trainers.data import DatasetSpec, load_source
 from rlhf_pipeline.validators import DatasetFormat, DataValidationError, validate_dataset
-
 from tests.helpers import write_jsonl
 
 

@@ -1,0 +1,1 @@
+"""Presets: YAML files that override the defaults (`rlhf run --config <name>`); shipped as package data."""

@@ -1,0 +1,1 @@
+"""Deployments of the `rlhf` flows and the `serve` entry point (`rlhf serve`)."""

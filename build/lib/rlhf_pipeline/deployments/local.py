@@ -1,0 +1,84 @@
+"""`rlhf up`: a local Prefect server, the MLflow UI and `rlhf serve`, started together and stopped together.
+
+    rlhf up                     # Prefect UI http://127.0.0.1:4200, MLflow UI http://127.0.0.1:5000
+    prefect deployment run rlhf/full -p ppo='{"kl_coef": 0.1}'   # in another shell, with
+                                # PREFECT_API_URL=http://127.0.0.1:4200/api
+
+Every server binds 127.0.0.1. Ctrl-C (or SIGTERM) stops the three processes by pid.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+from rlhf_pipeline.tasks import tracking
+
+HOST = "127.0.0.1"
+
+
+def wait_until_up(url: str, process: subprocess.Popen, timeout: float = 120) -> None:
+    """Poll `url` until it answers 200; fail early, with the process's exit code, if it dies first."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{process.args[0]} exited with code {process.returncode} before {url} answered")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} did not answer within {timeout:.0f}s")
+
+
+def stop(processes: list[subprocess.Popen], grace: float = 20) -> None:
+    """SIGTERM each process (by pid), then SIGKILL what is still alive after `grace` seconds."""
+    for process in processes:
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGTERM)
+    deadline = time.time() + grace
+    for process in processes:
+        try:
+            process.wait(max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def up(port: int = 4200, mlflow_port: int = 5000, serve_args: list[str] = ()) -> int:
+    api = f"http://{HOST}:{port}/api"
+    mlflow_ui = f"http://{HOST}:{mlflow_port}"
+    env = {**os.environ, "PREFECT_API_URL": api}
+    if not tracking.tracking_uri().startswith("http"):
+        env[tracking.UI_ENV] = mlflow_ui  # stages link their MLflow runs on the Prefect UI
+    processes: list[subprocess.Popen] = []
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # run the `finally` below
+    try:
+        server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(port)], env=env)
+        processes.append(server)
+        if not tracking.tracking_uri().startswith("http"):
+            tracking.state_dir().mkdir(parents=True, exist_ok=True)
+            processes.append(subprocess.Popen(
+                [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", tracking.tracking_uri(),
+                 "--artifacts-destination", (tracking.state_dir() / "mlartifacts").as_uri(),
+                 "--host", HOST, "--port", str(mlflow_port)], env=env,
+            ))  # fmt: skip
+        wait_until_up(f"{api}/health", server)
+        processes.append(subprocess.Popen([sys.executable, "-m", "rlhf_pipeline.flows.cli", "serve", *serve_args], env=env))
+        print(f"\nPrefect UI: http://{HOST}:{port}   MLflow UI: {env.get(tracking.UI_ENV, tracking.tracking_uri())}")
+        print(f"Run:  PREFECT_API_URL={api} prefect deployment run rlhf/full\nCtrl-C stops everything.\n", flush=True)
+        while all(process.poll() is None for process in processes):
+            time.sleep(1)
+        dead = next(process for process in processes if process.poll() is not None)
+        print(f"{' '.join(map(str, dead.args[:4]))} exited with code {dead.returncode}; stopping the others", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stop(processes)

@@ -1,0 +1,75 @@
+"""The `rlhf-eval` flow: evaluate any registered version or model folder on demand, with the eval stage's report.
+
+rlhf eval models:/rlhf-policy@candidate              # SFT and reward model from the version's lineage
+rlhf eval path/to/model --sft path/to/sft --rm path/to/rm
+prefect deployment run rlhf-eval/eval -p policy=models:/rlhf-policy/3
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+from pydantic import Field, field_validator
+
+from rlhf_pipeline.flows.params import DEFAULT_PRESET, described_by, from_flow_parameters, load_params
+from rlhf_pipeline.tasks.data import validate_data
+from rlhf_pipeline.tasks.eval import evaluate
+from rlhf_pipeline.tasks.orchestration import RetryConfig, retrying
+from rlhf_pipeline.tasks.pipeline import pipeline_run
+from rlhf_pipeline.tasks.registry import RegistryConfig
+from rlhf_pipeline.tasks.resolve import check_model_source, resolve_model
+from rlhf_pipeline.trainers.common import ModelConfig, StrictModel
+from rlhf_pipeline.trainers.data import DataConfig
+from rlhf_pipeline.trainers.eval import EvalConfig
+
+_defaults = load_params(DEFAULT_PRESET)
+
+
+class EvalParams(StrictModel):
+    """What to evaluate, and against what."""
+
+    policy: str = Field(description="'models:/<name>/<version>', 'models:/<name>@<alias>', or a local model folder.")
+    sft_model: str | None = Field(None, description="Reference SFT model (URI or folder); None: from the registered version's lineage.")
+    reward_model: str | None = Field(None, description="Reward model (URI or folder); None: from the lineage, or no reward metrics.")
+    preset: str | None = Field(DEFAULT_PRESET, description="Preset that the model, data, eval and registry fields not given fall back to.")
+    experiment_name: str = Field("rlhf", description="MLflow experiment that holds the run.")
+    algorithm: str = Field("eval", description="Recorded on the MLflow run.")
+    no_cache: bool = Field(False, description="Re-evaluate even when the same report exists.")
+    model: ModelConfig = Field(default=_defaults.model, description="The base model (evaluated as the untrained baseline).")
+    data: DataConfig = Field(default=_defaults.data, description="Held-out datasets (checked by the `data` stage).")
+    eval: EvalConfig = Field(default=_defaults.eval, description="Held-out evaluation.")
+    registry: RegistryConfig = Field(default=_defaults.registry, description="Where the champion to compare against lives.")
+    retry: RetryConfig = Field(default=_defaults.retry, description="Retries with backoff after transient errors, and a time limit per stage.")
+
+    @field_validator("policy", "sft_model", "reward_model")
+    @classmethod
+    def _known_form(cls, source: str | None) -> str | None:
+        return source if source is None else check_model_source(source)
+
+
+@flow(name="rlhf-eval", persist_result=False, validate_parameters=True)
+@described_by(EvalParams)
+def rlhf_eval(
+    policy: str,
+    sft_model: str | None = None,
+    reward_model: str | None = None,
+    preset: str | None = DEFAULT_PRESET,
+    experiment_name: str = "rlhf",
+    algorithm: str = "eval",
+    no_cache: bool = False,
+    model: ModelConfig = _defaults.model,
+    data: DataConfig = _defaults.data,
+    eval: EvalConfig = _defaults.eval,
+    registry: RegistryConfig = _defaults.registry,
+    retry: RetryConfig = _defaults.retry,
+) -> dict:
+    """Evaluate a registered version or a model folder against SFT and the champion."""
+    params = from_flow_parameters(EvalParams, locals())
+    with pipeline_run(params) as run:
+        policy, lineage = resolve_model(params.policy, "policy")
+        sft_model, _ = resolve_model(params.sft_model or lineage.get("sft"), "sft")
+        reward_source = params.reward_model or lineage.get("rm")
+        reward_model = resolve_model(reward_source, "rm")[0] if reward_source else None
+        stage = retrying(params.retry)
+        data = stage(validate_data).submit(params.data, run.ctx)  # held-out sets only need their own rules
+        report = stage(evaluate).submit(params.eval, params.model, data, sft_model, policy, reward_model, params.registry, run.ctx)
+        return run.finish(policy=policy, report=report.result(), stages=[data.result(), sft_model, policy, report.result()])

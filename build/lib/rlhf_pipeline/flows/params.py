@@ -1,0 +1,212 @@
+"""`PipelineParams`: every stage's config in one typed model, the flow's single parameter.
+
+Presets in `configs/` override the defaults; `--set a.b=value` overrides a preset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, Field, create_model, model_validator
+
+from rlhf_pipeline.tasks.orchestration import RetryConfig
+from rlhf_pipeline.tasks.stages import ALGORITHMS, BY_NAME, POLICY, STAGES
+from rlhf_pipeline.trainers.common import TINY, ModelConfig, StrictModel
+from rlhf_pipeline.trainers.rewards import RewardsConfig
+
+CONFIG_DIR = Path(str(resources.files("rlhf_pipeline.configs")))  # package data: present in a wheel too
+DEFAULT_PRESET = "tiny"
+
+Algorithm = Literal[ALGORITHMS]  # the table's policy-optimisation rows: dpo, grpo, rloo, ppo, ...
+
+
+class RunSettings(StrictModel):
+    """The blocks of a run that are not stages; `PipelineParams` adds one block per stage of the table."""
+
+    algorithm: Algorithm = Field(
+        "dpo", description="Policy-optimisation stage after SFT: offline on preferences (dpo, kto) or online RL against `rewards` (grpo, rloo, ppo)."
+    )
+    preset: str | None = Field(
+        DEFAULT_PRESET,
+        description="Preset (configs/<name>.yaml or a YAML path) that every field not given here falls back to, "
+        "field by field: `-p ppo='{\"kl_coef\": 0.1}'` changes one field of the preset's ppo block.",
+    )
+    experiment_name: str = Field("rlhf", description="MLflow experiment that holds the runs.")
+    no_cache: bool = Field(False, description="Re-run every stage even when its artifact already exists.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The base model.")
+    rewards: RewardsConfig = Field(default_factory=RewardsConfig, description="Rewards of the online stages (grpo, rloo, ppo).")
+    retry: RetryConfig = Field(default_factory=RetryConfig, description="Retries with backoff after transient errors, and a time limit per stage.")
+
+    def config(self, stage: str) -> StrictModel:
+        return getattr(self, stage)
+
+    def plan(self) -> list[str]:
+        """The stages this run builds, in order: data, sft, rm (when used), the algorithm's, eval, registry (when enabled)."""
+        wanted = {"data", "sft", self.algorithm, "eval"}
+        if self.needs_reward_model:
+            wanted.add("rm")
+        if self.config("registry").enabled:
+            wanted.add("registry")
+        return [stage.name for stage in STAGES if stage.name in wanted]
+
+    def upstream(self, stage: str) -> tuple[str, ...]:
+        """The stages whose artifacts `stage` takes in this run: the table's, the policy stage named, and the
+        reward model only where the stage uses it (the online stages' rewards, eval's `use_reward_model`)."""
+        row = BY_NAME[stage]
+        uses_reward_model = self.config("eval").use_reward_model if stage == "eval" else row.online and self.rewards.uses_reward_model
+        names = [self.algorithm if name == POLICY else name for name in row.upstream]
+        return tuple(name for name in names if name != "rm" or uses_reward_model)
+
+    def token_limits(self) -> dict[str, int]:
+        """The most tokens a row of each dataset may take in the stages of this run that read it (the data stage's `fits_max_length`)."""
+        limits: dict[str, int] = {}
+        for stage in self.plan():
+            limit = getattr(self.config(stage), "row_token_limit", lambda: None)()
+            for dataset in BY_NAME[stage].reads if limit is not None else ():
+                limits[dataset] = min(limit, limits.get(dataset, limit))
+        return limits
+
+    @property
+    def needs_reward_model(self) -> bool:
+        """The rm stage runs when evaluation or the online stage's rewards use it."""
+        online_uses_it = BY_NAME[self.algorithm].online and self.rewards.uses_reward_model
+        return online_uses_it or self.config("eval").use_reward_model
+
+    @model_validator(mode="after")
+    def _room_for_prompts(self):
+        """A prompt budget of zero tokens is a config error, shown with the numbers, not a data error."""
+        online = self.config(self.algorithm)
+        if hasattr(online, "max_completion_length") and online.max_completion_length >= online.max_length:
+            raise ValueError(
+                f"{self.algorithm}.max_completion_length={online.max_completion_length} leaves no room for a prompt "
+                f"in {self.algorithm}.max_length={online.max_length}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _fits_tiny_model(self):
+        if self.model.name_or_path != TINY:
+            return self
+        limit = self.model.tiny.max_position_embeddings
+        for stage in STAGES:
+            length = getattr(self.config(stage.name), "max_length", None)
+            if length is not None and length > limit:
+                raise ValueError(
+                    f"{stage.name}.max_length={length} exceeds the tiny model's model.tiny.max_position_embeddings={limit}: lower one or raise the other"
+                )
+        return self
+
+
+def _stage_blocks() -> dict[str, Any]:
+    """One field per stage of the table, in its order, with the row's description; `rewards` sits with the online stages."""
+    fields: dict[str, Any] = {}
+    for stage in STAGES:
+        fields[stage.name] = (stage.config, Field(default_factory=stage.config, description=stage.description))
+    return fields
+
+
+PipelineParams = create_model(
+    "PipelineParams",
+    __base__=RunSettings,
+    __doc__="Everything one run of the `rlhf` flow depends on: the run's settings and one block per stage (`tasks.stages.STAGES`).",
+    **_stage_blocks(),
+)
+
+
+def parameter_order() -> list[str]:
+    """The flow's parameters as a person reads them: the run's settings, then the stages in pipeline order
+    (`rewards` just before the first online stage), then `retry`."""
+    order = ["algorithm", "preset", "experiment_name", "no_cache", "model"]
+    for stage in STAGES:
+        if stage.online and "rewards" not in order:
+            order.append("rewards")
+        order.append(stage.name)
+    return [*order, "retry"]
+
+
+def preset_path(preset: str) -> Path:
+    path = Path(preset)
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        return path
+    named = CONFIG_DIR / f"{preset}.yaml"
+    if not named.is_file():
+        known = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+        raise ValueError(f"unknown preset {preset!r}: not a YAML file, nor a preset of {CONFIG_DIR} ({known})")
+    return named
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """'sft.learning_rate=1e-4' -> (['sft', 'learning_rate'], 1e-4); values are YAML."""
+    if "=" not in item:
+        raise ValueError(f"--set {item!r}: expected key.path=value, e.g. sft.learning_rate=1e-4")
+    key, raw = item.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def deep_merge(base: dict, override: dict) -> dict:
+    merged = dict(base)
+    for key, value in override.items():
+        merged[key] = deep_merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+    return merged
+
+
+def load_params(preset: str | None = DEFAULT_PRESET, overrides: list[str] = (), **fields: Any) -> PipelineParams:
+    """Defaults < preset (YAML) < `--set` overrides < keyword fields."""
+    return PipelineParams.model_validate(deep_merge(apply_overrides(preset_values(preset), overrides), fields))
+
+
+def preset_values(preset: str | None) -> dict[str, Any]:
+    """A preset's values; `extends: <preset>` starts from another one, so a preset lists only what it changes."""
+    values = (yaml.safe_load(preset_path(preset).read_text()) if preset else None) or {}
+    if "extends" in values:
+        parent = values.pop("extends")
+        if parent == preset:
+            raise ValueError(f"preset {preset!r} extends itself")
+        values = deep_merge(preset_values(parent), values)
+    return {**values, "preset": preset}
+
+
+Params = TypeVar("Params", bound=StrictModel)
+
+
+def from_flow_parameters(model: type[Params], given: dict[str, Any]) -> Params:
+    """The flow's parameters as one typed model, each block merged field by field onto the preset.
+
+    Prefect merges a run's parameters onto its deployment's per top-level name,
+    so `-p ppo='{"kl_coef": 0.1}'` arrives as a PpoConfig with one field set;
+    the fields it leaves unset come from the preset, not from the code defaults.
+    """
+    explicit = {name: value.model_dump(mode="json", exclude_unset=True) if isinstance(value, BaseModel) else value for name, value in given.items()}
+    preset = preset_values(given.get("preset")) if "preset" in model.model_fields else {}
+    base = {name: value for name, value in preset.items() if name in model.model_fields}
+    return model.model_validate(deep_merge(base, explicit))
+
+
+def described_by(model: type[StrictModel]) -> Callable[[Callable], Callable]:
+    """Add the model's field descriptions to a flow function's docstring as `Args:`.
+
+    Prefect reads parameter descriptions from the docstring, and the UI shows
+    them on the run form; this keeps one copy of them, on the model.
+    """
+
+    def describe(fn: Callable) -> Callable:
+        args = "\n".join(f"    {name}: {field.description}" for name, field in model.model_fields.items())
+        fn.__doc__ = f"{fn.__doc__.rstrip()}\n\nArgs:\n{args}\n"
+        return fn
+
+    return describe
+
+
+def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Merge `--set key.path=value` items into a nested dict of parameters."""
+    for item in overrides:
+        path, value = parse_override(item)
+        nested: Any = value
+        for part in reversed(path):
+            nested = {part: nested}
+        values = deep_merge(values, nested)
+    return values

@@ -1,0 +1,81 @@
+"""The `rlhf` flow: data -> sft -> rm -> dpo | kto | grpo | rloo | ppo -> eval -> registry, wired from the table of stages.
+
+    rlhf run [--config PRESET] [--set key.path=value ...] [--no-cache]
+    prefect deployment run rlhf/full -p algorithm=grpo -p grpo='{"beta": 0.1}'
+
+Its parameters are the fields of `PipelineParams`, one block per stage of
+`tasks.stages.STAGES` plus the run's settings, so a deployment run can override
+a block (or one field of it: blocks merge onto the preset) and the Prefect UI
+draws one typed section per stage.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+
+from prefect import flow
+
+from rlhf_pipeline.flows.params import PipelineParams, described_by, from_flow_parameters, load_params, parameter_order
+from rlhf_pipeline.tasks.data import validate_data
+from rlhf_pipeline.tasks.eval import evaluate
+from rlhf_pipeline.tasks.orchestration import retrying
+from rlhf_pipeline.tasks.pipeline import pipeline_run
+from rlhf_pipeline.tasks.registry import register_task
+from rlhf_pipeline.tasks.stages import BY_NAME
+from rlhf_pipeline.tasks.training import TASKS, settings_of
+
+DEFAULTS = load_params()  # the embedded preset: what the form and `rlhf run` start from
+
+
+def _rlhf(**blocks) -> dict:
+    """Post-train a model with RLHF: validate data, SFT, reward model, DPO/KTO/GRPO/RLOO/PPO, evaluate, register."""
+    params = from_flow_parameters(PipelineParams, blocks)
+    with pipeline_run(params) as run:
+        stage = retrying(params.retry)
+        # Futures wire the DAG (the Prefect UI draws it). Each stage also waits for the one
+        # before it, so that only one stage trains on the device at a time.
+        futures: dict = {}
+        previous = []
+        for name in params.plan():
+            upstream = {other: futures[other] for other in params.upstream(name)}
+            if name == "data":
+                future = stage(validate_data).submit(params.data, run.ctx, params.model, params.token_limits())
+            elif name == "eval":
+                future = stage(evaluate).submit(
+                    params.eval, params.model, upstream["data"], upstream["sft"], upstream[params.algorithm],
+                    upstream.get("rm"), params.registry, run.ctx, wait_for=previous,
+                )  # fmt: skip
+            elif name == "registry":
+                outputs = [futures[n] for n in params.plan() if n != "registry"]
+                future = stage(register_task()).submit(params.registry, upstream[params.algorithm], upstream["eval"], outputs, run.ctx)
+            else:
+                settings = {block: getattr(params, block) for block in settings_of(BY_NAME[name])}
+                future = stage(TASKS[name]).submit(name, params.config(name), settings, upstream, run.ctx, wait_for=previous)
+            futures[name], previous = future, [future]
+        built = [futures[n].result() for n in params.plan() if n != "registry"]
+        registered = futures["registry"].result() if "registry" in futures else None
+        return run.finish(policy=futures[params.algorithm].result(), report=futures["eval"].result(), stages=built, registered=registered)
+
+
+def _signature() -> inspect.Signature:
+    """The flow's parameters, one per field of PipelineParams in reading order, defaulting to the embedded preset:
+    Prefect reads them (and their types) from the signature to build the typed form."""
+    fields = PipelineParams.model_fields
+    return inspect.Signature(
+        [
+            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=getattr(DEFAULTS, name), annotation=fields[name].annotation)
+            for name in parameter_order()
+        ],
+        return_annotation=dict,
+    )
+
+
+_rlhf.__signature__ = _signature()
+_rlhf.__name__ = "rlhf"
+rlhf = flow(name="rlhf", persist_result=False, validate_parameters=True)(described_by(PipelineParams)(_rlhf))
+
+if __name__ == "__main__":
+    from rlhf_pipeline.flows.cli import main
+
+    sys.exit(main(["run", *sys.argv[1:]]))

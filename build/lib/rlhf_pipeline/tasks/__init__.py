@@ -1,0 +1,1 @@
+"""One Prefect task per stage, and the stage machinery they share (key, publish, cache, MLflow child run)."""

@@ -1,0 +1,63 @@
+"""`data`: check every dataset (raw file, Great Expectations rules, token lengths, train/eval leakage), then freeze Parquet copies for later stages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlhf_pipeline.tasks.orchestration import prefect_log, stage_task
+from rlhf_pipeline.tasks.stage import RunContext, StageOutcome, run_stage
+from rlhf_pipeline.tasks.stages import BY_NAME
+from rlhf_pipeline.trainers.common import ModelConfig
+from rlhf_pipeline.trainers.data import DataConfig, fingerprint
+
+
+@stage_task("data")
+def validate_data(
+    config: DataConfig,
+    ctx: RunContext,
+    model: ModelConfig | None = None,
+    max_tokens: dict[str, int] | None = None,
+) -> StageOutcome:
+    """Validate every dataset of `config`; publish nothing unless all pass (`trainers.data.train`).
+
+    `max_tokens` maps a dataset name ("sft", "preference", ...) to the most
+    tokens one of its rows may take (rule `fits_max_length`), counted with the
+    tokenizer of `model`; both enter the stage key.
+    """
+    limits = _token_limits(config, model, max_tokens)
+    sources = config.sources()
+    fingerprints = {name: fingerprint(spec) for name, (_, spec) in sources.items()}
+    keyed = config.model_dump(mode="json")
+    if limits:
+        # Without limits the key stays the DataConfig's alone; with them, the tokenizer counts too.
+        tokenizer_id = model.model_dump(mode="json", include={"name_or_path", "revision", "trust_remote_code"})
+        keyed = {**keyed, "max_tokens": limits, "tokenizer": tokenizer_id}
+
+    def build(out_dir: Path, work_dir: Path, log_metrics) -> dict[str, float]:
+        from rlhf_pipeline.trainers import data
+
+        return data.train(config, model, limits, out_dir, work_dir, log_metrics)
+
+    row = BY_NAME["data"]
+    # Dependents key on the frozen datasets alone (a stricter rule or a new report re-trains nothing),
+    # and each on the datasets it reads (`parts`): a new preference file does not re-run sft.
+    return run_stage(
+        "data", keyed, {}, ctx, build, fingerprints, log_files=("report",), log=prefect_log, digest_of=("datasets",),
+        parts={name: f"datasets/{name}.parquet" for name in sources}, trainer=row.trainer, device=row.device,
+    )  # fmt: skip
+
+
+def _token_limits(config: DataConfig, model: ModelConfig | None, max_tokens: dict[str, int] | None) -> dict[str, int]:
+    """max_tokens checked before anything is read: known dataset names, positive limits, a model to count with."""
+    limits = dict(sorted((max_tokens or {}).items()))
+    names = list(DataConfig.model_fields)
+    unknown = sorted(set(limits) - set(names))
+    if unknown:
+        raise ValueError(f"max_tokens names unknown datasets {unknown}; expected some of {names}")
+    bad = {name: limit for name, limit in limits.items() if not isinstance(limit, int) or limit < 1}
+    if bad:
+        raise ValueError(f"max_tokens must be positive token counts, got {bad}")
+    if limits and model is None:
+        raise ValueError(f"max_tokens={limits} needs the model whose tokenizer counts the tokens")
+    # A limit on a dataset the config leaves out (preference_eval=None) checks nothing.
+    return {name: limit for name, limit in limits.items() if name in config.sources()}

@@ -1,0 +1,97 @@
+"""`eval`: compare the policy with SFT (and the registry's champion) on held-out prompts; publish the report."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+from rlhf_pipeline.tasks import tracking
+from rlhf_pipeline.tasks.orchestration import prefect_log, stage_task
+from rlhf_pipeline.tasks.registry import RegistryConfig, current_champion
+from rlhf_pipeline.tasks.stage import ArtifactRef, RunContext, StageOutcome, read_history, run_stage
+from rlhf_pipeline.tasks.stages import BY_NAME
+from rlhf_pipeline.trainers.common import ModelConfig
+from rlhf_pipeline.trainers.eval import EvalConfig
+
+REPORT_FILES = ("summary.json", "summary.md", "samples.jsonl", "plots")
+CURVES = ("/train/loss", "/train/accuracy", "/train/reward", "/train/kl", "/train/rewards_margins")  # plotted per stage
+
+
+@stage_task("eval")
+def evaluate(
+    config: EvalConfig,
+    model: ModelConfig,
+    data: ArtifactRef,
+    sft_model: ArtifactRef,
+    policy: ArtifactRef,
+    reward_model: ArtifactRef | None,
+    registry: RegistryConfig,
+    ctx: RunContext,
+) -> StageOutcome:
+    # The champion is an input like any other: a new champion re-keys eval.
+    # When the champion *is* this policy (a re-run), there is nothing to compare.
+    champion = current_champion(registry)
+    if champion is not None and champion.digest == policy.digest:
+        champion = None
+
+    def build(out_dir, work_dir, log_metrics):
+        from rlhf_pipeline.trainers import eval as evaluation
+
+        return evaluation.evaluate(
+            config,
+            model,
+            sft_model.path / "model",
+            policy.path / "model",
+            reward_model.path / "model" if reward_model else None,
+            data.path,
+            out_dir,
+            policy_stage=policy.stage,
+            champion_model=champion.path / "model" if champion else None,
+        )
+
+    row = BY_NAME["eval"]
+    upstream = {"data": data.select(row.reads), "sft": sft_model, "policy": policy}
+    if reward_model:
+        upstream["rm"] = reward_model
+    if champion:
+        upstream["champion"] = champion
+    settings = {"eval": config.model_dump(mode="json"), "model": model.model_dump(mode="json")}
+    outcome = run_stage("eval", settings, upstream, ctx, build, log_files=REPORT_FILES, log=prefect_log, trainer=row.trainer, device=row.device)
+    publish_report(outcome.ref, [data, sft_model, reward_model, policy], ctx)
+    return outcome
+
+
+def publish_report(report: ArtifactRef, stages: list[ArtifactRef | None], ctx: RunContext) -> None:
+    """Prefect markdown + table artifacts, and training curves of every stage, for this flow run."""
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    from rlhf_pipeline.trainers import plots
+
+    link = tracking.run_link(ctx.parent_run_id)
+    summary = (report.path / "summary.md").read_text()
+    create_markdown_artifact(
+        key="rlhf-eval-summary",
+        markdown=f"# rlhf evaluation\n\n{summary}\nMLflow: {link}\n\nArtifacts: `{report.uri}`\n",
+        description="Held-out evaluation of the policy against SFT (and the champion).",
+    )
+    rows = [json.loads(line) for line in (report.path / "samples.jsonl").read_text().splitlines()]
+    if rows:
+        create_table_artifact(key="rlhf-eval-samples", table=rows, description="Sample answers with their rewards.")
+        flat = [{k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in row.items()} for row in rows]
+        tracking.log_table(ctx.parent_run_id, flat, "eval/samples_table.json")
+
+    # Curves come from the artifacts (`history.jsonl`), not from the runs that produced them: those may
+    # live in another tracking store, and an external model (the rlhf-eval flow) has none.
+    histories: dict[str, list[tuple[int, float]]] = {}
+    for ref in filter(None, stages):
+        curves: dict[str, dict[int, float]] = {}
+        for step, values in read_history(ref.path):
+            for name, value in values.items():
+                curves.setdefault(name, {})[step] = value  # a resumed build logs a few steps twice: the last wins
+        histories.update({k: sorted(v.items()) for k, v in curves.items() if k.endswith(CURVES) and len(v) > 1})
+    if histories:
+        with tempfile.TemporaryDirectory() as scratch:
+            path = plots.training_curves(histories, Path(scratch) / "training_curves.png")
+            tracking.log_artifacts(ctx.parent_run_id, path, "plots")
+    tracking.log_artifacts(ctx.parent_run_id, report.path / "plots", "plots")

@@ -1,0 +1,176 @@
+"""The Prefect side of a stage: the task decorator, retries, device slots, run logs and MLflow links.
+
+`tasks.stage` holds the contract (key, publish, cache); this module makes a
+stage a Prefect task that retries transient failures, holds a GPU slot while
+it builds and shows up in the Prefect UI with a link to its MLflow run.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Callable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rlhf_pipeline.tasks import tracking
+from rlhf_pipeline.tasks.secrets import redact_text
+from rlhf_pipeline.tasks.stage import ArtifactRef, StageOutcome
+
+
+def retrying(config: RetryConfig) -> Callable:
+    """`retrying(params.retry)(train_sft).submit(...)`: the task with the run's retry policy and time limit."""
+    return lambda task: task.with_options(**config.task_options())
+
+
+DEVICE_LIMIT_ENV = "RLHF_DEVICE_LIMIT"
+
+
+def device_limit() -> str:
+    """Name of the Prefect global concurrency limit that device stages hold a slot of while they build."""
+    return os.environ.get(DEVICE_LIMIT_ENV, "rlhf-gpu")
+
+
+def coordinated() -> bool:
+    """Runs share device slots only through a Prefect server (`PREFECT_API_URL`). A temporary
+    server lives as long as one `rlhf run` and keeps its leases in memory: a slot held by a
+    run that was killed would never come back."""
+    from prefect.settings import PREFECT_API_URL
+
+    return bool(PREFECT_API_URL.value())
+
+
+def ensure_device_limit(slots: int = 1) -> None:
+    """Create the device limit with `slots` slots if it does not exist (an existing one is left as its owner set it)."""
+    from prefect import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(device_limit())
+        except ObjectNotFound:
+            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=device_limit(), limit=slots))
+
+
+@contextmanager
+def device_slot(stage: str, log: Callable[[str], None] = print) -> Iterator[None]:
+    """Hold one slot of the device limit while a training or generating stage builds.
+
+    Two flow runs then never train on the same GPU at once: the second waits
+    here (its cached stages do not). Outside a Prefect run, or without a Prefect
+    server, it is a no-op. The slot is leased for a minute at a time and renewed
+    while the stage runs, so a run that is killed frees it within a minute.
+    """
+    from prefect.context import TaskRunContext
+
+    if TaskRunContext.get() is None or not coordinated():
+        yield
+        return
+    from prefect.concurrency.sync import concurrency
+
+    waited = time.time()
+    with concurrency(device_limit(), occupy=1, lease_duration=60):
+        if time.time() - waited > 1:
+            log(f"{stage}: waited {time.time() - waited:.0f}s for a slot of concurrency limit {device_limit()!r}")
+        yield
+
+
+PERMANENT_ERRORS = (ValueError, TypeError, KeyError, ImportError, NotImplementedError)
+
+
+class RetryConfig(BaseModel):
+    """How stages meet failure: transient errors (I/O, network, a lost device) retry with backoff;
+    bad config or data (ValueError, TypeError, KeyError, ImportError) fail at once."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    retries: int = Field(2, ge=0, le=20, description="Retries of a stage after a transient error; 0 fails at the first.")
+    delay_seconds: list[float] = Field([10, 60], min_length=1, description="Wait before each retry, in seconds (the last repeats).")
+    jitter_factor: float = Field(0.2, ge=0, le=1, description="Random extra share of each delay, so retries of parallel runs spread out.")
+    timeout_seconds: float | None = Field(
+        None, gt=0, description="A stage running longer fails (its child processes are killed) and is retried; None: no limit."
+    )
+
+    def task_options(self) -> dict[str, Any]:
+        return {
+            "retries": self.retries,
+            "retry_delay_seconds": list(self.delay_seconds),
+            "retry_jitter_factor": self.jitter_factor or None,
+            "timeout_seconds": self.timeout_seconds,
+        }
+
+
+# MLflow answers these for a run, model or experiment that is not in the store: asking again cannot help.
+PERMANENT_MLFLOW_CODES = frozenset({"RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "RESOURCE_ALREADY_EXISTS"})
+
+
+def is_transient(task, task_run, state) -> bool:
+    """Retry I/O and infrastructure failures; bad config or data (ValueError...) and MLflow's
+    "does not exist" fail at once."""
+    exc = state.result(raise_on_failure=False)
+    return not is_permanent(exc)
+
+
+def is_permanent(exc: BaseException) -> bool:
+    return isinstance(exc, PERMANENT_ERRORS) or getattr(exc, "error_code", None) in PERMANENT_MLFLOW_CODES
+
+
+def stage_task(stage: str):
+    """Make `fn(...) -> StageOutcome` a Prefect task named after the stage, with the default RetryConfig
+    (a flow applies the run's own with `retrying(params.retry)`).
+
+    A manifest hit finishes in a `Cached` state (type COMPLETED), so the Prefect
+    UI and API show which stages did not run; the task's result is the ArtifactRef.
+    """
+    import functools
+
+    from prefect import task
+    from prefect.cache_policies import NO_CACHE
+    from prefect.states import Completed
+
+    def decorate(fn: Callable[..., StageOutcome]):
+        @functools.wraps(fn)
+        def run(*args, **kwargs) -> ArtifactRef:
+            outcome = fn(*args, **kwargs)
+            _link_mlflow_run(stage, outcome.mlflow_run_id)
+            if outcome.cached:
+                return Completed(data=outcome.ref, name="Cached", message=f"manifest found: {outcome.ref.uri}")
+            return outcome.ref
+
+        return task(
+            name=stage,
+            task_run_name=stage,
+            **RetryConfig().task_options(),
+            retry_condition_fn=is_transient,
+            # Weights never pass through Prefect's result storage: tasks return refs,
+            # and the artifact store decides about caching (see module docstring).
+            cache_policy=NO_CACHE,
+            persist_result=False,
+        )(run)
+
+    return decorate
+
+
+def _link_mlflow_run(stage: str, run_id: str) -> None:
+    """A link artifact on the task run to its MLflow run, when the MLflow UI has an address."""
+    link = tracking.run_url(run_id) if run_id else None
+    if link:
+        from prefect.artifacts import create_link_artifact
+
+        create_link_artifact(link, link_text=f"{stage} in MLflow", description=f"MLflow run of the `{stage}` stage")
+
+
+def prefect_log(message: str) -> None:
+    """Into the flow run's log (the Prefect UI) when there is one, else the `rlhf` logger."""
+    import logging
+
+    from prefect import get_run_logger
+    from prefect.exceptions import MissingContextError
+
+    message = redact_text(message)
+    try:
+        get_run_logger().info(message)
+    except MissingContextError:
+        logging.getLogger("rlhf").info(message)

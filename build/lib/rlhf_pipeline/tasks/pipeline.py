@@ -1,0 +1,75 @@
+"""The MLflow parent run of one flow run: opened before the first stage, closed after the last."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import yaml
+from pydantic import BaseModel
+
+from rlhf_pipeline.tasks import tracking
+from rlhf_pipeline.tasks.orchestration import coordinated, ensure_device_limit, prefect_log
+from rlhf_pipeline.tasks.secrets import install_log_filter, redact
+from rlhf_pipeline.tasks.stage import ArtifactRef, RunContext
+
+
+@dataclass
+class PipelineRun:
+    ctx: RunContext
+    summary: dict = field(default_factory=dict)
+
+    def finish(self, policy: ArtifactRef, report: ArtifactRef, stages: list[ArtifactRef], registered: dict | None = None) -> dict:
+        """Log the evaluation (and the final model, if the registry did not) to the parent run; return where everything is."""
+        run_id = self.ctx.parent_run_id
+        metrics = report.manifest()["metrics"]
+        tracking.log_metrics(run_id, metrics)
+        tracking.log_artifacts(run_id, report.path / "summary.md", "eval")
+        if not tracking.has_artifact(run_id, "model"):
+            tracking.log_artifacts(run_id, policy.path / "model", "model")
+        tracking.set_tags(run_id, {"rlhf.policy": policy.uri, "rlhf.policy_stage": policy.stage})
+        self.summary = {
+            "mlflow_run_id": run_id,
+            "mlflow": tracking.run_link(run_id),
+            "tracking_uri": tracking.tracking_uri(),
+            "artifacts": {ref.stage: ref.uri for ref in stages},
+            "metrics": metrics,
+            "registry": registered,
+        }
+        return self.summary
+
+
+def _flow_run() -> tuple[str, str]:
+    from prefect.runtime import flow_run
+
+    return flow_run.get_id() or "", flow_run.get_name() or "rlhf"
+
+
+@contextlib.contextmanager
+def pipeline_run(params: BaseModel) -> Iterator[PipelineRun]:
+    tracking.check_reachable()
+    flow_run_id, flow_run_name = _flow_run()
+    if flow_run_id and coordinated():
+        ensure_device_limit()
+    experiment = tracking.experiment_id(params.experiment_name)
+    run_id = tracking.start_run(experiment, flow_run_name, {"prefect.flow_run_id": flow_run_id, "rlhf.algorithm": params.algorithm})
+    install_log_filter()
+    config = redact(params.model_dump(mode="json"))
+    tracking.log_params(run_id, config)
+    tracking.log_text(run_id, yaml.safe_dump(config, sort_keys=False), "config.yaml")
+    ctx = RunContext(
+        artifact_root=str(tracking.state_dir() / "artifacts"),
+        experiment_id=experiment,
+        parent_run_id=run_id,
+        force=params.no_cache,
+    )
+    prefect_log(f"MLflow: {tracking.run_link(run_id)}")
+    prefect_log(f"Artifacts: {ctx.artifact_root}")
+    try:
+        yield PipelineRun(ctx)
+    except BaseException as exc:
+        tracking.set_tags(run_id, {"rlhf.error": f"{type(exc).__name__}: {exc}"})
+        tracking.end_run(run_id, failed=True)
+        raise
+    tracking.end_run(run_id)

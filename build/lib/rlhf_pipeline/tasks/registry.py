@@ -1,0 +1,113 @@
+"""`registry`: register the policy as a model version; move `champion` only when it wins.
+
+Every run's policy becomes (or reuses, by content digest) a version of the
+registered model and takes the alias `candidate`. The alias `champion` moves to
+it only when the gate passes on the eval stage's metrics; the first version
+becomes champion. `models:/<name>@champion` then loads with `from_pretrained`.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from rlhf_pipeline.tasks import tracking
+from rlhf_pipeline.tasks.orchestration import prefect_log
+from rlhf_pipeline.tasks.stage import ArtifactRef, RunContext
+from rlhf_pipeline.trainers.common import StrictModel
+
+CHAMPION, CANDIDATE = "champion", "candidate"
+
+
+class RegistryConfig(StrictModel):
+    enabled: bool = Field(True, description="Register the policy and run the promotion gate.")
+    model_name: str = Field("rlhf-policy", min_length=1, description="Registered model name in MLflow.")
+    gate_metric: str = Field(
+        "eval/heldout/win_rate_vs_champion",
+        description="Eval metric the new policy must beat `min_value` on to become champion (its CI bounds are `<metric>_low`/`_high`).",
+    )
+    min_value: float = Field(0.5, description="The gate metric must be strictly above this.")
+    min_lower_bound: float | None = Field(0.45, description="The metric's lower confidence bound must be above this; None: not checked.")
+
+
+def gate(cfg: RegistryConfig, metrics: dict[str, float]) -> tuple[bool, str]:
+    """Whether the candidate beats the champion, and why (with the numbers)."""
+    value = metrics.get(cfg.gate_metric)
+    if value is None:
+        return False, f"gate metric {cfg.gate_metric!r} missing from eval metrics"
+    if value <= cfg.min_value:
+        return False, f"{cfg.gate_metric}={value:.4f} is not above {cfg.min_value}"
+    reason = f"{cfg.gate_metric}={value:.4f} > {cfg.min_value}"
+    if cfg.min_lower_bound is not None:
+        low = metrics.get(f"{cfg.gate_metric}_low")
+        if low is None or low <= cfg.min_lower_bound:
+            return False, f"{cfg.gate_metric} lower bound {low} is not above {cfg.min_lower_bound}"
+        reason += f", lower bound {low:.4f} > {cfg.min_lower_bound}"
+    return True, reason
+
+
+def current_champion(cfg: RegistryConfig) -> ArtifactRef | None:
+    """The champion's files, downloaded into the state folder (eval compares against them)."""
+    if not cfg.enabled:
+        return None
+    version = tracking.alias_version(cfg.model_name, CHAMPION)
+    if version is None:
+        return None
+    folder = tracking.state_dir() / "registry" / cfg.model_name / f"v{version}"
+    tracking.download_version(cfg.model_name, version, folder / "model")
+    digest = tracking.version_tags(cfg.model_name, version).get("rlhf.policy_digest", "")
+    return ArtifactRef(stage="champion", key=f"{cfg.model_name}/v{version}", uri=str(folder), digest=digest)
+
+
+def register_policy(cfg: RegistryConfig, policy: ArtifactRef, report: ArtifactRef, stages: list[ArtifactRef], ctx: RunContext) -> dict:
+    """Register (or reuse) the policy's version, set `candidate`, and promote it if the gate passes."""
+    metrics = report.manifest()["metrics"]
+    version = tracking.find_version(cfg.model_name, "rlhf.policy_digest", policy.digest)
+    if version is None:
+        tracking.log_artifacts(ctx.parent_run_id, policy.path / "model", "model")
+        fingerprints = stages[0].manifest().get("fingerprints", {}) if stages else {}
+        tags = {
+            "rlhf.policy_digest": policy.digest,
+            "rlhf.policy_stage": policy.stage,
+            "rlhf.flow_run_id": _flow_run_id(),
+            "rlhf.mlflow_run_id": ctx.parent_run_id,
+            **{f"rlhf.key.{ref.stage}": ref.key for ref in stages},
+            **{f"rlhf.data.{name}": value for name, value in fingerprints.items()},
+            **{k: f"{v:.6g}" for k, v in metrics.items()},
+        }
+        version = tracking.register_version(cfg.model_name, tracking.artifact_uri(ctx.parent_run_id, "model"), ctx.parent_run_id, tags)
+    tracking.set_alias(cfg.model_name, CANDIDATE, version)
+
+    champion = tracking.alias_version(cfg.model_name, CHAMPION)
+    if champion is None:
+        promoted, reason = True, "no champion yet: the first version becomes champion"
+    elif champion == version:
+        promoted, reason = True, "already champion"
+    else:
+        promoted, reason = gate(cfg, metrics)
+    if promoted:
+        tracking.set_alias(cfg.model_name, CHAMPION, version)
+    outcome = {"model_name": cfg.model_name, "version": version, "promoted": promoted, "reason": reason, "previous_champion": champion}
+
+    run_id = tracking.start_run(ctx.experiment_id, "registry", {"rlhf.stage": "registry"}, ctx.parent_run_id)
+    tracking.log_params(run_id, cfg.model_dump(mode="json"))
+    tracking.set_tags(run_id, {f"rlhf.registry.{k}": str(v) for k, v in outcome.items()})
+    tracking.log_metrics(run_id, {"registry/gate/promoted": float(promoted)})
+    tracking.end_run(run_id)
+    prefect_log(f"registry: {cfg.model_name} v{version} is candidate; champion {'moved' if promoted and champion != version else 'stays'} ({reason})")
+    return outcome
+
+
+def _flow_run_id() -> str:
+    from prefect.runtime import flow_run
+
+    return flow_run.get_id() or ""
+
+
+def register_task():
+    """`register_policy` as the flow's `registry` task (transient errors retried, never cached: the gate reads the live registry)."""
+    from prefect import task
+    from prefect.cache_policies import NO_CACHE
+
+    from rlhf_pipeline.tasks.orchestration import is_transient
+
+    return task(name="registry", task_run_name="registry", retry_condition_fn=is_transient, cache_policy=NO_CACHE, persist_result=False)(register_policy)

@@ -1,0 +1,60 @@
+"""Turn a model URI or folder into an `ArtifactRef` the eval stage can read (`<ref>/model`)."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+
+from rlhf_pipeline.tasks import tracking
+from rlhf_pipeline.tasks.stage import MANIFEST, ArtifactRef, content_digest
+
+
+def resolve_model(source: str | None, role: str) -> tuple[ArtifactRef, dict[str, str]]:
+    """(ref, lineage) for 'models:/<name>/<version>', 'models:/<name>@<alias>', or a folder.
+
+    `lineage` maps stage names to the artifact folders a registered version was built
+    from (its `rlhf.key.<stage>` tags), so its SFT and reward model can be found.
+    """
+    if not source:
+        raise ValueError(f"no {role} model given, and the policy's lineage does not name one: pass it explicitly")
+    if source.startswith("models:/"):
+        return _registered(source)
+    folder = Path(source).expanduser().resolve()
+    if (folder / "model" / "config.json").is_file():  # a stage artifact directory
+        ref_dir = folder
+    elif (folder / "config.json").is_file() and folder.name == "model":
+        ref_dir = folder.parent
+    else:
+        raise ValueError(f"{role} model {source!r}: expected a model folder named 'model' (config.json inside) or a stage artifact directory holding one")
+    manifest = ref_dir / MANIFEST
+    digest = ArtifactRef(stage=role, key="", uri=str(ref_dir)).manifest()["digest"] if manifest.is_file() else content_digest(ref_dir / "model")
+    key = hashlib.sha256(str(ref_dir).encode()).hexdigest()[:32]
+    return ArtifactRef(stage=role, key=key, uri=str(ref_dir), digest=digest), {}
+
+
+MODEL_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<version>\d+)|@(?P<alias>[A-Za-z0-9_-]+))$")
+ACCEPTED = "'models:/<name>/<version>' (e.g. models:/rlhf-policy/3), 'models:/<name>@<alias>' (e.g. models:/rlhf-policy@champion), or a model folder"
+
+
+def check_model_source(source: str) -> str:
+    """A registry URI must name a version or an alias: refused with the accepted forms before anything runs."""
+    if source.startswith("models:/") and not MODEL_URI.match(source):
+        raise ValueError(f"{source!r} names no version or alias; expected {ACCEPTED}")
+    return source
+
+
+def _registered(uri: str) -> tuple[ArtifactRef, dict[str, str]]:
+    match = MODEL_URI.match(check_model_source(uri))
+    name, alias_or_version = match["name"], match["version"] or match["alias"]
+    version = match["version"] or tracking.alias_version(name, match["alias"])
+    if version is None:
+        raise ValueError(f"{uri}: registered model {name!r} has no alias {alias_or_version!r}")
+    folder = tracking.state_dir() / "registry" / name / f"v{version}"
+    tracking.download_version(name, version, folder / "model")
+    tags = tracking.version_tags(name, version)
+    root = Path(tracking.state_dir() / "artifacts")
+    lineage = {stage: str(root / stage / key) for stage, key in ((t.removeprefix("rlhf.key."), v) for t, v in tags.items() if t.startswith("rlhf.key."))}
+    stage = tags.get("rlhf.policy_stage", "policy")
+    ref = ArtifactRef(stage=stage, key=f"{name}/v{version}", uri=str(folder), digest=tags.get("rlhf.policy_digest", ""))
+    return ref, lineage

@@ -1,0 +1,250 @@
+"""The only module that talks to MLflow.
+
+Runs are addressed by id through `MlflowClient`, never through MLflow's
+active-run stack: that stack is per thread, and Prefect runs tasks in worker
+threads. One parent run per flow run; one child run per stage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from rlhf_pipeline.tasks.secrets import redact, redact_text
+
+STATE_ENV = "RLHF_STATE_DIR"
+PARAM_VALUE_LIMIT = 6000  # MLflow rejects longer param values
+UI_ENV = "RLHF_MLFLOW_UI"
+
+
+def state_dir() -> Path:
+    """Run state (MLflow database and artifacts, stage artifacts, checkpoints): `$RLHF_STATE_DIR`, else
+    `./state` of the working directory, beside the user, never inside the installed package (a
+    wheel's site-packages, or a checkout that several working copies share through one environment)."""
+    return Path(os.environ.get(STATE_ENV) or Path.cwd() / "state").resolve()
+
+
+def tracking_uri() -> str:
+    # The file store refuses writes in MLflow 3.17 (DESIGN.md): default to SQLite.
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{state_dir() / 'mlflow.db'}"
+
+
+def check_reachable(timeout: float = 5.0) -> None:
+    """Fail before anything is logged when the tracking server does not answer: no half-logged runs."""
+    uri = tracking_uri()
+    if not uri.startswith("http"):
+        return
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout) as response:
+            if response.status == 200:
+                return
+            problem = f"HTTP {response.status}"
+    except urllib.error.HTTPError as exc:
+        problem = f"HTTP {exc.code}"
+    except OSError as exc:
+        problem = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
+    raise ConnectionError(
+        f"MLflow tracking server {uri} cannot be reached ({problem}); nothing was logged and no stage ran. "
+        "Start it, or point MLFLOW_TRACKING_URI at one (unset: SQLite under the state folder)."
+    )
+
+
+def client():
+    from mlflow.tracking import MlflowClient
+
+    uri = tracking_uri()
+    if uri.startswith("sqlite:///"):
+        Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    return MlflowClient(tracking_uri=uri)
+
+
+def experiment_id(name: str) -> str:
+    mlflow = client()
+    found = mlflow.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    location = None
+    if tracking_uri().startswith("sqlite:"):  # keep artifacts beside the database, not in ./mlruns
+        location = (state_dir() / "mlartifacts" / name).as_uri()
+    return mlflow.create_experiment(name, artifact_location=location)
+
+
+def start_run(experiment: str, run_name: str, tags: dict[str, str], parent_run_id: str | None = None) -> str:
+    tags = dict(tags)
+    if parent_run_id:
+        tags["mlflow.parentRunId"] = parent_run_id
+    run = client().create_run(experiment, run_name=run_name, tags=tags)
+    return run.info.run_id
+
+
+def run_exists(run_id: str) -> bool:
+    """Whether this tracking store holds the run (a cached artifact's producer may live in another one)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client().get_run(run_id)
+        return True
+    except MlflowException as exc:
+        if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return False
+        raise
+
+
+def end_run(run_id: str, failed: bool = False) -> None:
+    client().set_terminated(run_id, status="FAILED" if failed else "FINISHED")
+
+
+def end_stale_runs(experiment: str, key: str) -> list[str]:
+    """Mark the RUNNING runs of a stage key KILLED: their process died (the caller holds the key's lock)."""
+    mlflow = client()
+    stale = mlflow.search_runs([experiment], f"tags.`rlhf.key` = '{key}' and attributes.status = 'RUNNING'")
+    for run in stale:
+        mlflow.set_tag(run.info.run_id, "rlhf.error", "the process died before the stage finished")
+        mlflow.set_terminated(run.info.run_id, status="KILLED")
+    return [run.info.run_id for run in stale]
+
+
+def set_tags(run_id: str, tags: dict[str, str]) -> None:
+    from mlflow.entities import RunTag
+
+    client().log_batch(run_id, tags=[RunTag(k, redact_text(str(v))[:5000]) for k, v in tags.items()])
+
+
+def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """{"sft": {"learning_rate": 3e-3}} -> {"sft.learning_rate": "0.003"}."""
+    flat: dict[str, str] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, name + "."))
+        else:
+            text = value if isinstance(value, str) else json.dumps(value)
+            flat[name] = text[:PARAM_VALUE_LIMIT]
+    return flat
+
+
+def log_params(run_id: str, config: dict[str, Any], prefix: str = "") -> None:
+    from mlflow.entities import Param
+
+    params = [Param(k, v) for k, v in flatten(redact(config), prefix).items()]
+    for start in range(0, len(params), 100):  # MLflow caps a batch at 100 params
+        client().log_batch(run_id, params=params[start : start + 100])
+
+
+def log_metrics(run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+    import time
+
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    client().log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+
+
+def log_artifacts(run_id: str, local: Path, artifact_path: str | None = None) -> None:
+    if local.is_dir():
+        client().log_artifacts(run_id, str(local), artifact_path)
+    elif local.is_file():
+        client().log_artifact(run_id, str(local), artifact_path)
+
+
+def has_artifact(run_id: str, path: str) -> bool:
+    return any(a.path == path for a in client().list_artifacts(run_id))
+
+
+def log_table(run_id: str, rows: list[dict], artifact_file: str) -> None:
+    """A table MLflow's UI shows as one (Evaluation / Artifacts tab)."""
+    import pandas as pd
+
+    client().log_table(run_id, data=pd.DataFrame(rows), artifact_file=artifact_file)
+
+
+def log_text(run_id: str, text: str, artifact_file: str) -> None:
+    client().log_text(run_id, redact_text(text), artifact_file)
+
+
+def ui_url() -> str | None:
+    """The MLflow UI's address: the tracking server itself, or `RLHF_MLFLOW_UI` (set by `rlhf up`) for a local store."""
+    uri = tracking_uri()
+    if uri.startswith("http"):
+        return uri.rstrip("/")
+    return os.environ.get(UI_ENV, "").rstrip("/") or None
+
+
+def run_url(run_id: str) -> str | None:
+    """The run's page in the MLflow UI, when the UI has an address."""
+    ui = ui_url()
+    if ui is None:
+        return None
+    return f"{ui}/#/experiments/{client().get_run(run_id).info.experiment_id}/runs/{run_id}"
+
+
+def run_link(run_id: str) -> str:
+    """Where a person finds the run: its UI page, else how to open the local UI."""
+    uri = tracking_uri()
+    return run_url(run_id) or f"run {run_id} in {uri} (open with: mlflow ui --backend-store-uri {uri})"
+
+
+# --- model registry ----------------------------------------------------------------
+
+
+def register_version(name: str, source: str, run_id: str, tags: dict[str, str]) -> str:
+    """A new version of registered model `name` from logged artifacts; returns the version number."""
+    from mlflow.exceptions import MlflowException
+
+    mlflow = client()
+    try:
+        mlflow.create_registered_model(name)
+    except MlflowException as exc:
+        if "already exists" not in str(exc).lower() and "RESOURCE_ALREADY_EXISTS" not in str(exc):
+            raise
+    version = mlflow.create_model_version(name, source, run_id=run_id, tags={k: str(v)[:5000] for k, v in tags.items()})
+    return str(version.version)
+
+
+def find_version(name: str, tag: str, value: str) -> str | None:
+    """The newest version of `name` whose tag `tag` equals `value`."""
+    try:
+        versions = client().search_model_versions(f"name = '{name}'")
+    except Exception:
+        return None
+    found = [v for v in versions if v.tags.get(tag) == value]
+    return str(max(int(v.version) for v in found)) if found else None
+
+
+def alias_version(name: str, alias: str) -> str | None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return str(client().get_model_version_by_alias(name, alias).version)
+    except MlflowException:
+        return None
+
+
+def set_alias(name: str, alias: str, version: str) -> None:
+    client().set_registered_model_alias(name, alias, version)
+
+
+def version_tags(name: str, version: str) -> dict[str, str]:
+    return dict(client().get_model_version(name, version).tags)
+
+
+def download_version(name: str, version: str, dst: Path) -> Path:
+    """The files of a registered version, downloaded once to `dst`."""
+    import mlflow
+
+    if not (dst / "config.json").is_file():
+        tmp = dst.with_name(dst.name + ".partial")
+        tmp.mkdir(parents=True, exist_ok=True)
+        mlflow.set_tracking_uri(tracking_uri())
+        mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{version}", dst_path=str(tmp))
+        tmp.rename(dst)
+    return dst
+
+
+def artifact_uri(run_id: str, path: str) -> str:
+    return f"{client().get_run(run_id).info.artifact_uri}/{path}"

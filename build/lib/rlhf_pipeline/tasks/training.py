@@ -1,0 +1,74 @@
+"""The training stages (sft, rm, dpo, grpo, rloo, ppo, and any row of the table with a trainer): one task.
+
+A stage's trainer is `train(cfg, ...)` in the module the table names; the task
+fills its parameters by name, so a new stage needs a trainer and a row, not new
+plumbing:
+
+    cfg           the stage's config block
+    data_dir      the data artifact (it keys on the datasets the row `reads`, not on all of them)
+    sft_model     the `sft` artifact's model folder      reward_model  the `rm` artifact's (or None)
+    model         the run's base model block              rewards       the run's rewards block
+    out_dir, work_dir, log_metrics                        as in `tasks.stage.run_stage`
+
+The blocks a trainer takes besides its own (`model`, `rewards`) are keyed with
+its config: changing the rewards re-runs the online stages only.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any
+
+from pydantic import BaseModel
+
+from rlhf_pipeline.tasks.orchestration import prefect_log, stage_task
+from rlhf_pipeline.tasks.stage import ArtifactRef, RunContext, StageOutcome, run_stage
+from rlhf_pipeline.tasks.stages import BY_NAME, STAGES, Stage
+
+MODEL_INPUTS = {"sft_model": "sft", "reward_model": "rm"}
+"""Trainer parameter -> the upstream stage whose `model/` folder it receives."""
+SETTINGS = ("model", "rewards")
+"""Run-level blocks a trainer may take besides its own config."""
+PROVIDED = {"cfg", "data_dir", "out_dir", "work_dir", "log_metrics", *MODEL_INPUTS, *SETTINGS}
+
+
+def trainer_parameters(stage: Stage) -> tuple[str, ...]:
+    """The parameters of the stage's `train`, checked against what the task can fill."""
+    parameters = inspect.signature(importlib.import_module(stage.trainer).train).parameters
+    unknown = [name for name, p in parameters.items() if name not in PROVIDED and p.default is inspect.Parameter.empty]
+    if unknown:
+        raise TypeError(f"{stage.trainer}.train takes {unknown}, which no stage provides; it may take {sorted(PROVIDED)}")
+    return tuple(parameters)
+
+
+def settings_of(stage: Stage) -> tuple[str, ...]:
+    """The run-level blocks (`model`, `rewards`) the stage's trainer takes: they key the stage."""
+    return tuple(name for name in trainer_parameters(stage) if name in SETTINGS)
+
+
+def train_stage(stage: str, config: BaseModel, settings: dict[str, BaseModel], upstream: dict[str, ArtifactRef], ctx: RunContext) -> StageOutcome:
+    """Build (or reuse) one training stage of the table from its config, the blocks it takes and its upstream artifacts."""
+    row = BY_NAME[stage]
+    wanted = trainer_parameters(row)
+    data = upstream["data"]
+    if "rewards" in settings:
+        from rlhf_pipeline.trainers.rewards import fingerprint
+
+        fingerprints = fingerprint(settings["rewards"])  # editing a reward function re-runs the stages it scores
+    else:
+        fingerprints = {}
+
+    def build(out_dir, work_dir, log_metrics) -> dict[str, float]:
+        trainer = importlib.import_module(row.trainer)
+        given: dict[str, Any] = {"cfg": config, "data_dir": data.path, "out_dir": out_dir, "work_dir": work_dir, "log_metrics": log_metrics, **settings}
+        given |= {param: upstream[source].path / "model" if source in upstream else None for param, source in MODEL_INPUTS.items()}
+        return trainer.train(**{name: value for name, value in given.items() if name in wanted})
+
+    keyed = {stage: config.model_dump(mode="json"), **{name: block.model_dump(mode="json") for name, block in settings.items()}}
+    inputs = {**{name: ref for name, ref in upstream.items() if name != "data"}, "data": data.select(row.reads)}
+    return run_stage(stage, keyed, inputs, ctx, build, fingerprints=fingerprints, log=prefect_log, trainer=row.trainer, device=row.device)
+
+
+TASKS = {row.name: stage_task(row.name)(train_stage) for row in STAGES if row.trainer and row.name not in ("data", "eval")}
+"""The Prefect task of every training stage, named after it."""

@@ -1,0 +1,314 @@
+"""What every trainer shares: the model config, loading and saving, TRL arguments, metric logging.
+
+Heavy libraries (torch, transformers, trl) are imported inside the functions that
+need them, so that config classes stay cheap to import for the flow and the CLI.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import math
+import re
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+LogMetrics = Callable[[dict[str, float], int], None]
+"""Receives `{"<stage>/<split>/<name>": value}` and the global step."""
+
+TINY = "tiny"
+
+
+class StrictModel(BaseModel):
+    """Frozen, and unknown keys are an error (a typo in a preset must not pass silently)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class TinyModelConfig(StrictModel):
+    """The embedded default: a small Llama built from a config, no download."""
+
+    hidden_size: int = Field(128, ge=8, description="Width of the residual stream.")
+    intermediate_size: int = Field(512, ge=8, description="Width of the MLP.")
+    num_hidden_layers: int = Field(4, ge=1, description="Number of transformer blocks.")
+    num_attention_heads: int = Field(4, ge=1, description="Attention heads per block.")
+    max_position_embeddings: int = Field(2048, ge=16, description="Longest sequence the model accepts (RoPE: costs no parameters).")
+
+
+class ModelConfig(StrictModel):
+    name_or_path: str = Field(
+        TINY,
+        description="Base model: 'tiny' (built locally from `tiny`), a hub id such as 'Qwen/Qwen2.5-0.5B', or a local folder.",
+    )
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of the base model.")
+    trust_remote_code: bool = Field(False, description="Run model code shipped with a hub repository. Off unless you trust it.")
+    seed: int = Field(0, description="Seed of the tiny model's initial weights (same seed, same base model).")
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Architecture of the tiny model.")
+
+
+class LoraConfig(StrictModel):
+    """LoRA through peft. The stage's output is a merged, loadable model unless `keep_adapter`."""
+
+    enabled: bool = Field(False, description="Train LoRA adapters instead of all weights.")
+    r: int = Field(16, ge=1, description="Adapter rank (peft LoraConfig.r).")
+    lora_alpha: int = Field(32, ge=1, description="Adapter scaling numerator (peft LoraConfig.lora_alpha).")
+    lora_dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the adapter input.")
+    target_modules: str | list[str] = Field("all-linear", description="Modules that get adapters ('all-linear' or names).")
+    keep_adapter: bool = Field(
+        False,
+        description="Save the adapter alone (adapter_model.safetensors) instead of merging it; later stages then need the base model by hub id or path.",
+    )
+
+    def peft_config(self, task_type: str = "CAUSAL_LM"):
+        """A peft.LoraConfig, or None when LoRA is off."""
+        if not self.enabled:
+            return None
+        import peft
+
+        return peft.LoraConfig(
+            r=self.r,
+            lora_alpha=self.lora_alpha,
+            lora_dropout=self.lora_dropout,
+            target_modules=self.target_modules,
+            task_type=task_type,
+        )
+
+
+MANAGED_ARGUMENTS = frozenset({"output_dir", "report_to", "use_cpu", "save_only_model", "activation_checkpointing"})
+"""TRL arguments the pipeline sets itself: overriding them would break resume, the device choice or tracking."""
+
+
+def trl_config_fields(name: str) -> set[str]:
+    """The fields of a TRL config class (imported only when a stage has overrides to check)."""
+    import dataclasses
+
+    import trl
+
+    return {field.name for field in dataclasses.fields(getattr(trl, name))}
+
+
+class TrainingConfig(StrictModel):
+    """Fields shared by the TRL-backed stages; names follow transformers' TrainingArguments."""
+
+    learning_rate: float = Field(2e-5, gt=0, description="Peak learning rate (AdamW).")
+    max_steps: int = Field(500, ge=1, description="Optimizer steps to train for.")
+    per_device_train_batch_size: int = Field(8, ge=1, description="Examples per device per forward pass.")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="Forward passes per optimizer step.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = Field("linear", description="Learning-rate schedule after warm-up.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    max_length: int = Field(1024, ge=8, description="Longest tokenized sequence; longer ones are truncated or dropped (TRL's rule per trainer).")
+    logging_steps: int = Field(10, ge=1, description="Log metrics every this many steps.")
+    save_steps: int = Field(200, ge=1, description="Checkpoint every this many steps; a retried stage resumes from the newest.")
+    seed: int = Field(42, description="Seed for data order and dropout.")
+    bf16: bool | None = Field(None, description="Train in bfloat16. None: on when a CUDA device supports it.")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters (peft).")
+    trl_overrides: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Any other argument of the TRL config of this stage, passed through unchanged (not one this block declares).",
+    )
+
+    trl_config: ClassVar[str] = ""
+    """The TRL config class the stage builds (`SFTConfig`...): `trl_overrides` may only name its fields."""
+
+    @model_validator(mode="after")
+    def _honest_overrides(self):
+        """A key that shadows a declared field would be silently overwritten or overwrite it; a key TRL does not
+        have would fail only when the weights are loaded. Both fail here, with the field to use."""
+        if not self.trl_overrides:
+            return self
+        shadowed = sorted(set(self.trl_overrides) & (set(type(self).model_fields) | MANAGED_ARGUMENTS))
+        if shadowed:
+            managed = [key for key in shadowed if key in MANAGED_ARGUMENTS]
+            raise ValueError(
+                f"trl_overrides sets {shadowed}: "
+                + "; ".join(f"{key!r} is this block's field `{key}`: set it there" for key in shadowed if key not in managed)
+                + "".join(
+                    f"{'; ' if len(shadowed) > len(managed) else ''}{key!r} is managed by the pipeline (checkpoints, device, tracking)" for key in managed
+                )
+            )
+        if self.trl_config:
+            known = trl_config_fields(self.trl_config)
+            unknown = sorted(set(self.trl_overrides) - known)
+            if unknown:
+                close = {key: difflib.get_close_matches(key, known, n=1) for key in unknown}
+                hints = ", ".join(f"{key!r}" + (f" (did you mean {match[0]!r}?)" if match else "") for key, match in close.items())
+                raise ValueError(f"trl_overrides names {hints}, which trl.{self.trl_config} does not have")
+        return self
+
+    def row_token_limit(self) -> int:
+        """The most tokens one row of the datasets this stage reads may take (the data stage checks it)."""
+        return self.max_length
+
+    def trl_arguments(self, work_dir: Path) -> dict[str, Any]:
+        """Keyword arguments shared by every TRL config (SFTConfig, RewardConfig, DPOConfig...)."""
+        import torch
+
+        cuda = torch.cuda.is_available()
+        bf16 = self.bf16 if self.bf16 is not None else (cuda and torch.cuda.is_bf16_supported())
+        return {
+            "output_dir": str(work_dir),
+            "learning_rate": self.learning_rate,
+            "max_steps": self.max_steps,
+            "per_device_train_batch_size": self.per_device_train_batch_size,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "warmup_steps": self.warmup_steps,
+            "lr_scheduler_type": self.lr_scheduler_type,
+            "weight_decay": self.weight_decay,
+            "max_grad_norm": self.max_grad_norm,
+            "logging_steps": self.logging_steps,
+            "save_steps": self.save_steps,
+            "save_total_limit": 2,
+            "seed": self.seed,
+            "bf16": bf16,
+            "use_cpu": not cuda,
+            # TRL turns checkpointing on by default; it made tiny SFT ~47% slower (DESIGN.md).
+            # `activation_checkpointing` is transformers 5's name for `gradient_checkpointing`.
+            "activation_checkpointing": False,
+            "report_to": "none",
+            "save_only_model": False,
+            **self.trl_overrides,
+        }
+
+
+# --- loading and saving -----------------------------------------------------------
+
+
+def load_tokenizer(source: str | Path, revision: str | None = None, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """The tokenizer of a model folder or hub id (the base model's: `trainers.base.load_base_tokenizer`)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(source), revision=revision, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_causal_lm(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A model written by an earlier stage (`<artifact>/model`)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), use_safetensors=True), load_tokenizer(path)
+
+
+def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: Path, keep_adapter: bool = False) -> Path:
+    """Save weights (safetensors) and tokenizer; a peft model is merged first unless `keep_adapter`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if hasattr(model, "merge_and_unload") and not keep_adapter:
+        model = model.merge_and_unload()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def load_split(data_dir: Path, name: str):
+    """One dataset written by the `data` stage (`<data artifact>/datasets/<name>.parquet`)."""
+    from datasets import Dataset
+
+    return Dataset.from_parquet(str(data_dir / "datasets" / f"{name}.parquet"))
+
+
+COMPLETE = "checkpoint.complete"
+"""Written into a checkpoint folder once the trainer has saved all of it (weights, optimizer,
+scheduler, RNG, trainer state): a folder without it was being written when the process died."""
+
+
+def last_checkpoint(work_dir: Path) -> str | None:
+    """Newest complete `checkpoint-N` folder, or None; half-written ones (no COMPLETE marker) are never used."""
+    if not work_dir.is_dir():
+        return None
+    done = [p for p in work_dir.glob("checkpoint-*") if p.name.split("-")[-1].isdigit() and (p / COMPLETE).is_file()]
+    return str(max(done, key=lambda p: int(p.name.split("-")[-1]))) if done else None
+
+
+# --- metrics ----------------------------------------------------------------------
+
+
+def metric_name(stage: str, key: str) -> str:
+    """TRL's `loss`, `eval_loss`, `rewards/chosen`, `train_runtime` -> `<stage>/<split>/<name>`."""
+    if key == "train_loss":  # the end-of-training average; `loss` is the per-step value
+        return f"{stage}/train/loss_average"
+    split = "train"
+    for prefix in ("eval_", "train_"):
+        if key.startswith(prefix):
+            split, key = prefix[:-1], key[len(prefix) :]
+    return f"{stage}/{split}/{re.sub(r'[^A-Za-z0-9_.-]+', '_', key)}"
+
+
+PROGRESS = logging.getLogger("rlhf_pipeline.trainers.progress")
+"""Progress lines ("sft: step 40/300 (13%) ... eta 1m20s"); `trainers` is one of Prefect's extra loggers, so they reach the UI."""
+PROGRESS.setLevel(logging.INFO)
+
+
+class Progress:
+    """Step counter with rate and ETA, logged every time a stage logs metrics."""
+
+    def __init__(self, stage: str, total: int, start_step: int = 0):
+        self.stage, self.total, self.start_step, self.started = stage, total, start_step, time.monotonic()
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        elapsed = time.monotonic() - self.started
+        done = step - self.start_step
+        eta = elapsed / done * (self.total - step) if done > 0 else float("nan")
+        shown = " ".join(f"{k.rsplit('/', 1)[-1]}={v:.4g}" for k, v in list(values.items())[:4])
+        PROGRESS.info(f"{self.stage}: step {step}/{self.total} ({step / max(self.total, 1):.0%}) {shown} elapsed {_duration(elapsed)} eta {_duration(eta)}")
+
+
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
+
+
+def stage_callbacks(stage: str, log_metrics: LogMetrics | None) -> list:
+    """The TrainerCallbacks of every TRL stage: metrics and progress, and complete-checkpoint markers."""
+    from transformers import TrainerCallback
+
+    class MarkComplete(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            # Called after the trainer wrote the whole checkpoint (and rotated old ones).
+            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            if folder.is_dir() and state.is_world_process_zero:
+                (folder / COMPLETE).write_text(f"{state.global_step}\n")
+
+    return [metrics_callback(stage, log_metrics), MarkComplete()]
+
+
+def metrics_callback(stage: str, log_metrics: LogMetrics | None):
+    """A transformers TrainerCallback that forwards every log line as namespaced metrics and logs progress."""
+    from transformers import TrainerCallback
+
+    class ForwardMetrics(TrainerCallback):
+        progress: Progress | None = None
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.progress = Progress(stage, state.max_steps, state.global_step)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if not logs or not state.is_world_process_zero:
+                return
+            values = {metric_name(stage, k): float(v) for k, v in logs.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+            if self.progress is not None and "train_runtime" not in logs:  # not the closing summary
+                self.progress.log(state.global_step, values)
+            if values and log_metrics is not None:
+                log_metrics(values, state.global_step)
+
+    return ForwardMetrics()
+
+
+def final_train_metrics(stage: str, trainer) -> dict[str, float]:
+    """The last logged training values (loss etc.) from the trainer's history."""
+    merged: dict[str, float] = {}
+    for entry in trainer.state.log_history:
+        for k, v in entry.items():
+            if isinstance(v, (int, float)) and k not in ("step", "epoch") and math.isfinite(v):
+                merged[metric_name(stage, k)] = float(v)
+    return merged

@@ -1,0 +1,74 @@
+"""Direct preference optimisation with TRL's DPOTrainer (every TRL loss type).
+
+The reference model is the SFT model itself (TRL copies it when none is given).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from pydantic import Field, model_validator
+
+from rlhf_pipeline.trainers.common import LogMetrics, TrainingConfig
+
+DpoLoss = Literal[
+    "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+    "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm",
+]  # fmt: skip
+
+
+class DpoConfig(TrainingConfig):
+    trl_config: ClassVar[str] = "DPOConfig"
+    learning_rate: float = Field(1e-6, gt=0, description="Peak learning rate (TRL DPOConfig default 1e-6).")
+    beta: float = Field(0.1, gt=0, description="KL strength to the reference model (TRL DPOConfig.beta).")
+    loss_type: list[DpoLoss] = Field(
+        default_factory=lambda: ["sigmoid"],
+        min_length=1,
+        description="TRL DPO loss types; several are summed with `loss_weights` (e.g. ['sigmoid', 'sft'] for RPO).",
+    )
+    loss_weights: list[float] | None = Field(None, description="One weight per loss type; None: all 1.0.")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="Assumed label noise (cDPO / robust loss).")
+
+    @model_validator(mode="after")
+    def _weights_match_losses(self):
+        if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_type):
+            raise ValueError(
+                f"loss_weights has {len(self.loss_weights)} entries but loss_type has {len(self.loss_type)} ({self.loss_type}): give one weight per loss type"
+            )
+        return self
+
+
+def train(
+    cfg: DpoConfig,
+    sft_model: Path,
+    data_dir: Path,
+    out_dir: Path,
+    work_dir: Path,
+    log_metrics: LogMetrics | None = None,
+) -> dict[str, float]:
+    import trl
+
+    from rlhf_pipeline.trainers.common import final_train_metrics, last_checkpoint, load_causal_lm, load_split, save_model, stage_callbacks
+
+    # The TRL config first: a combination TRL refuses fails before any weights load.
+    args = trl.DPOConfig(
+        **cfg.trl_arguments(work_dir),
+        max_length=cfg.max_length,
+        beta=cfg.beta,
+        loss_type=list(cfg.loss_type),
+        loss_weights=cfg.loss_weights,
+        label_smoothing=cfg.label_smoothing,
+    )
+    policy, tokenizer = load_causal_lm(sft_model)
+    trainer = trl.DPOTrainer(
+        model=policy,
+        args=args,
+        train_dataset=load_split(data_dir, "preference"),
+        processing_class=tokenizer,
+        peft_config=cfg.lora.peft_config(),
+        callbacks=stage_callbacks("dpo", log_metrics),
+    )
+    trainer.train(resume_from_checkpoint=last_checkpoint(work_dir))
+    save_model(trainer.model, tokenizer, out_dir / "model", keep_adapter=cfg.lora.keep_adapter)
+    return final_train_metrics("dpo", trainer)

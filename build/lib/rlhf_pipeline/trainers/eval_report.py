@@ -1,0 +1,45 @@
+"""The eval stage's files: summary (JSON + markdown), a samples table and plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def write_report(out_dir: Path, num_samples: int, prompts, answers, completions, correct, rewards, metrics, warnings, accuracy, win_rates) -> None:
+    from rlhf_pipeline.trainers import plots
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "summary.json").write_text(json.dumps({"metrics": metrics, "warnings": warnings}, indent=2, sort_keys=True))
+    with open(out_dir / "samples.jsonl", "w", encoding="utf-8") as f:
+        for i in range(min(num_samples, len(prompts))):
+            row: dict[str, Any] = {"prompt": prompts[i], "answer": answers[i]}
+            for name, outputs in completions.items():
+                row[name] = outputs[i]
+                row[f"{name}_correct"] = correct[name][i]
+                if name in rewards:
+                    row[f"{name}_reward"] = round(rewards[name][i], 4)
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    (out_dir / "summary.md").write_text(summary_markdown(metrics, warnings))
+    figures = out_dir / "plots"
+    figures.mkdir(exist_ok=True)
+    plots.accuracy_bars(accuracy, figures / "exact_match.png")
+    if rewards:
+        plots.reward_distributions(rewards, figures / "reward_distributions.png")
+    if win_rates:
+        plots.win_rate_bars(win_rates, figures / "win_rates.png", title="Win rate judged by the reward model")
+
+
+def summary_markdown(metrics: dict[str, float], warnings: list[str]) -> str:
+    """One row per metric, with its 95% interval where there is one."""
+    lines = ["| metric | value | 95% interval |", "|---|---|---|"]
+    for name in sorted(metrics):
+        if name.endswith(("_low", "_high")):
+            continue
+        low, high = metrics.get(f"{name}_low"), metrics.get(f"{name}_high")
+        interval = f"[{low:.3f}, {high:.3f}]" if low is not None and high is not None else ""
+        lines.append(f"| `{name}` | {metrics[name]:.4f} | {interval} |")
+    if warnings:
+        lines += ["", "**Warnings**", ""] + [f"- {w}" for w in warnings]
+    return "\n".join(lines) + "\n"

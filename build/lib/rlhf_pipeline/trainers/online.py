@@ -1,0 +1,92 @@
+"""What GRPO and RLOO share: group sampling settings and the TRL training call.
+
+Both sample `num_generations` completions per prompt, score them with the
+rewards of `trainers/rewards.py` and push up the better ones relative to the
+group (GRPO: Shao et al. 2024, eq. 3; RLOO: Ahmadian et al. 2024, eq. 5).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from rlhf_pipeline.trainers.common import LogMetrics, TrainingConfig
+from rlhf_pipeline.trainers.rewards import RewardsConfig
+
+
+class OnlineConfig(TrainingConfig):
+    learning_rate: float = Field(1e-6, gt=0, description="Peak learning rate (TRL GRPO/RLOO default 1e-6).")
+    per_device_train_batch_size: int = Field(8, ge=1, description="Completions (not prompts) per device per step.")
+    num_generations: int = Field(8, ge=2, description="Completions sampled per prompt (the group).")
+    max_completion_length: int = Field(256, ge=1, description="Longest sampled completion, in tokens.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the rollouts.")
+    num_iterations: int = Field(1, ge=1, description="Optimisation passes over each generated batch (mu).")
+    epsilon: float = Field(0.2, gt=0, description="Clipping range of the policy ratio.")
+
+    @model_validator(mode="after")
+    def _group_fits_the_batch(self):
+        generation_batch = self.per_device_train_batch_size * self.gradient_accumulation_steps
+        if generation_batch % self.num_generations:
+            raise ValueError(
+                f"num_generations={self.num_generations} must divide the generation batch "
+                f"per_device_train_batch_size * gradient_accumulation_steps = "
+                f"{self.per_device_train_batch_size} * {self.gradient_accumulation_steps} = {generation_batch}"
+            )
+        return self
+
+    def row_token_limit(self) -> int:
+        """A prompt must leave room for the completion in max_length."""
+        return self.max_length - self.max_completion_length
+
+    def trl_kwargs(self) -> dict[str, Any]:
+        """Fields specific to the algorithm (each subclass adds its own)."""
+        return {}
+
+
+def train(
+    stage: str,
+    cfg: OnlineConfig,
+    rewards: RewardsConfig,
+    sft_model: Path,
+    reward_model: Path | None,
+    data_dir: Path,
+    out_dir: Path,
+    work_dir: Path,
+    log_metrics: LogMetrics | None = None,
+) -> dict[str, float]:
+    """Train with TRL's GRPOTrainer (`stage="grpo"`) or RLOOTrainer (`stage="rloo"`) on `prompts`."""
+    import trl
+
+    from rlhf_pipeline.trainers.common import final_train_metrics, last_checkpoint, load_causal_lm, load_split, save_model, stage_callbacks
+    from rlhf_pipeline.trainers.rewards import trl_reward_funcs
+
+    trainer_cls, config_cls = {"grpo": (trl.GRPOTrainer, trl.GRPOConfig), "rloo": (trl.RLOOTrainer, trl.RLOOConfig)}[stage]
+    prompts = load_split(data_dir, "prompts")
+    # Reward functions are imported and called on a sample before the first step.
+    reward_funcs, reward_weights = trl_reward_funcs(rewards, reward_model, prompts[:4])
+    # The TRL config first: a combination TRL refuses fails before any weights load.
+    args = config_cls(
+        **cfg.trl_arguments(work_dir),
+        num_generations=cfg.num_generations,
+        max_completion_length=cfg.max_completion_length,
+        temperature=cfg.temperature,
+        num_iterations=cfg.num_iterations,
+        epsilon=cfg.epsilon,
+        reward_weights=reward_weights,
+        **cfg.trl_kwargs(),
+    )
+    policy, tokenizer = load_causal_lm(sft_model)
+    trainer = trainer_cls(
+        model=policy,
+        reward_funcs=reward_funcs,
+        args=args,
+        train_dataset=prompts,
+        processing_class=tokenizer,
+        peft_config=cfg.lora.peft_config(),
+        callbacks=stage_callbacks(stage, log_metrics),
+    )
+    trainer.train(resume_from_checkpoint=last_checkpoint(work_dir))
+    save_model(trainer.model, tokenizer, out_dir / "model", keep_adapter=cfg.lora.keep_adapter)
+    return final_train_metrics(stage, trainer)

@@ -1,0 +1,425 @@
+"""Proximal policy optimisation for RLHF, written here from the papers (TRL removed its PPOTrainer in 1.13).
+
+One update: sample a batch of completions -> score them -> per-token rewards with a KL penalty
+-> GAE -> `num_ppo_epochs` passes of clipped policy and value losses over `num_mini_batches`.
+The math is in small pure functions on tensors; `train` reads top to bottom. References:
+PPO: Schulman et al. 2017; GAE: Schulman et al. 2016; InstructGPT: Ouyang et al. 2022;
+N+: Huang et al. 2024, "The N+ Implementation Details of RLHF with PPO" (§4 general, §7 PPO details).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import Field, model_validator
+
+from rlhf_pipeline.trainers.common import COMPLETE, LogMetrics, LoraConfig, Progress, StrictModel
+from rlhf_pipeline.trainers.rewards import RewardsConfig
+
+if TYPE_CHECKING:
+    import torch
+
+
+class PpoConfig(StrictModel):
+    """Field names follow TRL's old PPOConfig, so scripts written for it carry over."""
+
+    learning_rate: float = Field(3e-6, gt=0, description="Peak AdamW learning rate, shared by policy and value model (TRL PPOConfig default 3e-6).")
+    lr_scheduler_type: Literal["linear", "constant"] = Field("linear", description="'linear': anneal to 0 over the updates (TRL's default); 'constant'.")
+    total_episodes: int | None = Field(None, ge=1, description="Prompts rolled out in all; None: one pass over the `prompts` split.")
+    per_device_train_batch_size: int = Field(
+        64,
+        ge=1,
+        description="Prompts rolled out per update (one completion each). Unlike TRL's old PPOTrainer it is the whole rollout batch, split into `num_mini_batches`.",
+    )
+    num_mini_batches: int = Field(1, ge=1, description="Optimizer steps per PPO epoch; each takes per_device_train_batch_size / num_mini_batches rollouts.")
+    num_ppo_epochs: int = Field(4, ge=1, description="Passes over each rollout batch.")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount factor of GAE.")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda: bias (0) vs variance (1) of the advantage estimate.")
+    cliprange: float = Field(0.2, gt=0, lt=1, description="Policy ratio clip epsilon (PPO eq. 7).")
+    cliprange_value: float = Field(0.2, gt=0, description="How far a value prediction may move from its rollout value before the loss is clipped.")
+    vf_coef: float = Field(0.1, ge=0, description="Weight of the value loss in the summed loss.")
+    kl_coef: float = Field(0.05, ge=0, description="Per-token KL penalty to the reference policy (InstructGPT's beta).")
+    whiten_rewards: bool = Field(False, description="Rescale the per-token rewards to unit variance before GAE (mean kept).")
+    missing_eos_penalty: float | None = Field(None, ge=0, description="Subtracted from the score of a completion that ends without EOS; None: no penalty.")
+    response_length: int = Field(53, ge=1, description="Most new tokens sampled per completion.")
+    temperature: float = Field(0.7, gt=0, description="Sampling temperature; log-probabilities are computed at the same temperature.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm (policy and value parameters together).")
+    seed: int = Field(42, description="Seed for prompt order, sampling and mini-batch order.")
+    logging_steps: int = Field(10, ge=1, description="Log metrics (averaged over the window) every this many updates.")
+    save_steps: int = Field(100, ge=1, description="Checkpoint every this many updates; a re-run resumes from the newest.")
+    bf16: bool | None = Field(None, description="bfloat16 autocast. None: on when a CUDA device supports it.")
+    num_threads: int | None = Field(
+        None, ge=1, description="torch CPU threads while training (restored after); None: torch's default. Small models on a busy CPU run fastest with 1."
+    )
+    save_value_model: bool = Field(False, description="Also write the trained value model to `value_model/` beside the policy.")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters on the policy (peft); the reference is the policy with adapters disabled.")
+
+    @model_validator(mode="after")
+    def _batches_fit(self):
+        batch, minis = self.per_device_train_batch_size, self.num_mini_batches
+        if batch % minis:
+            raise ValueError(
+                f"per_device_train_batch_size={batch} must be divisible by num_mini_batches={minis} (mini-batches of {batch / minis:.2f} rollouts)"
+            )
+        if self.total_episodes is not None and self.total_episodes < batch:
+            raise ValueError(f"total_episodes={self.total_episodes} is less than one rollout batch (per_device_train_batch_size={batch}): no update would run")
+        return self
+
+    def num_updates(self, num_prompts: int) -> int:
+        return (self.total_episodes or num_prompts) // self.per_device_train_batch_size
+
+
+# --- the math: pure functions on [batch, response tokens] tensors -----------------
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """Mean 0, (population) std 1 over the real tokens, padding 0; shift_mean=False only rescales (reward whitening, N+ §7)."""
+    import torch
+
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    out = (x - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        out = out + mean
+    return out * mask
+
+
+def kl_shaped_rewards(scores, logprobs, ref_logprobs, mask, kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """InstructGPT eq. 2, r(x, y) - beta * log(pi_RL / pi_SFT), spread over tokens as in N+ §7:
+    -kl_coef * (logp - ref_logp) on every real token, plus the score on the last one (EOS). Returns (rewards, kl)."""
+    import torch
+
+    kl = (logprobs - ref_logprobs) * mask
+    rewards = -kl_coef * kl
+    last = (mask.sum(1).long() - 1).clamp(min=0)  # mask is a prefix: the response up to and including EOS
+    rewards[torch.arange(len(scores), device=rewards.device), last] += scores
+    return rewards, kl
+
+
+def compute_gae(rewards, values, mask, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE, Schulman et al. 2016 eq. 16: A_t = sum_l (gamma lam)^l delta_{t+l}, delta_t = r_t + gamma V_{t+1} - V_t.
+    The episode ends at the last real token (V = r = 0 after it). Returns (advantages, returns = A + V)."""
+    import torch
+
+    rewards, values = rewards * mask, values * mask
+    advantages = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        next_value = values[:, t + 1] if t + 1 < rewards.shape[1] else 0.0
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        running = delta + gamma * lam * running
+        advantages[:, t] = running
+    advantages = advantages * mask
+    return advantages, (advantages + values) * mask
+
+
+def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Schulman et al. 2017 eq. 7 (negated, mean over real tokens). Returns (loss, clipfrac: share of tokens
+    where the clipped term binds, approx_kl: 0.5 E[(log ratio)^2], Schulman's k2 as CleanRL and TRL report it)."""
+    import torch
+
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange)
+    loss = masked_mean(torch.max(unclipped, clipped), mask)
+    clipfrac = masked_mean((clipped > unclipped).float(), mask)
+    approx_kl = 0.5 * masked_mean(log_ratio**2, mask)
+    return loss, clipfrac.detach(), approx_kl.detach()
+
+
+def value_loss(values, old_values, returns, mask, cliprange_value: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """0.5 max((V - R)^2, (clip(V, V_old +- c) - R)^2), mean over real tokens (N+ §7, as OpenAI's PPO2).
+    Returns (loss, clipfrac: share of tokens where the clipped error is the larger)."""
+    import torch
+
+    clipped_values = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
+    unclipped_error, clipped_error = (values - returns) ** 2, (clipped_values - returns) ** 2
+    loss = 0.5 * masked_mean(torch.max(unclipped_error, clipped_error), mask)
+    return loss, masked_mean((clipped_error > unclipped_error).float(), mask).detach()
+
+
+# --- model plumbing ------------------------------------------------------------------
+
+
+def _sample(policy, prompt_ids: list[list[int]], cfg: PpoConfig, pad_id: int, eos_id: int, device) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """Left-padded prompts (N+ §4) -> inputs for prompt + completion, completion mask, whether each ended with EOS.
+    No top-k/top-p: we sample from exactly the distribution whose log-probs we compute. After EOS: padding (N+ §4)."""
+    import torch
+
+    width = max(map(len, prompt_ids))
+    queries = torch.tensor([[pad_id] * (width - len(x)) + x for x in prompt_ids], device=device)
+    query_mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in prompt_ids], device=device)
+    generated = policy.generate(
+        input_ids=queries, attention_mask=query_mask, do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0,
+        max_new_tokens=cfg.response_length, pad_token_id=pad_id, eos_token_id=eos_id,
+    )  # fmt: skip
+    responses = generated[:, width:]
+    is_eos = responses == eos_id
+    has_eos = is_eos.any(1)
+    first_eos = torch.where(has_eos, is_eos.int().argmax(1), responses.shape[1])
+    mask = torch.arange(responses.shape[1], device=device)[None, :] <= first_eos[:, None]
+    attention_mask = torch.cat([query_mask, mask.long()], 1)
+    inputs = {
+        "input_ids": torch.cat([queries, responses.masked_fill(~mask, pad_id)], 1),
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),  # as `generate` numbers left-padded rows
+    }
+    return inputs, mask.float(), has_eos
+
+
+def _response_logprobs(model, inputs: dict, width: int, temperature: float, with_entropy: bool = False):
+    """Log-probabilities of the last `width` (completion) tokens, and their entropy; logits are divided by the
+    sampling temperature (N+ §7), or the ratios and KL would describe another policy than the one sampled."""
+    import torch
+
+    logp_all = torch.log_softmax(model(**inputs, logits_to_keep=width + 1).logits[:, :-1].float() / temperature, dim=-1)
+    logprobs = logp_all.gather(-1, inputs["input_ids"][:, -width:, None]).squeeze(-1)
+    return logprobs, (-(logp_all.exp() * logp_all).sum(-1) if with_entropy else None)
+
+
+def _response_values(value_model, inputs: dict, width: int):
+    """The reward model's backbone and scalar head on every token (InstructGPT §3.5; N+ §7): the value
+    of the state before completion token t is read at the position just before it."""
+    hidden = value_model.base_model(**inputs).last_hidden_state
+    return value_model.score(hidden[:, -width - 1 : -1]).squeeze(-1).float()
+
+
+@contextlib.contextmanager
+def _cpu_threads(num_threads: int | None):
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads or previous)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+# --- checkpoints -------------------------------------------------------------------------
+
+
+def _trainable(model) -> dict[str, torch.Tensor]:
+    """Trained weights only: all of them for full fine-tuning, the adapters under LoRA (tied weights once)."""
+    return {name: p.detach().contiguous().cpu() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def _save_checkpoint(work_dir: Path, update: int, policy, value_model, optimizer, state: dict) -> None:
+    """Written into a hidden sibling and renamed into place when complete (with the COMPLETE marker
+    `last_checkpoint` wants), so a half-written one is never used. Keeps the two newest."""
+    import numpy as np
+    import torch
+    from safetensors.torch import save_file
+
+    final, tmp = work_dir / f"checkpoint-{update}", work_dir / f".checkpoint-{update}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(_trainable(policy), tmp / "policy.safetensors")
+    save_file(_trainable(value_model), tmp / "value_model.safetensors")
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    torch.save(rng, tmp / "rng.pt")
+    (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+    (tmp / COMPLETE).write_text(f"{update}\n")
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    done = sorted((p for p in work_dir.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()), key=lambda p: int(p.name.split("-")[-1]))
+    for old in done[:-2]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _load_checkpoint(checkpoint: Path, policy, value_model, optimizer) -> dict:
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file
+
+    for model, name in ((policy, "policy"), (value_model, "value_model")):
+        weights = load_file(checkpoint / f"{name}.safetensors")
+        if set(weights) != {n for n, p in model.named_parameters() if p.requires_grad}:
+            raise ValueError(f"{checkpoint / name}.safetensors does not hold this model's trained weights (was the config, e.g. lora, changed?)")
+        model.load_state_dict(weights, strict=False)
+    optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=True))
+    rng = torch.load(checkpoint / "rng.pt", weights_only=False)  # our own file; python/numpy states are tuples
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return json.loads((checkpoint / "trainer_state.json").read_text())
+
+
+# --- training ------------------------------------------------------------------------
+
+
+def train(
+    cfg: PpoConfig,
+    rewards: RewardsConfig,
+    sft_model: Path,
+    reward_model: Path | None,
+    data_dir: Path,
+    out_dir: Path,
+    work_dir: Path,
+    log_metrics: LogMetrics | None = None,
+) -> dict[str, float]:
+    """Write the trained policy to `out_dir/model` (merged under LoRA unless keep_adapter); return the last logged metrics.
+
+    Metrics, `ppo/train/<name>`: reward (the weighted score PPO optimises), reward_<component> (each reward's raw
+    mean: `reward_model`, `reward_<function name>`), kl, entropy, policy_loss, value_loss, clipfrac, approx_kl,
+    value_clipfrac, response_length, missing_eos (share without EOS), learning_rate.
+    """
+    import numpy as np
+    import torch
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhf_pipeline.trainers.common import last_checkpoint, load_causal_lm, load_split, save_model
+    from rlhf_pipeline.trainers.rewards import RewardScorer
+    from rlhf_pipeline.trainers.text import prompt_ids as render_prompt
+
+    # Fail on the config and the data before any model is loaded.
+    if rewards.uses_reward_model and reward_model is None:
+        raise ValueError(f"rewards.reward_model_weight={rewards.reward_model_weight} but no reward model was given")
+    dataset = load_split(data_dir, "prompts")
+    if "prompt" not in dataset.column_names:
+        raise ValueError(f"prompts has no 'prompt' column (columns: {dataset.column_names})")
+    batch_size, mini_batch_size = cfg.per_device_train_batch_size, cfg.per_device_train_batch_size // cfg.num_mini_batches
+    if len(dataset) < batch_size:
+        raise ValueError(f"prompts has {len(dataset)} rows, fewer than per_device_train_batch_size={batch_size}")
+    num_updates = cfg.num_updates(len(dataset))
+    prompts = dataset["prompt"]
+    columns = {name: dataset[name] for name in dataset.column_names if name != "prompt"}
+
+    def completions(texts: list[str], rows: list[int]) -> list:  # messages for conversational prompts, as TRL passes them
+        return [[{"role": "assistant", "content": t}] if isinstance(prompts[i], list) else t for t, i in zip(texts, rows)]
+
+    # A broken reward function fails here, with its name, before the policy is even loaded.
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    scorer = RewardScorer(rewards, reward_model, device)
+    sample = list(range(min(4, len(dataset))))
+    scorer.check([prompts[i] for i in sample], completions(["0"] * len(sample), sample), {k: [v[i] for i in sample] for k, v in columns.items()})
+
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    policy, tokenizer = load_causal_lm(sft_model)
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    reference = None  # under LoRA the reference is the policy with its adapters disabled
+    if cfg.lora.enabled:
+        import peft
+
+        policy = peft.get_peft_model(policy, cfg.lora.peft_config())
+    else:
+        reference = load_causal_lm(sft_model)[0].requires_grad_(False)
+    # Value model: the reward model, trained on (InstructGPT §3.5, N+ §7); else the SFT model with a fresh scalar head.
+    value_model = AutoModelForSequenceClassification.from_pretrained(str(reward_model or sft_model), num_labels=1, use_safetensors=True)
+    value_model.config.pad_token_id = pad_id
+    for model in (policy, reference, value_model):  # eval(): dropout off (N+ §4), so rollout and update log-probs agree
+        if model is not None:
+            model.to(device).eval()
+    params = [p for m in (policy, value_model) for p in m.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, eps=1e-5, weight_decay=0.0)  # eps 1e-5 as in CleanRL / N+ code
+    bf16 = cfg.bf16 if cfg.bf16 is not None else (device.type == "cuda" and torch.cuda.is_bf16_supported())
+    autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)  # noqa: E731
+
+    state = {"update": 0, "data_epoch": 0, "data_index": 0, "metrics": {}}
+    if checkpoint := last_checkpoint(work_dir):
+        state = _load_checkpoint(Path(checkpoint), policy, value_model, optimizer)
+    for stale in work_dir.glob(".checkpoint-*.tmp") if work_dir.is_dir() else []:
+        shutil.rmtree(stale, ignore_errors=True)
+    prompt_ids = [render_prompt(tokenizer, p) for p in prompts]
+
+    def next_rows() -> list[int]:
+        """The next batch of a per-epoch shuffle; (data_epoch, data_index) is the iterator's position."""
+        if state["data_index"] + batch_size > len(dataset):
+            state["data_epoch"], state["data_index"] = state["data_epoch"] + 1, 0
+        order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(cfg.seed + state["data_epoch"]))
+        state["data_index"] += batch_size
+        return order[state["data_index"] - batch_size : state["data_index"]].tolist()
+
+    window: dict[str, list[float]] = {}
+    metrics: dict[str, float] = state["metrics"]
+    progress = tqdm(range(state["update"] + 1, num_updates + 1), initial=state["update"], total=num_updates, desc="ppo", unit="update")
+    progress_log = Progress("ppo", num_updates, state["update"])
+    with _cpu_threads(cfg.num_threads), progress:
+        for update in progress:
+            lr = cfg.learning_rate * (1 - (update - 1) / num_updates if cfg.lr_scheduler_type == "linear" else 1.0)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            rows = next_rows()
+
+            # 1. Roll out, score, and turn the scores into per-token advantages.
+            with torch.no_grad(), autocast():
+                inputs, mask, has_eos = _sample(policy, [prompt_ids[i] for i in rows], cfg, pad_id, eos_id, device)
+                width = mask.shape[1]
+                logprobs, entropy = _response_logprobs(policy, inputs, width, cfg.temperature, with_entropy=True)
+                with policy.disable_adapter() if reference is None else contextlib.nullcontext():
+                    ref_logprobs, _ = _response_logprobs(policy if reference is None else reference, inputs, width, cfg.temperature)
+                values = _response_values(value_model, inputs, width)
+                texts = tokenizer.batch_decode(inputs["input_ids"][:, -width:], skip_special_tokens=True)
+                total, components = scorer([prompts[i] for i in rows], completions(texts, rows), {k: [v[i] for i in rows] for k, v in columns.items()})
+                scores = torch.tensor(total, device=device, dtype=torch.float)
+                if cfg.missing_eos_penalty is not None:  # N+ §7: a completion that never ends is penalised
+                    scores = scores - cfg.missing_eos_penalty * (~has_eos).float()
+                token_rewards, kl = kl_shaped_rewards(scores, logprobs, ref_logprobs, mask, cfg.kl_coef)
+                if cfg.whiten_rewards:
+                    token_rewards = whiten(token_rewards, mask, shift_mean=False)
+                advantages, returns = compute_gae(token_rewards, values, mask, cfg.gamma, cfg.lam)
+                advantages = whiten(advantages, mask)  # advantage normalisation (N+ §7)
+
+            # 2. `num_ppo_epochs` passes over shuffled mini-batches (Schulman et al. 2017, Algorithm 1).
+            stats: dict[str, list[float]] = {"policy_loss": [], "value_loss": [], "clipfrac": [], "approx_kl": [], "value_clipfrac": []}
+            for _ in range(cfg.num_ppo_epochs):
+                for idx in torch.randperm(batch_size, device=device).split(mini_batch_size):
+                    mini = {k: v[idx] for k, v in inputs.items()}
+                    with autocast():
+                        new_logprobs, _ = _response_logprobs(policy, mini, width, cfg.temperature)
+                        new_values = _response_values(value_model, mini, width)
+                    pg_loss, clipfrac, approx_kl = policy_loss(new_logprobs, logprobs[idx], advantages[idx], mask[idx], cfg.cliprange)
+                    vf_loss, vf_clipfrac = value_loss(new_values, values[idx], returns[idx], mask[idx], cfg.cliprange_value)
+                    optimizer.zero_grad(set_to_none=True)
+                    (pg_loss + cfg.vf_coef * vf_loss).backward()
+                    torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+                    optimizer.step()
+                    for name, value in zip(stats, (pg_loss, vf_loss, clipfrac, approx_kl, vf_clipfrac)):
+                        stats[name].append(value.item())
+
+            # 3. Metrics (averaged over the `logging_steps` window) and checkpoints.
+            current = {
+                "reward": scores.mean().item(),
+                "kl": kl.sum(1).mean().item(),  # KL(policy || reference) per completion, k1 estimate as N+ §7 reports it
+                "entropy": masked_mean(entropy, mask).item(),
+                "response_length": mask.sum(1).mean().item(),
+                "missing_eos": (~has_eos).float().mean().item(),
+                "learning_rate": lr,
+                **{name: sum(v) / len(v) for name, v in stats.items()},
+                **{f"reward_{name.removeprefix('reward_')}": sum(v) / len(v) for name, v in components.items()},
+            }
+            for name, value in current.items():
+                window.setdefault(name, []).append(value)
+            progress.set_postfix(reward=f"{current['reward']:.3f}", kl=f"{current['kl']:.3f}")
+            if update % cfg.logging_steps == 0 or update == num_updates:
+                metrics, window = {f"ppo/train/{name}": sum(v) / len(v) for name, v in window.items()}, {}
+                progress_log.log(update, {k: metrics[k] for k in ("ppo/train/reward", "ppo/train/kl")})
+                if log_metrics is not None:
+                    log_metrics(metrics, update)
+            if update % cfg.save_steps == 0:
+                state.update(update=update, metrics=metrics)
+                _save_checkpoint(work_dir, update, policy, value_model, optimizer, state)
+
+    save_model(policy, tokenizer, out_dir / "model", keep_adapter=cfg.lora.keep_adapter)
+    if cfg.save_value_model:
+        save_model(value_model, tokenizer, out_dir / "value_model")
+    return metrics

@@ -1,0 +1,172 @@
+"""Rewards for online RL (grpo, rloo, ppo): the trained reward model and/or Python functions, weighted.
+
+A reward function follows TRL's GRPO convention, so the same function serves
+every algorithm:
+
+    def fn(prompts: list, completions: list, **columns) -> list[float | None]
+
+`completions` are strings (standard prompts) or lists of messages
+(conversational prompts); every extra dataset column (e.g. `answer`) arrives as
+a keyword argument holding one value per completion.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from pydantic import Field, field_validator, model_validator
+
+from rlhf_pipeline.trainers.common import StrictModel
+
+if TYPE_CHECKING:
+    import torch
+
+RewardFunction = Callable[..., list]
+
+
+class RewardFunctionSpec(StrictModel):
+    path: str = Field(description="Import path 'package.module:function' of a reward function.")
+    weight: float = Field(1.0, description="Weight of this function in the summed reward.")
+
+    @field_validator("path")
+    @classmethod
+    def _has_module_and_name(cls, path: str) -> str:
+        module, _, name = path.partition(":")
+        if not module or not name:
+            raise ValueError(f"reward function {path!r}: expected 'package.module:function'")
+        return path
+
+
+class RewardsConfig(StrictModel):
+    """Which rewards score the policy's samples, and how they are weighted."""
+
+    reward_model_weight: float = Field(1.0, ge=0, description="Weight of the `rm` stage's reward model; 0 leaves it out (and skips training it).")
+    functions: list[RewardFunctionSpec] = Field(default_factory=list, description="Python reward functions, each with a weight.")
+
+    @model_validator(mode="after")
+    def _some_reward(self):
+        if self.reward_model_weight == 0 and not self.functions:
+            raise ValueError("rewards: reward_model_weight is 0 and no reward functions are given; the policy would learn nothing")
+        return self
+
+    @property
+    def uses_reward_model(self) -> bool:
+        return self.reward_model_weight > 0
+
+
+def load_function(spec: RewardFunctionSpec) -> RewardFunction:
+    module_name, _, name = spec.path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise ValueError(f"reward function {spec.path!r}: module {module_name!r} does not import ({type(exc).__name__}: {exc})") from exc
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"reward function {spec.path!r}: {module_name} has no callable {name!r}")
+    fn.__name__ = getattr(fn, "__name__", name)
+    return fn
+
+
+def check_function(spec: RewardFunctionSpec, fn: RewardFunction, prompts: list, completions: list, columns: dict[str, list]) -> None:
+    """Call `fn` on a sample before any training step; a wrong result fails with its name."""
+    try:
+        scores = fn(prompts=prompts, completions=completions, **columns)
+    except Exception as exc:
+        raise ValueError(f"reward function {spec.path!r} raised on a sample of {len(prompts)} rows: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(scores, (list, tuple)) or len(scores) != len(completions):
+        got = f"{len(scores)} scores" if isinstance(scores, (list, tuple)) else type(scores).__name__
+        raise ValueError(f"reward function {spec.path!r} returned {got} for {len(completions)} completions; it must return one float (or None) per completion")
+    bad = [s for s in scores if s is not None and not (isinstance(s, (int, float)) and math.isfinite(s))]
+    if bad:
+        raise ValueError(f"reward function {spec.path!r} returned non-numeric or non-finite scores, e.g. {bad[0]!r}")
+
+
+def load_functions(cfg: RewardsConfig, prompts: list, completions: list, columns: dict[str, list]) -> list[RewardFunction]:
+    """Import and sample-check every reward function of `cfg`."""
+    loaded = []
+    for spec in cfg.functions:
+        fn = load_function(spec)
+        check_function(spec, fn, prompts, completions, columns)
+        loaded.append(fn)
+    return loaded
+
+
+def trl_reward_funcs(cfg: RewardsConfig, reward_model: Path | None, sample: dict[str, list]) -> tuple[list, list[float]]:
+    """`reward_funcs` and `reward_weights` for TRL's GRPOTrainer / RLOOTrainer.
+
+    `sample` is a few dataset rows (column -> values) used to check the functions.
+    """
+    prompts = sample["prompt"]
+    completions = [[{"role": "assistant", "content": "0"}] if isinstance(p, list) else "0" for p in prompts]
+    columns = {k: v for k, v in sample.items() if k != "prompt"}
+    funcs: list[Any] = load_functions(cfg, prompts, completions, columns)
+    weights = [spec.weight for spec in cfg.functions]
+    if cfg.uses_reward_model:
+        if reward_model is None:
+            raise ValueError("rewards.reward_model_weight > 0 but no reward model was trained")
+        funcs.append(str(reward_model))
+        weights.append(cfg.reward_model_weight)
+    return funcs, weights
+
+
+class RewardScorer:
+    """Weighted sum of reward-model score and reward functions, for our own PPO loop."""
+
+    def __init__(self, cfg: RewardsConfig, reward_model: Path | None, device: str | torch.device = "cpu"):
+        self.cfg = cfg
+        self.functions = [(spec, load_function(spec)) for spec in cfg.functions]
+        self.model = self.tokenizer = None
+        if cfg.uses_reward_model:
+            if reward_model is None:
+                raise ValueError("rewards.reward_model_weight > 0 but no reward model was trained")
+            from transformers import AutoModelForSequenceClassification
+
+            from rlhf_pipeline.trainers.common import load_tokenizer
+
+            self.model = AutoModelForSequenceClassification.from_pretrained(str(reward_model), num_labels=1, use_safetensors=True)
+            self.model.to(device).eval().requires_grad_(False)
+            self.tokenizer = load_tokenizer(reward_model)
+
+    def check(self, prompts: list, completions: list, columns: dict[str, list]) -> None:
+        for spec, fn in self.functions:
+            check_function(spec, fn, prompts, completions, columns)
+
+    def __call__(self, prompts: list, completions: list, columns: dict[str, list], batch_size: int = 64) -> tuple[list[float], dict[str, list[float]]]:
+        """Total reward per completion, and each component (named `reward_model` or the function's name)."""
+        components: dict[str, list[float]] = {}
+        total = [0.0] * len(completions)
+        if self.model is not None:
+            from rlhf_pipeline.trainers.text import reward_scores
+
+            scores = reward_scores(self.model, self.tokenizer, prompts, completions, batch_size)
+            components["reward_model"] = scores
+            total = [t + self.cfg.reward_model_weight * s for t, s in zip(total, scores)]
+        for spec, fn in self.functions:
+            scores = [0.0 if s is None else float(s) for s in fn(prompts=prompts, completions=completions, **columns)]
+            components[fn.__name__] = scores
+            total = [t + spec.weight * s for t, s in zip(total, scores)]
+        return total, components
+
+
+def fingerprint(cfg: RewardsConfig) -> dict[str, str]:
+    """Source hash of every reward function's module, so editing a reward re-runs the stages it scores.
+
+    Found without importing (the import itself is checked, with a sample call, when training starts).
+    """
+    import hashlib
+    import importlib.util
+
+    found: dict[str, str] = {}
+    for spec in cfg.functions:
+        module = spec.path.partition(":")[0]
+        try:
+            origin = getattr(importlib.util.find_spec(module), "origin", None)
+        except (ImportError, ValueError) as exc:
+            raise ValueError(f"reward function {spec.path!r}: module {module!r} does not import ({exc})") from exc
+        if origin is None:
+            raise ValueError(f"reward function {spec.path!r}: module {module!r} not found")
+        found[f"reward:{spec.path}"] = "sha256:" + hashlib.sha256(Path(origin).read_bytes()).hexdigest() if origin.endswith(".py") else origin
+    return found

@@ -1,0 +1,65 @@
+"""Reward modelling with TRL's RewardTrainer (Bradley-Terry on preference pairs).
+
+The reward model starts from the SFT model with a scalar head, as in InstructGPT,
+so it reads answers the way the policy writes them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+from pydantic import Field
+
+from rlhf_pipeline.trainers.common import LogMetrics, TrainingConfig
+
+
+class RewardModelConfig(TrainingConfig):
+    trl_config: ClassVar[str] = "RewardConfig"
+    learning_rate: float = Field(1e-4, gt=0, description="Peak learning rate (TRL RewardConfig default 1e-4).")
+    center_rewards_coefficient: float | None = Field(None, ge=0, description="Pull mean reward towards 0 (TRL RewardConfig.center_rewards_coefficient).")
+
+
+def train(
+    cfg: RewardModelConfig,
+    sft_model: Path,
+    data_dir: Path,
+    out_dir: Path,
+    work_dir: Path,
+    log_metrics: LogMetrics | None = None,
+) -> dict[str, float]:
+    """Train a scalar reward head on `preference`; report pairwise accuracy on `preference_eval` if present."""
+    import trl
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhf_pipeline.trainers.common import final_train_metrics, last_checkpoint, load_split, load_tokenizer, save_model, stage_callbacks
+
+    # The TRL config first: a combination TRL refuses fails before any weights load.
+    args = trl.RewardConfig(
+        **cfg.trl_arguments(work_dir),
+        max_length=cfg.max_length,
+        center_rewards_coefficient=cfg.center_rewards_coefficient,
+        eval_strategy="no",
+    )
+    tokenizer = load_tokenizer(sft_model)
+    model = AutoModelForSequenceClassification.from_pretrained(str(sft_model), num_labels=1, use_safetensors=True)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    eval_path = data_dir / "datasets" / "preference_eval.parquet"
+    eval_dataset = load_split(data_dir, "preference_eval") if eval_path.is_file() else None
+    trainer = trl.RewardTrainer(
+        model=model,
+        args=args,
+        train_dataset=load_split(data_dir, "preference"),
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+        peft_config=cfg.lora.peft_config("SEQ_CLS"),
+        callbacks=stage_callbacks("rm", log_metrics),
+    )
+    trainer.train(resume_from_checkpoint=last_checkpoint(work_dir))
+    metrics = final_train_metrics("rm", trainer)
+    if eval_dataset is not None:
+        trainer.evaluate()  # logs rm/eval/accuracy through the callback and into log_history
+        metrics = final_train_metrics("rm", trainer)
+    # GRPO/RLOO load a reward model by path together with its tokenizer (DESIGN.md).
+    save_model(trainer.model, tokenizer, out_dir / "model", keep_adapter=cfg.lora.keep_adapter)
+    return metrics

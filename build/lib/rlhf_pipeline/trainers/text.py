@@ -1,0 +1,85 @@
+"""Text to token ids, the one place that renders prompts and pads batches.
+
+Rows are rendered exactly as TRL renders them, so a score or a sample here
+means what it meant in training: a standard row is `prompt + completion + eos`;
+a conversational row goes through the chat template (the prompt with the
+generation prompt, the reply closed by the template).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt) -> list[int]:
+    """A standard (string) or conversational (messages) prompt, ready for the reply."""
+    if isinstance(prompt, list):
+        return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+    return list(tokenizer(prompt)["input_ids"])
+
+
+def completion_ids(tokenizer: PreTrainedTokenizerBase, prompt, completion) -> tuple[list[int], int]:
+    """Token ids of prompt + completion and where the completion starts."""
+    if isinstance(prompt, list):
+        reply = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
+        full = tokenizer.apply_chat_template(prompt + reply, tokenize=True, return_dict=True)["input_ids"]
+        return list(full), len(prompt_ids(tokenizer, prompt))
+    # TRL's standard rows: the completion gets an explicit EOS, which is scored too
+    return list(tokenizer(prompt + completion + tokenizer.eos_token)["input_ids"]), len(prompt_ids(tokenizer, prompt))
+
+
+def pad(rows: list[list[int]], pad_id: int, left: bool = False, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) of rows padded to the longest; left padding for generation."""
+    import torch
+
+    width = max(map(len, rows))
+    fill = [[pad_id] * (width - len(row)) for row in rows]
+    ids = [f + row if left else row + f for f, row in zip(fill, rows)]
+    mask = [[0] * len(f) + [1] * len(row) if left else [1] * len(row) + [0] * len(f) for f, row in zip(fill, rows)]
+    return torch.tensor(ids, device=device), torch.tensor(mask, device=device)
+
+
+def generate(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list, max_new_tokens: int, batch_size: int, sample: bool = False
+) -> list[str]:
+    """Greedy (or, with `sample`, temperature-1) completions for standard or conversational prompts."""
+    import torch
+
+    model.eval()
+    out: list[str] = []
+    for start in range(0, len(prompts), batch_size):
+        input_ids, attention = pad(
+            [prompt_ids(tokenizer, p) for p in prompts[start : start + batch_size]], tokenizer.pad_token_id, left=True, device=model.device
+        )
+        with torch.no_grad():
+            generated = model.generate(
+                input_ids=input_ids,
+                attention_mask=attention,
+                max_new_tokens=max_new_tokens,
+                do_sample=sample,
+                temperature=1.0 if sample else None,
+                top_k=0 if sample else None,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+        out.extend(tokenizer.batch_decode(generated[:, input_ids.shape[1] :], skip_special_tokens=True))
+    return out
+
+
+def reward_scores(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list, completions: list, batch_size: int) -> list[float]:
+    """Scalar rewards of prompt + completion, formatted as TRL's RewardTrainer formats them."""
+    import torch
+
+    rows = [completion_ids(tokenizer, p, c)[0] for p, c in zip(prompts, completions)]
+    model.eval()
+    scores: list[float] = []
+    for start in range(0, len(rows), batch_size):
+        input_ids, attention = pad(rows[start : start + batch_size], tokenizer.pad_token_id, device=model.device)
+        with torch.no_grad():
+            logits = model(input_ids=input_ids, attention_mask=attention).logits
+        scores.extend(logits[:, 0].float().tolist())
+    return scores

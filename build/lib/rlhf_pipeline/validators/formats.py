@@ -1,0 +1,185 @@
+"""Which of TRL's dataset formats a dataset is in, read from its columns and value types.
+
+TRL's formats (https://huggingface.co/docs/trl/dataset_formats), per kind:
+- sft: `text` (language modeling), `messages` (conversational language
+  modeling), `prompt` + `completion` (prompt-completion, standard or conversational);
+- preference: `prompt` + `chosen` + `rejected` (explicit prompt), `chosen` +
+  `rejected` (implicit prompt: a conversational pair repeats the prompt turns),
+  `prompt` + `completion` + `label` (unpaired preference, KTO's: one completion
+  per row, `label` a boolean, True for desirable);
+- prompt: `prompt` (prompt-only, for GRPO, RLOO and PPO).
+"Standard" values are strings, "conversational" values are lists of
+{"role", "content"} dicts. Other columns are extra and pass through (GRPO hands
+them to reward functions).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from rlhf_pipeline.validators.report import DataValidationError, RuleResult, ValidationReport
+
+if TYPE_CHECKING:
+    import datasets
+
+Kind = Literal["sft", "preference", "prompt"]
+KINDS: tuple[str, ...] = ("sft", "preference", "prompt")
+STRING = "a string"
+MESSAGES = "a list of {role, content} messages"
+LABEL = "label"
+"""The boolean column of unpaired preference rows (True: the completion is desirable)."""
+
+
+@dataclass(frozen=True)
+class DatasetFormat:
+    kind: Kind
+    conversational: bool
+    """Values are lists of {"role", "content"} messages rather than strings."""
+    prompt: Literal["explicit", "implicit", "none"]
+    """explicit: a `prompt` column; implicit: the prompt sits inside `text`,
+    `messages`, or the shared leading turns of `chosen` and `rejected`."""
+    columns: tuple[str, ...]
+    """The columns TRL will use; any other column is extra and passes through."""
+
+    @property
+    def value_type(self) -> str:
+        return MESSAGES if self.conversational else STRING
+
+    @property
+    def unpaired(self) -> bool:
+        """One completion per row with a boolean `label` (TRL's unpaired preference format, for KTO)."""
+        return self.kind == "preference" and LABEL in self.columns
+
+    @property
+    def text_columns(self) -> tuple[str, ...]:
+        """The columns holding text (strings or messages): every column but the unpaired `label`."""
+        return tuple(column for column in self.columns if column != LABEL)
+
+    def describe(self) -> str:
+        style = "conversational" if self.conversational else "standard"
+        if self.unpaired:
+            return f"{style} unpaired preference ({', '.join(self.columns)})"
+        shape = {
+            ("sft", "implicit"): "language modeling",
+            ("sft", "explicit"): "prompt-completion",
+            ("preference", "explicit"): "preference, explicit prompt",
+            ("preference", "implicit"): "preference, implicit prompt",
+            ("prompt", "explicit"): "prompt-only",
+        }.get((self.kind, self.prompt), self.kind)
+        return f"{style} {shape} ({', '.join(self.columns)})"
+
+
+def detect_format(kind: Kind, dataset: datasets.Dataset, source: str) -> DatasetFormat:
+    """The TRL format of `dataset`, or DataValidationError (rule `format`) if it has none."""
+    return read_format(kind, dataset, source)[0]
+
+
+def read_format(kind: Kind, dataset: datasets.Dataset, source: str) -> tuple[DatasetFormat, dict[str, list[Any]]]:
+    """detect_format plus the values of the format's columns, read once."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown dataset kind {kind!r}; expected one of {', '.join(KINDS)}")
+    found = list(dataset.column_names)
+    num_rows = len(dataset)
+
+    def fail(problem: str) -> DataValidationError:
+        rule = RuleResult("format", problem, success=False, failed_count=0)
+        return DataValidationError(ValidationReport(source, kind, None, num_rows, [rule]))
+
+    columns, prompt = _columns_for(kind, found, fail)
+    # with_format(None): plain Python values whatever format the caller set;
+    # slicing (unlike dataset.data) honours select()/shuffle() index mappings.
+    values = dataset.with_format(None).select_columns(list(columns))[:]
+    # The unpaired `label` is a boolean: its values are the rules' business (label_is_boolean), not the format's.
+    texts = tuple(column for column in columns if column != LABEL)
+    if num_rows:
+        conversational = _conversational_from_values(kind, texts, values, fail)
+    else:  # nothing to look at: fall back on the declared features
+        conversational = any(_is_list_feature(dataset.features.get(c)) for c in texts)
+    return DatasetFormat(kind, conversational, prompt, columns), values
+
+
+def value_type(value: Any) -> str:
+    """STRING, MESSAGES, or a short description of what the value is instead."""
+    if isinstance(value, str):
+        return STRING
+    if isinstance(value, list):
+        if all(is_message(item) for item in value):
+            return MESSAGES  # an empty list counts: the content rules report it
+        inner = sorted({type(item).__name__ for item in value})
+        return f"a list of {'/'.join(inner)}"
+    if value is None:
+        return "None"
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+def is_message(item: Any) -> bool:
+    return isinstance(item, dict) and "role" in item and "content" in item
+
+
+def _columns_for(kind: str, found: list[str], fail) -> tuple[tuple[str, ...], str]:
+    has = set(found).__contains__
+    listed = f"found columns {found}"
+    if kind == "sft":
+        # TRL's SFTTrainer order: prompt-completion first, then messages, then text.
+        if has("prompt") and has("completion"):
+            return ("prompt", "completion"), "explicit"
+        if has("messages"):
+            return ("messages",), "implicit"
+        if has("text"):
+            return ("text",), "implicit"
+        hint = ""
+        if has("chosen") and has("rejected"):
+            hint = "; this looks like preference data (kind 'preference')"
+        elif has("prompt"):
+            hint = "; 'prompt' alone is prompt-only data (kind 'prompt'), SFT also needs 'completion'"
+        raise fail(f"sft data needs a 'text' column, a 'messages' column, or 'prompt' and 'completion' columns; {listed}{hint}")
+    if kind == "preference":
+        if has("chosen") and has("rejected"):
+            if has("prompt"):
+                return ("prompt", "chosen", "rejected"), "explicit"
+            return ("chosen", "rejected"), "implicit"
+        if has("completion") and has(LABEL):
+            if has("prompt"):
+                return ("prompt", "completion", LABEL), "explicit"
+            # TRL extracts an implicit prompt from chosen/rejected only; an unpaired row must name its prompt.
+            raise fail(f"unpaired preference data (TRL's KTO format) needs 'prompt', 'completion' and 'label' columns; {listed}, missing ['prompt']")
+        missing = [c for c in ("chosen", "rejected") if not has(c)]
+        raise fail(
+            "preference data needs 'chosen' and 'rejected' columns (plus an optional 'prompt'), or unpaired "
+            f"'prompt', 'completion' and 'label' columns; {listed}, missing {missing}"
+        )
+    if has("prompt"):
+        return ("prompt",), "explicit"
+    hint = "; 'messages' is SFT data: rename it to 'prompt' if it holds prompts" if has("messages") else ""
+    raise fail(f"prompt data needs a 'prompt' column (a string or a list of messages); {listed}{hint}")
+
+
+def _conversational_from_values(kind, columns, values, fail) -> bool:
+    """Each column's type is the type most of its values have; they must all agree."""
+    majority: dict[str, str] = {}
+    for column in columns:
+        counts = Counter(value_type(v) for v in values[column])
+        usable = {t: n for t, n in counts.items() if t in (STRING, MESSAGES)}
+        if not usable:
+            seen = ", ".join(f"{t} ({n} rows)" for t, n in counts.most_common(3))
+            raise fail(f"column {column!r} holds {seen}; expected {STRING} or {MESSAGES}")
+        # Counter keeps first-seen order, so a tie goes to the type of the earlier row.
+        majority[column] = max(usable, key=usable.__getitem__)
+    if len(set(majority.values())) > 1:
+        plural = {STRING: "strings", MESSAGES: "message lists"}
+        split = ", ".join(f"{c!r} holds {plural[t]}" for c, t in majority.items())
+        raise fail(f"columns disagree: {split}; TRL needs all of {list(columns)} standard or all conversational")
+    conversational = majority[columns[0]] == MESSAGES
+    if columns == ("messages",) and not conversational:
+        raise fail(f"column 'messages' holds strings; expected {MESSAGES} (plain strings go in 'text')")
+    if columns == ("text",) and conversational:
+        raise fail(f"column 'text' holds message lists; expected {STRING} (conversations go in 'messages')")
+    return conversational
+
+
+def _is_list_feature(feature: Any) -> bool:
+    # Avoids importing datasets: List, LargeList and the legacy Sequence all hold lists.
+    return isinstance(feature, list) or type(feature).__name__ in ("List", "LargeList", "Sequence")
