@@ -22,7 +22,7 @@ from rlhf_pipeline.tasks.eval import evaluate
 from rlhf_pipeline.tasks.orchestration import retrying
 from rlhf_pipeline.tasks.pipeline import pipeline_run
 from rlhf_pipeline.tasks.registry import register_task
-from rlhf_pipeline.tasks.stages import BY_NAME
+from rlhf_pipeline.tasks.stages import BY_NAME, pair_readers
 from rlhf_pipeline.tasks.training import TASKS, settings_of
 
 DEFAULTS = load_params()  # the embedded preset: what the form and `rlhf run` start from
@@ -40,7 +40,8 @@ def _rlhf(**blocks) -> dict:
         for name in params.plan():
             upstream = {other: futures[other] for other in params.upstream(name)}
             if name == "data":
-                future = stage(validate_data).submit(params.data, run.ctx, params.model, params.token_limits())
+                data_checks = (params.model, params.token_limits(), pair_readers(params.plan()))
+                future = stage(validate_data).submit(params.data, run.ctx, *data_checks)
             elif name == "eval":
                 future = stage(evaluate).submit(
                     params.eval, params.model, upstream["data"], upstream["sft"], upstream[params.algorithm],

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from rlhf_pipeline.tasks.orchestration import prefect_log, stage_task
 from rlhf_pipeline.tasks.stage import RunContext, StageOutcome, run_stage
-from rlhf_pipeline.tasks.stages import BY_NAME
+from rlhf_pipeline.tasks.stages import BY_NAME, pair_readers
 from rlhf_pipeline.trainers.common import ModelConfig
 from rlhf_pipeline.trainers.data import DataConfig, fingerprint
 
@@ -17,13 +17,17 @@ def validate_data(
     ctx: RunContext,
     model: ModelConfig | None = None,
     max_tokens: dict[str, int] | None = None,
+    pairs_for: dict[str, tuple[str, ...]] | None = None,
 ) -> StageOutcome:
     """Validate every dataset of `config`; publish nothing unless all pass (`trainers.data.train`).
 
     `max_tokens` maps a dataset name ("sft", "preference", ...) to the most
     tokens one of its rows may take (rule `fits_max_length`), counted with the
-    tokenizer of `model`; both enter the stage key.
+    tokenizer of `model`; both enter the stage key. `pairs_for` maps a dataset to
+    the stages that need it as pairs (default: every stage of the table that reads
+    pairs), which then refuse unpaired rows (rule `paired_for_readers`).
     """
+    pairs_for = pair_readers() if pairs_for is None else pairs_for
     limits = _token_limits(config, model, max_tokens)
     sources = config.sources()
     fingerprints = {name: fingerprint(spec) for name, (_, spec) in sources.items()}
@@ -32,11 +36,12 @@ def validate_data(
         # Without limits the key stays the DataConfig's alone; with them, the tokenizer counts too.
         tokenizer_id = model.model_dump(mode="json", include={"name_or_path", "revision", "trust_remote_code"})
         keyed = {**keyed, "max_tokens": limits, "tokenizer": tokenizer_id}
+    keyed = {**keyed, "pairs_for": {name: list(stages) for name, stages in sorted(pairs_for.items())}}
 
     def build(out_dir: Path, work_dir: Path, log_metrics) -> dict[str, float]:
         from rlhf_pipeline.trainers import data
 
-        return data.train(config, model, limits, out_dir, work_dir, log_metrics)
+        return data.train(config, model, limits, out_dir, work_dir, log_metrics, pairs_for=pairs_for)
 
     row = BY_NAME["data"]
     # Dependents key on the frozen datasets alone (a stricter rule or a new report re-trains nothing),

@@ -25,6 +25,7 @@ from rlhf_pipeline.trainers.data import DataConfig
 from rlhf_pipeline.trainers.dpo import DpoConfig
 from rlhf_pipeline.trainers.eval import EvalConfig
 from rlhf_pipeline.trainers.grpo import GrpoConfig
+from rlhf_pipeline.trainers.kto import KtoConfig
 from rlhf_pipeline.trainers.ppo import PpoConfig
 from rlhf_pipeline.trainers.rloo import RlooConfig
 from rlhf_pipeline.trainers.rm import RewardModelConfig
@@ -51,14 +52,35 @@ class Stage:
     """One of the policy-optimisation choices (`algorithm=<name>`)."""
     online: bool = False
     """Samples rollouts and scores them with `rewards`."""
+    pairs: bool = False
+    """Reads preference pairs (chosen/rejected); unpaired rows (completion/label) are refused for it."""
 
 
 PREFERENCES = ("preference",)
 STAGES: tuple[Stage, ...] = (
     Stage("data", DataConfig, "rlhf_pipeline.trainers.data", (), (), False, "Datasets, checked and frozen by the `data` stage."),
     Stage("sft", SftConfig, "rlhf_pipeline.trainers.sft", ("sft",), ("data",), True, "Supervised fine-tuning (TRL SFTTrainer)."),
-    Stage("rm", RewardModelConfig, "rlhf_pipeline.trainers.rm", ("preference", "preference_eval"), ("data", "sft"), True, "Reward model (TRL RewardTrainer)."),
-    Stage("dpo", DpoConfig, "rlhf_pipeline.trainers.dpo", PREFERENCES, ("data", "sft"), True, "DPO (TRL DPOTrainer).", algorithm=True),
+    Stage(
+        "rm",
+        RewardModelConfig,
+        "rlhf_pipeline.trainers.rm",
+        ("preference", "preference_eval"),
+        ("data", "sft"),
+        True,
+        "Reward model (TRL RewardTrainer).",
+        pairs=True,
+    ),
+    Stage("dpo", DpoConfig, "rlhf_pipeline.trainers.dpo", PREFERENCES, ("data", "sft"), True, "DPO (TRL DPOTrainer).", algorithm=True, pairs=True),
+    Stage(
+        "kto",
+        KtoConfig,
+        "rlhf_pipeline.trainers.kto",
+        PREFERENCES,
+        ("data", "sft"),
+        True,
+        "KTO (TRL KTOTrainer): unpaired binary feedback; pairs are unpaired.",
+        algorithm=True,
+    ),
     Stage("grpo", GrpoConfig, "rlhf_pipeline.trainers.grpo", ("prompts",), ("data", "sft", "rm"), True, "GRPO (TRL GRPOTrainer).", algorithm=True, online=True),
     Stage("rloo", RlooConfig, "rlhf_pipeline.trainers.rloo", ("prompts",), ("data", "sft", "rm"), True, "RLOO (TRL RLOOTrainer).", algorithm=True, online=True),
     Stage(
@@ -78,3 +100,13 @@ STAGES: tuple[Stage, ...] = (
 BY_NAME = {stage.name: stage for stage in STAGES}
 ALGORITHMS: tuple[str, ...] = tuple(stage.name for stage in STAGES if stage.algorithm)
 DEVICE_STAGES = frozenset(stage.name for stage in STAGES if stage.device)
+
+
+def pair_readers(stages: list[str] | None = None) -> dict[str, tuple[str, ...]]:
+    """Dataset -> the stages (of `stages`, default: all) that read it as preference pairs."""
+    readers: dict[str, tuple[str, ...]] = {}
+    for stage in STAGES:
+        if stage.pairs and (stages is None or stage.name in stages):
+            for dataset in stage.reads:
+                readers[dataset] = (*readers.get(dataset, ()), stage.name)
+    return readers

@@ -147,13 +147,22 @@ HELD_OUT = {
 }
 
 
-def train(cfg: DataConfig, model: ModelConfig, max_tokens: dict[str, int], out_dir: Path, work_dir: Path, log_metrics=None) -> dict[str, float]:
+def train(
+    cfg: DataConfig,
+    model: ModelConfig,
+    max_tokens: dict[str, int],
+    out_dir: Path,
+    work_dir: Path,
+    log_metrics=None,
+    pairs_for: dict[str, tuple[str, ...]] | None = None,
+) -> dict[str, float]:
     """The `data` stage: check every dataset (raw file, Great Expectations rules, token lengths, train/eval
     leakage), then freeze Parquet copies into `out_dir/datasets/<name>.parquet` for later stages.
 
     `max_tokens` maps a dataset name to the most tokens one of its rows may take in the stages that read
     it (rule `fits_max_length`), counted with `model`'s tokenizer. Every broken dataset is reported at
     once and nothing is written to `out_dir`; the reports stay in `work_dir/report` (named in the error).
+    `pairs_for` names, per dataset, the stages that need preference pairs: unpaired rows fail for them.
     """
     import json
     import shutil
@@ -190,6 +199,12 @@ def train(cfg: DataConfig, model: ModelConfig, max_tokens: dict[str, int], out_d
         except ValueError as exc:  # a broken rule, or a file `datasets` cannot read
             failures.append(exc)
             continue
+        readers = (pairs_for or {}).get(name, ())
+        if readers and report.format is not None and "label" in report.format.columns:
+            report.rules.append(_unpaired_for(readers, len(dataset)))
+            report.write_json(report_dir / name / REPORT_FILE)
+            failures.append(DataValidationError(report))
+            continue
         passed[name] = (Split(name, kind, spec.path, dataset), report)
 
     for held_out, trained in HELD_OUT.items():
@@ -213,3 +228,15 @@ def train(cfg: DataConfig, model: ModelConfig, max_tokens: dict[str, int], out_d
         metrics[f"data/{name}/rows"] = float(len(split.dataset))
     shutil.copytree(report_dir, out_dir / "report")
     return metrics
+
+
+def _unpaired_for(readers: tuple[str, ...], num_rows: int):
+    """Rule `paired_for_readers`: rm and dpo compare a chosen with a rejected answer; unpaired rows have neither."""
+    from rlhf_pipeline.validators import RuleResult
+
+    why = f"an unpaired row (prompt/completion/label), but {', '.join(readers)} of this run need pairs (prompt/chosen/rejected)"
+    return RuleResult(
+        "paired_for_readers",
+        f"rows are preference pairs, as {', '.join(readers)} read them; unpaired feedback trains algorithm=kto (with eval.use_reward_model=false, no rm)",
+        False, num_rows, [{"row": row, "value": why} for row in range(min(num_rows, 5))],
+    )  # fmt: skip
