@@ -32,12 +32,13 @@ class PpoConfig(StrictModel):
     learning_rate: float = Field(3e-6, gt=0, description="Peak AdamW learning rate, shared by policy and value model (TRL PPOConfig default 3e-6).")
     lr_scheduler_type: Literal["linear", "constant"] = Field("linear", description="'linear': anneal to 0 over the updates (TRL's default); 'constant'.")
     total_episodes: int | None = Field(None, ge=1, description="Prompts rolled out in all; None: one pass over the `prompts` split.")
-    per_device_train_batch_size: int = Field(
+    rollout_batch_size: int = Field(
         64,
         ge=1,
-        description="Prompts rolled out per update (one completion each). Unlike TRL's old PPOTrainer it is the whole rollout batch, split into `num_mini_batches`.",
+        description="Prompts rolled out per update (one completion each): the whole rollout batch, split into `num_mini_batches` "
+        "(TRL's old PPOTrainer called a per-device share of it per_device_train_batch_size).",
     )
-    num_mini_batches: int = Field(1, ge=1, description="Optimizer steps per PPO epoch; each takes per_device_train_batch_size / num_mini_batches rollouts.")
+    num_mini_batches: int = Field(1, ge=1, description="Optimizer steps per PPO epoch; each takes rollout_batch_size / num_mini_batches rollouts.")
     num_ppo_epochs: int = Field(4, ge=1, description="Passes over each rollout batch.")
     gamma: float = Field(1.0, ge=0, le=1, description="Discount factor of GAE.")
     lam: float = Field(0.95, ge=0, le=1, description="GAE lambda: bias (0) vs variance (1) of the advantage estimate.")
@@ -62,17 +63,15 @@ class PpoConfig(StrictModel):
 
     @model_validator(mode="after")
     def _batches_fit(self):
-        batch, minis = self.per_device_train_batch_size, self.num_mini_batches
+        batch, minis = self.rollout_batch_size, self.num_mini_batches
         if batch % minis:
-            raise ValueError(
-                f"per_device_train_batch_size={batch} must be divisible by num_mini_batches={minis} (mini-batches of {batch / minis:.2f} rollouts)"
-            )
+            raise ValueError(f"rollout_batch_size={batch} must be divisible by num_mini_batches={minis} (mini-batches of {batch / minis:.2f} rollouts)")
         if self.total_episodes is not None and self.total_episodes < batch:
-            raise ValueError(f"total_episodes={self.total_episodes} is less than one rollout batch (per_device_train_batch_size={batch}): no update would run")
+            raise ValueError(f"total_episodes={self.total_episodes} is less than one rollout batch (rollout_batch_size={batch}): no update would run")
         return self
 
     def num_updates(self, num_prompts: int) -> int:
-        return (self.total_episodes or num_prompts) // self.per_device_train_batch_size
+        return (self.total_episodes or num_prompts) // self.rollout_batch_size
 
 
 # --- the math: pure functions on [batch, response tokens] tensors -----------------
@@ -295,9 +294,9 @@ def train(
     dataset = load_split(data_dir, "prompts")
     if "prompt" not in dataset.column_names:
         raise ValueError(f"prompts has no 'prompt' column (columns: {dataset.column_names})")
-    batch_size, mini_batch_size = cfg.per_device_train_batch_size, cfg.per_device_train_batch_size // cfg.num_mini_batches
+    batch_size, mini_batch_size = cfg.rollout_batch_size, cfg.rollout_batch_size // cfg.num_mini_batches
     if len(dataset) < batch_size:
-        raise ValueError(f"prompts has {len(dataset)} rows, fewer than per_device_train_batch_size={batch_size}")
+        raise ValueError(f"prompts has {len(dataset)} rows, fewer than rollout_batch_size={batch_size}")
     num_updates = cfg.num_updates(len(dataset))
     prompts = dataset["prompt"]
     columns = {name: dataset[name] for name in dataset.column_names if name != "prompt"}

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.data import validate_data
 from rlhf_pipeline.tasks.stage import RunContext
 from rlhf_pipeline.trainers.common import ModelConfig
 from rlhf_pipeline.trainers.data import DataConfig, DatasetSpec
-
 from tests.helpers import write_data_dir
 
 
@@ -35,6 +35,10 @@ def test_token_limits_enter_the_key_and_the_report(small_data, ctx):
     assert limited.manifest()["config"]["max_tokens"] == {"prompts_eval": 32, "sft": 64}
     report = json.loads((limited.path / "report" / "sft" / "validation.json").read_text())
     assert {"rule": "fits_max_length", "success": True} == {k: report["rules"][-1][k] for k in ("rule", "success")}
+    unlimited = json.loads((plain.path / "report" / "sft" / "validation.json").read_text())
+    assert "fits_max_length" not in [rule["rule"] for rule in unlimited["rules"]]
+    rows = {name: value for name, value in limited.manifest()["metrics"].items() if name.endswith("/rows")}
+    assert rows == {f"data/{name}/rows": 8.0 for name in DataConfig.model_fields}  # all 8 rows of each dataset, frozen
     held_out = json.loads((limited.path / "report" / "prompts_eval" / "validation.json").read_text())
     assert held_out["rules"][-1]["rule"] == "no_train_eval_leakage" and held_out["success"]
     assert sorted(p.name for p in (limited.path / "datasets").iterdir()) == [f"{n}.parquet" for n in sorted(DataConfig.model_fields)]

@@ -4,23 +4,25 @@ from __future__ import annotations
 
 import pytest
 from mlflow.tracking import MlflowClient
+
 from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.registry import CANDIDATE, CHAMPION, RegistryConfig, current_champion, gate, register_policy
 from rlhf_pipeline.tasks.stage import RunContext, run_stage
 from rlhf_pipeline.trainers.base import load_base_model
 from rlhf_pipeline.trainers.common import save_model
-
+from rlhf_pipeline.trainers.tiny import build_tokenizer
 from tests.helpers import SMALL_MODEL
 
 
 def test_gate_needs_the_value_and_its_lower_bound_above_the_bars():
     cfg = RegistryConfig()
-    assert gate(cfg, {"eval/heldout/win_rate_vs_champion": 0.62, "eval/heldout/win_rate_vs_champion_low": 0.55})[0]
+    passed = gate(cfg, {"eval/heldout/win_rate_vs_champion": 0.62, "eval/heldout/win_rate_vs_champion_low": 0.55})
+    assert passed == (True, "eval/heldout/win_rate_vs_champion=0.6200 > 0.5, lower bound 0.5500 > 0.45")
     passed, why = gate(cfg, {"eval/heldout/win_rate_vs_champion": 0.52, "eval/heldout/win_rate_vs_champion_low": 0.40})
     assert not passed and "lower bound 0.4 is not above 0.45" in why
     passed, why = gate(cfg, {"eval/heldout/win_rate_vs_champion": 0.3, "eval/heldout/win_rate_vs_champion_low": 0.25})
     assert not passed and "is not above 0.5" in why
-    assert not gate(cfg, {})[0]
+    assert gate(cfg, {}) == (False, "gate metric 'eval/heldout/win_rate_vs_champion' missing from eval metrics")
 
 
 @pytest.fixture
@@ -56,7 +58,7 @@ def test_first_version_is_champion_a_loser_is_refused_a_winner_promoted(ctx):
     worse = {"eval/heldout/win_rate_vs_champion": 0.21, "eval/heldout/win_rate_vs_champion_low": 0.17}
     policy, report, run_ctx = publish(ctx, "dpo", 2, worse)
     refused = register_policy(cfg, policy, report, [policy, report], run_ctx)
-    assert not refused["promoted"]
+    assert not refused["promoted"] and refused["reason"] == "eval/heldout/win_rate_vs_champion=0.2100 is not above 0.5"
     assert str(client.get_model_version_by_alias("test-policy", CANDIDATE).version) == refused["version"]
     assert str(client.get_model_version_by_alias("test-policy", CHAMPION).version) == first["version"]
     tags = client.get_model_version("test-policy", refused["version"]).tags
@@ -70,7 +72,7 @@ def test_first_version_is_champion_a_loser_is_refused_a_winner_promoted(ctx):
 
     # Same bytes again: the version is reused, not duplicated.
     again = register_policy(cfg, policy, report, [policy, report], run_ctx)
-    assert again["version"] == promoted["version"]
+    assert (again["version"], again["promoted"], again["reason"]) == (promoted["version"], True, "already champion")
 
     # models:/test-policy@champion loads with from_pretrained (model + tokenizer).
     import mlflow
@@ -79,18 +81,18 @@ def test_first_version_is_champion_a_loser_is_refused_a_winner_promoted(ctx):
     mlflow.set_tracking_uri(tracking.tracking_uri())
     local = mlflow.artifacts.download_artifacts(artifact_uri="models:/test-policy@champion")
     assert AutoModelForCausalLM.from_pretrained(local).config.hidden_size == 32
-    assert AutoTokenizer.from_pretrained(local)("sort 3 -> ")["input_ids"]
+    assert AutoTokenizer.from_pretrained(local)("sort 3 -> ")["input_ids"] == build_tokenizer()("sort 3 -> ")["input_ids"]  # 10 bytes, 10 ids
     champion = current_champion(cfg)
     assert champion.digest == policy.digest and (champion.path / "model" / "model.safetensors").is_file()
 
 
+@pytest.mark.e2e  # trains the full tiny model for 60 steps and runs 4 evaluations: minutes on a CPU
 def test_gate_on_measured_exact_match_refuses_the_untrained_base_and_promotes_a_trained_model(ctx, tmp_path):
     """Every number the gate sees here is measured by the eval stage's code, on purpose-built models."""
     from rlhf_pipeline.trainers import eval as evaluation
     from rlhf_pipeline.trainers import sft
     from rlhf_pipeline.trainers.common import ModelConfig
     from rlhf_pipeline.trainers.eval import EvalConfig
-
     from tests.helpers import write_data_dir
 
     data = write_data_dir(tmp_path / "data", rows=600)

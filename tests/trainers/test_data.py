@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import pytest
+import torch
+
 from rlhf_pipeline.trainers import dpo, rm, sft
+from rlhf_pipeline.trainers.base import load_base_model
+from rlhf_pipeline.trainers.common import load_causal_lm
 from rlhf_pipeline.trainers.data import DatasetSpec, fingerprint, load_source
 from rlhf_pipeline.validators import detect_format, validate_dataset
-
-from tests.helpers import FAST, SMALL_MODEL, write_jsonl
+from tests.helpers import FAST, SMALL_MODEL, trainable, unchanged, write_jsonl
 
 
 def conversation(prompt: str, answer: str) -> list[dict]:
@@ -53,8 +56,9 @@ def test_every_trl_shape_loads_from_jsonl_and_keeps_extra_columns(tmp_path, kind
 
 
 def test_unpaired_preferences_get_a_clear_error(tmp_path):
+    # Unpaired rows are KTO's preference format; with one label only, KTO has nothing to contrast.
     path = write_jsonl(tmp_path / "kto.jsonl", [{"prompt": "a", "completion": "b", "label": True}] * 3)
-    with pytest.raises(ValueError, match="kto.jsonl.*format"):
+    with pytest.raises(ValueError, match=r"kto\.jsonl: rule 'both_labels_present' failed for 3 of 3 rows .* row 0 \(0-based\): all 3 labels are True"):
         validate_dataset("preference", load_source(DatasetSpec(path=str(path))), source=str(path))
 
 
@@ -99,9 +103,40 @@ def test_conversational_data_trains_through_sft_rm_and_dpo(tmp_path):
     _frozen(tmp_path, "sft", "sft", "conversational LM")
     _frozen(tmp_path, "preference", "preference", "conversational implicit")
     fast = {**FAST, "max_steps": 2}
-    metrics = sft.train(sft.SftConfig(assistant_only_loss=True, **fast), SMALL_MODEL, tmp_path, tmp_path / "sft", tmp_path / "w1")
-    assert metrics["sft/train/loss"] > 0
-    rm_metrics = rm.train(rm.RewardConfig(**fast), tmp_path / "sft" / "model", tmp_path, tmp_path / "rm", tmp_path / "w2")
-    assert "rm/train/accuracy" in rm_metrics
-    dpo_metrics = dpo.train(dpo.DpoConfig(**fast), tmp_path / "sft" / "model", tmp_path, tmp_path / "dpo", tmp_path / "w3")
-    assert "dpo/train/rewards_margins" in dpo_metrics
+    logged: dict[str, list[dict]] = {"sft": [], "rm": [], "dpo": []}
+
+    def log(stage: str):
+        def per_step(values: dict, step: int) -> None:
+            if f"{stage}/train/loss" in values:  # not the closing summary
+                logged[stage].append(values)
+
+        return per_step
+
+    # Each dataset is 16 copies of one row: one batch, so step 2 sees exactly what step 1 learnt from.
+    sft.train(sft.SftConfig(assistant_only_loss=True, **fast), SMALL_MODEL, tmp_path, tmp_path / "sft", tmp_path / "w1", log("sft"))
+    assert logged["sft"][1]["sft/train/loss"] < logged["sft"][0]["sft/train/loss"]
+    sft_model = load_causal_lm(tmp_path / "sft" / "model")[0]
+    assert unchanged(trainable(load_base_model(SMALL_MODEL)[0]), sft_model) == []
+    torch.manual_seed(0)  # the reward model's new head is drawn from torch's global RNG
+    rm.train(rm.RewardModelConfig(**fast), tmp_path / "sft" / "model", tmp_path, tmp_path / "rm", tmp_path / "w2", log("rm"))
+    margins = [values["rm/train/margin"] for values in logged["rm"]]
+    assert margins[1] > margins[0] and logged["rm"][1]["rm/train/accuracy"] == 1.0  # after one update, the pair is ranked right
+    dpo.train(dpo.DpoConfig(**fast), tmp_path / "sft" / "model", tmp_path, tmp_path / "dpo", tmp_path / "w3", log("dpo"))
+    # Step 1 scores the policy while it still is the reference (margin 0); at step 2 it has moved towards chosen.
+    margins = [values["dpo/train/rewards_margins"] for values in logged["dpo"]]
+    assert margins[0] == 0.0 and margins[1] > 0
+    assert unchanged(trainable(sft_model), load_causal_lm(tmp_path / "dpo" / "model")[0]) == []
+
+
+def test_unpaired_feedback_passes_for_kto_and_is_refused_where_rm_or_dpo_read_pairs(tmp_path):
+    from rlhf_pipeline.trainers import data
+    from rlhf_pipeline.trainers.data import DataConfig
+
+    rows = [{"prompt": f"sort {n}1 -> ", "completion": f"1{n}", "label": n % 2 == 0} for n in range(2, 10)]
+    unpaired = DatasetSpec(path=str(write_jsonl(tmp_path / "feedback.jsonl", rows)))
+    config = DataConfig(preference=unpaired, preference_eval=None)
+    metrics = data.train(config, SMALL_MODEL, {}, tmp_path / "kto-out", tmp_path / "kto-work", pairs_for={})
+    assert metrics["data/preference/rows"] == 8.0
+    with pytest.raises(ValueError, match=r"feedback\.jsonl: rule 'paired_for_readers' failed for 8 of 8 rows .*rm, dpo of this run need pairs"):
+        data.train(config, SMALL_MODEL, {}, tmp_path / "dpo-out", tmp_path / "dpo-work", pairs_for={"preference": ("rm", "dpo")})
+    assert not (tmp_path / "dpo-out" / "datasets").exists()  # nothing written half-way

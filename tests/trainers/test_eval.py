@@ -1,11 +1,12 @@
 import json
 
+import pytest
+
 from rlhf_pipeline.trainers import eval as evaluation
 from rlhf_pipeline.trainers import sft
 from rlhf_pipeline.trainers.base import load_base_model
-from rlhf_pipeline.trainers.common import save_model
-from rlhf_pipeline.trainers.eval import generate, reward_scores
-
+from rlhf_pipeline.trainers.common import load_split, save_model
+from rlhf_pipeline.trainers.text import generate, reward_scores
 from tests.helpers import FAST, SMALL_MODEL, write_data_dir
 
 
@@ -15,9 +16,10 @@ def test_evaluate_reports_every_model_and_writes_samples(tmp_path):
     base, tokenizer = load_base_model(SMALL_MODEL)
     from transformers import AutoModelForSequenceClassification
 
-    save_model(AutoModelForSequenceClassification.from_pretrained(tmp_path / "sft" / "model", num_labels=1), tokenizer, tmp_path / "rm")
+    rm = AutoModelForSequenceClassification.from_pretrained(tmp_path / "sft" / "model", num_labels=1)
+    save_model(rm, tokenizer, tmp_path / "rm")
     metrics = evaluation.evaluate(
-        evaluation.EvalConfig(max_new_tokens=8, num_samples_logged=5),
+        evaluation.EvalConfig(max_new_tokens=8, num_samples_logged=40),  # all 40 prompts in the samples table
         SMALL_MODEL,
         tmp_path / "sft" / "model",
         tmp_path / "sft" / "model",
@@ -26,21 +28,39 @@ def test_evaluate_reports_every_model_and_writes_samples(tmp_path):
         tmp_path / "out",
         "dpo",
     )
-    for name in ("base", "sft", "dpo"):
-        assert 0.0 <= metrics[f"eval/heldout/{name}_exact_match"] <= 1.0
-    # The policy here *is* the SFT model: same greedy answers, same score.
-    assert metrics["eval/heldout/sft_exact_match"] == metrics["eval/heldout/dpo_exact_match"]
     assert metrics["eval/heldout/num_prompts"] == 40
-    assert "eval/heldout/rm_pairwise_accuracy" in metrics
     rows = [json.loads(line) for line in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
-    assert len(rows) == 5 and {"prompt", "answer", "sft", "dpo", "dpo_reward"} <= rows[0].keys()
+    assert [row["prompt"] for row in rows] == load_split(data, "prompts_eval")["prompt"]
+    assert rows[0].keys() == {"prompt", "answer"} | {f"{name}{suffix}" for name in ("base", "sft", "policy") for suffix in ("", "_correct")} | {
+        "sft_reward", "policy_reward",
+    }  # fmt: skip
+    # Each exact match is the share of that model's answers in the table that equal the reference (stripped).
+    for name in ("base", "sft", "policy"):
+        hits = [row[name].strip() == row["answer"] for row in rows]
+        assert [row[f"{name}_correct"] for row in rows] == hits, name
+        assert metrics[f"eval/heldout/{name}_exact_match"] == sum(hits) / 40, name
+    assert metrics["eval/heldout/policy_mean_reward"] == pytest.approx(sum(row["policy_reward"] for row in rows) / 40, abs=1e-4)
+    # The policy here *is* the SFT model: same greedy answers, same scores, every comparison a tie, no drift.
+    assert metrics["eval/heldout/sft_exact_match"] == metrics["eval/heldout/policy_exact_match"]
+    assert metrics["eval/heldout/sft_mean_reward"] == metrics["eval/heldout/policy_mean_reward"]
+    assert [metrics[f"eval/heldout/win_rate_vs_sft{end}"] for end in ("", "_low", "_high")] == [0.5, 0.5, 0.5]
+    assert (metrics["eval/heldout/kl_to_sft"], metrics["eval/heldout/length_drift"], metrics["eval/heldout/hacking_warnings"]) == (0.0, 0.0, 0.0)
+    # Pairwise accuracy on the 40 held-out pairs, against the same reward model scoring one row at a time (no padding).
+    pairs = load_split(data, "preference_eval")
+    scores = {
+        column: [reward_scores(rm, tokenizer, [p], [c], batch_size=1)[0] for p, c in zip(pairs["prompt"], pairs[column])] for column in ("chosen", "rejected")
+    }
+    assert metrics["eval/heldout/rm_pairwise_accuracy"] == sum(c > r for c, r in zip(scores["chosen"], scores["rejected"])) / 40
 
 
 def test_generation_and_scores_handle_conversational_prompts(tmp_path):
     model, tokenizer = load_base_model(SMALL_MODEL)
     prompts = [[{"role": "user", "content": "sort 321 -> "}], "sort 21 -> "]
     outputs = generate(model, tokenizer, prompts, max_new_tokens=3, batch_size=2)
-    assert len(outputs) == 2
+    # Left padding must not change a greedy answer, and a conversation is answered as its rendered chat template.
+    assert outputs == [generate(model, tokenizer, [p], max_new_tokens=3, batch_size=1)[0] for p in prompts]
+    rendered = tokenizer.apply_chat_template(prompts[0], add_generation_prompt=True, tokenize=False)
+    assert generate(model, tokenizer, [rendered], max_new_tokens=3, batch_size=1) == outputs[:1]
     from transformers import AutoModelForSequenceClassification
 
     save_model(model, tokenizer, tmp_path / "m")

@@ -2,13 +2,13 @@
 
 import pytest
 from pydantic import ValidationError
+from transformers import AutoModelForSequenceClassification
+
 from rlhf_pipeline.trainers import grpo, rloo
 from rlhf_pipeline.trainers.base import load_base_model
 from rlhf_pipeline.trainers.common import load_causal_lm, save_model
 from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, RewardsConfig
-from transformers import AutoModelForSequenceClassification
-
-from tests.helpers import FAST, SMALL_MODEL, changed, state_dict_copy, write_data_dir
+from tests.helpers import FAST, SMALL_MODEL, trainable, unchanged, write_data_dir
 
 ONLINE = {**FAST, "per_device_train_batch_size": 8, "max_steps": 2, "max_completion_length": 6, "num_generations": 4}
 VERIFIER = RewardsConfig(reward_model_weight=0, functions=[RewardFunctionSpec(path="tests.helpers:length_reward")])
@@ -23,15 +23,18 @@ def sft_dir(tmp_path):
 @pytest.mark.parametrize("module,config", [(grpo, grpo.GrpoConfig), (rloo, rloo.RlooConfig)], ids=["grpo", "rloo"])
 def test_online_stage_updates_the_policy_with_reward_functions(tmp_path, sft_dir, module, config):
     data = write_data_dir(tmp_path / "data", rows=16)
-    before = state_dict_copy(load_causal_lm(sft_dir)[0])
+    before = trainable(load_causal_lm(sft_dir)[0])
     logged: list[dict] = []
     metrics = module.train(config(**ONLINE), VERIFIER, sft_dir, None, data, tmp_path / "out", tmp_path / "work",
                            lambda values, step: logged.append(values))  # fmt: skip
-    after = state_dict_copy(load_causal_lm(tmp_path / "out" / "model")[0])
-    assert changed(before, after)
+    assert unchanged(before, load_causal_lm(tmp_path / "out" / "model")[0]) == []
     stage = module.__name__.split(".")[-1]
-    assert any(f"{stage}/train/kl" in values for values in logged)  # beta > 0: KL to the reference is reported
-    assert f"{stage}/train/reward" in metrics
+    # beta > 0: the KL to the reference is reported; 0 at step 1, whose rollouts come from the policy before
+    # its first update (still the reference), and positive once it has moved.
+    kl = [values[f"{stage}/train/kl"] for values in logged if f"{stage}/train/kl" in values]
+    assert kl[0] == 0.0 and kl[1] > 0 and len(kl) == 2
+    # One reward function with weight 1: the reward is that function's mean score.
+    assert metrics[f"{stage}/train/reward"] == pytest.approx(metrics[f"{stage}/train/rewards_length_reward_mean"])
 
 
 def test_grpo_scores_with_the_reward_model_and_functions_together(tmp_path, sft_dir):
@@ -43,7 +46,11 @@ def test_grpo_scores_with_the_reward_model_and_functions_together(tmp_path, sft_
     rewards = VERIFIER.model_copy(update={"reward_model_weight": 0.5})
     metrics = grpo.train(grpo.GrpoConfig(**ONLINE), rewards, sft_dir, tmp_path / "rm", data, tmp_path / "out", tmp_path / "work")
     components = {k for k in metrics if k.startswith("grpo/train/rewards_")}
-    assert len(components) >= 2, components  # one per reward: the function and the reward model
+    # One mean and std per reward: the function, and the reward model (TRL names it after its folder, `rm`).
+    assert components == {f"grpo/train/rewards_{name}_{stat}" for name in ("length_reward", "rm") for stat in ("mean", "std")}
+    # The reward trained on is the weighted sum, 1.0 x the function + 0.5 x the reward model.
+    expected = metrics["grpo/train/rewards_length_reward_mean"] + 0.5 * metrics["grpo/train/rewards_rm_mean"]
+    assert metrics["grpo/train/reward"] == pytest.approx(expected)
 
 
 def test_group_must_divide_the_generation_batch():

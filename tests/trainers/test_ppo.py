@@ -6,17 +6,17 @@ import sys
 import pytest
 import torch
 from pydantic import ValidationError
-from rlhf_pipeline.trainers import ppo
-from rlhf_pipeline.trainers.base import load_base_model
-from rlhf_pipeline.trainers.common import LoraConfig, load_causal_lm, save_model
-from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, RewardsConfig
 from transformers import AutoModelForSequenceClassification
 
-from tests.helpers import SMALL_MODEL, changed, state_dict_copy, write_data_dir
+from rlhf_pipeline.trainers import ppo
+from rlhf_pipeline.trainers.base import load_base_model
+from rlhf_pipeline.trainers.common import COMPLETE, LoraConfig, load_causal_lm, save_model
+from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, RewardsConfig
+from tests.helpers import SMALL_MODEL, trainable, unchanged, write_data_dir
 
 EXACT_MATCH = RewardsConfig(reward_model_weight=0, functions=[RewardFunctionSpec(path="rlhf_pipeline.trainers.sort_task:exact_match")])
 # 8 prompts per update in 2 mini-batches of 4; 16 episodes = 2 updates.
-FAST = dict(per_device_train_batch_size=8, num_mini_batches=2, num_ppo_epochs=2, total_episodes=16, response_length=6,
+FAST = dict(rollout_batch_size=8, num_mini_batches=2, num_ppo_epochs=2, total_episodes=16, response_length=6,
             learning_rate=1e-3, temperature=1.0, logging_steps=1, num_threads=1)  # fmt: skip
 
 
@@ -104,12 +104,12 @@ def test_kl_shaped_rewards_put_the_score_on_the_last_real_token():
 
 
 def test_config_checks_batch_arithmetic():
-    with pytest.raises(ValidationError, match=r"per_device_train_batch_size=64 must be divisible by num_mini_batches=3"):
-        ppo.PpoConfig(per_device_train_batch_size=64, num_mini_batches=3)
-    with pytest.raises(ValidationError, match=r"total_episodes=10 is less than one rollout batch \(per_device_train_batch_size=64\)"):
+    with pytest.raises(ValidationError, match=r"rollout_batch_size=64 must be divisible by num_mini_batches=3"):
+        ppo.PpoConfig(rollout_batch_size=64, num_mini_batches=3)
+    with pytest.raises(ValidationError, match=r"total_episodes=10 is less than one rollout batch \(rollout_batch_size=64\)"):
         ppo.PpoConfig(total_episodes=10)
-    assert ppo.PpoConfig(total_episodes=1000, per_device_train_batch_size=64).num_updates(5000) == 15
-    assert ppo.PpoConfig(per_device_train_batch_size=64).num_updates(2000) == 31  # None: one pass over the prompts
+    assert ppo.PpoConfig(total_episodes=1000, rollout_batch_size=64).num_updates(5000) == 15
+    assert ppo.PpoConfig(rollout_batch_size=64).num_updates(2000) == 31  # None: one pass over the prompts
 
 
 def test_import_is_cheap():
@@ -129,7 +129,10 @@ def tiny(tmp_path_factory):
     reward_model = AutoModelForSequenceClassification.from_pretrained(str(root / "sft"), num_labels=1)
     reward_model.config.pad_token_id = tokenizer.pad_token_id
     save_model(reward_model, tokenizer, root / "rm")
-    return {"sft": root / "sft", "rm": root / "rm", "data": write_data_dir(root / "data", rows=32), "weights": state_dict_copy(policy)}
+    return {
+        "sft": root / "sft", "rm": root / "rm", "data": write_data_dir(root / "data", rows=32),
+        "weights": trainable(policy), "value_weights": trainable(reward_model), "vocab": len(tokenizer),
+    }  # fmt: skip
 
 
 def test_training_with_reward_functions_only(tiny, tmp_path):
@@ -145,22 +148,36 @@ def test_training_with_reward_functions_only(tiny, tmp_path):
         lambda values, step: logged.append((step, values)),
     )
     trained, _ = load_causal_lm(tmp_path / "out" / "model")
-    assert changed(tiny["weights"], state_dict_copy(trained))
+    assert unchanged(tiny["weights"], trained) == []
     assert [step for step, _ in logged] == [1, 2]
     for name in ("reward", "kl", "entropy", "policy_loss", "value_loss", "clipfrac", "approx_kl", "response_length", "learning_rate", "reward_exact_match"):
         assert f"ppo/train/{name}" in metrics, name
     assert all(math.isfinite(v) for v in metrics.values())
     assert metrics == logged[-1][1]
+    first = logged[0][1]
+    # Update 1 rolls out the policy before any step, so it still is the reference: KL exactly 0. Its
+    # next-token distribution is near uniform over the 263 tokens: entropy about ln 263 = 5.57 nats.
+    assert first["ppo/train/kl"] == 0.0
+    assert first["ppo/train/entropy"] == pytest.approx(math.log(tiny["vocab"]), rel=0.01)
+    # The 4 optimizer steps of an update (2 epochs x 2 mini-batches) move the policy away from the rollout's.
+    assert first["ppo/train/approx_kl"] > 0
+    # Linear decay over the 2 updates: lr * (1 - (update - 1) / 2).
+    assert [values["ppo/train/learning_rate"] for _, values in logged] == [pytest.approx(1e-3), pytest.approx(5e-4)]
+    # One reward function with weight 1 and no EOS penalty: the reward is its score.
+    assert metrics["ppo/train/reward"] == pytest.approx(metrics["ppo/train/reward_exact_match"])
 
 
 def test_training_with_a_reward_model_and_lora(tiny, tmp_path):
     cfg = ppo.PpoConfig(**FAST, lora=LoraConfig(enabled=True, r=4, lora_alpha=8), save_value_model=True)
     metrics = ppo.train(cfg, RewardsConfig(reward_model_weight=1.0), tiny["sft"], tiny["rm"], tiny["data"], tmp_path / "out", tmp_path / "work")
-    assert "ppo/train/reward_model" in metrics
+    assert metrics["ppo/train/reward"] == pytest.approx(metrics["ppo/train/reward_model"])  # the only reward, weight 1
     trained, _ = load_causal_lm(tmp_path / "out" / "model")  # merged: loads as a plain causal LM
-    assert changed(tiny["weights"], state_dict_copy(trained))
+    # peft's "all-linear" adapts every Linear of the blocks but not the output head: once merged, exactly
+    # those weights moved, and the frozen embedding, norms and lm_head are bit-identical to the SFT model.
+    assert unchanged(tiny["weights"], trained) == sorted(name for name in tiny["weights"] if "_proj." not in name)
     value_model = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "out" / "value_model"))
     assert value_model.config.num_labels == 1
+    assert unchanged(tiny["value_weights"], value_model) == []  # LoRA is on the policy only: the value model trains whole
 
 
 def test_resume_continues_the_update_counter(tiny, tmp_path):
@@ -170,7 +187,9 @@ def test_resume_continues_the_update_counter(tiny, tmp_path):
     assert first == [1, 2]
     state = json.loads((work / "checkpoint-2" / "trainer_state.json").read_text())
     assert state["update"] == 2 and state["data_index"] == 16
-    assert {p.name for p in (work / "checkpoint-2").iterdir()} >= {"policy.safetensors", "value_model.safetensors", "optimizer.pt", "rng.pt"}
+    assert {p.name for p in (work / "checkpoint-2").iterdir()} == {
+        "policy.safetensors", "value_model.safetensors", "optimizer.pt", "rng.pt", "trainer_state.json", COMPLETE,
+    }  # fmt: skip
     (work / "checkpoint-9").mkdir()  # half-written (no trainer_state.json): must be ignored
     second: list[int] = []
     ppo.train(
@@ -197,7 +216,9 @@ def test_resume_after_a_crash_matches_an_unbroken_run(tiny, tmp_path):
     # Weights, optimizer, data position and RNG came back from checkpoint-2: the same result as no crash.
     resumed, _ = load_causal_lm(tmp_path / "out" / "model")
     straight, _ = load_causal_lm(tmp_path / "straight" / "model")
-    assert not changed(state_dict_copy(resumed), state_dict_copy(straight))
+    weights = trainable(resumed)
+    assert unchanged(weights, straight) == sorted(weights)  # every tensor bit-identical
+    assert unchanged(tiny["weights"], straight) == []  # and both did train
 
 
 def test_a_broken_reward_function_fails_before_training(tiny, tmp_path):

@@ -1,10 +1,10 @@
 import shutil
 
+from safetensors.torch import load_file
+
 from rlhf_pipeline.trainers import sft
 from rlhf_pipeline.trainers.base import load_base_model
 from rlhf_pipeline.trainers.common import COMPLETE, last_checkpoint, load_causal_lm, load_split, metric_name
-from safetensors.torch import load_file
-
 from tests.helpers import FAST, SMALL_MODEL, trainable, unchanged, write_data_dir
 
 
@@ -42,7 +42,14 @@ def test_sft_resumes_from_the_newest_checkpoint(tmp_path):
     sft.train(config, SMALL_MODEL, data, tmp_path / "first", tmp_path / "work")
     logged: list[tuple[int, dict]] = []
     # Same work dir, more steps: training continues at step 4, not from 0.
-    sft.train(config.model_copy(update={"max_steps": 6}), SMALL_MODEL, data, tmp_path / "second", tmp_path / "work", lambda values, step: logged.append((step, values)))
+    sft.train(
+        config.model_copy(update={"max_steps": 6}),
+        SMALL_MODEL,
+        data,
+        tmp_path / "second",
+        tmp_path / "work",
+        lambda values, step: logged.append((step, values)),
+    )
     assert [step for step, values in logged if "sft/train/loss" in values] == [5, 6]
 
 
@@ -57,7 +64,14 @@ def test_a_checkpoint_cut_off_mid_write_is_never_used(tmp_path):
     (tmp_path / "work" / "checkpoint-6" / "trainer_state.json").write_text('{"global_step": 6, "log_hist')
     assert last_checkpoint(tmp_path / "work") == str(tmp_path / "work" / "checkpoint-4")
     logged: list[tuple[int, dict]] = []
-    sft.train(config.model_copy(update={"max_steps": 6}), SMALL_MODEL, data, tmp_path / "second", tmp_path / "work", lambda values, step: logged.append((step, values)))
+    sft.train(
+        config.model_copy(update={"max_steps": 6}),
+        SMALL_MODEL,
+        data,
+        tmp_path / "second",
+        tmp_path / "work",
+        lambda values, step: logged.append((step, values)),
+    )
     # Resumed after step 4, from the complete checkpoint (the closing summary, logged at step 6 too, has no loss).
     assert [step for step, values in logged if "sft/train/loss" in values] == [5, 6]
 

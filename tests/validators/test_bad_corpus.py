@@ -3,18 +3,19 @@ file with a message naming the file, the rule and the example rows, and publishe
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import pytest
 import yaml
+
+from rlhf_pipeline import validators
 from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.data import validate_data
 from rlhf_pipeline.tasks.stage import RunContext
 from rlhf_pipeline.trainers.common import ModelConfig
 from rlhf_pipeline.trainers.data import DataConfig, DatasetSpec
-
-from rlhf_pipeline import validators
 from tests.helpers import write_data_dir
 
 BAD = Path(__file__).resolve().parents[1] / "data" / "bad"
@@ -97,4 +98,9 @@ def test_the_data_stage_rejects_the_file(case, good_specs, run_ids, tmp_path, mo
     stage_root = tmp_path / "artifacts" / "data"
     assert sorted(path.name for path in stage_root.iterdir()) == [".locks", ".work"], "nothing is published"
     slot = next(slot for slot, name in case["files"].items() if BAD / name == reported)
-    assert list(stage_root.glob(f".work/*/report/{slot}/*.json")), "the report stays in the work dir"
+    # The reports stay in the work dir and record exactly the rules the message names for the file (one line
+    # each): files.json holds the raw-file rules, validation.json the dataset rules once the file could be read.
+    reports = {path.name: json.loads(path.read_text()) for path in stage_root.glob(f".work/*/report/{slot}/*.json")}
+    saved = [report for content in reports.values() for report in (content if isinstance(content, list) else [content])]
+    failed = {result["rule"] for report in saved for result in report["rules"] if not result["success"]}
+    assert failed == set(re.findall(rf"^{re.escape(str(reported))}: rule '(\w+)' failed", message, flags=re.M)), reports

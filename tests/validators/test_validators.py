@@ -14,6 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import datasets
 import pytest
+
 from rlhf_pipeline.validators import DatasetFormat, DataValidationError, detect_format, validate_dataset
 
 SOURCE = "data/tiny.jsonl"
@@ -106,6 +107,23 @@ SHAPES = {
 }
 
 
+# The rules each shape is checked with: the common ones, those of message lists, those of prompts and pairs.
+COMMON = {"non_empty_dataset", "consistent_types", "text_not_blank"}
+MESSAGES = {"valid_roles", "has_assistant_turn", "ends_with_assistant_turn"}
+RULES = {
+    "sft-text": COMMON,
+    "sft-messages": COMMON | MESSAGES,
+    "sft-prompt-completion": COMMON,
+    "sft-conversational-prompt-completion": COMMON | MESSAGES | {"prompt_ends_with_user_turn"},
+    "preference-explicit": COMMON | {"chosen_differs_from_rejected"},
+    "preference-conversational-explicit": COMMON | MESSAGES | {"prompt_ends_with_user_turn", "chosen_differs_from_rejected"},
+    "preference-implicit": COMMON | {"chosen_differs_from_rejected"},
+    "preference-conversational-implicit": COMMON | MESSAGES | {"shared_prompt_turns", "prompt_ends_with_user_turn", "chosen_differs_from_rejected"},
+    "prompt-only": COMMON,
+    "prompt-only-conversational": COMMON | {"valid_roles", "prompt_ends_with_user_turn"},  # no assistant turn to check
+}
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_shape_passes(shape):
     kind, rows, (conversational, prompt, columns) = SHAPES[shape]
@@ -113,7 +131,7 @@ def test_shape_passes(shape):
     assert report.success, report.summary()
     assert report.format == DatasetFormat(kind, conversational, prompt, columns)
     assert report.num_rows == len(rows)
-    assert {r.rule for r in report.rules} >= {"non_empty_dataset", "consistent_types", "text_not_blank"}
+    assert {r.rule for r in report.rules} == RULES[shape]
 
 
 def test_report_files_written_on_success(tmp_path):
@@ -254,11 +272,11 @@ def test_empty_dataset():
 
 
 def test_unpaired_preference_is_rejected():
+    # Unpaired rows are KTO's preference format, but one label only leaves KTO nothing to contrast.
     rows = [{"prompt": p, "completion": a, "label": True} for p, a, _ in sort_rows()]
-    message = expect_failure("preference", rows, "format")
-    assert "unpaired preference" in message and "KTO" in message
-    with pytest.raises(DataValidationError, match="KTO"):
-        detect_format("preference", make(rows), SOURCE)
+    assert detect_format("preference", make(rows), SOURCE) == DatasetFormat("preference", False, "explicit", ("prompt", "completion", "label"))
+    message = expect_failure("preference", rows, "both_labels_present", row=0)
+    assert "all 4 labels are True: no undesirable row (label False)" in message
 
 
 def test_missing_column_names_what_was_found(tmp_path):
