@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
+
     from rlhf_pipeline.trainers.metrics import Interval, WinRate
 
 DPI = 120

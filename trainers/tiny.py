@@ -11,8 +11,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rlhf_pipeline.trainers.common import TinyModelConfig
     from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from rlhf_pipeline.trainers.common import TinyModelConfig
 
 EOS, PAD = "<|endoftext|>", "<|pad|>"
 ROLES = ("system", "user", "assistant", "tool")

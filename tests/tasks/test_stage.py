@@ -4,6 +4,7 @@ import json
 
 import pytest
 from mlflow.tracking import MlflowClient
+
 from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.stage import MANIFEST, ArtifactRef, RunContext, run_stage, stage_key
 from rlhf_pipeline.trainers.dpo import DpoConfig

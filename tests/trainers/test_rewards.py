@@ -2,6 +2,7 @@ import sys
 
 import pytest
 from pydantic import ValidationError
+
 from rlhf_pipeline.trainers import sort_task
 from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, RewardsConfig, fingerprint, load_functions, trl_reward_funcs
 

@@ -1,1 +1,0 @@
-"""Presets: YAML files that override the defaults (`rlhf run --config <name>`); shipped as package data."""

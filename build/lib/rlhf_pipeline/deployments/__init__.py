@@ -1,1 +1,0 @@
-"""Deployments of the `rlhf` flows and the `serve` entry point (`rlhf serve`)."""

@@ -1,1 +1,0 @@
-"""The DAGs: wiring only. `rlhf` is the full pipeline; smaller flows reuse the same tasks."""
