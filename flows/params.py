@@ -32,7 +32,7 @@ class RunSettings(StrictModel):
     )
     preset: str | None = Field(
         DEFAULT_PRESET,
-        description="Preset (configs/<name>.yaml or a YAML path) that every field not given here falls back to, "
+        description="Preset (`configs/<name>.yaml` or a YAML path) that every field not given here falls back to, "
         "field by field: `-p ppo='{\"kl_coef\": 0.1}'` changes one field of the preset's ppo block.",
     )
     experiment_name: str = Field("rlhf", description="MLflow experiment that holds the runs.")

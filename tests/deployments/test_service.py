@@ -7,73 +7,31 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from rlhf_pipeline.deployments.local import stop, wait_until_up
 
+from rlhf_pipeline.deployments.local import wait_until_up
+from rlhf_pipeline.tasks.stages import ALGORITHMS
+from tests.deployments.servers import ROOT, api_client, children, deployment, explain, free_port, running_service, wait_for
 from tests.flows.helpers import task_runs
 
-ROOT = Path(__file__).resolve().parents[2]
 TINY_RUN = {  # a few steps of every stage; each block merges onto the preset, field by field
     "model": {"tiny": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}},
     "sft": {"max_steps": 8, "logging_steps": 2},
     "rm": {"max_steps": 4, "logging_steps": 2},
-    "ppo": {"total_episodes": 16, "per_device_train_batch_size": 8, "num_mini_batches": 2, "logging_steps": 1},
+    "ppo": {"total_episodes": 16, "rollout_batch_size": 8, "num_mini_batches": 2, "logging_steps": 1},
     "eval": {"max_prompts": 20, "max_new_tokens": 8},
 }
-FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
     """A Prefect server on a free port and `rlhf serve` against it, with their own state folders."""
-    tmp = tmp_path_factory.mktemp("service")
-    port, mlflow_ui = free_port(), "http://127.0.0.1:9"  # no MLflow UI runs: links are only written
-    env = {
-        **os.environ,
-        "PREFECT_HOME": str(tmp / "prefect"),
-        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
-        "PREFECT_RUNNER_POLL_FREQUENCY": "1",
-        "RLHF_STATE_DIR": str(tmp / "state"),
-        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}",
-        "RLHF_MLFLOW_UI": mlflow_ui,
-    }
-    env.pop("PREFECT_LOGGING_EXTRA_LOGGERS", None)  # `rlhf serve` sets it, as for a user
-    logs = {name: open(tmp / f"{name}.log", "w") for name in ("server", "serve")}
-    processes = []
-    try:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-            env=env, stdout=logs["server"], stderr=subprocess.STDOUT, cwd=ROOT,
-        )  # fmt: skip
-        processes.append(server)
-        wait_until_up(f"{env['PREFECT_API_URL']}/health", server, timeout=180)
-        serve = subprocess.Popen([sys.executable, "-m", "rlhf_pipeline.flows.cli", "serve"], env=env, stdout=logs["serve"], stderr=subprocess.STDOUT, cwd=ROOT)
-        processes.append(serve)
-        yield {"env": env, "tmp": tmp, "client": lambda: _client(env), "processes": processes}
-    finally:
-        stop(processes)
-        for process in processes:
-            assert process.poll() is not None, f"pid {process.pid} still running"
-        for log in logs.values():
-            log.close()
-
-
-def _client(env):
-    from prefect.client.orchestration import SyncPrefectClient
-
-    return SyncPrefectClient(env["PREFECT_API_URL"])
+    with running_service(tmp_path_factory.mktemp("service")) as service:
+        yield service
 
 
 def prefect_cli(service, *args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -83,44 +41,9 @@ def prefect_cli(service, *args: str, check: bool = True) -> subprocess.Completed
     return done
 
 
-def deployment(service, name: str, timeout: float = 120):
-    """Wait until `rlhf serve` has registered the deployment."""
-    from prefect.exceptions import ObjectNotFound
-
-    deadline = time.time() + timeout
-    while True:
-        try:
-            with service["client"]() as client:
-                return client.read_deployment_by_name(name)
-        except ObjectNotFound:
-            serve = service["processes"][1]
-            assert serve.poll() is None, (service["tmp"] / "serve.log").read_text()[-3000:]
-            assert time.time() < deadline, f"{name} was not registered within {timeout}s"
-            time.sleep(1)
-
-
-def wait_for(service, flow_run_id, timeout: float = 900):
-    deadline = time.time() + timeout
-    with service["client"]() as client:
-        while True:
-            run = client.read_flow_run(flow_run_id)
-            if run.state.type.value in FINAL:
-                return run
-            assert time.time() < deadline, f"flow run {flow_run_id} still {run.state.name} after {timeout}s"
-            time.sleep(2)
-
-
 def task_states(service, flow_run_id) -> dict[str, str]:
     with service["client"]() as client:
         return {r.name: r.state.name for r in task_runs(flow_run_id, client)}
-
-
-def explain(service, run) -> str:
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
-
-    with service["client"]() as client:
-        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
-    return f"{run.state}\n" + "\n".join(log.message for log in logs)[-6000:] + (service["tmp"] / "serve.log").read_text()[-3000:]
 
 
 def test_deployment_run_from_the_cli_then_from_the_api_with_changed_parameters(service):
@@ -174,7 +97,7 @@ def test_deployment_run_from_the_cli_then_from_the_api_with_changed_parameters(s
 def test_the_server_has_the_typed_schema_refuses_bad_values_and_schedules_retraining(service):
     full = deployment(service, "rlhf/full")
     schema = full.parameter_openapi_schema
-    assert schema["properties"]["algorithm"]["enum"] == ["dpo", "grpo", "rloo", "ppo"]
+    assert schema["properties"]["algorithm"]["enum"] == list(ALGORITHMS)
     assert schema["properties"]["ppo"]["description"].startswith("PPO")
     ppo = schema["definitions"]["PpoConfig"]["properties"]
     assert ppo["kl_coef"]["description"] and ppo["learning_rate"]["exclusiveMinimum"] == 0
@@ -211,11 +134,6 @@ def test_prefect_yaml_registers_the_same_deployments_on_a_process_pool(service):
     assert made["rlhf/full"].job_variables["env"]["PREFECT_LOGGING_EXTRA_LOGGERS"].startswith("transformers,trl")
 
 
-def children(pid: int) -> list[int]:
-    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
-    return [int(child) for child in found]
-
-
 def test_rlhf_up_starts_prefect_mlflow_and_serve_and_stops_them_all(tmp_path):
     import signal
 
@@ -231,7 +149,7 @@ def test_rlhf_up_starts_prefect_mlflow_and_serve_and_stops_them_all(tmp_path):
             wait_until_up(f"http://127.0.0.1:{port}/api/health", up, timeout=180)
             wait_until_up(f"http://127.0.0.1:{mlflow_port}/health", up, timeout=120)
             service = {"env": {**env, "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}, "tmp": tmp_path}
-            service["client"] = lambda: _client(service["env"])
+            service["client"] = lambda: api_client(service["env"])
             service["processes"] = [up, up]
             assert deployment(service, "rlhf/retrain").schedules
             started = children(up.pid)

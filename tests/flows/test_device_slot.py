@@ -9,6 +9,7 @@ import pytest
 from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.orchestration import device_limit, ensure_device_limit
 from rlhf_pipeline.tasks.stage import RunContext, run_stage
+from rlhf_pipeline.tasks.stages import BY_NAME
 
 pytestmark = pytest.mark.e2e  # a pipeline run end to end: the fast loop skips it (-m 'not e2e')
 
@@ -40,7 +41,7 @@ def test_device_stages_wait_for_each_other_and_data_stages_do_not(prefect, tmp_p
 
     @task
     def stage(name: str, run: int):
-        return run_stage(name, {"run": run}, {}, ctx, build(name)).ref
+        return run_stage(name, {"run": run}, {}, ctx, build(name), device=BY_NAME[name].device).ref
 
     @flow
     def two_runs_at_once():

@@ -1,0 +1,162 @@
+"""The Prefect UI's custom-run form in a real headless browser: what a user types there reaches the flow run.
+
+A real Prefect server and `rlhf serve --config <tmp preset extending tests/ci.yaml>`, each with its own
+state folders; Debian's Chromium driven by Playwright. Every process is stopped by its pid and checked dead.
+
+The form is Prefect's Vue app (prefect-design): a label's `for` names no input, so `get_by_label` finds
+nothing; a field is its property block (`.schema-form-property`) holding the label's exact text, and the
+control inside it is found by role.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.deployments.servers import children, deployment, explain, running_service, wait_for
+from tests.flows.helpers import CI_PRESET, task_runs
+
+CHROMIUM = "/usr/bin/chromium"  # Debian's package (.ci/run installs it): Playwright's own download cannot work here
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+# On top of tests/ci.yaml: 8 sft steps of 16 rows instead of 64 took sft from 24-34 s to 13 s on this busy 2-core machine.
+SMALLER_BATCHES = {"sft": {"per_device_train_batch_size": 16}, "rm": {"per_device_train_batch_size": 16}}
+ALGORITHM, BETA = "grpo", 0.123  # rlhf/full runs ppo; grpo (2 steps, ~1.5 s) is the quickest choice with dpo and rloo
+
+
+def field(within, label: str):
+    """The form's property block whose own label reads `label`, e.g. "algorithm (Optional)", "Beta (Optional)"."""
+    return within.locator(".schema-form-property").filter(has=getattr(within, "page", within).get_by_text(label, exact=True))
+
+
+def process_tree(pids) -> list[int]:
+    found = list(pids)
+    for pid in found:  # grows while it is walked: every descendant is visited
+        found += [child for child in children(pid) if child not in found]
+    return found
+
+
+def differences(got, want, path: str = "") -> list[str]:
+    """Each leaf where `got` differs from `want`, as 'grpo.beta: 0.5 != 0.123' (1 equals 1.0: the UI sends whole floats as integers)."""
+    if isinstance(got, dict) and isinstance(want, dict):
+        return [line for key in {**want, **got} for line in differences(got.get(key, "<missing>"), want.get(key, "<missing>"), f"{path}{key}.")]
+    return [] if got == want else [f"{path.rstrip('.')}: {got!r} != {want!r}"]
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def still_alive(pids: list[int], grace: float = 15) -> list[int]:
+    """The pids still running after `grace` seconds: a Chromium helper can outlive `browser.close()` by a moment."""
+    deadline = time.time() + grace
+    while (running := [pid for pid in pids if alive(pid)]) and time.time() < deadline:
+        time.sleep(0.2)
+    return running
+
+
+def body(response) -> str:
+    try:
+        return response.text()[:2000]
+    except Exception as unreadable:  # the browser may have dropped it: keep the error being reported
+        return f"<body unreadable: {unreadable}>"
+
+
+def submit_from_the_form(url: str, deployed: dict, artifacts: Path, service_pids: set[int]) -> list[int]:
+    """Change `algorithm` and `grpo.beta` on the form, screenshot it, submit; returns the browser's pids (closed by then)."""
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.set_default_timeout(60_000)  # a busy 2-core machine renders the ~30,000-pixel form slowly
+        refused = []  # the API's answers >= 400: the UI shows only "Oops. Something went wrong."
+        page.on("response", lambda response: refused.append(response) if response.status >= 400 else None)
+        try:
+            page.goto(url)
+            algorithm = field(page, "algorithm (Optional)").get_by_role("group").get_by_role("button")
+            expect(algorithm).to_have_text(deployed["algorithm"])  # the form opens filled in from the deployment
+            # A click on prefect-design's select button leaves its list closed here (a click on its chevron, Space or ArrowDown opens it).
+            algorithm.press("ArrowDown")
+            page.get_by_role("listbox").get_by_role("option", name=ALGORITHM, exact=True).click()
+            expect(algorithm).to_have_text(ALGORITHM)
+            beta = field(field(page, "grpo (Optional)"), "Beta (Optional)").get_by_role("spinbutton")
+            expect(beta).to_have_value(str(deployed["grpo"]["beta"]))
+            beta.fill(str(BETA))
+            expect(beta).to_have_value(str(BETA))
+
+            # The page scrolls inside `.app-router-view`, not the document: a full-page shot needs a viewport that tall.
+            height = page.locator(".app-router-view").evaluate("view => view.scrollHeight")
+            page.set_viewport_size({"width": 1280, "height": height})
+            page.screenshot(path=artifacts / "ui_form.png", full_page=True)
+            shutil.copyfile(artifacts / "ui_form.png", "/tmp/ui_form.png")
+
+            page.get_by_role("button", name="Submit", exact=True).click()
+            page.wait_for_url(lambda address: not address.rstrip("/").endswith("/run"))  # Submit leads to the deployment's page
+        except Exception as error:
+            page.screenshot(path=artifacts / "ui_form_failed.png")
+            for response in refused:
+                error.add_note(f"{response.status} {response.request.method} {response.url}: {body(response)}")
+            raise
+        finally:
+            browser_pids = process_tree(set(children(os.getpid())) - service_pids)  # Playwright's driver, Chromium under it
+            browser.close()
+    return browser_pids
+
+
+@pytest.mark.e2e
+def test_a_run_submitted_from_the_ui_form_has_the_typed_parameters_and_completes(tmp_path):
+    assert Path(CHROMIUM).is_file(), f"{CHROMIUM} is missing: `apt-get install -y chromium` (as .ci/run does)"
+    artifacts = Path(os.environ.get("RLHF_TEST_ARTIFACTS") or tmp_path)
+    artifacts.mkdir(parents=True, exist_ok=True)
+    print(f"screenshots of the form: {artifacts}")
+    (tmp_path / "service").mkdir()
+    preset = tmp_path / "ui.yaml"
+    preset.write_text(yaml.safe_dump({"extends": CI_PRESET, **SMALLER_BATCHES}))
+
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    with running_service(tmp_path / "service", ["--config", str(preset)]) as service:
+        full = deployment(service, "rlhf/full")
+        deployed = full.parameters
+        assert deployed["algorithm"] != ALGORITHM and deployed["grpo"]["beta"] != BETA  # the form has to change both
+        url = f"{service['env']['PREFECT_API_URL'].removesuffix('/api')}/deployments/deployment/{full.id}/run"
+        browser_pids = submit_from_the_form(url, deployed, artifacts, {p.pid for p in service["processes"]})
+        assert browser_pids and still_alive(browser_pids) == []
+
+        with service["client"]() as client:
+            runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[full.id])))
+        assert len(runs) == 1, f"Submit created {len(runs)} runs of rlhf/full"
+        run = runs[0]
+        expected = copy.deepcopy(deployed)
+        expected["algorithm"], expected["grpo"]["beta"] = ALGORITHM, BETA
+        assert differences(run.parameters, expected) == []  # the two typed values, and every other field as deployed
+
+        run = wait_for(service, run.id, timeout=300)
+        assert run.state.type.value == "COMPLETED", explain(service, run)
+        with service["client"]() as client:
+            states = {task.name: task.state.name for task in task_runs(run.id, client)}
+        assert states == dict.fromkeys(["data", "sft", "rm", ALGORITHM, "eval", "registry"], "Completed")
+
+    from mlflow.tracking import MlflowClient
+
+    mlflow = MlflowClient(tracking_uri=service["env"]["MLFLOW_TRACKING_URI"])
+    experiment = mlflow.get_experiment_by_name(deployed["experiment_name"]).experiment_id
+    [parent] = mlflow.search_runs([experiment], f"tags.`prefect.flow_run_id` = '{run.id}'")
+    assert parent.data.params["grpo.beta"] == str(BETA)  # the typed value is the one the stage trained with
