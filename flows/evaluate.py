@@ -46,7 +46,7 @@ class EvalParams(StrictModel):
         return source if source is None else check_model_source(source)
 
 
-@flow(name="rlhf-eval", persist_result=False, validate_parameters=True)
+@flow(name="rlhf-eval", persist_result=False, validate_parameters=True, log_prints=False)  # see tasks.orchestration.stage_task
 @described_by(EvalParams)
 def rlhf_eval(
     policy: str,

@@ -74,7 +74,7 @@ def _signature() -> inspect.Signature:
 
 _rlhf.__signature__ = _signature()
 _rlhf.__name__ = "rlhf"
-rlhf = flow(name="rlhf", persist_result=False, validate_parameters=True)(described_by(PipelineParams)(_rlhf))
+rlhf = flow(name="rlhf", persist_result=False, validate_parameters=True, log_prints=False)(described_by(PipelineParams)(_rlhf))
 
 if __name__ == "__main__":
     from rlhf_pipeline.flows.cli import main

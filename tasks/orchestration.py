@@ -148,6 +148,11 @@ def stage_task(stage: str):
             # and the artifact store decides about caching (see module docstring).
             cache_policy=NO_CACHE,
             persist_result=False,
+            # Prints stay prints. A served run otherwise patches `print` into the task log, which swallows
+            # what libraries capture from stdout: `datasets` hashes TRL's map functions with dill, whose
+            # `nestedglobals` reads `dis` output from a captured stdout; patched, ~1,000 lines of bytecode
+            # per stage flooded the Prefect logs and dill saw no globals. Our own lines go through loggers.
+            log_prints=False,
         )(run)
 
     return decorate

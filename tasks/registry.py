@@ -110,4 +110,6 @@ def register_task():
 
     from rlhf_pipeline.tasks.orchestration import is_transient
 
-    return task(name="registry", task_run_name="registry", retry_condition_fn=is_transient, cache_policy=NO_CACHE, persist_result=False)(register_policy)
+    return task(name="registry", task_run_name="registry", retry_condition_fn=is_transient, cache_policy=NO_CACHE, persist_result=False, log_prints=False)(
+        register_policy
+    )
