@@ -1,6 +1,7 @@
-"""`PipelineParams`: every stage's config in one typed model, the flow's single parameter.
+"""`PipelineParams`: the run's settings plus one typed block per row of the table of stages (`tasks.stages`).
 
-Presets in `configs/` override the defaults; `--set a.b=value` overrides a preset.
+Presets in `configs/` override the defaults (and may `extends:` another preset);
+`--set a.b=value` overrides a preset; the flow's parameters are these fields.
 """
 
 from __future__ import annotations
