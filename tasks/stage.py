@@ -246,9 +246,10 @@ def run_stage(
                 cached_tags["rlhf.produced_by_missing"] = f"run {producer} is not in {tracking.tracking_uri()}"
             run_id = tracking.start_run(ctx.experiment_id, stage, {**tags, **cached_tags}, ctx.parent_run_id)
             tracking.log_params(run_id, config_json)
-            for step, values in read_history(final):  # the curves, so cached runs line up in MLflow's compare view
+            curves = read_history(final)
+            for step, values in curves:  # the curves, so cached runs line up in MLflow's compare view
                 tracking.log_metrics(run_id, values, step)
-            tracking.log_metrics(run_id, manifest["metrics"], max((s for s, _ in read_history(final)), default=0))
+            tracking.log_metrics(run_id, manifest["metrics"], max((step for step, _ in curves), default=0))
             tracking.end_run(run_id)
             where = f"MLflow run {producer}" if found else f"MLflow run {producer}, not in this tracking store"
             log(f"{stage}: cached ({final}, produced by {where})")

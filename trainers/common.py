@@ -304,6 +304,14 @@ def metrics_callback(stage: str, log_metrics: LogMetrics | None):
     return ForwardMetrics()
 
 
+def train_and_save(stage: str, trainer, tokenizer, lora: LoraConfig, work_dir: Path, out_dir: Path) -> dict[str, float]:
+    """What every TRL stage ends with: train (resuming from the newest complete checkpoint), save the
+    model (merged under LoRA unless `keep_adapter`) and return the last logged values."""
+    trainer.train(resume_from_checkpoint=last_checkpoint(work_dir))
+    save_model(trainer.model, tokenizer, out_dir / "model", keep_adapter=lora.keep_adapter)
+    return final_train_metrics(stage, trainer)
+
+
 def final_train_metrics(stage: str, trainer) -> dict[str, float]:
     """The last logged training values (loss etc.) from the trainer's history."""
     merged: dict[str, float] = {}

@@ -49,7 +49,7 @@ def train(
 ) -> dict[str, float]:
     import trl
 
-    from rlhf_pipeline.trainers.common import final_train_metrics, last_checkpoint, load_causal_lm, load_split, save_model, stage_callbacks
+    from rlhf_pipeline.trainers.common import load_causal_lm, load_split, stage_callbacks, train_and_save
 
     # The TRL config first: a combination TRL refuses fails before any weights load.
     args = trl.DPOConfig(
@@ -69,6 +69,4 @@ def train(
         peft_config=cfg.lora.peft_config(),
         callbacks=stage_callbacks("dpo", log_metrics),
     )
-    trainer.train(resume_from_checkpoint=last_checkpoint(work_dir))
-    save_model(trainer.model, tokenizer, out_dir / "model", keep_adapter=cfg.lora.keep_adapter)
-    return final_train_metrics("dpo", trainer)
+    return train_and_save("dpo", trainer, tokenizer, cfg.lora, work_dir, out_dir)

@@ -63,9 +63,8 @@ def train(
     import trl
     from trl.data_utils import maybe_extract_prompt, unpair_preference_dataset
 
-    from rlhf_pipeline.trainers.common import final_train_metrics, last_checkpoint, load_causal_lm, load_split, save_model, stage_callbacks
+    from rlhf_pipeline.trainers.common import load_causal_lm, load_split, stage_callbacks, train_and_save
 
-    policy, tokenizer = load_causal_lm(sft_model)
     rows = load_split(data_dir, "preference")
     if "chosen" in rows.column_names and "rejected" in rows.column_names:
         # TRL would unpair them itself, but into blocks (1,000 desirable rows, then their 1,000 undesirable twins) ...
@@ -74,6 +73,7 @@ def train(
     # ... and KTO samples sequentially (see KtoConfig), so batches keep the file's order: shuffle once, seeded,
     # so that every batch mixes both labels and a resumed run sees the same order.
     rows = rows.shuffle(seed=cfg.seed)
+    # The TRL config first: a combination TRL refuses fails before any weights load.
     args = trl.KTOConfig(
         **cfg.trl_arguments(work_dir),
         max_length=cfg.max_length,
@@ -82,6 +82,7 @@ def train(
         undesirable_weight=cfg.undesirable_weight,
         loss_type=cfg.loss_type,
     )
+    policy, tokenizer = load_causal_lm(sft_model)
     trainer = trl.KTOTrainer(
         model=policy,
         args=args,
@@ -90,6 +91,4 @@ def train(
         peft_config=cfg.lora.peft_config(),
         callbacks=stage_callbacks("kto", log_metrics),
     )
-    trainer.train(resume_from_checkpoint=last_checkpoint(work_dir))
-    save_model(trainer.model, tokenizer, out_dir / "model", keep_adapter=cfg.lora.keep_adapter)
-    return final_train_metrics("kto", trainer)
+    return train_and_save("kto", trainer, tokenizer, cfg.lora, work_dir, out_dir)

@@ -59,7 +59,7 @@ def train(
     """Train with TRL's GRPOTrainer (`stage="grpo"`) or RLOOTrainer (`stage="rloo"`) on `prompts`."""
     import trl
 
-    from rlhf_pipeline.trainers.common import final_train_metrics, last_checkpoint, load_causal_lm, load_split, save_model, stage_callbacks
+    from rlhf_pipeline.trainers.common import load_causal_lm, load_split, stage_callbacks, train_and_save
     from rlhf_pipeline.trainers.rewards import trl_reward_funcs
 
     trainer_cls, config_cls = {"grpo": (trl.GRPOTrainer, trl.GRPOConfig), "rloo": (trl.RLOOTrainer, trl.RLOOConfig)}[stage]
@@ -87,6 +87,4 @@ def train(
         peft_config=cfg.lora.peft_config(),
         callbacks=stage_callbacks(stage, log_metrics),
     )
-    trainer.train(resume_from_checkpoint=last_checkpoint(work_dir))
-    save_model(trainer.model, tokenizer, out_dir / "model", keep_adapter=cfg.lora.keep_adapter)
-    return final_train_metrics(stage, trainer)
+    return train_and_save(stage, trainer, tokenizer, cfg.lora, work_dir, out_dir)

@@ -36,7 +36,7 @@ def train(
     import trl
 
     from rlhf_pipeline.trainers.base import load_base_model
-    from rlhf_pipeline.trainers.common import final_train_metrics, last_checkpoint, load_split, save_model, stage_callbacks
+    from rlhf_pipeline.trainers.common import load_split, stage_callbacks, train_and_save
 
     # The TRL config first: a combination TRL refuses fails before any weights load.
     args = trl.SFTConfig(
@@ -55,6 +55,4 @@ def train(
         peft_config=cfg.lora.peft_config(),
         callbacks=stage_callbacks("sft", log_metrics),
     )
-    trainer.train(resume_from_checkpoint=last_checkpoint(work_dir))
-    save_model(trainer.model, tokenizer, out_dir / "model", keep_adapter=cfg.lora.keep_adapter)
-    return final_train_metrics("sft", trainer)
+    return train_and_save("sft", trainer, tokenizer, cfg.lora, work_dir, out_dir)

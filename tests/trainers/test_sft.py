@@ -8,6 +8,20 @@ from rlhf_pipeline.trainers.common import COMPLETE, last_checkpoint, load_causal
 from tests.helpers import FAST, SMALL_MODEL, trainable, unchanged, write_data_dir
 
 
+def train_on_to_six(config, data, tmp_path) -> list[tuple[int, dict]]:
+    """Train the same work dir on to step 6; (step, values) of every log call."""
+    logged: list[tuple[int, dict]] = []
+    sft.train(
+        config.model_copy(update={"max_steps": 6}),
+        SMALL_MODEL,
+        data,
+        tmp_path / "second",
+        tmp_path / "work",
+        lambda values, step: logged.append((step, values)),
+    )
+    return logged
+
+
 def test_sft_trains_the_tiny_model_and_lowers_its_loss(tmp_path):
     data = write_data_dir(tmp_path / "data")
     logged: list[tuple[dict, int]] = []
@@ -40,16 +54,8 @@ def test_sft_resumes_from_the_newest_checkpoint(tmp_path):
     data = write_data_dir(tmp_path / "data")
     config = sft.SftConfig(max_steps=4, **{**FAST, "save_steps": 2})
     sft.train(config, SMALL_MODEL, data, tmp_path / "first", tmp_path / "work")
-    logged: list[tuple[int, dict]] = []
     # Same work dir, more steps: training continues at step 4, not from 0.
-    sft.train(
-        config.model_copy(update={"max_steps": 6}),
-        SMALL_MODEL,
-        data,
-        tmp_path / "second",
-        tmp_path / "work",
-        lambda values, step: logged.append((step, values)),
-    )
+    logged = train_on_to_six(config, data, tmp_path)
     assert [step for step, values in logged if "sft/train/loss" in values] == [5, 6]
 
 
@@ -63,15 +69,7 @@ def test_a_checkpoint_cut_off_mid_write_is_never_used(tmp_path):
     (tmp_path / "work" / "checkpoint-6" / COMPLETE).unlink()
     (tmp_path / "work" / "checkpoint-6" / "trainer_state.json").write_text('{"global_step": 6, "log_hist')
     assert last_checkpoint(tmp_path / "work") == str(tmp_path / "work" / "checkpoint-4")
-    logged: list[tuple[int, dict]] = []
-    sft.train(
-        config.model_copy(update={"max_steps": 6}),
-        SMALL_MODEL,
-        data,
-        tmp_path / "second",
-        tmp_path / "work",
-        lambda values, step: logged.append((step, values)),
-    )
+    logged = train_on_to_six(config, data, tmp_path)
     # Resumed after step 4, from the complete checkpoint (the closing summary, logged at step 6 too, has no loss).
     assert [step for step, values in logged if "sft/train/loss" in values] == [5, 6]
 
