@@ -16,26 +16,35 @@ if TYPE_CHECKING:
 
 
 def load_base_tokenizer(model: ModelConfig) -> PreTrainedTokenizerBase:
+    """The base tokenizer, with `model.chat_template` set (and its special tokens added) when one is named."""
+    from rlhf_pipeline.trainers import templates
+
     if model.name_or_path == TINY:
         from rlhf_pipeline.trainers.tiny import build_tokenizer
 
-        return build_tokenizer()
-    return load_tokenizer(model.name_or_path, revision=model.revision, trust_remote_code=model.trust_remote_code)
+        tokenizer = build_tokenizer()
+    else:
+        tokenizer = load_tokenizer(model.name_or_path, revision=model.revision, trust_remote_code=model.trust_remote_code)
+    templates.apply(tokenizer, model.chat_template)
+    return tokenizer
 
 
 def load_base_model(model: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The base weights in `model.dtype` (float32 by default: a bf16 checkpoint is upcast, so AdamW updates a
+    full-precision master copy), embeddings grown to the tokenizer when the chat template added tokens."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     tokenizer = load_base_tokenizer(model)
+    dtype = getattr(torch, model.dtype)
     if model.name_or_path == TINY:
         from rlhf_pipeline.trainers.tiny import build_model
 
-        return build_model(model.tiny, tokenizer, seed=model.seed), tokenizer
-    policy = AutoModelForCausalLM.from_pretrained(
-        model.name_or_path,
-        revision=model.revision,
-        trust_remote_code=model.trust_remote_code,
-        dtype="auto",
-        use_safetensors=True,
-    )
+        policy = build_model(model.tiny, tokenizer, seed=model.seed).to(dtype)
+    else:
+        policy = AutoModelForCausalLM.from_pretrained(
+            model.name_or_path, revision=model.revision, trust_remote_code=model.trust_remote_code, dtype=dtype, use_safetensors=True
+        )  # fmt: skip
+    if len(tokenizer) > policy.get_input_embeddings().weight.shape[0]:
+        policy.resize_token_embeddings(len(tokenizer), mean_resizing=True)
     return policy, tokenizer

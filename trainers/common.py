@@ -49,6 +49,17 @@ class ModelConfig(StrictModel):
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of the base model.")
     trust_remote_code: bool = Field(False, description="Run model code shipped with a hub repository. Off unless you trust it.")
     seed: int = Field(0, description="Seed of the tiny model's initial weights (same seed, same base model).")
+    chat_template: str | None = Field(
+        None,
+        description="Chat template for conversational data: 'chatml' or a Jinja file; None: the tokenizer's own. Its special tokens are "
+        "added (embeddings resized) and it is saved with every stage's tokenizer. A base model without a template needs one.",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="Dtype the base weights are loaded, trained and saved in. float32 (default): master weights in full precision, so a "
+        "bf16/fp16 checkpoint is upcast and mixed precision comes from each stage's `bf16`; bfloat16/float16: pure low-precision "
+        "training (half the memory; AdamW updates smaller than the weights' precision are lost).",
+    )
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Architecture of the tiny model.")
 
 
@@ -191,6 +202,24 @@ def load_tokenizer(source: str | Path, revision: str | None = None, trust_remote
     return tokenizer
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+                   "chat_template.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model")  # fmt: skip
+
+
+def tokenizer_digest(folder: str | Path) -> str:
+    """sha256 of a model folder's tokenizer files (vocabulary, merges, special tokens, chat template): two folders
+    with the same digest turn text into the same ids. '' for a folder without tokenizer files (a hub id)."""
+    import hashlib
+
+    digest, found = hashlib.sha256(), False
+    for name in TOKENIZER_FILES:
+        path = Path(folder) / name
+        if path.is_file():
+            found = True
+            digest.update(name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:32] if found else ""
+
+
 def load_causal_lm(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A model written by an earlier stage (`<artifact>/model`)."""
     from transformers import AutoModelForCausalLM
@@ -199,10 +228,19 @@ def load_causal_lm(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeniz
 
 
 def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: Path, keep_adapter: bool = False) -> Path:
-    """Save weights (safetensors) and tokenizer; a peft model is merged first unless `keep_adapter`."""
+    """Save weights (safetensors) and tokenizer (with its chat template); a peft model is merged first unless
+    `keep_adapter`. A causal LM's generation config stops at EOS and the template's end of turn (TRL's
+    GRPO/RLOO read their stop tokens from it)."""
+    from rlhf_pipeline.trainers.templates import stop_token_ids
+
     out_dir.mkdir(parents=True, exist_ok=True)
     if hasattr(model, "merge_and_unload") and not keep_adapter:
         model = model.merge_and_unload()
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and getattr(model, "can_generate", lambda: False)():
+        stops = stop_token_ids(tokenizer)
+        generation.eos_token_id = stops if len(stops) > 1 else stops[0]
+        generation.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     return out_dir

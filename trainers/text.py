@@ -8,6 +8,7 @@ generation prompt, the reply closed by the template).
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -43,30 +44,45 @@ def pad(rows: list[list[int]], pad_id: int, left: bool = False, device=None) -> 
     return torch.tensor(ids, device=device), torch.tensor(mask, device=device)
 
 
+@contextlib.contextmanager
+def own_sampling(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase):
+    """Generate with only the settings the caller names: the model's `generation_config` (Qwen's ships top_k=20,
+    top_p=0.8, repetition_penalty=1.05) is swapped for a blank one that stops at EOS and the template's end of turn.
+    transformers fills every setting a call leaves unset from the model's config, so passing ours is not enough."""
+    from transformers import GenerationConfig
+
+    from rlhf_pipeline.trainers.templates import stop_token_ids
+
+    saved = model.generation_config
+    stops = stop_token_ids(tokenizer)
+    model.generation_config = GenerationConfig(eos_token_id=stops, pad_token_id=tokenizer.pad_token_id, bos_token_id=getattr(saved, "bos_token_id", None))
+    try:
+        yield stops
+    finally:
+        model.generation_config = saved
+
+
 def generate(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list, max_new_tokens: int, batch_size: int, sample: bool = False
 ) -> list[str]:
-    """Greedy (or, with `sample`, temperature-1) completions for standard or conversational prompts."""
+    """Greedy (or, with `sample`, pure temperature-1) completions for standard or conversational prompts,
+    stopped at EOS or the chat template's end of turn; nothing is inherited from the model's generation config."""
     import torch
 
     model.eval()
     out: list[str] = []
-    for start in range(0, len(prompts), batch_size):
-        input_ids, attention = pad(
-            [prompt_ids(tokenizer, p) for p in prompts[start : start + batch_size]], tokenizer.pad_token_id, left=True, device=model.device
-        )
-        with torch.no_grad():
-            generated = model.generate(
-                input_ids=input_ids,
-                attention_mask=attention,
-                max_new_tokens=max_new_tokens,
-                do_sample=sample,
-                temperature=1.0 if sample else None,
-                top_k=0 if sample else None,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
+    with own_sampling(model, tokenizer) as stops:
+        for start in range(0, len(prompts), batch_size):
+            input_ids, attention = pad(
+                [prompt_ids(tokenizer, p) for p in prompts[start : start + batch_size]], tokenizer.pad_token_id, left=True, device=model.device
             )
-        out.extend(tokenizer.batch_decode(generated[:, input_ids.shape[1] :], skip_special_tokens=True))
+            settings = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0} if sample else {"do_sample": False}
+            with torch.no_grad():
+                generated = model.generate(
+                    input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens,
+                    pad_token_id=tokenizer.pad_token_id, eos_token_id=stops, **settings,
+                )  # fmt: skip
+            out.extend(tokenizer.batch_decode(generated[:, input_ids.shape[1] :], skip_special_tokens=True))
     return out
 
 

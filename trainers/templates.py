@@ -1,0 +1,100 @@
+"""Chat templates: giving a base model one (`model.chat_template`), and finding where its turns end.
+
+A base model such as GPT-2 ships without a chat template, and conversational data
+cannot be rendered without one. `model.chat_template` names a template (`chatml`)
+or a Jinja file; it is set on the tokenizer before any stage uses it, its special
+tokens are added (and the model's embeddings resized to match), and it is saved
+with every stage's tokenizer, so later stages read it from the upstream folder.
+
+The end-of-turn token is what a template writes after an assistant reply
+(ChatML's `<|im_end|>`, the tiny template's EOS): generation stops there as well
+as at the tokenizer's EOS, and SFT must train on it or the policy never stops.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# ChatML (OpenAI, Qwen), with {% generation %} marks around each assistant reply and its `<|im_end|>`, so
+# TRL's `assistant_only_loss` trains on the end-of-turn token too.
+CHATML = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{% generation %}{{- message['content'] + '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}"
+    "{%- else %}"
+    "{{- message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+NAMED = {"chatml": (CHATML, ("<|im_start|>", "<|im_end|>"))}
+"""Template name -> (Jinja source, the special tokens it writes)."""
+
+SENTINEL = "\u2063rlhf-sentinel\u2063"
+
+
+def resolve(template: str) -> tuple[str, tuple[str, ...]]:
+    """A template by name (`chatml`) or a Jinja file -> (source, special tokens to add: none for a file)."""
+    if template in NAMED:
+        return NAMED[template]
+    path = Path(template).expanduser()
+    if path.suffix in (".jinja", ".j2", ".jinja2") or path.is_file():
+        if not path.is_file():
+            raise ValueError(f"model.chat_template={template!r}: no such Jinja file")
+        return path.read_text(), ()
+    raise ValueError(f"model.chat_template={template!r}: not a known template ({', '.join(NAMED)}) nor a Jinja file (.jinja)")
+
+
+def apply(tokenizer: PreTrainedTokenizerBase, template: str | None) -> int:
+    """Set `template` on `tokenizer` (None: keep its own); returns how many special tokens were added."""
+    if template is None:
+        return 0
+    from tokenizers import AddedToken
+
+    source, specials = resolve(template)
+    missing = [token for token in specials if token not in tokenizer.get_vocab()]
+    if missing:
+        tokenizer.add_tokens([AddedToken(token, special=True, normalized=False) for token in missing], special_tokens=True)
+    tokenizer.chat_template = source
+    return len(missing)
+
+
+def end_of_turn(tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The special token the chat template writes right after an assistant reply; None without a template
+    (or when the template writes no special token there)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": SENTINEL}], tokenize=False
+    )  # fmt: skip
+    if SENTINEL not in rendered:
+        return None
+    after = rendered.rsplit(SENTINEL, 1)[1]
+    specials = sorted({str(t) for t in tokenizer.all_special_tokens} | set(getattr(tokenizer, "added_tokens_encoder", {})), key=len, reverse=True)
+    stripped = after.lstrip()
+    for token in specials:
+        if token and stripped.startswith(token):
+            return token
+    return None
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Where generation stops: the tokenizer's EOS and the chat template's end-of-turn token (one list, no repeats)."""
+    ids = [tokenizer.eos_token_id]
+    eot = end_of_turn(tokenizer)
+    if eot is not None:
+        ids.append(tokenizer.convert_tokens_to_ids(eot))
+    return [i for n, i in enumerate(ids) if i is not None and i not in ids[:n]]
+
+
+def has_generation_marks(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """The template marks assistant replies with {% generation %} (TRL's `assistant_only_loss` needs them)."""
+    from trl.chat_template_utils import has_generation_markers
+
+    template = getattr(tokenizer, "chat_template", None)
+    return bool(template) and has_generation_markers(template)
