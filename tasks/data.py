@@ -18,6 +18,7 @@ def validate_data(
     model: ModelConfig | None = None,
     max_tokens: dict[str, int] | None = None,
     pairs_for: dict[str, tuple[str, ...]] | None = None,
+    assistant_only_loss: bool = False,
 ) -> StageOutcome:
     """Validate every dataset of `config`; publish nothing unless all pass (`trainers.data.train`).
 
@@ -32,16 +33,16 @@ def validate_data(
     sources = config.sources()
     fingerprints = {name: fingerprint(spec) for name, (_, spec) in sources.items()}
     keyed = config.model_dump(mode="json")
-    if limits:
-        # Without limits the key stays the DataConfig's alone; with them, the tokenizer counts too.
-        tokenizer_id = model.model_dump(mode="json", include={"name_or_path", "revision", "trust_remote_code"})
-        keyed = {**keyed, "max_tokens": limits, "tokenizer": tokenizer_id}
+    if model is not None:
+        # The tokenizer (and its chat template) decides the template and length rules.
+        tokenizer_id = model.model_dump(mode="json", include={"name_or_path", "revision", "trust_remote_code", "chat_template"})
+        keyed = {**keyed, "max_tokens": limits, "tokenizer": tokenizer_id, "assistant_only_loss": assistant_only_loss}
     keyed = {**keyed, "pairs_for": {name: list(stages) for name, stages in sorted(pairs_for.items())}}
 
     def build(out_dir: Path, work_dir: Path, log_metrics) -> dict[str, float]:
         from rlhf_pipeline.trainers import data
 
-        return data.train(config, model, limits, out_dir, work_dir, log_metrics, pairs_for=pairs_for)
+        return data.train(config, model, limits, out_dir, work_dir, log_metrics, pairs_for=pairs_for, assistant_only_loss=assistant_only_loss)
 
     row = BY_NAME["data"]
     # Dependents key on the frozen datasets alone (a stricter rule or a new report re-trains nothing),

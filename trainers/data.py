@@ -155,17 +155,46 @@ def train(
     work_dir: Path,
     log_metrics=None,
     pairs_for: dict[str, tuple[str, ...]] | None = None,
+    assistant_only_loss: bool = False,
 ) -> dict[str, float]:
-    """The `data` stage: check every dataset (raw file, Great Expectations rules, token lengths, train/eval
-    leakage), then freeze Parquet copies into `out_dir/datasets/<name>.parquet` for later stages.
+    """The `data` stage: check every dataset (`check_datasets`), then freeze Parquet copies into
+    `out_dir/datasets/<name>.parquet` for later stages. Every broken dataset is reported at once and nothing
+    is written to `out_dir`; the reports stay in `work_dir/report` (named in the error)."""
+    import shutil
+
+    passed, failures = check_datasets(cfg, model, max_tokens, work_dir / "report", pairs_for, assistant_only_loss)
+    # Report every broken dataset at once, then stop before any training.
+    if len(failures) == 1:
+        raise failures[0]
+    if failures:
+        raise ValueError(f"{len(failures)} data checks failed:\n" + "\n".join(map(str, failures)))
+    metrics: dict[str, float] = {}
+    for name, (split, _) in passed.items():
+        split.dataset.to_parquet(str(out_dir / "datasets" / f"{name}.parquet"))
+        metrics[f"data/{name}/rows"] = float(len(split.dataset))
+    shutil.copytree(work_dir / "report", out_dir / "report")
+    return metrics
+
+
+def check_datasets(
+    cfg: DataConfig,
+    model: ModelConfig | None,
+    max_tokens: dict[str, int],
+    report_dir: Path,
+    pairs_for: dict[str, tuple[str, ...]] | None = None,
+    assistant_only_loss: bool = False,
+    tokenizer=None,
+) -> tuple[dict[str, tuple], list[ValueError]]:
+    """Check every dataset: raw file, Great Expectations rules, chat template and token lengths (counted
+    with `model`'s tokenizer, or `tokenizer`), train/eval leakage. Returns the datasets that passed
+    (name -> (Split, ValidationReport)) and one error per failure; writes the reports into `report_dir`.
 
     `max_tokens` maps a dataset name to the most tokens one of its rows may take in the stages that read
-    it (rule `fits_max_length`), counted with `model`'s tokenizer. Every broken dataset is reported at
-    once and nothing is written to `out_dir`; the reports stay in `work_dir/report` (named in the error).
-    `pairs_for` names, per dataset, the stages that need preference pairs: unpaired rows fail for them.
+    it (rule `fits_max_length`). `pairs_for` names, per dataset, the stages that need preference pairs:
+    unpaired rows fail for them. `assistant_only_loss` (sft's): the sft rows' end-of-turn tokens must be
+    inside the template's {% generation %} marks.
     """
     import json
-    import shutil
 
     from rlhf_pipeline.validators import DataValidationError, check_files, validate_dataset
     from rlhf_pipeline.validators.leakage import Split, check_leakage
@@ -173,12 +202,11 @@ def train(
 
     sources = cfg.sources()
     limits = {name: limit for name, limit in max_tokens.items() if name in sources}
-    report_dir = work_dir / "report"
-    tokenizer = None
-    if limits:
+    if tokenizer is None and model is not None:
         from rlhf_pipeline.trainers.base import load_base_tokenizer
 
         tokenizer = load_base_tokenizer(model)
+    model_name = repr(model.name_or_path) if model is not None else "the model"
     failures: list[ValueError] = []
     passed: dict[str, tuple] = {}
     for name, (kind, spec) in sources.items():
@@ -195,7 +223,10 @@ def train(
             continue
         try:
             dataset = load_source(spec)
-            report = validate_dataset(kind, dataset, source=spec.path, report_dir=report_dir / name, max_tokens=limits.get(name), tokenizer=tokenizer)
+            report = validate_dataset(
+                kind, dataset, source=spec.path, report_dir=report_dir / name, max_tokens=limits.get(name), tokenizer=tokenizer,
+                model_name=model_name, assistant_only=assistant_only_loss and name == "sft",
+            )  # fmt: skip
         except ValueError as exc:  # a broken rule, or a file `datasets` cannot read
             failures.append(exc)
             continue
@@ -216,18 +247,8 @@ def train(
         report.write_json(report_dir / held_out / REPORT_FILE)
         if not report.success:
             failures.append(DataValidationError(report))
-
-    # Report every broken dataset at once, then stop before any training.
-    if len(failures) == 1:
-        raise failures[0]
-    if failures:
-        raise ValueError(f"{len(failures)} data checks failed:\n" + "\n".join(map(str, failures)))
-    metrics: dict[str, float] = {}
-    for name, (split, _) in passed.items():
-        split.dataset.to_parquet(str(out_dir / "datasets" / f"{name}.parquet"))
-        metrics[f"data/{name}/rows"] = float(len(split.dataset))
-    shutil.copytree(report_dir, out_dir / "report")
-    return metrics
+            del passed[held_out]
+    return passed, failures
 
 
 def _unpaired_for(readers: tuple[str, ...], num_rows: int):

@@ -10,6 +10,7 @@ from rlhf_pipeline.validators.lengths import count_tokens, fits_max_length
 from rlhf_pipeline.validators.report import MAX_EXAMPLES, DataValidationError, RuleResult, ValidationReport
 from rlhf_pipeline.validators.rules import derive, rules_for
 from rlhf_pipeline.validators.suite import derived_frame, run_suite
+from rlhf_pipeline.validators.template import chat_template_rule, end_of_turn_rule, template_column, template_problem, untrained_end_of_turns
 
 if TYPE_CHECKING:
     import datasets
@@ -26,11 +27,16 @@ def validate_dataset(
     report_dir: pathlib.Path | None = None,
     max_tokens: int | None = None,
     tokenizer: Any = None,
+    model_name: str = "the model",
+    assistant_only: bool = False,
 ) -> ValidationReport:
     """Check `dataset` against the rules for its kind and format.
 
     With `max_tokens`, rule `fits_max_length` also counts every row's tokens
-    with `tokenizer` (see validators.lengths).
+    with `tokenizer` (see validators.lengths). Conversational rows with a
+    `tokenizer` also get rule `chat_template` (it has one that can train them, with
+    {% generation %} marks when `assistant_only`) and, with `assistant_only`, rule
+    `end_of_turn_trained` (see validators.template).
     Writes report_dir/validation.json and report_dir/data_docs/ (GX Data Docs)
     when report_dir is given, whether validation passes or not. Returns the
     report when every rule passes; raises DataValidationError (with .report)
@@ -47,7 +53,16 @@ def validate_dataset(
 
     rules = rules_for(fmt)
     derived = derive(fmt, values, rules)
-    if max_tokens is not None:
+    problem = template_problem(tokenizer, model_name, assistant_only and fmt.kind == "sft") if fmt.conversational and tokenizer is not None else None
+    if problem is not None:  # nothing can be counted without a template: report why, not a tokenizer exception per row
+        rule = chat_template_rule()
+        derived.columns[rule.column], derived.explanations[rule.name] = template_column(len(dataset), problem)
+        rules.append(rule)
+    elif fmt.conversational and tokenizer is not None and assistant_only and fmt.kind == "sft":
+        rule = end_of_turn_rule()
+        derived.columns[rule.column], derived.explanations[rule.name] = untrained_end_of_turns(fmt, values, tokenizer)
+        rules.append(rule)
+    if max_tokens is not None and problem is None:
         rule = fits_max_length(fmt, max_tokens)
         derived.columns[rule.column], derived.explanations[rule.name] = count_tokens(fmt, values, tokenizer, max_tokens)
         rules.append(rule)
