@@ -8,7 +8,7 @@ prefect deployment run rlhf-eval/eval -p policy=models:/rlhf-policy/3
 from __future__ import annotations
 
 from prefect import flow
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from rlhf_pipeline.flows.params import DEFAULT_PRESET, described_by, from_flow_parameters, load_params
 from rlhf_pipeline.tasks.data import validate_data
@@ -44,6 +44,24 @@ class EvalParams(StrictModel):
     @classmethod
     def _known_form(cls, source: str | None) -> str | None:
         return source if source is None else check_model_source(source)
+
+    @model_validator(mode="after")
+    def _one_tokenizer(self):
+        """Local folders are compared here; registered versions once downloaded, before any weights load (`tasks.stage.check_tokenizers`)."""
+        from pathlib import Path
+
+        from rlhf_pipeline.trainers.common import tokenizer_digest
+
+        digests = {}
+        for role in ("policy", "sft_model", "reward_model"):
+            source = getattr(self, role)
+            if source and not source.startswith("models:/"):
+                folder = Path(source).expanduser()
+                digests[role] = tokenizer_digest(folder / "model" if (folder / "model").is_dir() else folder)
+        digests = {role: digest for role, digest in digests.items() if digest}
+        if len(set(digests.values())) > 1:
+            raise ValueError(f"policy, sft_model and reward_model must share a tokenizer; their tokenizer files differ ({digests})")
+        return self
 
 
 @flow(name="rlhf-eval", persist_result=False, validate_parameters=True, log_prints=False)  # see tasks.orchestration.stage_task

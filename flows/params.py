@@ -88,6 +88,51 @@ class RunSettings(StrictModel):
             )
         return self
 
+    def eval_metrics(self) -> set[str]:
+        """The metrics this run's eval will report, decided from the parameters and the held-out prompts' columns
+        (a hub dataset's columns are unknown here: it is assumed to have the reference column only if eval names one)."""
+        from rlhf_pipeline.trainers.data import peek_columns
+        from rlhf_pipeline.trainers.eval import planned_metrics
+
+        cfg, data = self.config("eval"), self.config("data")
+        columns = peek_columns(data.prompts_eval)
+        has_reference = cfg.answer_column is not None and (columns is None or cfg.answer_column in columns)
+        return planned_metrics(cfg, has_reference=has_reference, reward_model=cfg.use_reward_model, preference_eval=data.preference_eval is not None)
+
+    @model_validator(mode="after")
+    def _gate_metric_measured(self):
+        """A gate on a metric eval will not report would refuse every candidate after the whole run: fail now."""
+        if not self.config("registry").enabled:
+            return self
+        import math
+
+        planned = self.eval_metrics()
+        registry = self.config("registry").resolved(planned)
+        if registry.gate_metric in planned and (not math.isfinite(registry.min_lower_bound) or f"{registry.gate_metric}_low" in planned):
+            return self
+        cfg, spec = self.config("eval"), self.config("data").prompts_eval
+        why = []
+        if "exact_match" in registry.gate_metric:
+            why.append(f"exact match needs reference answers, and {spec.path} has no column {cfg.answer_column!r} (eval.answer_column)")
+        if "win_rate" in registry.gate_metric and not cfg.use_reward_model:
+            why.append("win rates are judged by the reward model, and eval.use_reward_model is false")
+        if "_gold" in registry.gate_metric and cfg.gold_metric is None:
+            why.append("no eval.gold_metric is named")
+        if registry.gate_metric in planned:
+            why.append(f"it has no confidence bound {registry.gate_metric}_low: set registry.min_lower_bound=-.inf")
+        candidates = sorted(
+            n for n in planned if not n.endswith(("_low", "_high")) and ("win_rate" in n or "gain" in n or n.endswith(("_exact_match", "_gold")))
+        )
+        raise ValueError(
+            f"registry.gate_metric={registry.gate_metric!r} is not a metric this run's eval reports"
+            + (f" ({'; '.join(why)})" if why else "")
+            + f"; it reports e.g. {', '.join(candidates) or 'no comparable metric: enable eval.use_reward_model or name an eval.gold_metric'}"
+        )
+
+    def gate(self):
+        """The registry block with its gate made concrete for this run (`RegistryConfig.resolved`)."""
+        return self.config("registry").resolved(self.eval_metrics())
+
     @model_validator(mode="after")
     def _fits_tiny_model(self):
         if self.model.name_or_path != TINY:

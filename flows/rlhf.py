@@ -49,7 +49,7 @@ def _rlhf(**blocks) -> dict:
                 )  # fmt: skip
             elif name == "registry":
                 outputs = [futures[n] for n in params.plan() if n != "registry"]
-                future = stage(register_task()).submit(params.registry, upstream[params.algorithm], upstream["eval"], outputs, run.ctx)
+                future = stage(register_task()).submit(params.gate(), upstream[params.algorithm], upstream["eval"], outputs, run.ctx)
             else:
                 settings = {block: getattr(params, block) for block in settings_of(BY_NAME[name])}
                 future = stage(TASKS[name]).submit(name, params.config(name), settings, upstream, run.ctx, wait_for=previous)

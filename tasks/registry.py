@@ -8,6 +8,8 @@ becomes champion. `models:/<name>@champion` then loads with `from_pretrained`.
 
 from __future__ import annotations
 
+import math
+
 from pydantic import Field
 
 from rlhf_pipeline.tasks import tracking
@@ -18,26 +20,48 @@ from rlhf_pipeline.trainers.common import StrictModel
 CHAMPION, CANDIDATE = "champion", "candidate"
 
 
+GATE_ORDER = ("eval/heldout/win_rate_vs_champion", "eval/heldout/judge_win_rate_vs_champion", "eval/heldout/gold_gain_vs_champion",
+              "eval/heldout/exact_match_gain_vs_champion")  # fmt: skip
+"""The default gate metric: the first of these the run's eval reports (reward model, judge, gold function, reference answers)."""
+
+
 class RegistryConfig(StrictModel):
     enabled: bool = Field(True, description="Register the policy and run the promotion gate.")
     model_name: str = Field("rlhf-policy", min_length=1, description="Registered model name in MLflow.")
-    gate_metric: str = Field(
-        "eval/heldout/win_rate_vs_champion",
-        description="Eval metric the new policy must beat `min_value` on to become champion (its CI bounds are `<metric>_low`/`_high`).",
+    gate_metric: str | None = Field(
+        None,
+        description="Eval metric the new policy must beat `min_value` on to become champion (its CI bounds are `<metric>_low`/`_high`). "
+        "None: the first the run measures of the reward-model win rate against the champion, the judge's win rate, the gold "
+        "metric's gain, the exact-match gain (with or without reference answers, a run has a gate).",
     )
-    min_value: float = Field(0.5, description="The gate metric must be strictly above this.")
-    min_lower_bound: float | None = Field(0.45, description="The metric's lower confidence bound must be above this; None: not checked.")
+    min_value: float | None = Field(None, description="The gate metric must be strictly above this. None: 0.5 for a win rate, 0 for a gain.")
+    min_lower_bound: float | None = Field(
+        None, description="The metric's lower 95% bound must be above this. None: 0.45 for a win rate, -0.05 for a gain; -.inf: not checked."
+    )
+
+    def resolved(self, planned: set[str]) -> RegistryConfig:
+        """This gate with its defaults made concrete for a run whose eval reports `planned` metrics."""
+        metric = self.gate_metric or next((name for name in GATE_ORDER if name in planned), GATE_ORDER[0])
+        rate = "win_rate" in metric
+        return self.model_copy(
+            update={
+                "gate_metric": metric,
+                "min_value": self.min_value if self.min_value is not None else 0.5 if rate else 0.0,
+                "min_lower_bound": self.min_lower_bound if self.min_lower_bound is not None else 0.45 if rate else -0.05,
+            }
+        )
 
 
 def gate(cfg: RegistryConfig, metrics: dict[str, float]) -> tuple[bool, str]:
     """Whether the candidate beats the champion, and why (with the numbers)."""
+    cfg = cfg.resolved(set(metrics))
     value = metrics.get(cfg.gate_metric)
     if value is None:
         return False, f"gate metric {cfg.gate_metric!r} missing from eval metrics"
     if value <= cfg.min_value:
         return False, f"{cfg.gate_metric}={value:.4f} is not above {cfg.min_value}"
     reason = f"{cfg.gate_metric}={value:.4f} > {cfg.min_value}"
-    if cfg.min_lower_bound is not None:
+    if math.isfinite(cfg.min_lower_bound):
         low = metrics.get(f"{cfg.gate_metric}_low")
         if low is None or low <= cfg.min_lower_bound:
             return False, f"{cfg.gate_metric} lower bound {low} is not above {cfg.min_lower_bound}"

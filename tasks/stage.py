@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict
 
 from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.secrets import redact
-from rlhf_pipeline.trainers.common import LogMetrics, last_checkpoint
+from rlhf_pipeline.trainers.common import LogMetrics, last_checkpoint, tokenizer_digest
 
 MANIFEST = "manifest.json"
 HISTORY = "history.jsonl"
@@ -222,6 +222,7 @@ def run_stage(
     `device`: the build holds a device slot.
     """
     fingerprints = fingerprints or {}
+    check_tokenizers(stage, upstream)
     # Secrets are masked before anything is keyed, logged or written: a rotated token re-trains nothing.
     config_json = redact(config.model_dump(mode="json") if isinstance(config, BaseModel) else config)
     code = code_version(trainer)
@@ -301,6 +302,7 @@ def run_stage(
                 "parts": {name: content_digest(tmp, (path,)) for name, path in (parts or {}).items() if (tmp / path).exists()},
                 "fingerprints": fingerprints,
                 "code_version": code,
+                "tokenizer": tokenizer_digest(tmp / "model"),
                 "versions": _versions(),
                 "metrics": metrics,
                 "mlflow_run_id": run_id,
@@ -326,6 +328,24 @@ def run_stage(
         shutil.rmtree(work_dir, ignore_errors=True)  # checkpoints are only a resume source
         log(f"{stage}: done in {seconds:.1f}s -> {final}")
         return StageOutcome(ref, cached=False, metrics=metrics, mlflow_run_id=run_id)
+
+
+NOT_TOKENIZER_BOUND = ("data", "champion")
+"""Upstreams whose models are compared by their text only (the champion may come from another base model)."""
+
+
+def check_tokenizers(stage: str, upstream: dict[str, ArtifactRef]) -> dict[str, str]:
+    """The tokenizer digest of every upstream model; they must be equal: a reward model reads the policy's token
+    ids and KL compares two models' log-probabilities of the same ids. Raised before any weights load."""
+    digests = {name: tokenizer_digest(ref.path / "model") for name, ref in upstream.items() if name not in NOT_TOKENIZER_BOUND}
+    digests = {name: digest for name, digest in digests.items() if digest}
+    if len(set(digests.values())) > 1:
+        listed = "; ".join(f"{name} ({upstream[name].path / 'model'}): {digest}" for name, digest in digests.items())
+        raise ValueError(
+            f"{stage}: its input models do not share a tokenizer, so one model's token ids would be read with another's vocabulary "
+            f"(tokenizer file digests: {listed}); train them from the same sft model, or pass models built from one base"
+        )
+    return digests
 
 
 def read_history(stage_dir: Path) -> list[tuple[int, dict[str, float]]]:

@@ -120,6 +120,34 @@ def hub_commit(spec: DatasetSpec) -> str | None:
         return None
 
 
+def peek_columns(spec: DatasetSpec, rows: int = 100) -> set[str] | None:
+    """The columns of a local dataset, read from its first rows or schema without loading it (the parameters
+    decide which eval metrics a run will have); None for a hub dataset or a file that cannot be read this way."""
+    import json
+
+    paths = local_files(spec)
+    if not paths:
+        return None
+    path = paths[0]
+    try:
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            return set(pq.read_schema(path).names)
+        if path.suffix == ".csv":
+            import csv
+
+            with open(path, newline="", encoding="utf-8") as f:
+                return set(next(csv.reader(f), []))
+        if path.suffix == ".jsonl":
+            with open(path, encoding="utf-8") as f:
+                lines = [line for _, line in zip(range(rows), f) if line.strip()]
+            return set().union(*(json.loads(line).keys() for line in lines)) if lines else None
+    except (OSError, ValueError, StopIteration, AttributeError):
+        return None  # the data stage reports a broken file, with its line
+    return None
+
+
 def load_source(spec: DatasetSpec) -> Dataset:
     """Load a dataset; unreadable files fail with a message that names the file."""
     import datasets

@@ -1,30 +1,46 @@
-"""Held-out evaluation: exact match of base, SFT and final policy; reward-model accuracy and scores.
+"""Held-out evaluation of base, SFT, the policy (and the champion): with reference answers or without.
 
-Greedy decoding on the held-out prompts (`prompts_eval`, with a reference
-`answer` column); the reward model scores text exactly as TRL's RewardTrainer
-formats it (prompt + completion + EOS, or the chat template), so its scores
-here mean what they meant in training.
+Greedy decoding on the held-out prompts (`prompts_eval`). What is measured depends
+on what the run has, and `planned_metrics` says so before anything trains:
+- always: KL(policy || SFT) on policy samples, answer length and its drift from
+  SFT, diversity, perplexity on SFT rows, the samples table, and the hacking
+  warnings that need no gold metric (length drift, KL);
+- a reward model: each model's mean reward, the policy's win rate against SFT and
+  the champion with 95% intervals, pairwise accuracy on `preference_eval`;
+- a gold metric: exact match against a reference column (`answer_column`, when
+  the held-out prompts have it), or a reward function named as `gold_metric`
+  (a verifier); then the warning "reward rose while the gold metric fell".
+The reward model scores text exactly as TRL's RewardTrainer formats it (prompt +
+completion + EOS, or the chat template), so its scores mean what they meant in training.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from pydantic import Field
 
 from rlhf_pipeline.trainers.common import ModelConfig, StrictModel
+from rlhf_pipeline.trainers.rewards import RewardFunctionSpec
 from rlhf_pipeline.trainers.text import generate, reward_scores
 
-if TYPE_CHECKING:
-    pass
+MODELS = ("base", "sft", "policy", "champion")
+HELDOUT = "eval/heldout/"
 
 
 class EvalConfig(StrictModel):
     max_new_tokens: int = Field(64, ge=1, description="Longest generated answer.")
     batch_size: int = Field(64, ge=1, description="Prompts per generation batch.")
     max_prompts: int | None = Field(None, ge=1, description="Evaluate only the first N held-out prompts; None: all.")
-    answer_column: str = Field("answer", description="Reference column of the held-out prompts for exact match.")
+    answer_column: str | None = Field(
+        "answer",
+        description="Reference column of the held-out prompts: exact match is reported when they have it (most chat data has none); None: never.",
+    )
+    gold_metric: RewardFunctionSpec | None = Field(
+        None,
+        description="A reward function ('module:function', TRL's signature) used as the gold metric instead of exact match, "
+        "e.g. a verifier; reported as `<model>_gold` with intervals.",
+    )
     max_length_drift: float = Field(0.5, gt=0, description="Warn when the policy's mean answer length moves more than this share from SFT's.")
     max_kl: float = Field(5.0, gt=0, description="Warn when KL(policy || SFT) on policy samples exceeds this (nats per answer).")
     perplexity_rows: int = Field(200, ge=0, description="SFT rows on which perplexity is measured; 0 to skip.")
@@ -34,8 +50,33 @@ class EvalConfig(StrictModel):
     num_samples_logged: int = Field(50, ge=0, description="Rows of the samples table (prompt, answers, rewards).")
 
 
-def _exact(completions: list[str], answers: list[str]) -> list[bool]:
-    return [c.strip() == str(a).strip() for c, a in zip(completions, answers)]
+def planned_metrics(cfg: EvalConfig, *, has_reference: bool, reward_model: bool, champion: bool = True, preference_eval: bool = True) -> set[str]:
+    """The metric names `evaluate` returns for a run with these inputs (`_low`/`_high` bounds included), so a
+    gate metric the run cannot produce fails when the parameters are checked, not after the training."""
+    names = {f"{HELDOUT}{n}" for n in ("num_prompts", "kl_to_sft", "policy_distinct_2", "policy_mean_length", "length_drift", "hacking_warnings")}
+    if cfg.perplexity_rows:
+        names |= {"eval/sft_split/sft_perplexity", "eval/sft_split/policy_perplexity"}
+    models = [m for m in MODELS if champion or m != "champion"]
+    rivals = [m for m in ("sft", "champion") if m in models]
+
+    def bounded(name: str) -> set[str]:
+        return {f"{HELDOUT}{name}", f"{HELDOUT}{name}_low", f"{HELDOUT}{name}_high"}
+
+    gold = "gold" if cfg.gold_metric is not None else "exact_match" if has_reference and cfg.answer_column else None
+    if gold:
+        names |= {n for m in models for n in bounded(f"{m}_{gold}")}
+        if champion:
+            names |= bounded(f"{gold}_gain_vs_champion")
+    if reward_model:
+        names |= {f"{HELDOUT}{m}_mean_reward" for m in models if m != "base"}
+        names |= {n for rival in rivals for n in bounded(f"win_rate_vs_{rival}")}
+        if preference_eval:
+            names.add(f"{HELDOUT}rm_pairwise_accuracy")
+    return names
+
+
+def _exact(completions: list[str], answers: list[str]) -> list[float]:
+    return [float(c.strip() == str(a).strip()) for c, a in zip(completions, answers)]
 
 
 def evaluate(
@@ -52,10 +93,9 @@ def evaluate(
     """Compare base, SFT, policy (and the registry's champion) on held-out prompts.
 
     Writes `summary.json`, `summary.md`, `samples.jsonl` and `plots/*.png` into
-    `out_dir`; returns `eval/heldout/*` and `eval/sft_split/*` metrics, with
-    `_low`/`_high` 95% bootstrap bounds on exact match and win rates.
+    `out_dir`; returns the metrics `planned_metrics` names, with `_low`/`_high`
+    95% bootstrap bounds on the gold metric and the win rates.
     """
-    import torch
     from transformers import AutoModelForSequenceClassification
 
     from rlhf_pipeline.trainers import metrics as stats
@@ -65,11 +105,20 @@ def evaluate(
     prompts_ds = load_split(data_dir, "prompts_eval")
     if cfg.max_prompts:
         prompts_ds = prompts_ds.select(range(min(cfg.max_prompts, len(prompts_ds))))
-    if cfg.answer_column not in prompts_ds.column_names:
-        raise ValueError(f"prompts_eval has no reference column {cfg.answer_column!r} (columns: {prompts_ds.column_names}); set eval.answer_column")
-    prompts, answers = prompts_ds["prompt"], prompts_ds[cfg.answer_column]
+    prompts = prompts_ds["prompt"]
+    has_reference = cfg.answer_column is not None and cfg.answer_column in prompts_ds.column_names
+    answers = prompts_ds[cfg.answer_column] if has_reference else None
+    columns = {name: prompts_ds[name] for name in prompts_ds.column_names if name != "prompt"}
+    gold_fn = None
+    if cfg.gold_metric is not None:  # imported and tried on a sample before any model loads
+        from rlhf_pipeline.trainers.rewards import check_function, load_function
+
+        gold_fn = load_function(cfg.gold_metric)
+        sample = slice(0, min(4, len(prompts)))
+        check_function(cfg.gold_metric, gold_fn, prompts[sample], _as_completions(prompts[sample], ["0"] * len(prompts[sample])),
+                       {k: v[sample] for k, v in columns.items()})  # fmt: skip
     boot = {"n_bootstrap": cfg.n_bootstrap, "seed": cfg.seed}
-    metrics: dict[str, float] = {"eval/heldout/num_prompts": float(len(prompts))}
+    metrics: dict[str, float] = {f"{HELDOUT}num_prompts": float(len(prompts))}
 
     loaders = {"base": lambda: load_base_model(base), "sft": lambda: load_causal_lm(sft_model), "policy": lambda: load_causal_lm(policy_model)}
     if champion_model is not None:
@@ -79,15 +128,26 @@ def evaluate(
         model, tokenizer = load()
         completions[name] = generate(model, tokenizer, prompts, cfg.max_new_tokens, cfg.batch_size)
         del model
-    correct = {name: _exact(c, answers) for name, c in completions.items()}
-    accuracy = {name: stats.bootstrap_mean([float(h) for h in hits], **boot) for name, hits in correct.items()}
+
+    # The gold metric, where there is one: a named function, else exact match against the reference.
+    gold_name, correct = None, {}
+    if gold_fn is not None:
+        gold_name = "gold"
+        correct = {name: [0.0 if s is None else float(s) for s in gold_fn(prompts=prompts, completions=_as_completions(prompts, c), **columns)]
+                   for name, c in completions.items()}  # fmt: skip
+    elif has_reference:
+        gold_name = "exact_match"
+        correct = {name: _exact(c, answers) for name, c in completions.items()}
+    accuracy = {name: stats.bootstrap_mean(hits, **boot) for name, hits in correct.items()}
     for name, interval in accuracy.items():
-        _put(metrics, f"eval/heldout/{name}_exact_match", interval.mean, interval.low, interval.high)
+        _put(metrics, f"{HELDOUT}{name}_{gold_name}", interval.mean, interval.low, interval.high)
     if "champion" in correct:  # paired: the same prompts, so the interval is on the differences
-        gain = stats.bootstrap_mean([float(p) - float(c) for p, c in zip(correct["policy"], correct["champion"])], **boot)
-        _put(metrics, "eval/heldout/exact_match_gain_vs_champion", gain.mean, gain.low, gain.high)
+        gain = stats.bootstrap_mean([p - c for p, c in zip(correct["policy"], correct["champion"])], **boot)
+        _put(metrics, f"{HELDOUT}{gold_name}_gain_vs_champion", gain.mean, gain.low, gain.high)
 
     # KL(policy || SFT) and diversity, on samples drawn from the policy (the k1 estimate needs them).
+    import torch
+
     policy, tokenizer = load_causal_lm(policy_model)
     reference, _ = load_causal_lm(sft_model)
     torch.manual_seed(cfg.seed)
@@ -95,11 +155,16 @@ def evaluate(
     policy_logps = stats.sequence_logprobs(policy, tokenizer, prompts, samples, cfg.batch_size)
     reference_logps = stats.sequence_logprobs(reference, tokenizer, prompts, samples, cfg.batch_size)
     kl = stats.kl_to_reference(policy_logps, reference_logps)
-    metrics["eval/heldout/kl_to_sft"] = kl
-    metrics["eval/heldout/policy_distinct_2"] = stats.distinct_n(samples, 2)
-    metrics["eval/heldout/policy_mean_length"] = stats.mean_length(completions["policy"])
-    drift = stats.length_drift(completions["policy"], completions["sft"])
-    metrics["eval/heldout/length_drift"] = drift
+    metrics[f"{HELDOUT}kl_to_sft"] = kl
+    metrics[f"{HELDOUT}policy_distinct_2"] = stats.distinct_n(samples, 2)
+    metrics[f"{HELDOUT}policy_mean_length"] = stats.mean_length(completions["policy"])
+    # SFT answers that are all empty (an untrained model stopping at once) count as one character long.
+    drift = (
+        stats.length_drift(completions["policy"], completions["sft"])
+        if stats.mean_length(completions["sft"])
+        else (stats.mean_length(completions["policy"]) or 1.0) - 1
+    )
+    metrics[f"{HELDOUT}length_drift"] = drift
     if cfg.perplexity_rows:
         rows = load_split(data_dir, "sft")
         rows = rows.select(range(min(cfg.perplexity_rows, len(rows))))
@@ -115,26 +180,31 @@ def evaluate(
         rm_tokenizer = load_tokenizer(reward_model)
         for name in [n for n in completions if n != "base"]:
             rewards[name] = reward_scores(rm, rm_tokenizer, prompts, completions[name], cfg.batch_size)
-            metrics[f"eval/heldout/{name}_mean_reward"] = sum(rewards[name]) / len(rewards[name])
+            metrics[f"{HELDOUT}{name}_mean_reward"] = sum(rewards[name]) / len(rewards[name])
         for rival in [n for n in ("sft", "champion") if n in rewards]:
             win = stats.win_rate(rewards["policy"], rewards[rival], **boot)
             win_rates[f"{policy_stage} vs {rival}"] = win
-            _put(metrics, f"eval/heldout/win_rate_vs_{rival}", win.rate, win.low, win.high)
+            _put(metrics, f"{HELDOUT}win_rate_vs_{rival}", win.rate, win.low, win.high)
         if (data_dir / "datasets" / "preference_eval.parquet").is_file():
-            metrics["eval/heldout/rm_pairwise_accuracy"] = _pairwise_accuracy(rm, rm_tokenizer, load_split(data_dir, "preference_eval"), cfg.batch_size)
+            metrics[f"{HELDOUT}rm_pairwise_accuracy"] = _pairwise_accuracy(rm, rm_tokenizer, load_split(data_dir, "preference_eval"), cfg.batch_size)
 
-    reward_delta = metrics.get("eval/heldout/policy_mean_reward", 0.0) - metrics.get("eval/heldout/sft_mean_reward", 0.0)
-    task_delta = accuracy["policy"].mean - accuracy["sft"].mean
+    reward_delta = metrics.get(f"{HELDOUT}policy_mean_reward", 0.0) - metrics.get(f"{HELDOUT}sft_mean_reward", 0.0)
+    task_delta = accuracy["policy"].mean - accuracy["sft"].mean if accuracy else None
     warnings = stats.hacking_warnings(
         reward_delta=reward_delta, task_delta=task_delta, length_drift=drift, kl=kl,
-        max_length_drift=cfg.max_length_drift, max_kl=cfg.max_kl,
+        max_length_drift=cfg.max_length_drift, max_kl=cfg.max_kl, task_name=(gold_name or "").replace("_", " "),
     )  # fmt: skip
-    metrics["eval/heldout/hacking_warnings"] = float(len(warnings))
+    metrics[f"{HELDOUT}hacking_warnings"] = float(len(warnings))
 
     from rlhf_pipeline.trainers.eval_report import write_report
 
-    write_report(out_dir, cfg.num_samples_logged, prompts, answers, completions, correct, rewards, metrics, warnings, accuracy, win_rates)
+    write_report(out_dir, cfg.num_samples_logged, prompts, answers, completions, correct, rewards, metrics, warnings, accuracy, win_rates, gold_name)
     return metrics
+
+
+def _as_completions(prompts: list, texts: list[str]) -> list:
+    """Completions as TRL hands them to reward functions: messages for conversational prompts."""
+    return [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(prompts, texts)]
 
 
 def _put(metrics: dict[str, float], name: str, value: float, low: float, high: float) -> None:

@@ -7,24 +7,43 @@ from pathlib import Path
 from typing import Any
 
 
-def write_report(out_dir: Path, num_samples: int, prompts, answers, completions, correct, rewards, metrics, warnings, accuracy, win_rates) -> None:
+def write_report(
+    out_dir: Path,
+    num_samples: int,
+    prompts,
+    answers,
+    completions,
+    correct,
+    rewards,
+    metrics,
+    warnings,
+    accuracy,
+    win_rates,
+    gold_name: str | None = "exact_match",
+) -> None:
+    """`answers` is None without a reference column; `correct`/`accuracy` are empty without a gold metric."""
     from rlhf_pipeline.trainers import plots
 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "summary.json").write_text(json.dumps({"metrics": metrics, "warnings": warnings}, indent=2, sort_keys=True))
     with open(out_dir / "samples.jsonl", "w", encoding="utf-8") as f:
         for i in range(min(num_samples, len(prompts))):
-            row: dict[str, Any] = {"prompt": prompts[i], "answer": answers[i]}
+            row: dict[str, Any] = {"prompt": prompts[i]}
+            if answers is not None:
+                row["answer"] = answers[i]
             for name, outputs in completions.items():
                 row[name] = outputs[i]
-                row[f"{name}_correct"] = correct[name][i]
+                if name in correct:
+                    row[f"{name}_correct" if gold_name == "exact_match" else f"{name}_{gold_name}"] = correct[name][i]
                 if name in rewards:
                     row[f"{name}_reward"] = round(rewards[name][i], 4)
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     (out_dir / "summary.md").write_text(summary_markdown(metrics, warnings))
     figures = out_dir / "plots"
     figures.mkdir(exist_ok=True)
-    plots.accuracy_bars(accuracy, figures / "exact_match.png")
+    if accuracy:
+        title = "Exact match on held-out prompts" if gold_name == "exact_match" else "Gold metric on held-out prompts"
+        plots.accuracy_bars(accuracy, figures / f"{gold_name}.png", title=title)
     if rewards:
         plots.reward_distributions(rewards, figures / "reward_distributions.png")
     if win_rates:

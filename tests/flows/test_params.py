@@ -88,3 +88,24 @@ def test_a_preset_extends_another_and_lists_only_what_it_changes(tmp_path):
     loop.write_text(f"extends: {loop}\n")
     with pytest.raises(ValueError, match="extends itself"):
         load_params(str(loop))
+
+
+def test_the_gate_works_with_or_without_references_and_an_unmeasurable_gate_fails_with_the_parameters(tmp_path):
+    from tests.fixtures import chat_data
+
+    no_references = [*chat_data(tmp_path), "rewards.reward_model_weight=1", "rewards.functions=[]"]
+    # The default gate is the reward model's win rate against the champion, with or without reference answers ...
+    assert load_params("tiny").gate().gate_metric == "eval/heldout/win_rate_vs_champion"
+    chat = load_params("tiny", no_references)
+    assert chat.gate().gate_metric == "eval/heldout/win_rate_vs_champion" and (chat.gate().min_value, chat.gate().min_lower_bound) == (0.5, 0.45)
+    assert not any("exact_match" in name for name in chat.eval_metrics())
+    # ... and without a reward model, the exact-match gain where references exist.
+    kto = load_params("tiny", ["algorithm=kto", "eval.use_reward_model=false"]).gate()
+    assert (kto.gate_metric, kto.min_value, kto.min_lower_bound) == ("eval/heldout/exact_match_gain_vs_champion", 0.0, -0.05)
+    with pytest.raises(ValidationError, match=r"gate_metric='eval/heldout/exact_match_gain_vs_champion' is not a metric.*has no column 'answer'"):
+        load_params("tiny", [*no_references, "registry.gate_metric=eval/heldout/exact_match_gain_vs_champion"])
+    with pytest.raises(ValidationError, match="no comparable metric: enable eval.use_reward_model or name an eval.gold_metric"):
+        load_params("tiny", [*no_references, "eval.use_reward_model=false", "algorithm=kto"])
+    # A verifier named as the gold metric is a gate without references.
+    gold = load_params("tiny", [*no_references, "eval.use_reward_model=false", "algorithm=kto", "eval.gold_metric.path=tests.helpers:length_reward"])
+    assert gold.gate().gate_metric == "eval/heldout/gold_gain_vs_champion"

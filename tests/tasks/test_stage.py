@@ -106,3 +106,26 @@ def test_two_runs_with_the_same_inputs_at_once_build_once_and_share_the_result(c
     assert (outcomes[0].ref.path / "model" / "weights.bin").read_bytes() == b"w"
     stage_root = outcomes[0].ref.path.parent
     assert [p.name for p in stage_root.iterdir() if p.name.startswith(".tmp")] == []
+
+
+def test_models_with_different_tokenizers_are_refused_at_the_edge_before_the_stage_builds(ctx, tmp_path):
+    from rlhf_pipeline.flows.evaluate import EvalParams
+    from rlhf_pipeline.trainers.base import load_base_model
+    from rlhf_pipeline.trainers.common import ModelConfig, save_model
+    from tests.fixtures import gpt2_folder
+    from tests.helpers import SMALL_MODEL
+
+    save_model(*load_base_model(SMALL_MODEL), tmp_path / "sft" / "model")
+    save_model(*load_base_model(SMALL_MODEL.model_copy(update={"seed": 1})), tmp_path / "rm" / "model")
+    gpt2 = gpt2_folder(tmp_path / "gpt2")
+    save_model(*load_base_model(ModelConfig(name_or_path=str(gpt2))), tmp_path / "policy" / "model")
+    refs = {name: ArtifactRef(stage=name, key=name, uri=str(tmp_path / name)) for name in ("sft", "rm", "policy")}
+    calls = []
+    # Same tokenizer, other weights: fine.
+    run_stage("eval", {"a": 1}, {"sft": refs["sft"], "rm": refs["rm"]}, ctx, writing(calls))
+    with pytest.raises(ValueError, match=r"eval: its input models do not share a tokenizer.*policy \(.*policy/model\)"):
+        run_stage("eval", {"a": 2}, refs, ctx, writing(calls))
+    assert len(calls) == 1  # refused before building
+    # `rlhf eval` with local folders fails in its parameters.
+    with pytest.raises(ValueError, match="must share a tokenizer"):
+        EvalParams(policy=str(tmp_path / "policy"), sft_model=str(tmp_path / "sft"))
