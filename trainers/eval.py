@@ -21,6 +21,7 @@ from pathlib import Path
 from pydantic import Field
 
 from rlhf_pipeline.trainers.common import ModelConfig, StrictModel
+from rlhf_pipeline.trainers.judges import JudgeConfig
 from rlhf_pipeline.trainers.rewards import RewardFunctionSpec
 from rlhf_pipeline.trainers.text import generate, reward_scores
 
@@ -48,6 +49,11 @@ class EvalConfig(StrictModel):
     seed: int = Field(0, description="Seed of the policy samples (KL, diversity) and of the bootstrap.")
     use_reward_model: bool = Field(True, description="Score answers and held-out pairs with the rm stage's model (trains it even for dpo).")
     num_samples_logged: int = Field(50, ge=0, description="Rows of the samples table (prompt, answers, rewards).")
+    judge: JudgeConfig | None = Field(
+        None,
+        description="A pairwise judge (a function 'module:function' or a local causal LM): the policy's win rate against SFT and the "
+        "champion, each pair judged in both orders (`judge_win_rate_vs_<rival>`, with position bias); None: no judge.",
+    )
 
 
 def planned_metrics(cfg: EvalConfig, *, has_reference: bool, reward_model: bool, champion: bool = True, preference_eval: bool = True) -> set[str]:
@@ -72,6 +78,10 @@ def planned_metrics(cfg: EvalConfig, *, has_reference: bool, reward_model: bool,
         names |= {n for rival in rivals for n in bounded(f"win_rate_vs_{rival}")}
         if preference_eval:
             names.add(f"{HELDOUT}rm_pairwise_accuracy")
+    if cfg.judge is not None:
+        for rival in rivals:
+            name = f"judge_win_rate_vs_{rival}"
+            names |= bounded(name) | {f"{HELDOUT}{name}_position_bias", f"{HELDOUT}{name}_order_disagreement"}
     return names
 
 
@@ -188,6 +198,16 @@ def evaluate(
         if (data_dir / "datasets" / "preference_eval.parquet").is_file():
             metrics[f"{HELDOUT}rm_pairwise_accuracy"] = _pairwise_accuracy(rm, rm_tokenizer, load_split(data_dir, "preference_eval"), cfg.batch_size)
 
+    judged: dict[str, stats.WinRate] = {}
+    if cfg.judge is not None:  # after the reward model is gone: an LM judge is one more model in memory
+        from rlhf_pipeline.trainers.judges import judged_win_rate, load_judge
+
+        judge = load_judge(cfg.judge, sample=(prompts[:2], completions["policy"][:2], completions["sft"][:2]))
+        for rival in [n for n in ("sft", "champion") if n in completions]:
+            result = judged_win_rate(judge, prompts, completions["policy"], completions[rival], **boot)
+            metrics.update(result.metrics(f"{HELDOUT}judge_win_rate_vs_{rival}"))
+            judged[f"{policy_stage} vs {rival}"] = result.win_rate
+
     reward_delta = metrics.get(f"{HELDOUT}policy_mean_reward", 0.0) - metrics.get(f"{HELDOUT}sft_mean_reward", 0.0)
     task_delta = accuracy["policy"].mean - accuracy["sft"].mean if accuracy else None
     warnings = stats.hacking_warnings(
@@ -198,7 +218,7 @@ def evaluate(
 
     from rlhf_pipeline.trainers.eval_report import write_report
 
-    write_report(out_dir, cfg.num_samples_logged, prompts, answers, completions, correct, rewards, metrics, warnings, accuracy, win_rates, gold_name)
+    write_report(out_dir, cfg.num_samples_logged, prompts, answers, completions, correct, rewards, metrics, warnings, accuracy, win_rates, gold_name, judged)
     return metrics
 
 

@@ -20,6 +20,7 @@ def write_report(
     accuracy,
     win_rates,
     gold_name: str | None = "exact_match",
+    judged=None,
 ) -> None:
     """`answers` is None without a reference column; `correct`/`accuracy` are empty without a gold metric."""
     from rlhf_pipeline.trainers import plots
@@ -48,6 +49,8 @@ def write_report(
         plots.reward_distributions(rewards, figures / "reward_distributions.png")
     if win_rates:
         plots.win_rate_bars(win_rates, figures / "win_rates.png", title="Win rate judged by the reward model")
+    if judged:
+        plots.win_rate_bars(judged, figures / "judge_win_rates.png", title="Win rate by the pairwise judge (both orders)")
 
 
 def summary_markdown(metrics: dict[str, float], warnings: list[str]) -> str:

@@ -42,8 +42,8 @@ def chat_template_rule() -> Rule:
 
 
 def template_column(num_rows: int, problem: str) -> tuple[list[Any], dict[int, str]]:
-    """Every row fails the same way: no row can be rendered."""
-    return [False] * num_rows, dict.fromkeys(range(num_rows), problem)
+    """Every row fails the same way: no row can be rendered (the reason is given once, at the first row)."""
+    return [False] * num_rows, {0: problem, **dict.fromkeys(range(1, num_rows), "the same (see the first row)")}
 
 
 def end_of_turn_rule() -> Rule:

@@ -70,3 +70,30 @@ def test_generation_and_scores_handle_conversational_prompts(tmp_path):
     single = [reward_scores(rm, tokenizer, [p], [c], batch_size=1)[0] for p, c in zip(prompts, ["123", "12"])]
     # Padding must not change a score: the head reads the last real token.
     assert all(abs(a - b) < 1e-4 for a, b in zip(batched, single))
+
+
+def longer_is_better(prompts, completions_a, completions_b) -> list[float]:
+    """A deterministic pairwise judge: the longer answer wins, equal lengths tie."""
+    return [1.0 if len(a) > len(b) else 0.0 if len(a) < len(b) else 0.5 for a, b in zip(completions_a, completions_b)]
+
+
+def test_evaluate_without_reference_answers_reports_what_needs_none_and_a_judge(tmp_path):
+    data = write_data_dir(tmp_path / "data", rows=30)
+    held_out = load_split(data, "prompts_eval").remove_columns(["answer"])  # the chat-data case: no reference
+    held_out.to_parquet(str(data / "datasets" / "prompts_eval.parquet"))
+    sft.train(sft.SftConfig(max_steps=5, **FAST), SMALL_MODEL, data, tmp_path / "sft", tmp_path / "work")
+    sft.train(sft.SftConfig(max_steps=1, **FAST), SMALL_MODEL, data, tmp_path / "short", tmp_path / "work2")  # a different "policy"
+    cfg = evaluation.EvalConfig(max_new_tokens=8, num_samples_logged=30, judge={"path": "tests.trainers.test_eval:longer_is_better"})
+    metrics = evaluation.evaluate(cfg, SMALL_MODEL, tmp_path / "sft" / "model", tmp_path / "short" / "model", None, data, tmp_path / "out", "dpo")
+    assert set(metrics) == evaluation.planned_metrics(cfg, has_reference=False, reward_model=False, champion=False)
+    assert not any("exact_match" in name or "reward" in name for name in metrics)
+    rows = [json.loads(line) for line in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
+    assert rows[0].keys() == {"prompt", "base", "sft", "policy"}
+    # The judge's verdict, recomputed from the samples table: longer wins, ties half; both orders agree for this judge.
+    wins = [1.0 if len(r["policy"]) > len(r["sft"]) else 0.0 if len(r["policy"]) < len(r["sft"]) else 0.5 for r in rows]
+    assert metrics["eval/heldout/judge_win_rate_vs_sft"] == pytest.approx(sum(wins) / len(wins))
+    assert metrics["eval/heldout/judge_win_rate_vs_sft_position_bias"] == 0.0
+    assert (
+        metrics["eval/heldout/judge_win_rate_vs_sft_low"] <= metrics["eval/heldout/judge_win_rate_vs_sft"] <= metrics["eval/heldout/judge_win_rate_vs_sft_high"]
+    )
+    assert (tmp_path / "out" / "plots" / "judge_win_rates.png").is_file() and not (tmp_path / "out" / "plots" / "exact_match.png").exists()
