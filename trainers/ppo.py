@@ -4,7 +4,8 @@ One update: sample a batch of completions -> score them -> per-token rewards wit
 -> GAE -> `num_ppo_epochs` passes of clipped policy and value losses over `num_mini_batches`.
 The math is in small pure functions on tensors; `train` reads top to bottom. References:
 PPO: Schulman et al. 2017; GAE: Schulman et al. 2016; InstructGPT: Ouyang et al. 2022;
-N+: Huang et al. 2024, "The N+ Implementation Details of RLHF with PPO" (§4 general, §7 PPO details).
+N+: Huang et al. 2024, "The N+ Implementation Details of RLHF with PPO" (§4 general, §7 PPO details);
+k3: Schulman 2020, "Approximating KL divergence" (http://joschu.net/blog/kl-approx.html).
 """
 
 from __future__ import annotations
@@ -93,16 +94,48 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torc
     return out * mask
 
 
-def kl_shaped_rewards(scores, logprobs, ref_logprobs, mask, kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """InstructGPT eq. 2, r(x, y) - beta * log(pi_RL / pi_SFT), spread over tokens as in N+ §7:
-    -kl_coef * (logp - ref_logp) on every real token, plus the score on the last one (EOS). Returns (rewards, kl)."""
+def kl_per_token(logprobs, ref_logprobs, mask, kl_estimator: str = "k1") -> torch.Tensor:
+    """KL(pi_RL || pi_SFT) estimated on each sampled token (Schulman 2020, as TRL's PPOTrainer): with log r = ref_logp - logp,
+    k1 = -log r, k3 = (r - 1) - log r. Padding is 0."""
     import torch
 
-    kl = (logprobs - ref_logprobs) * mask
+    log_r = ref_logprobs - logprobs
+    kl = -log_r if kl_estimator == "k1" else torch.expm1(log_r) - log_r
+    return kl * mask
+
+
+def kl_shaped_rewards(scores, logprobs, ref_logprobs, mask, kl_coef: float, kl_estimator: str = "k1") -> tuple[torch.Tensor, torch.Tensor]:
+    """InstructGPT eq. 2, r(x, y) - beta * log(pi_RL / pi_SFT), spread over tokens as in N+ §7:
+    -kl_coef * kl on every real token (the non-score reward), plus the score on the last one (the stop token,
+    or the last sampled token of a cut-off completion). Returns (rewards, kl)."""
+    import torch
+
+    kl = kl_per_token(logprobs, ref_logprobs, mask, kl_estimator)
     rewards = -kl_coef * kl
-    last = (mask.sum(1).long() - 1).clamp(min=0)  # mask is a prefix: the response up to and including EOS
+    last = (mask.sum(1).long() - 1).clamp(min=0)  # mask is a prefix: the response up to and including the stop token
     rewards[torch.arange(len(scores), device=rewards.device), last] += scores
     return rewards, kl
+
+
+def explained_variance(values, returns, mask) -> float:
+    """1 - Var[R - V] / Var[R] over the real tokens, as CleanRL logs it: 1 when the value predictions match the
+    returns, 0 when they do no better than the returns' mean, negative when worse; nan when the returns are constant."""
+    var_returns = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask).item()
+    errors = returns - values
+    var_errors = masked_mean((errors - masked_mean(errors, mask)) ** 2, mask).item()
+    return float("nan") if var_returns == 0 else 1 - var_errors / var_returns
+
+
+def truncate_at_stop(responses, stop_ids: list[int], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """N+ §4: a response ends at its first stop token (kept); everything after it becomes padding.
+    Returns (responses, mask of the real tokens, whether each reached a stop token)."""
+    import torch
+
+    is_stop = torch.isin(responses, torch.tensor(stop_ids, dtype=responses.dtype, device=responses.device))
+    ended = is_stop.any(1)
+    first_stop = torch.where(ended, is_stop.int().argmax(1), responses.shape[1])
+    mask = torch.arange(responses.shape[1], device=responses.device)[None, :] <= first_stop[:, None]
+    return responses.masked_fill(~mask, pad_id), mask, ended
 
 
 def compute_gae(rewards, values, mask, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -100,6 +100,36 @@ def test_kl_shaped_rewards_put_the_score_on_the_last_real_token():
     assert_close(rewards, [[-0.05, 0.0, 0.05 + 2.0], [0.0, -0.1 - 1.0, 0.0]])
 
 
+def test_k3_kl_by_hand():
+    # log r = ref - logp: -.5, 0, .5 and 0, -1 (+ padding). k1 = -log r; k3 = (e^log r - 1) - log r:
+    #   e^-.5 - 1 + .5 = .1065307     e^.5 - 1 - .5 = .1487213     e^-1 - 1 + 1 = .3678794
+    logprobs = torch.tensor([[-1.0, -1.0, -1.0], [-2.0, -2.0, -2.0]])
+    ref_logprobs = torch.tensor([[-1.5, -1.0, -0.5], [-2.0, -3.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    assert_close(ppo.kl_per_token(logprobs, ref_logprobs, mask, "k1"), [[0.5, 0.0, -0.5], [0.0, 1.0, 0.0]])
+    assert_close(ppo.kl_per_token(logprobs, ref_logprobs, mask, "k3"), [[0.1065307, 0.0, 0.1487213], [0.0, 0.3678794, 0.0]])
+    # The penalty uses the chosen estimate: -.1 * k3 on every real token, the score on the last one.
+    rewards, kl = ppo.kl_shaped_rewards(torch.tensor([2.0, -1.0]), logprobs, ref_logprobs, mask, kl_coef=0.1, kl_estimator="k3")
+    assert_close(rewards, [[-0.01065307, 0.0, -0.01487213 + 2.0], [0.0, -0.03678794 - 1.0, 0.0]])
+
+
+def test_explained_variance_by_hand():
+    returns, mask = torch.tensor([[1.0, 2.0, 3.0, 100.0]]), torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    # Var[R] = 2/3; errors R - V = (0, 0, 1): mean 1/3, Var = (1/9 + 1/9 + 4/9) / 3 = 2/9; 1 - (2/9) / (2/3) = 2/3
+    assert ppo.explained_variance(torch.tensor([[1.0, 2.0, 2.0, -5.0]]), returns, mask) == pytest.approx(2 / 3)
+    assert ppo.explained_variance(returns, returns, mask) == pytest.approx(1.0)
+    assert ppo.explained_variance(torch.full((1, 4), 2.0), returns, mask) == pytest.approx(0.0)  # the mean predicts nothing
+    assert math.isnan(ppo.explained_variance(torch.zeros(1, 4), torch.ones(1, 4), mask))  # constant returns
+
+
+def test_truncate_at_stop_cuts_after_the_first_stop_token():
+    responses = torch.tensor([[5, 7, 3, 9], [5, 5, 5, 5], [3, 7, 3, 9]])
+    cut, mask, ended = ppo.truncate_at_stop(responses, stop_ids=[3, 7], pad_id=0)
+    assert cut.tolist() == [[5, 7, 0, 0], [5, 5, 5, 5], [3, 0, 0, 0]]
+    assert mask.int().tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+    assert ended.tolist() == [True, False, True]
+
+
 # --- config ----------------------------------------------------------------------------
 
 
