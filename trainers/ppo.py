@@ -6,6 +6,12 @@ The math is in small pure functions on tensors; `train` reads top to bottom. Ref
 PPO: Schulman et al. 2017; GAE: Schulman et al. 2016; InstructGPT: Ouyang et al. 2022;
 N+: Huang et al. 2024, "The N+ Implementation Details of RLHF with PPO" (§4 general, §7 PPO details);
 k3: Schulman 2020, "Approximating KL divergence" (http://joschu.net/blog/kl-approx.html).
+
+Rollouts sample with exactly the stage's settings (temperature only; nothing from the model's
+generation_config), stop at the stop tokens (`stop_token`), and the response is cut after the first
+stop token and padded after it (N+ §4). The reward model scores the exact ids the policy saw and
+sampled (prompt + response up to and including the stop token; a cut-off answer gets no EOS), so
+it must share the policy's tokenizer; reward functions get the decoded text.
 """
 
 from __future__ import annotations
@@ -48,8 +54,32 @@ class PpoConfig(StrictModel):
     vf_coef: float = Field(0.1, ge=0, description="Weight of the value loss in the summed loss.")
     kl_coef: float = Field(0.05, ge=0, description="Per-token KL penalty to the reference policy (InstructGPT's beta).")
     whiten_rewards: bool = Field(False, description="Rescale the per-token rewards to unit variance before GAE (mean kept).")
-    missing_eos_penalty: float | None = Field(None, ge=0, description="Subtracted from the score of a completion that ends without EOS; None: no penalty.")
+    kl_estimator: Literal["k1", "k3"] = Field(
+        "k1",
+        description="Per-token KL estimate in the penalty (TRL PPOConfig; Schulman's k-estimators): 'k1' log(p/p_ref), unbiased; "
+        "'k3' (r - 1) - log r with r = p_ref/p, unbiased, never negative, lower variance.",
+    )
+    missing_eos_penalty: float | None = Field(
+        None,
+        ge=0,
+        description="Subtracted from the score of a completion that reaches no stop token within response_length (N+ §7). None: 1.0 (TRL's "
+        "examples) when the reward model is among the rewards, since it scores a cut-off text as if finished, else 0 (reward functions judge "
+        "the text itself); a value given, 0 included, always wins.",
+    )
     response_length: int = Field(53, ge=1, description="Most new tokens sampled per completion.")
+    stop_token: Literal["eos"] | None = Field(
+        None,
+        description="Where a completion ends (TRL PPOConfig; excludes stop_token_id). 'eos': the tokenizer's EOS only. None: the EOS and the chat "
+        "template's end of turn (e.g. <|im_end|>), unless stop_token_id is set (TRL's None stopped nowhere). The response is cut after its "
+        "first stop token and padded after it.",
+    )
+    stop_token_id: int | None = Field(None, ge=0, description="End completions at this token id only (TRL PPOConfig); excludes stop_token.")
+    num_sample_generations: int = Field(
+        10,
+        ge=0,
+        description="Sample tables over the run (TRL PPOConfig), evenly spaced from update 1: prompt, completion and scores of a few rollouts, "
+        "appended to samples.jsonl in the stage's artifact. 0: none.",
+    )
     temperature: float = Field(0.7, gt=0, description="Sampling temperature; log-probabilities are computed at the same temperature.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm (policy and value parameters together).")
     seed: int = Field(42, description="Seed for prompt order, sampling and mini-batch order.")
@@ -63,16 +93,32 @@ class PpoConfig(StrictModel):
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters on the policy (peft); the reference is the policy with adapters disabled.")
 
     @model_validator(mode="after")
-    def _batches_fit(self):
+    def _fields_agree(self):
         batch, minis = self.rollout_batch_size, self.num_mini_batches
         if batch % minis:
             raise ValueError(f"rollout_batch_size={batch} must be divisible by num_mini_batches={minis} (mini-batches of {batch / minis:.2f} rollouts)")
         if self.total_episodes is not None and self.total_episodes < batch:
             raise ValueError(f"total_episodes={self.total_episodes} is less than one rollout batch (rollout_batch_size={batch}): no update would run")
+        if self.stop_token is not None and self.stop_token_id is not None:
+            raise ValueError(f"stop_token={self.stop_token!r} and stop_token_id={self.stop_token_id} exclude each other (as in TRL): set one")
         return self
 
     def num_updates(self, num_prompts: int) -> int:
         return (self.total_episodes or num_prompts) // self.rollout_batch_size
+
+    def eos_penalty(self, rewards: RewardsConfig) -> float:
+        """`missing_eos_penalty`, or its default for these rewards."""
+        if self.missing_eos_penalty is not None:
+            return self.missing_eos_penalty
+        return 1.0 if rewards.uses_reward_model else 0.0
+
+    def sample_every(self, num_updates: int) -> int | None:
+        """Updates between sample tables, as TRL spaced them (None: no tables)."""
+        return max(1, num_updates // self.num_sample_generations) if self.num_sample_generations else None
+
+
+SAMPLE_ROWS = 8
+"""Rollouts per sample table (the first of the batch)."""
 
 
 # --- the math: pure functions on [batch, response tokens] tensors -----------------
@@ -184,30 +230,42 @@ def value_loss(values, old_values, returns, mask, cliprange_value: float) -> tup
 # --- model plumbing ------------------------------------------------------------------
 
 
-def _sample(policy, prompt_ids: list[list[int]], cfg: PpoConfig, pad_id: int, eos_id: int, device) -> tuple[dict, torch.Tensor, torch.Tensor]:
-    """Left-padded prompts (N+ §4) -> inputs for prompt + completion, completion mask, whether each ended with EOS.
-    No top-k/top-p: we sample from exactly the distribution whose log-probs we compute. After EOS: padding (N+ §4)."""
+def stop_ids(cfg: PpoConfig, tokenizer) -> list[int]:
+    """The ids a completion ends at, per `stop_token` / `stop_token_id`."""
+    from rlhf_pipeline.trainers.templates import stop_token_ids
+
+    if cfg.stop_token_id is not None:
+        if cfg.stop_token_id >= len(tokenizer):
+            raise ValueError(f"stop_token_id={cfg.stop_token_id} is not a token of the policy's tokenizer ({len(tokenizer)} tokens)")
+        return [cfg.stop_token_id]
+    if cfg.stop_token == "eos":
+        return [tokenizer.eos_token_id]
+    return stop_token_ids(tokenizer)
+
+
+def _sample(policy, tokenizer, prompt_ids: list[list[int]], cfg: PpoConfig, stops: list[int], device) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """Left-padded prompts (N+ §4) -> inputs for prompt + completion, completion mask, whether each reached a stop token.
+    No top-k/top-p/repetition penalty (own_sampling: not even the model's generation_config's), so we sample from
+    exactly the distribution whose log-probs we compute (N+ §7)."""
     import torch
 
-    width = max(map(len, prompt_ids))
-    queries = torch.tensor([[pad_id] * (width - len(x)) + x for x in prompt_ids], device=device)
-    query_mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in prompt_ids], device=device)
-    generated = policy.generate(
-        input_ids=queries, attention_mask=query_mask, do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0,
-        max_new_tokens=cfg.response_length, pad_token_id=pad_id, eos_token_id=eos_id,
-    )  # fmt: skip
-    responses = generated[:, width:]
-    is_eos = responses == eos_id
-    has_eos = is_eos.any(1)
-    first_eos = torch.where(has_eos, is_eos.int().argmax(1), responses.shape[1])
-    mask = torch.arange(responses.shape[1], device=device)[None, :] <= first_eos[:, None]
+    from rlhf_pipeline.trainers.text import own_sampling, pad
+
+    queries, query_mask = pad(prompt_ids, tokenizer.pad_token_id, left=True, device=device)
+    # peft's generate copies its wrapper's generation_config into the inner model: swap the inner model's, so it is restored.
+    with own_sampling(policy.get_base_model() if hasattr(policy, "get_base_model") else policy, tokenizer):
+        generated = policy.generate(
+            input_ids=queries, attention_mask=query_mask, do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0,
+            max_new_tokens=cfg.response_length, pad_token_id=tokenizer.pad_token_id, eos_token_id=stops,
+        )  # fmt: skip
+    responses, mask, ended = truncate_at_stop(generated[:, queries.shape[1] :], stops, tokenizer.pad_token_id)
     attention_mask = torch.cat([query_mask, mask.long()], 1)
     inputs = {
-        "input_ids": torch.cat([queries, responses.masked_fill(~mask, pad_id)], 1),
+        "input_ids": torch.cat([queries, responses], 1),
         "attention_mask": attention_mask,
         "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),  # as `generate` numbers left-padded rows
     }
-    return inputs, mask.float(), has_eos
+    return inputs, mask.float(), ended
 
 
 def _response_logprobs(model, inputs: dict, width: int, temperature: float, with_entropy: bool = False):
@@ -306,22 +364,25 @@ def train(
     work_dir: Path,
     log_metrics: LogMetrics | None = None,
 ) -> dict[str, float]:
-    """Write the trained policy to `out_dir/model` (merged under LoRA unless keep_adapter); return the last logged metrics.
+    """Write the trained policy to `out_dir/model` (merged under LoRA unless keep_adapter) and the sample tables to
+    `out_dir/samples.jsonl`; return the last logged metrics.
 
-    Metrics, `ppo/train/<name>`: reward (the weighted score PPO optimises), reward_<component> (each reward's raw
-    mean: `reward_model`, `reward_<function name>`), kl, entropy, policy_loss, value_loss, clipfrac, approx_kl,
-    value_clipfrac, response_length, missing_eos (share without EOS), learning_rate.
+    Metrics, `ppo/train/<name>`: reward (the score PPO optimises: weighted rewards minus the missing-EOS penalty),
+    reward_<component> (each reward's raw mean: `reward_model`, `reward_<function name>`), kl (summed per completion,
+    with `kl_estimator`), non_score_reward (the summed KL penalty, -kl_coef * kl), entropy, policy_loss, value_loss,
+    clipfrac, approx_kl, ratio (new / old policy over real tokens), value_clipfrac, explained_variance (of the rollout
+    values vs the returns), response_length, missing_eos (share that reached no stop token), learning_rate.
     """
     import numpy as np
     import torch
     from tqdm.auto import tqdm
     from transformers import AutoModelForSequenceClassification
 
-    from rlhf_pipeline.trainers.common import last_checkpoint, load_causal_lm, load_split, save_model
+    from rlhf_pipeline.trainers.common import last_checkpoint, load_causal_lm, load_split, load_tokenizer, save_model
     from rlhf_pipeline.trainers.rewards import RewardScorer
     from rlhf_pipeline.trainers.text import prompt_ids as render_prompt
 
-    # Fail on the config and the data before any model is loaded.
+    # Fail on the config, the data and the tokenizers before any model is loaded.
     if rewards.uses_reward_model and reward_model is None:
         raise ValueError(f"rewards.reward_model_weight={rewards.reward_model_weight} but no reward model was given")
     dataset = load_split(data_dir, "prompts")
@@ -333,21 +394,22 @@ def train(
     num_updates = cfg.num_updates(len(dataset))
     prompts = dataset["prompt"]
     columns = {name: dataset[name] for name in dataset.column_names if name != "prompt"}
+    tokenizer = load_tokenizer(sft_model)
+    stops, eos_penalty, sample_every = stop_ids(cfg, tokenizer), cfg.eos_penalty(rewards), cfg.sample_every(num_updates)
 
     def completions(texts: list[str], rows: list[int]) -> list:  # messages for conversational prompts, as TRL passes them
         return [[{"role": "assistant", "content": t}] if isinstance(prompts[i], list) else t for t, i in zip(texts, rows)]
 
-    # A broken reward function fails here, with its name, before the policy is even loaded.
+    # The reward model's tokenizer is checked, and a broken reward function fails with its name, before the policy loads.
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    scorer = RewardScorer(rewards, reward_model, device)
+    scorer = RewardScorer(rewards, reward_model, device, policy_model=sft_model)
     sample = list(range(min(4, len(dataset))))
     scorer.check([prompts[i] for i in sample], completions(["0"] * len(sample), sample), {k: [v[i] for i in sample] for k, v in columns.items()})
 
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    policy, tokenizer = load_causal_lm(sft_model)
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    policy = load_causal_lm(sft_model)[0]  # in the dtype its folder was saved in (float32 unless model.dtype says otherwise)
     reference = None  # under LoRA the reference is the policy with its adapters disabled
     if cfg.lora.enabled:
         import peft
@@ -357,7 +419,7 @@ def train(
         reference = load_causal_lm(sft_model)[0].requires_grad_(False)
     # Value model: the reward model, trained on (InstructGPT §3.5, N+ §7); else the SFT model with a fresh scalar head.
     value_model = AutoModelForSequenceClassification.from_pretrained(str(reward_model or sft_model), num_labels=1, use_safetensors=True)
-    value_model.config.pad_token_id = pad_id
+    value_model.config.pad_token_id = tokenizer.pad_token_id
     for model in (policy, reference, value_model):  # eval(): dropout off (N+ §4), so rollout and update log-probs agree
         if model is not None:
             model.to(device).eval()
@@ -371,6 +433,10 @@ def train(
         state = _load_checkpoint(Path(checkpoint), policy, value_model, optimizer)
     for stale in work_dir.glob(".checkpoint-*.tmp") if work_dir.is_dir() else []:
         shutil.rmtree(stale, ignore_errors=True)
+    samples = work_dir / "samples.jsonl"  # beside the checkpoints, so a resumed run keeps the tables written before it
+    if samples.is_file():  # tables of updates after the checkpoint are written again
+        kept = [line for line in samples.read_text().splitlines() if json.loads(line)["update"] <= state["update"]]
+        samples.write_text("".join(line + "\n" for line in kept))
     prompt_ids = [render_prompt(tokenizer, p) for p in prompts]
 
     def next_rows() -> list[int]:
@@ -394,25 +460,30 @@ def train(
 
             # 1. Roll out, score, and turn the scores into per-token advantages.
             with torch.no_grad(), autocast():
-                inputs, mask, has_eos = _sample(policy, [prompt_ids[i] for i in rows], cfg, pad_id, eos_id, device)
+                inputs, mask, ended = _sample(policy, tokenizer, [prompt_ids[i] for i in rows], cfg, stops, device)
                 width = mask.shape[1]
                 logprobs, entropy = _response_logprobs(policy, inputs, width, cfg.temperature, with_entropy=True)
                 with policy.disable_adapter() if reference is None else contextlib.nullcontext():
                     ref_logprobs, _ = _response_logprobs(policy if reference is None else reference, inputs, width, cfg.temperature)
                 values = _response_values(value_model, inputs, width)
-                texts = tokenizer.batch_decode(inputs["input_ids"][:, -width:], skip_special_tokens=True)
-                total, components = scorer([prompts[i] for i in rows], completions(texts, rows), {k: [v[i] for i in rows] for k, v in columns.items()})
-                scores = torch.tensor(total, device=device, dtype=torch.float)
-                if cfg.missing_eos_penalty is not None:  # N+ §7: a completion that never ends is penalised
-                    scores = scores - cfg.missing_eos_penalty * (~has_eos).float()
-                token_rewards, kl = kl_shaped_rewards(scores, logprobs, ref_logprobs, mask, cfg.kl_coef)
+                # The reward model reads the ids as sampled, up to and including the stop token (N+ §4): no decode and
+                # re-encode, and a cut-off answer gets no EOS. Reward functions read the text, without the stop token.
+                lengths = mask.sum(1).long().tolist()
+                responses = [ids[:n].tolist() for ids, n in zip(inputs["input_ids"][:, -width:], lengths)]
+                texts = [tokenizer.decode(ids[: len(ids) - int(end)], skip_special_tokens=True) for ids, end in zip(responses, ended.tolist())]
+                total, components = scorer(
+                    [prompts[i] for i in rows], completions(texts, rows), {k: [v[i] for i in rows] for k, v in columns.items()},
+                    ids=[prompt_ids[i] + ids for i, ids in zip(rows, responses)],
+                )  # fmt: skip
+                scores = torch.tensor(total, device=device, dtype=torch.float) - eos_penalty * (~ended).float()  # N+ §7: the EOS trick
+                token_rewards, kl = kl_shaped_rewards(scores, logprobs, ref_logprobs, mask, cfg.kl_coef, cfg.kl_estimator)
                 if cfg.whiten_rewards:
                     token_rewards = whiten(token_rewards, mask, shift_mean=False)
                 advantages, returns = compute_gae(token_rewards, values, mask, cfg.gamma, cfg.lam)
                 advantages = whiten(advantages, mask)  # advantage normalisation (N+ §7)
 
             # 2. `num_ppo_epochs` passes over shuffled mini-batches (Schulman et al. 2017, Algorithm 1).
-            stats: dict[str, list[float]] = {"policy_loss": [], "value_loss": [], "clipfrac": [], "approx_kl": [], "value_clipfrac": []}
+            stats: dict[str, list[float]] = {name: [] for name in ("policy_loss", "value_loss", "clipfrac", "approx_kl", "value_clipfrac", "ratio")}
             for _ in range(cfg.num_ppo_epochs):
                 for idx in torch.randperm(batch_size, device=device).split(mini_batch_size):
                     mini = {k: v[idx] for k, v in inputs.items()}
@@ -421,23 +492,26 @@ def train(
                         new_values = _response_values(value_model, mini, width)
                     pg_loss, clipfrac, approx_kl = policy_loss(new_logprobs, logprobs[idx], advantages[idx], mask[idx], cfg.cliprange)
                     vf_loss, vf_clipfrac = value_loss(new_values, values[idx], returns[idx], mask[idx], cfg.cliprange_value)
+                    ratio = masked_mean(torch.exp(new_logprobs.detach() - logprobs[idx]), mask[idx])
                     optimizer.zero_grad(set_to_none=True)
                     (pg_loss + cfg.vf_coef * vf_loss).backward()
                     torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
                     optimizer.step()
-                    for name, value in zip(stats, (pg_loss, vf_loss, clipfrac, approx_kl, vf_clipfrac)):
+                    for name, value in zip(stats, (pg_loss, vf_loss, clipfrac, approx_kl, vf_clipfrac, ratio)):
                         stats[name].append(value.item())
 
-            # 3. Metrics (averaged over the `logging_steps` window) and checkpoints.
+            # 3. Metrics (averaged over the `logging_steps` window), sample tables and checkpoints.
             current = {
                 "reward": scores.mean().item(),
-                "kl": kl.sum(1).mean().item(),  # KL(policy || reference) per completion, k1 estimate as N+ §7 reports it
+                "kl": kl.sum(1).mean().item(),  # KL(policy || reference) per completion, as N+ §7 and TRL report it
+                "non_score_reward": (-cfg.kl_coef * kl).sum(1).mean().item(),  # TRL's objective/non_score_reward
                 "entropy": masked_mean(entropy, mask).item(),
+                "explained_variance": explained_variance(values, returns, mask),
                 "response_length": mask.sum(1).mean().item(),
-                "missing_eos": (~has_eos).float().mean().item(),
+                "missing_eos": (~ended).float().mean().item(),
                 "learning_rate": lr,
                 **{name: sum(v) / len(v) for name, v in stats.items()},
-                **{f"reward_{name.removeprefix('reward_')}": sum(v) / len(v) for name, v in components.items()},
+                **{_component(name): sum(v) / len(v) for name, v in components.items()},
             }
             for name, value in current.items():
                 window.setdefault(name, []).append(value)
@@ -447,6 +521,17 @@ def train(
                 progress_log.log(update, {k: metrics[k] for k in ("ppo/train/reward", "ppo/train/kl")})
                 if log_metrics is not None:
                     log_metrics(metrics, update)
+            if sample_every and (update - 1) % sample_every == 0:
+                table = [
+                    {
+                        "update": update, "prompt": prompts[i], "completion": tokenizer.decode(responses[j]), "ended": bool(ended[j]),
+                        "score": scores[j].item(), **{_component(name): component[j] for name, component in components.items()},
+                    }
+                    for j, i in enumerate(rows[:SAMPLE_ROWS])
+                ]  # fmt: skip
+                work_dir.mkdir(parents=True, exist_ok=True)
+                with samples.open("a") as f:
+                    f.writelines(json.dumps(row) + "\n" for row in table)
             if update % cfg.save_steps == 0:
                 state.update(update=update, metrics=metrics)
                 _save_checkpoint(work_dir, update, policy, value_model, optimizer, state)
@@ -454,4 +539,11 @@ def train(
     save_model(policy, tokenizer, out_dir / "model", keep_adapter=cfg.lora.keep_adapter)
     if cfg.save_value_model:
         save_model(value_model, tokenizer, out_dir / "value_model")
+    if samples.is_file():
+        shutil.copyfile(samples, out_dir / "samples.jsonl")
     return metrics
+
+
+def _component(name: str) -> str:
+    """A reward component's metric name: `reward_model`, `reward_<function name>`."""
+    return f"reward_{name.removeprefix('reward_')}"

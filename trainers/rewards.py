@@ -112,13 +112,33 @@ def trl_reward_funcs(cfg: RewardsConfig, reward_model: Path | None, sample: dict
     return funcs, weights
 
 
-class RewardScorer:
-    """Weighted sum of reward-model score and reward functions, for our own PPO loop."""
+def check_shared_tokenizer(policy_model: Path, reward_model: Path) -> None:
+    """A reward (or value) model that reads the policy's token ids as they are must turn text into the same ids:
+    both folders' tokenizer files must match (a folder without them, e.g. a hub id, is not checked)."""
+    from rlhf_pipeline.trainers.common import tokenizer_digest
 
-    def __init__(self, cfg: RewardsConfig, reward_model: Path | None, device: str | torch.device = "cpu"):
+    policy, reward = tokenizer_digest(policy_model), tokenizer_digest(reward_model)
+    if policy and reward and policy != reward:
+        raise ValueError(
+            f"the reward model {reward_model} has another tokenizer (digest {reward}) than the policy {policy_model} (digest {policy}); "
+            "it scores the policy's token ids as they are, so train it from the same SFT model (or give it the same tokenizer files)"
+        )
+
+
+class RewardScorer:
+    """Weighted sum of reward-model score and reward functions, for our own PPO loop.
+
+    The reward model scores token ids (`ids`: prompt + completion, exactly as the policy saw and sampled them),
+    so it must share the policy's tokenizer: given `policy_model`, that is checked before any weights load.
+    Reward functions get the decoded `completions`.
+    """
+
+    def __init__(self, cfg: RewardsConfig, reward_model: Path | None, device: str | torch.device = "cpu", policy_model: Path | None = None):
+        if policy_model is not None and reward_model is not None:
+            check_shared_tokenizer(policy_model, reward_model)
         self.cfg = cfg
         self.functions = [(spec, load_function(spec)) for spec in cfg.functions]
-        self.model = self.tokenizer = None
+        self.model = None
         if cfg.uses_reward_model:
             if reward_model is None:
                 raise ValueError("rewards.reward_model_weight > 0 but no reward model was trained")
@@ -128,20 +148,23 @@ class RewardScorer:
 
             self.model = AutoModelForSequenceClassification.from_pretrained(str(reward_model), num_labels=1, use_safetensors=True)
             self.model.to(device).eval().requires_grad_(False)
-            self.tokenizer = load_tokenizer(reward_model)
+            if self.model.config.pad_token_id is None:  # it pools the score at the last non-padding token
+                self.model.config.pad_token_id = load_tokenizer(reward_model).pad_token_id
 
     def check(self, prompts: list, completions: list, columns: dict[str, list]) -> None:
         for spec, fn in self.functions:
             check_function(spec, fn, prompts, completions, columns)
 
-    def __call__(self, prompts: list, completions: list, columns: dict[str, list], batch_size: int = 64) -> tuple[list[float], dict[str, list[float]]]:
+    def __call__(
+        self, prompts: list, completions: list, columns: dict[str, list], ids: list[list[int]] | None = None, batch_size: int = 64
+    ) -> tuple[list[float], dict[str, list[float]]]:
         """Total reward per completion, and each component (named `reward_model` or the function's name)."""
         components: dict[str, list[float]] = {}
         total = [0.0] * len(completions)
         if self.model is not None:
-            from rlhf_pipeline.trainers.text import reward_scores
-
-            scores = reward_scores(self.model, self.tokenizer, prompts, completions, batch_size)
+            if ids is None or len(ids) != len(completions):
+                raise ValueError(f"the reward model scores token ids: pass `ids`, one row per completion ({len(completions)})")
+            scores = self.model_scores(ids, batch_size)
             components["reward_model"] = scores
             total = [t + self.cfg.reward_model_weight * s for t, s in zip(total, scores)]
         for spec, fn in self.functions:
@@ -149,6 +172,19 @@ class RewardScorer:
             components[fn.__name__] = scores
             total = [t + spec.weight * s for t, s in zip(total, scores)]
         return total, components
+
+    def model_scores(self, ids: list[list[int]], batch_size: int = 64) -> list[float]:
+        """The reward model's score of each row of token ids, right-padded as TRL's RewardTrainer pads them."""
+        import torch
+
+        from rlhf_pipeline.trainers.text import pad
+
+        scores: list[float] = []
+        for start in range(0, len(ids), batch_size):
+            input_ids, attention = pad(ids[start : start + batch_size], self.model.config.pad_token_id, device=self.model.device)
+            with torch.no_grad():
+                scores.extend(self.model(input_ids=input_ids, attention_mask=attention).logits[:, 0].float().tolist())
+        return scores
 
 
 def fingerprint(cfg: RewardsConfig) -> dict[str, str]:

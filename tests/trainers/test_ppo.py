@@ -11,7 +11,8 @@ from transformers import AutoModelForSequenceClassification
 from rlhf_pipeline.trainers import ppo
 from rlhf_pipeline.trainers.base import load_base_model
 from rlhf_pipeline.trainers.common import COMPLETE, LoraConfig, load_causal_lm, save_model
-from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, RewardsConfig
+from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, RewardsConfig, RewardScorer
+from rlhf_pipeline.trainers.text import prompt_ids as text_prompt_ids
 from tests.helpers import SMALL_MODEL, trainable, unchanged, write_data_dir
 
 EXACT_MATCH = RewardsConfig(reward_model_weight=0, functions=[RewardFunctionSpec(path="rlhf_pipeline.trainers.sort_task:exact_match")])
@@ -142,6 +143,23 @@ def test_config_checks_batch_arithmetic():
     assert ppo.PpoConfig(rollout_batch_size=64).num_updates(2000) == 31  # None: one pass over the prompts
 
 
+def test_config_stop_token_and_eos_penalty():
+    with pytest.raises(ValidationError, match=r"stop_token='eos' and stop_token_id=3 exclude each other"):
+        ppo.PpoConfig(stop_token="eos", stop_token_id=3)
+    reward_model, functions = RewardsConfig(reward_model_weight=1.0), EXACT_MATCH
+    assert ppo.PpoConfig().eos_penalty(reward_model) == 1.0  # a reward model scores cut-off text as finished
+    assert ppo.PpoConfig().eos_penalty(functions) == 0.0
+    assert ppo.PpoConfig(missing_eos_penalty=0).eos_penalty(reward_model) == 0.0  # given values win
+    assert ppo.PpoConfig(missing_eos_penalty=0.5).eos_penalty(functions) == 0.5
+
+
+def test_sample_tables_are_spaced_as_trl_spaced_them():
+    assert ppo.PpoConfig().sample_every(80) == 8  # 10 tables: updates 1, 9, 17, ...
+    assert ppo.PpoConfig(num_sample_generations=2).sample_every(4) == 2  # updates 1 and 3
+    assert ppo.PpoConfig().sample_every(4) == 1  # more tables than updates: every update
+    assert ppo.PpoConfig(num_sample_generations=0).sample_every(80) is None
+
+
 def test_import_is_cheap():
     code = "import sys, trainers.ppo; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -180,17 +198,24 @@ def test_training_with_reward_functions_only(tiny, tmp_path):
     trained, _ = load_causal_lm(tmp_path / "out" / "model")
     assert unchanged(tiny["weights"], trained) == []
     assert [step for step, _ in logged] == [1, 2]
-    for name in ("reward", "kl", "entropy", "policy_loss", "value_loss", "clipfrac", "approx_kl", "response_length", "learning_rate", "reward_exact_match"):
+    for name in ("reward", "kl", "entropy", "policy_loss", "value_loss", "clipfrac", "approx_kl", "response_length", "learning_rate", "reward_exact_match",
+                 "non_score_reward", "explained_variance", "ratio"):  # fmt: skip
         assert f"ppo/train/{name}" in metrics, name
-    assert all(math.isfinite(v) for v in metrics.values())
+    assert all(math.isfinite(v) for _, values in logged for v in values.values())
+    for _, values in logged:  # the summed KL penalty per completion
+        assert values["ppo/train/non_score_reward"] == pytest.approx(-0.05 * values["ppo/train/kl"])
     assert metrics == logged[-1][1]
     first = logged[0][1]
     # Update 1 rolls out the policy before any step, so it still is the reference: KL exactly 0. Its
     # next-token distribution is near uniform over the 263 tokens: entropy about ln 263 = 5.57 nats.
     assert first["ppo/train/kl"] == 0.0
     assert first["ppo/train/entropy"] == pytest.approx(math.log(tiny["vocab"]), rel=0.01)
-    # The 4 optimizer steps of an update (2 epochs x 2 mini-batches) move the policy away from the rollout's.
+    # The 4 optimizer steps of an update (2 epochs x 2 mini-batches) move the policy away from the rollout's:
+    # the first step's ratio is exactly 1, the later ones' are not.
     assert first["ppo/train/approx_kl"] > 0
+    assert first["ppo/train/ratio"] != 1.0 and first["ppo/train/ratio"] == pytest.approx(1.0, abs=0.5)
+    # The value head starts untrained (a fresh head on the SFT model): worse than predicting the mean return.
+    assert first["ppo/train/explained_variance"] < 0
     # Linear decay over the 2 updates: lr * (1 - (update - 1) / 2).
     assert [values["ppo/train/learning_rate"] for _, values in logged] == [pytest.approx(1e-3), pytest.approx(5e-4)]
     # One reward function with weight 1 and no EOS penalty: the reward is its score.
@@ -200,7 +225,10 @@ def test_training_with_reward_functions_only(tiny, tmp_path):
 def test_training_with_a_reward_model_and_lora(tiny, tmp_path):
     cfg = ppo.PpoConfig(**FAST, lora=LoraConfig(enabled=True, r=4, lora_alpha=8), save_value_model=True)
     metrics = ppo.train(cfg, RewardsConfig(reward_model_weight=1.0), tiny["sft"], tiny["rm"], tiny["data"], tmp_path / "out", tmp_path / "work")
-    assert metrics["ppo/train/reward"] == pytest.approx(metrics["ppo/train/reward_model"])  # the only reward, weight 1
+    # The only reward, weight 1, less the default missing-EOS penalty of 1.0 (a reward model is among the rewards)
+    # for the share of completions that reached no stop token.
+    assert metrics["ppo/train/missing_eos"] > 0
+    assert metrics["ppo/train/reward"] == pytest.approx(metrics["ppo/train/reward_model"] - 1.0 * metrics["ppo/train/missing_eos"])
     trained, _ = load_causal_lm(tmp_path / "out" / "model")  # merged: loads as a plain causal LM
     # peft's "all-linear" adapts every Linear of the blocks but not the output head: once merged, exactly
     # those weights moved, and the frozen embedding, norms and lm_head are bit-identical to the SFT model.
@@ -248,6 +276,7 @@ def test_resume_after_a_crash_matches_an_unbroken_run(tiny, tmp_path):
     straight, _ = load_causal_lm(tmp_path / "straight" / "model")
     weights = trainable(resumed)
     assert unchanged(weights, straight) == sorted(weights)  # every tensor bit-identical
+    assert (tmp_path / "out" / "samples.jsonl").read_text() == (tmp_path / "straight" / "samples.jsonl").read_text()
     assert unchanged(tiny["weights"], straight) == []  # and both did train
 
 
@@ -258,3 +287,64 @@ def test_a_broken_reward_function_fails_before_training(tiny, tmp_path):
         ppo.train(ppo.PpoConfig(**FAST), rewards, tiny["sft"], None, tiny["data"], tmp_path / "out", tmp_path / "work", lambda v, s: logged.append(s))
     assert logged == []
     assert not (tmp_path / "work").exists()
+
+
+def test_k3_penalises_the_same_samples_differently(tiny, tmp_path):
+    runs = {}
+    for estimator in ("k1", "k3"):
+        logged: list[dict] = []
+        cfg = ppo.PpoConfig(**FAST, kl_estimator=estimator, num_sample_generations=0)
+        ppo.train(cfg, EXACT_MATCH, tiny["sft"], None, tiny["data"], tmp_path / estimator, tmp_path / f"work-{estimator}", lambda v, s: logged.append(v))
+        runs[estimator] = logged
+    k1, k3 = runs["k1"], runs["k3"]
+    # Update 1 (policy = reference, KL 0 either way) trains both alike, so update 2 samples the same completions,
+    # whose KL the two estimators put differently: k3 is positive on every token that moved.
+    assert k1[0] == k3[0]
+    assert k3[1]["ppo/train/kl"] > 0 and k3[1]["ppo/train/kl"] != pytest.approx(k1[1]["ppo/train/kl"])
+    assert k3[1]["ppo/train/non_score_reward"] == pytest.approx(-0.05 * k3[1]["ppo/train/kl"])
+    assert unchanged(tiny["weights"], load_causal_lm(tmp_path / "k3" / "model")[0]) == []
+    assert not (tmp_path / "k3" / "samples.jsonl").exists()  # num_sample_generations=0: no tables
+
+
+def test_completions_cut_at_response_length_are_penalised_and_scored_without_eos(tiny, tmp_path, monkeypatch):
+    """response_length=2 on an untrained model: no completion ends. The reward model reads prompt + the 2 sampled
+    ids (no EOS appended), and the default missing_eos_penalty (1.0: a reward model is among the rewards) lowers
+    exactly those scores."""
+    scored: list[tuple[list, list]] = []
+    original = RewardScorer.__call__
+
+    def spy(scorer, prompts, completions, columns, ids=None, batch_size=64):
+        scored.append((prompts, ids))
+        return original(scorer, prompts, completions, columns, ids=ids, batch_size=batch_size)
+
+    monkeypatch.setattr(RewardScorer, "__call__", spy)
+    cfg = ppo.PpoConfig(**{**FAST, "response_length": 2, "rollout_batch_size": ppo.SAMPLE_ROWS, "num_mini_batches": 1})
+    metrics = ppo.train(cfg, RewardsConfig(reward_model_weight=1.0), tiny["sft"], tiny["rm"], tiny["data"], tmp_path / "out", tmp_path / "work")
+    tokenizer = load_causal_lm(tiny["sft"])[1]
+    samples = [json.loads(line) for line in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
+    assert len(scored) == 2 and len(samples) == 2 * ppo.SAMPLE_ROWS  # every rollout of both updates is in the tables
+    for (prompts, ids), rows in zip(scored, (samples[: ppo.SAMPLE_ROWS], samples[ppo.SAMPLE_ROWS :])):
+        for prompt, row_ids, row in zip(prompts, ids, rows):
+            prompt_ids = text_prompt_ids(tokenizer, prompt)
+            assert row_ids[: len(prompt_ids)] == prompt_ids and len(row_ids) == len(prompt_ids) + 2
+            assert tokenizer.eos_token_id not in row_ids[len(prompt_ids) :]
+            assert not row["ended"] and row["score"] == pytest.approx(row["reward_model"] - 1.0, abs=1e-5)
+    assert metrics["ppo/train/missing_eos"] == 1.0
+    assert metrics["ppo/train/reward"] == pytest.approx(metrics["ppo/train/reward_model"] - 1.0)
+
+
+def test_samples_jsonl_every_few_updates_and_once_after_a_resume(tiny, tmp_path):
+    cfg = ppo.PpoConfig(**{**FAST, "total_episodes": 32, "save_steps": 2, "num_sample_generations": 2})  # 4 updates: tables at 1 and 3
+
+    def crash_at_update_4(values, step):
+        if step == 4:
+            raise RuntimeError("worker killed")
+
+    # The crash comes after update 3's table and before checkpoint-4: the resumed run redoes update 3 and its table.
+    with pytest.raises(RuntimeError, match="worker killed"):
+        ppo.train(cfg, EXACT_MATCH, tiny["sft"], None, tiny["data"], tmp_path / "out", tmp_path / "work", crash_at_update_4)
+    ppo.train(cfg, EXACT_MATCH, tiny["sft"], None, tiny["data"], tmp_path / "out", tmp_path / "work")
+    rows = [json.loads(line) for line in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
+    assert [row["update"] for row in rows] == [1] * 8 + [3] * 8
+    assert set(rows[0]) == {"update", "prompt", "completion", "ended", "score", "reward_exact_match"}
+    assert all(row["score"] == row["reward_exact_match"] for row in rows)  # reward functions only: no default penalty
