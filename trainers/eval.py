@@ -242,9 +242,12 @@ def _sft_texts(rows) -> list:
 
 def _pairwise_accuracy(rm, tokenizer, pairs, batch_size: int) -> float:
     if "prompt" in pairs.column_names:
-        pair_prompts = pairs["prompt"]
-    else:  # implicit prompt: the whole conversation (or text) is in chosen/rejected
-        pair_prompts = [[] if isinstance(c, list) else "" for c in pairs["chosen"]]
-    chosen = reward_scores(rm, tokenizer, pair_prompts, pairs["chosen"], batch_size)
-    rejected = reward_scores(rm, tokenizer, pair_prompts, pairs["rejected"], batch_size)
-    return sum(c > r for c, r in zip(chosen, rejected)) / len(chosen)
+        pair_prompts, chosen, rejected = pairs["prompt"], pairs["chosen"], pairs["rejected"]
+    else:  # implicit prompt: the shared leading turns are the prompt, as TRL's extract_prompt splits them
+        from trl.data_utils import extract_prompt
+
+        split = [extract_prompt({"chosen": c, "rejected": r}) for c, r in zip(pairs["chosen"], pairs["rejected"])]
+        pair_prompts, chosen, rejected = ([row[k] for row in split] for k in ("prompt", "chosen", "rejected"))
+    chosen_scores = reward_scores(rm, tokenizer, pair_prompts, chosen, batch_size)
+    rejected_scores = reward_scores(rm, tokenizer, pair_prompts, rejected, batch_size)
+    return sum(c > r for c, r in zip(chosen_scores, rejected_scores)) / len(chosen_scores)

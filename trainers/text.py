@@ -28,7 +28,7 @@ def completion_ids(tokenizer: PreTrainedTokenizerBase, prompt, completion) -> tu
     if isinstance(prompt, list):
         reply = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
         full = tokenizer.apply_chat_template(prompt + reply, tokenize=True, return_dict=True)["input_ids"]
-        return list(full), len(prompt_ids(tokenizer, prompt))
+        return list(full), len(prompt_ids(tokenizer, prompt)) if prompt else 0  # no turns before the reply: all of it is the completion
     # TRL's standard rows: the completion gets an explicit EOS, which is scored too
     return list(tokenizer(prompt + completion + tokenizer.eos_token)["input_ids"]), len(prompt_ids(tokenizer, prompt))
 

@@ -40,7 +40,7 @@ def test_chat_data_without_references_on_a_foreign_model(prefect, state, tmp_pat
     offline = run(*settings)
     assert offline.is_completed(), offline.message
     summary = offline.result()
-    metrics = {k: v for k, v in summary["metrics"].items() if k.startswith("eval/")}
+    metrics = {k: v for k, v in summary["metrics"].items() if k.startswith(("eval/heldout/", "eval/sft_split/"))}
     # Everything that needs no reference, and nothing that does.
     params = load_params(CI_PRESET, settings)
     assert set(metrics) == planned_metrics(params.eval, has_reference=False, reward_model=True, champion=False)
@@ -58,7 +58,8 @@ def test_chat_data_without_references_on_a_foreign_model(prefect, state, tmp_pat
 
     online = run(*settings, "algorithm=grpo")
     assert online.is_completed(), online.message
-    assert {name: state for name, state in task_states(online).items() if name in ("data", "sft", "rm")} == dict.fromkeys(("data", "sft", "rm"), "Cached")
+    # data re-checks (grpo's token limits differ from dpo's) but freezes the same datasets: sft and rm are reused.
+    assert {name: state for name, state in task_states(online).items() if name in ("sft", "rm")} == dict.fromkeys(("sft", "rm"), "Cached")
     second = online.result()
     assert "eval/heldout/win_rate_vs_champion" in second["metrics"]
     assert second["registry"]["reason"].startswith("eval/heldout/win_rate_vs_champion") or "win_rate_vs_champion" in second["registry"]["reason"]
