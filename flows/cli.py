@@ -46,6 +46,12 @@ def _parser() -> argparse.ArgumentParser:
             help="override one field, e.g. --set sft.learning_rate=1e-4 (repeatable)",
         )
         sub.add_argument("--no-cache", action="store_true", help="re-run every stage even if its artifact exists")
+    check = commands.add_parser("check", help="check a preset without training: data rules, token lengths, memory per stage")
+    check.add_argument("--config", default="tiny", help="preset name in configs/ or a YAML file (default: tiny)")
+    check.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override one field, e.g. --set sft.max_length=2048 (repeatable)"
+    )
+    check.add_argument("--report-dir", default=None, help="keep the validation reports and Data Docs here (default: a temporary folder)")
     evaluate = commands.add_parser("eval", help="evaluate a registered version or a model folder (the rlhf-eval flow)")
     evaluate.add_argument("policy", help="models:/<name>/<version>, models:/<name>@<alias>, or a model folder")
     evaluate.add_argument("--sft", default=None, help="reference SFT model (default: from the version's lineage)")
@@ -77,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(key, value)
     _make_state_folders()
 
+    if args.command == "check":
+        from rlhf_pipeline.flows.check import check
+
+        return check(args.config, args.overrides, args.report_dir)
     if args.command == "eval":
         return _evaluate(args)
     if args.command == "serve":
