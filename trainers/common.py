@@ -206,17 +206,32 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model")  # fmt: skip
 
 
+LOADING_KEYS = frozenset({"is_local", "local_files_only", "name_or_path", "_commit_hash", "revision", "trust_remote_code", "cache_dir", "token",
+                          "use_auth_token", "force_download", "proxies", "subfolder", "_from_auto", "model_max_length"})  # fmt: skip
+"""Keys `from_pretrained` writes back into tokenizer_config.json on a re-save: how it was loaded, not how it tokenizes."""
+
+
 def tokenizer_digest(folder: str | Path) -> str:
     """sha256 of a model folder's tokenizer files (vocabulary, merges, special tokens, chat template): two folders
-    with the same digest turn text into the same ids. '' for a folder without tokenizer files (a hub id)."""
+    with the same digest turn text into the same ids. JSON files are compared by content, without the loading
+    options a re-save adds (a stage that loads and saves its upstream's tokenizer keeps its digest).
+    '' for a folder without tokenizer files (a hub id)."""
     import hashlib
+    import json
 
     digest, found = hashlib.sha256(), False
     for name in TOKENIZER_FILES:
         path = Path(folder) / name
-        if path.is_file():
-            found = True
-            digest.update(name.encode() + b"\0" + path.read_bytes())
+        if not path.is_file():
+            continue
+        found = True
+        data = path.read_bytes()
+        if name.endswith(".json"):
+            content = json.loads(data)
+            if isinstance(content, dict):
+                content = {key: value for key, value in content.items() if key not in LOADING_KEYS}
+            data = json.dumps(content, sort_keys=True, ensure_ascii=False).encode()
+        digest.update(name.encode() + b"\0" + data)
     return digest.hexdigest()[:32] if found else ""
 
 
@@ -342,10 +357,12 @@ def metrics_callback(stage: str, log_metrics: LogMetrics | None):
     return ForwardMetrics()
 
 
-def train_and_save(stage: str, trainer, tokenizer, lora: LoraConfig, work_dir: Path, out_dir: Path) -> dict[str, float]:
+def train_and_save(stage: str, trainer, tokenizer, lora: LoraConfig, work_dir: Path, out_dir: Path, generation_config=None) -> dict[str, float]:
     """What every TRL stage ends with: train (resuming from the newest complete checkpoint), save the
-    model (merged under LoRA unless `keep_adapter`) and return the last logged values."""
+    model (merged under LoRA unless `keep_adapter`, with `generation_config` put back if given) and return the last logged values."""
     trainer.train(resume_from_checkpoint=last_checkpoint(work_dir))
+    if generation_config is not None:
+        trainer.model.generation_config = generation_config
     save_model(trainer.model, tokenizer, out_dir / "model", keep_adapter=lora.keep_adapter)
     return final_train_metrics(stage, trainer)
 

@@ -61,6 +61,7 @@ def train(
 
     from rlhf_pipeline.trainers.common import load_causal_lm, load_split, stage_callbacks, train_and_save
     from rlhf_pipeline.trainers.rewards import trl_reward_funcs
+    from rlhf_pipeline.trainers.text import blank_generation_config
 
     trainer_cls, config_cls = {"grpo": (trl.GRPOTrainer, trl.GRPOConfig), "rloo": (trl.RLOOTrainer, trl.RLOOConfig)}[stage]
     prompts = load_split(data_dir, "prompts")
@@ -78,6 +79,10 @@ def train(
         **cfg.trl_kwargs(),
     )
     policy, tokenizer = load_causal_lm(sft_model)
+    # TRL sets temperature, top_k, top_p and repetition_penalty from the config but leaves the rest (min_p,
+    # typical_p, no_repeat_ngram_size...) to the checkpoint's generation_config: rollouts get a blank one,
+    # which also names the stop tokens TRL reads (EOS and the template's end of turn); the saved policy keeps its own.
+    shipped, policy.generation_config = policy.generation_config, blank_generation_config(policy, tokenizer)
     trainer = trainer_cls(
         model=policy,
         reward_funcs=reward_funcs,
@@ -87,4 +92,4 @@ def train(
         peft_config=cfg.lora.peft_config(),
         callbacks=stage_callbacks(stage, log_metrics),
     )
-    return train_and_save(stage, trainer, tokenizer, cfg.lora, work_dir, out_dir)
+    return train_and_save(stage, trainer, tokenizer, cfg.lora, work_dir, out_dir, generation_config=shipped)

@@ -44,20 +44,25 @@ def pad(rows: list[list[int]], pad_id: int, left: bool = False, device=None) -> 
     return torch.tensor(ids, device=device), torch.tensor(mask, device=device)
 
 
+def blank_generation_config(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase):
+    """A generation config with nothing but the stop tokens (EOS and the template's end of turn), pad and BOS."""
+    from transformers import GenerationConfig
+
+    from rlhf_pipeline.trainers.templates import stop_token_ids
+
+    bos = getattr(model.generation_config, "bos_token_id", None)
+    return GenerationConfig(eos_token_id=stop_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id, bos_token_id=bos)
+
+
 @contextlib.contextmanager
 def own_sampling(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase):
     """Generate with only the settings the caller names: the model's `generation_config` (Qwen's ships top_k=20,
     top_p=0.8, repetition_penalty=1.05) is swapped for a blank one that stops at EOS and the template's end of turn.
     transformers fills every setting a call leaves unset from the model's config, so passing ours is not enough."""
-    from transformers import GenerationConfig
-
-    from rlhf_pipeline.trainers.templates import stop_token_ids
-
     saved = model.generation_config
-    stops = stop_token_ids(tokenizer)
-    model.generation_config = GenerationConfig(eos_token_id=stops, pad_token_id=tokenizer.pad_token_id, bos_token_id=getattr(saved, "bos_token_id", None))
+    model.generation_config = blank_generation_config(model, tokenizer)
     try:
-        yield stops
+        yield model.generation_config.eos_token_id
     finally:
         model.generation_config = saved
 

@@ -119,6 +119,11 @@ def test_models_with_different_tokenizers_are_refused_at_the_edge_before_the_sta
     save_model(*load_base_model(SMALL_MODEL.model_copy(update={"seed": 1})), tmp_path / "rm" / "model")
     gpt2 = gpt2_folder(tmp_path / "gpt2")
     save_model(*load_base_model(ModelConfig(name_or_path=str(gpt2))), tmp_path / "policy" / "model")
+    # A stage that loads its upstream's tokenizer and saves it again keeps the digest (a re-save adds loading options).
+    from rlhf_pipeline.trainers.common import load_causal_lm, tokenizer_digest
+
+    save_model(*load_causal_lm(tmp_path / "sft" / "model"), tmp_path / "resaved")
+    assert tokenizer_digest(tmp_path / "resaved") == tokenizer_digest(tmp_path / "sft" / "model") != ""
     refs = {name: ArtifactRef(stage=name, key=name, uri=str(tmp_path / name)) for name in ("sft", "rm", "policy")}
     calls = []
     # Same tokenizer, other weights: fine.
