@@ -4,6 +4,7 @@ rlhf run                                   # the embedded default (configs/tiny.
 rlhf run --config my.yaml --set sft.learning_rate=1e-4 --set dpo.beta=0.2
 rlhf run --no-cache                        # re-run every stage
 rlhf params [--config ...] [--set ...]     # print the resolved parameters, run nothing
+rlhf check [--config ...] [--set ...]      # preflight: tokenizer, every data rule, token lengths, memory per stage; trains nothing
 rlhf eval models:/rlhf-policy@candidate    # evaluate a registered version (or a model folder) on demand
 rlhf serve                                 # serve the deployments (see deployments/serve.py)
 rlhf up                                    # a local Prefect server + MLflow UI + `rlhf serve`, until Ctrl-C

@@ -20,17 +20,20 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 # ChatML (OpenAI, Qwen), with {% generation %} marks around each assistant reply and its `<|im_end|>`, so
-# TRL's `assistant_only_loss` trains on the end-of-turn token too.
+# TRL's `assistant_only_loss` trains on the end-of-turn token too. The newline between turns is written before
+# each `<|im_start|>` rather than after each `<|im_end|>` (the same ids between turns): a conversation then ends
+# at `<|im_end|>`, where the reward model reads its score in training and where PPO's rollouts end.
 CHATML = (
     "{%- for message in messages %}"
+    "{%- if not loop.first %}{{- '\\n' }}{%- endif %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' }}"
     "{%- if message['role'] == 'assistant' %}"
-    "{% generation %}{{- message['content'] + '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}"
+    "{% generation %}{{- message['content'] + '<|im_end|>' }}{% endgeneration %}"
     "{%- else %}"
-    "{{- message['content'] + '<|im_end|>\\n' }}"
+    "{{- message['content'] + '<|im_end|>' }}"
     "{%- endif %}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    "{%- if add_generation_prompt %}{{- ('\\n' if messages else '') + '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 NAMED = {"chatml": (CHATML, ("<|im_start|>", "<|im_end|>"))}
 """Template name -> (Jinja source, the special tokens it writes)."""
