@@ -395,8 +395,10 @@ def _key_lock(stage_root: Path, key: str, stage: str, log: Callable[[str], None]
 
 
 def _log_file(run_id: str, stage_dir: Path, name: str) -> None:
-    """Log `stage_dir/name` (file or folder) at the same relative place in the MLflow run."""
+    """Log `stage_dir/name` (file or folder) at the same relative place in the MLflow run; nothing if the stage wrote none."""
     path = stage_dir / name
+    if not path.exists():
+        return
     target = name if path.is_dir() else (str(Path(name).parent) if "/" in name else None)
     tracking.log_artifacts(run_id, path, target)
 

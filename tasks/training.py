@@ -30,6 +30,8 @@ MODEL_INPUTS = {"sft_model": "sft", "reward_model": "rm"}
 """Trainer parameter -> the upstream stage whose `model/` folder it receives."""
 SETTINGS = ("model", "rewards")
 """Run-level blocks a trainer may take besides its own config."""
+LOGGED = ("samples.jsonl",)
+"""Files a trainer may write beside its model that are also logged to its MLflow run (ppo's sample tables)."""
 PROVIDED = {"cfg", "data_dir", "out_dir", "work_dir", "log_metrics", *MODEL_INPUTS, *SETTINGS}
 
 
@@ -67,7 +69,9 @@ def train_stage(stage: str, config: BaseModel, settings: dict[str, BaseModel], u
 
     keyed = {stage: config.model_dump(mode="json"), **{name: block.model_dump(mode="json") for name, block in settings.items()}}
     inputs = {**{name: ref for name, ref in upstream.items() if name != "data"}, "data": data.select(row.reads)}
-    return run_stage(stage, keyed, inputs, ctx, build, fingerprints=fingerprints, log=prefect_log, trainer=row.trainer, device=row.device)
+    return run_stage(
+        stage, keyed, inputs, ctx, build, fingerprints=fingerprints, log_files=LOGGED, log=prefect_log, trainer=row.trainer, device=row.device
+    )  # fmt: skip
 
 
 TASKS = {row.name: stage_task(row.name)(train_stage) for row in STAGES if row.trainer and row.name not in ("data", "eval")}
