@@ -82,7 +82,7 @@ def _check_data(params, tokenizer, report_dir: Path | None, problems: list[str])
         reports = Path(report_dir) if report_dir is not None else Path(scratch)
         passed, failures = check_datasets(
             params.data, params.model if tokenizer is not None else None, limits, reports, pair_readers(params.plan()),
-            params.sft.assistant_only_loss, tokenizer=tokenizer,
+            params.sft.assistant_only_loss, tokenizer=tokenizer, required_columns=params.required_columns(),
         )  # fmt: skip
         print(f"data: {len(sources)} datasets checked, {len(passed)} passed")
         dropped = False

@@ -129,6 +129,14 @@ class RunSettings(StrictModel):
             + f"; it reports e.g. {', '.join(candidates) or 'no comparable metric: enable eval.use_reward_model or name an eval.gold_metric'}"
         )
 
+    def required_columns(self) -> dict[str, tuple[str, ...]]:
+        """Columns the data stage must find because the gate reads a metric made from them (checked there for a hub dataset,
+        whose columns the parameters cannot see)."""
+        registry, cfg = self.config("registry"), self.config("eval")
+        if registry.enabled and cfg.answer_column and cfg.gold_metric is None and "exact_match" in self.gate().gate_metric:
+            return {"prompts_eval": (cfg.answer_column,)}
+        return {}
+
     def gate(self):
         """The registry block with its gate made concrete for this run (`RegistryConfig.resolved`)."""
         return self.config("registry").resolved(self.eval_metrics())

@@ -40,7 +40,7 @@ def _rlhf(**blocks) -> dict:
         for name in params.plan():
             upstream = {other: futures[other] for other in params.upstream(name)}
             if name == "data":
-                data_checks = (params.model, params.token_limits(), pair_readers(params.plan()), params.sft.assistant_only_loss)
+                data_checks = (params.model, params.token_limits(), pair_readers(params.plan()), params.sft.assistant_only_loss, params.required_columns())
                 future = stage(validate_data).submit(params.data, run.ctx, *data_checks)
             elif name == "eval":
                 future = stage(evaluate).submit(

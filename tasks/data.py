@@ -19,6 +19,7 @@ def validate_data(
     max_tokens: dict[str, int] | None = None,
     pairs_for: dict[str, tuple[str, ...]] | None = None,
     assistant_only_loss: bool = False,
+    required_columns: dict[str, tuple[str, ...]] | None = None,
 ) -> StageOutcome:
     """Validate every dataset of `config`; publish nothing unless all pass (`trainers.data.train`).
 
@@ -38,11 +39,23 @@ def validate_data(
         tokenizer_id = model.model_dump(mode="json", include={"name_or_path", "revision", "trust_remote_code", "chat_template"})
         keyed = {**keyed, "max_tokens": limits, "tokenizer": tokenizer_id, "assistant_only_loss": assistant_only_loss}
     keyed = {**keyed, "pairs_for": {name: list(stages) for name, stages in sorted(pairs_for.items())}}
+    if required_columns:
+        keyed = {**keyed, "required_columns": {name: list(columns) for name, columns in sorted(required_columns.items())}}
 
     def build(out_dir: Path, work_dir: Path, log_metrics) -> dict[str, float]:
         from rlhf_pipeline.trainers import data
 
-        return data.train(config, model, limits, out_dir, work_dir, log_metrics, pairs_for=pairs_for, assistant_only_loss=assistant_only_loss)
+        return data.train(
+            config,
+            model,
+            limits,
+            out_dir,
+            work_dir,
+            log_metrics,
+            pairs_for=pairs_for,
+            assistant_only_loss=assistant_only_loss,
+            required_columns=required_columns,
+        )
 
     row = BY_NAME["data"]
     # Dependents key on the frozen datasets alone (a stricter rule or a new report re-trains nothing),

@@ -184,13 +184,14 @@ def train(
     log_metrics=None,
     pairs_for: dict[str, tuple[str, ...]] | None = None,
     assistant_only_loss: bool = False,
+    required_columns: dict[str, tuple[str, ...]] | None = None,
 ) -> dict[str, float]:
     """The `data` stage: check every dataset (`check_datasets`), then freeze Parquet copies into
     `out_dir/datasets/<name>.parquet` for later stages. Every broken dataset is reported at once and nothing
     is written to `out_dir`; the reports stay in `work_dir/report` (named in the error)."""
     import shutil
 
-    passed, failures = check_datasets(cfg, model, max_tokens, work_dir / "report", pairs_for, assistant_only_loss)
+    passed, failures = check_datasets(cfg, model, max_tokens, work_dir / "report", pairs_for, assistant_only_loss, required_columns=required_columns)
     # Report every broken dataset at once, then stop before any training.
     if len(failures) == 1:
         raise failures[0]
@@ -212,6 +213,7 @@ def check_datasets(
     pairs_for: dict[str, tuple[str, ...]] | None = None,
     assistant_only_loss: bool = False,
     tokenizer=None,
+    required_columns: dict[str, tuple[str, ...]] | None = None,
 ) -> tuple[dict[str, tuple], list[ValueError]]:
     """Check every dataset: raw file, Great Expectations rules, chat template and token lengths (counted
     with `model`'s tokenizer, or `tokenizer`), train/eval leakage. Returns the datasets that passed
@@ -220,7 +222,8 @@ def check_datasets(
     `max_tokens` maps a dataset name to the most tokens one of its rows may take in the stages that read
     it (rule `fits_max_length`). `pairs_for` names, per dataset, the stages that need preference pairs:
     unpaired rows fail for them. `assistant_only_loss` (sft's): the sft rows' end-of-turn tokens must be
-    inside the template's {% generation %} marks.
+    inside the template's {% generation %} marks. `required_columns` names columns a dataset must have for
+    this run (the reference answers a gate on exact match needs, when the parameters could not look: a hub id).
     """
     import json
 
@@ -258,6 +261,12 @@ def check_datasets(
         except ValueError as exc:  # a broken rule, or a file `datasets` cannot read
             failures.append(exc)
             continue
+        missing = [column for column in (required_columns or {}).get(name, ()) if column not in dataset.column_names]
+        if missing:
+            report.rules.append(_required_columns(name, missing, dataset.column_names, len(dataset)))
+            report.write_json(report_dir / name / REPORT_FILE)
+            failures.append(DataValidationError(report))
+            continue
         readers = (pairs_for or {}).get(name, ())
         if readers and report.format is not None and "label" in report.format.columns:
             report.rules.append(_unpaired_for(readers, len(dataset)))
@@ -277,6 +286,14 @@ def check_datasets(
             failures.append(DataValidationError(report))
             del passed[held_out]
     return passed, failures
+
+
+def _required_columns(name: str, missing: list[str], found: list[str], num_rows: int):
+    """Rule `required_columns`: the run's gate reads a metric that needs these columns (exact match: the reference answers)."""
+    from rlhf_pipeline.validators import RuleResult
+
+    why = f"no column {missing} (columns: {found}); the run's registry gate needs it: set eval.answer_column or registry.gate_metric"
+    return RuleResult("required_columns", f"{name} must have the columns {missing} the run's gate metric reads", False, num_rows, [{"row": 0, "value": why}])
 
 
 def _unpaired_for(readers: tuple[str, ...], num_rows: int):

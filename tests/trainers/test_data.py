@@ -140,3 +140,21 @@ def test_unpaired_feedback_passes_for_kto_and_is_refused_where_rm_or_dpo_read_pa
     with pytest.raises(ValueError, match=r"feedback\.jsonl: rule 'paired_for_readers' failed for 8 of 8 rows .*rm, dpo of this run need pairs"):
         data.train(config, SMALL_MODEL, {}, tmp_path / "dpo-out", tmp_path / "dpo-work", pairs_for={"preference": ("rm", "dpo")})
     assert not (tmp_path / "dpo-out" / "datasets").exists()  # nothing written half-way
+
+
+def test_a_gate_on_exact_match_needs_the_reference_column_which_data_checks_where_the_parameters_could_not(tmp_path):
+    from rlhf_pipeline.flows.params import load_params
+    from rlhf_pipeline.trainers.data import check_datasets
+    from tests.fixtures import chat_data
+
+    # A hub id's columns are unknown to the parameters: the gate on exact match is allowed there, and data checks it.
+    hub = load_params("tiny", ["algorithm=kto", "eval.use_reward_model=false", "data.prompts_eval.path=org/heldout-prompts"])
+    assert hub.gate().gate_metric == "eval/heldout/exact_match_gain_vs_champion"
+    assert hub.required_columns() == {"prompts_eval": ("answer",)}
+    assert load_params("tiny").required_columns() == {}  # the reward model's win rate needs no reference
+    # The local stand-in of such a dataset, without answers: refused before any training, naming the rule and the fix.
+    overrides = chat_data(tmp_path / "chat")
+    params = load_params("tiny", [*overrides, "rewards.reward_model_weight=1", "rewards.functions=[]"])
+    passed, failures = check_datasets(params.data, None, {}, tmp_path / "report", required_columns=hub.required_columns())
+    assert "prompts_eval" not in passed and len(failures) == 1
+    assert "rule 'required_columns'" in str(failures[0]) and "no column ['answer']" in str(failures[0]) and "eval.answer_column" in str(failures[0])
