@@ -112,14 +112,27 @@ class TrainingConfig(StrictModel):
     per_device_train_batch_size: int = Field(8, ge=1, description="Examples per device per forward pass.")
     gradient_accumulation_steps: int = Field(1, ge=1, description="Forward passes per optimizer step.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
-    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = Field("linear", description="Learning-rate schedule after warm-up.")
+    lr_scheduler_type: Literal[
+        "linear", "cosine", "cosine_with_restarts", "cosine_with_min_lr", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt",
+        "warmup_stable_decay",
+    ] = Field("linear", description="Learning-rate schedule after warm-up (transformers' names).")  # fmt: skip
+    lr_scheduler_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Arguments of the schedule, e.g. {min_lr_rate: 0.1} for cosine_with_min_lr, {num_cycles: 2} for restarts."
+    )
+    optim: str = Field(
+        "adamw_torch",
+        description="Optimizer by transformers' name: adamw_torch, adamw_torch_fused, adafactor, sgd, adagrad, rmsprop, "
+        "adamw_8bit / paged_adamw_8bit (bitsandbytes, GPU), ...",
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     max_length: int = Field(1024, ge=8, description="Longest tokenized sequence; longer ones are truncated or dropped (TRL's rule per trainer).")
     logging_steps: int = Field(10, ge=1, description="Log metrics every this many steps.")
     save_steps: int = Field(200, ge=1, description="Checkpoint every this many steps; a retried stage resumes from the newest.")
     seed: int = Field(42, description="Seed for data order and dropout.")
-    bf16: bool | None = Field(None, description="Train in bfloat16. None: on when a CUDA device supports it.")
+    bf16: bool | None = Field(None, description="bfloat16 mixed precision. None: on when a CUDA device supports it.")
+    fp16: bool = Field(False, description="float16 mixed precision with loss scaling (GPUs without bfloat16); not with bf16.")
+    tf32: bool | None = Field(None, description="TensorFloat-32 matmuls on Ampere and newer GPUs. None: torch's default.")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters (peft).")
     trl_overrides: dict[str, Any] = Field(
         default_factory=dict,
@@ -128,6 +141,25 @@ class TrainingConfig(StrictModel):
 
     trl_config: ClassVar[str] = ""
     """The TRL config class the stage builds (`SFTConfig`...): `trl_overrides` may only name its fields."""
+
+    @model_validator(mode="after")
+    def _known_optimizer_and_one_precision(self):
+        """A misspelt optimizer, a bitsandbytes one without bitsandbytes, or two precisions at once fail here, not once the weights are loaded."""
+        if self.bf16 and self.fp16:
+            raise ValueError("bf16 and fp16 are both on: choose one mixed precision (bf16 where the GPU has it)")
+        if self.optim != "adamw_torch":
+            from transformers.training_args import OptimizerNames
+
+            known = [name.value for name in OptimizerNames]
+            if self.optim not in known:
+                close = difflib.get_close_matches(self.optim, known, n=1)
+                raise ValueError(f"optim={self.optim!r} is not an optimizer of transformers" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            if any(part in self.optim for part in ("8bit", "bnb", "paged", "32bit")):
+                import importlib.util
+
+                if importlib.util.find_spec("bitsandbytes") is None:
+                    raise ValueError(f"optim={self.optim!r} needs bitsandbytes (and a CUDA GPU), which is not installed")
+        return self
 
     @model_validator(mode="after")
     def _honest_overrides(self):
@@ -163,7 +195,15 @@ class TrainingConfig(StrictModel):
         import torch
 
         cuda = torch.cuda.is_available()
+        device = torch.cuda.get_device_name() if cuda else "cpu"
         bf16 = self.bf16 if self.bf16 is not None else (cuda and torch.cuda.is_bf16_supported())
+        # Refused before any weights load, with the device named (transformers would fail later, or on CPU silently not at all).
+        if self.fp16 and not cuda:
+            raise ValueError(f"fp16=true needs a CUDA GPU; this machine trains on {device} (bf16 works on CPU)")
+        if self.bf16 and cuda and not torch.cuda.is_bf16_supported():
+            raise ValueError(f"bf16=true: {device} has no bfloat16; use fp16=true")
+        if self.tf32 and not (cuda and torch.cuda.get_device_capability()[0] >= 8):
+            raise ValueError(f"tf32=true needs an Ampere or newer GPU; this machine trains on {device}")
         return {
             "output_dir": str(work_dir),
             "learning_rate": self.learning_rate,
@@ -172,6 +212,10 @@ class TrainingConfig(StrictModel):
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
             "warmup_steps": self.warmup_steps,
             "lr_scheduler_type": self.lr_scheduler_type,
+            "lr_scheduler_kwargs": dict(self.lr_scheduler_kwargs),
+            "optim": self.optim,
+            "fp16": self.fp16,
+            "tf32": self.tf32,
             "weight_decay": self.weight_decay,
             "max_grad_norm": self.max_grad_norm,
             "logging_steps": self.logging_steps,

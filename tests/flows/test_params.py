@@ -109,3 +109,19 @@ def test_the_gate_works_with_or_without_references_and_an_unmeasurable_gate_fail
     # A verifier named as the gold metric is a gate without references.
     gold = load_params("tiny", [*no_references, "eval.use_reward_model=false", "algorithm=kto", "eval.gold_metric.path=tests.helpers:length_reward"])
     assert gold.gate().gate_metric == "eval/heldout/gold_gain_vs_champion"
+
+
+def test_optimizers_and_precision_are_checked_with_the_parameters(tmp_path):
+    import torch
+
+    assert load_params("tiny", ["sft.optim=adafactor"]).sft.trl_arguments(tmp_path)["optim"] == "adafactor"
+    with pytest.raises(ValidationError, match=r"optim='adamw_tourch' is not an optimizer of transformers \(did you mean 'adamw_torch'\?\)"):
+        load_params("tiny", ["sft.optim=adamw_tourch"])
+    with pytest.raises(ValidationError, match="bf16 and fp16 are both on"):
+        load_params("tiny", ["dpo.bf16=true", "dpo.fp16=true"])
+    fp16 = load_params("tiny", ["rm.fp16=true"]).rm
+    if torch.cuda.is_available():  # the device decides: a GPU takes fp16, a CPU is refused by name before any weights load
+        assert fp16.trl_arguments(tmp_path)["fp16"] is True
+    else:
+        with pytest.raises(ValueError, match="fp16=true needs a CUDA GPU; this machine trains on cpu"):
+            fp16.trl_arguments(tmp_path)

@@ -98,3 +98,22 @@ def test_lora_trains_adapters_and_saves_a_merged_loadable_model(tmp_path):
     adapters = load_file(tmp_path / "work" / "checkpoint-2" / "adapter_model.safetensors")
     assert len(adapters) == 2 * 7 * 2  # 2 blocks x 7 linear layers x (lora_A, lora_B)
     assert unchanged(adapters, load_file(tmp_path / "work" / "checkpoint-3" / "adapter_model.safetensors")) == []  # every adapter trains
+
+
+def test_an_optimizer_and_schedule_by_transformers_name_train_and_are_checkpointed(tmp_path):
+    import torch
+
+    data = write_data_dir(tmp_path / "data")
+    cfg = sft.SftConfig(
+        max_steps=4, optim="sgd", lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.5},
+        **{**FAST, "learning_rate": 0.5, "save_steps": 4},
+    )  # fmt: skip
+    logged: list[dict] = []
+    sft.train(cfg, SMALL_MODEL, data, tmp_path / "out", tmp_path / "work", lambda values, step: logged.append(values))
+    assert unchanged(trainable(load_base_model(SMALL_MODEL)[0]), load_causal_lm(tmp_path / "out" / "model")[0]) == []
+    # The checkpoint holds SGD's state (momentum, no Adam betas) ...
+    groups = torch.load(tmp_path / "work" / "checkpoint-4" / "optimizer.pt", weights_only=True)["param_groups"]
+    assert "momentum" in groups[0] and "betas" not in groups[0]
+    # ... and the schedule decays to min_lr_rate * lr, not to 0.
+    rates = [values["sft/train/learning_rate"] for values in logged if "sft/train/learning_rate" in values]
+    assert rates[0] > rates[-1] >= 0.25 - 1e-9
