@@ -22,7 +22,7 @@ from pydantic import Field
 
 from rlhf_pipeline.trainers.common import ModelConfig, StrictModel
 from rlhf_pipeline.trainers.judges import JudgeConfig
-from rlhf_pipeline.trainers.rewards import RewardFunctionSpec
+from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, as_completions
 from rlhf_pipeline.trainers.text import generate, reward_scores
 
 MODELS = ("base", "sft", "policy", "champion")
@@ -125,7 +125,7 @@ def evaluate(
 
         gold_fn = load_function(cfg.gold_metric)
         sample = slice(0, min(4, len(prompts)))
-        check_function(cfg.gold_metric, gold_fn, prompts[sample], _as_completions(prompts[sample], ["0"] * len(prompts[sample])),
+        check_function(cfg.gold_metric, gold_fn, prompts[sample], as_completions(prompts[sample], ["0"] * len(prompts[sample])),
                        {k: v[sample] for k, v in columns.items()})  # fmt: skip
     boot = {"n_bootstrap": cfg.n_bootstrap, "seed": cfg.seed}
     metrics: dict[str, float] = {f"{HELDOUT}num_prompts": float(len(prompts))}
@@ -143,7 +143,7 @@ def evaluate(
     gold_name, correct = None, {}
     if gold_fn is not None:
         gold_name = "gold"
-        correct = {name: [0.0 if s is None else float(s) for s in gold_fn(prompts=prompts, completions=_as_completions(prompts, c), **columns)]
+        correct = {name: [0.0 if s is None else float(s) for s in gold_fn(prompts=prompts, completions=as_completions(prompts, c), **columns)]
                    for name, c in completions.items()}  # fmt: skip
     elif has_reference:
         gold_name = "exact_match"
@@ -220,11 +220,6 @@ def evaluate(
 
     write_report(out_dir, cfg.num_samples_logged, prompts, answers, completions, correct, rewards, metrics, warnings, accuracy, win_rates, gold_name, judged)
     return metrics
-
-
-def _as_completions(prompts: list, texts: list[str]) -> list:
-    """Completions as TRL hands them to reward functions: messages for conversational prompts."""
-    return [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(prompts, texts)]
 
 
 def _put(metrics: dict[str, float], name: str, value: float, low: float, high: float) -> None:

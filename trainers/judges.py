@@ -19,7 +19,6 @@ module stays cheap to import for flows.
 
 from __future__ import annotations
 
-import importlib
 import math
 import re
 import string
@@ -137,14 +136,9 @@ class FunctionJudge:
     """A Python function judge, called `batch_size` pairs at a time; every result is checked (count, range) before it is used."""
 
     def __init__(self, cfg: JudgeConfig):
-        module_name, _, name = cfg.path.partition(":")
-        try:
-            module = importlib.import_module(module_name)
-        except Exception as exc:
-            raise ValueError(f"judge function {cfg.path!r}: module {module_name!r} does not import ({type(exc).__name__}: {exc})") from exc
-        self.fn = getattr(module, name, None)
-        if not callable(self.fn):
-            raise ValueError(f"judge function {cfg.path!r}: {module_name} has no callable {name!r}")
+        from rlhf_pipeline.trainers.rewards import import_function
+
+        self.fn = import_function(cfg.path, "judge function")
         self.path, self.batch_size = cfg.path, cfg.batch_size
 
     def check(self, prompts: list, completions_a: list, completions_b: list) -> None:

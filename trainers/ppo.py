@@ -379,7 +379,7 @@ def train(
     from transformers import AutoModelForSequenceClassification
 
     from rlhf_pipeline.trainers.common import last_checkpoint, load_causal_lm, load_split, load_tokenizer, save_model
-    from rlhf_pipeline.trainers.rewards import RewardScorer
+    from rlhf_pipeline.trainers.rewards import RewardScorer, as_completions
     from rlhf_pipeline.trainers.text import prompt_ids as render_prompt
 
     # Fail on the config, the data and the tokenizers before any model is loaded.
@@ -398,7 +398,7 @@ def train(
     stops, eos_penalty, sample_every = stop_ids(cfg, tokenizer), cfg.eos_penalty(rewards), cfg.sample_every(num_updates)
 
     def completions(texts: list[str], rows: list[int]) -> list:  # messages for conversational prompts, as TRL passes them
-        return [[{"role": "assistant", "content": t}] if isinstance(prompts[i], list) else t for t, i in zip(texts, rows)]
+        return as_completions([prompts[i] for i in rows], texts)
 
     # The reward model's tokenizer is checked, and a broken reward function fails with its name, before the policy loads.
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -57,17 +57,28 @@ class RewardsConfig(StrictModel):
         return self.reward_model_weight > 0
 
 
-def load_function(spec: RewardFunctionSpec) -> RewardFunction:
-    module_name, _, name = spec.path.partition(":")
+def import_function(path: str, what: str = "reward function") -> Callable:
+    """The callable `package.module:function` names; a module that does not import or a missing name fails naming the path."""
+    module_name, _, name = path.partition(":")
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:
-        raise ValueError(f"reward function {spec.path!r}: module {module_name!r} does not import ({type(exc).__name__}: {exc})") from exc
+        raise ValueError(f"{what} {path!r}: module {module_name!r} does not import ({type(exc).__name__}: {exc})") from exc
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise ValueError(f"reward function {spec.path!r}: {module_name} has no callable {name!r}")
-    fn.__name__ = getattr(fn, "__name__", name)
+        raise ValueError(f"{what} {path!r}: {module_name} has no callable {name!r}")
     return fn
+
+
+def load_function(spec: RewardFunctionSpec) -> RewardFunction:
+    fn = import_function(spec.path)
+    fn.__name__ = getattr(fn, "__name__", spec.path.partition(":")[2])
+    return fn
+
+
+def as_completions(prompts: list, texts: list[str]) -> list:
+    """Completions as TRL hands them to reward functions: a reply message for a conversational prompt, the text otherwise."""
+    return [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(prompts, texts)]
 
 
 def check_function(spec: RewardFunctionSpec, fn: RewardFunction, prompts: list, completions: list, columns: dict[str, list]) -> None:
@@ -100,7 +111,7 @@ def trl_reward_funcs(cfg: RewardsConfig, reward_model: Path | None, sample: dict
     `sample` is a few dataset rows (column -> values) used to check the functions.
     """
     prompts = sample["prompt"]
-    completions = [[{"role": "assistant", "content": "0"}] if isinstance(p, list) else "0" for p in prompts]
+    completions = as_completions(prompts, ["0"] * len(prompts))
     columns = {k: v for k, v in sample.items() if k != "prompt"}
     funcs: list[Any] = load_functions(cfg, prompts, completions, columns)
     weights = [spec.weight for spec in cfg.functions]
