@@ -120,8 +120,8 @@ class TrainingConfig(StrictModel):
         default_factory=dict, description="Arguments of the schedule, e.g. {min_lr_rate: 0.1} for cosine_with_min_lr, {num_cycles: 2} for restarts."
     )
     optim: str = Field(
-        "adamw_torch",
-        description="Optimizer by transformers' name: adamw_torch, adamw_torch_fused, adafactor, sgd, adagrad, rmsprop, "
+        "adamw_torch_fused",
+        description="Optimizer by transformers' name (default: transformers' own): adamw_torch_fused, adamw_torch, adafactor, sgd, adagrad, rmsprop, "
         "adamw_8bit / paged_adamw_8bit (bitsandbytes, GPU), ...",
     )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
@@ -147,7 +147,7 @@ class TrainingConfig(StrictModel):
         """A misspelt optimizer, a bitsandbytes one without bitsandbytes, or two precisions at once fail here, not once the weights are loaded."""
         if self.bf16 and self.fp16:
             raise ValueError("bf16 and fp16 are both on: choose one mixed precision (bf16 where the GPU has it)")
-        if self.optim != "adamw_torch":
+        if self.optim != "adamw_torch_fused":
             from transformers.training_args import OptimizerNames
 
             known = [name.value for name in OptimizerNames]
