@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, Field, create_model, model_validator
 
 from rlhf_pipeline.tasks.orchestration import RetryConfig
-from rlhf_pipeline.tasks.stages import ALGORITHMS, BY_NAME, POLICY, STAGES
+from rlhf_pipeline.tasks.stages import ALGORITHMS, BY_NAME, POLICY, STAGES, reads
 from rlhf_pipeline.trainers.common import TINY, ModelConfig, StrictModel
 from rlhf_pipeline.trainers.rewards import RewardsConfig
 
@@ -67,7 +67,7 @@ class RunSettings(StrictModel):
         limits: dict[str, int] = {}
         for stage in self.plan():
             limit = getattr(self.config(stage), "row_token_limit", lambda: None)()
-            for dataset in BY_NAME[stage].reads if limit is not None else ():
+            for dataset in reads(stage, self.config(stage)) if limit is not None else ():
                 limits[dataset] = min(limit, limits.get(dataset, limit))
         return limits
 
@@ -86,6 +86,19 @@ class RunSettings(StrictModel):
                 f"{self.algorithm}.max_completion_length={online.max_completion_length} leaves no room for a prompt "
                 f"in {self.algorithm}.max_length={online.max_length}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _held_out_data_given(self):
+        """A stage that evaluates while it trains needs its held-out dataset in the data block."""
+        given = self.config("data").sources()
+        for stage in self.plan():
+            for dataset in getattr(self.config(stage), "held_out", tuple)() if getattr(self.config(stage), "evaluates", False) else ():
+                if dataset not in given:
+                    hint = f"set data.{dataset}" + (" or sft.eval_split (e.g. 0.05) to hold out a share of the demonstrations" if stage == "sft" else "")
+                    raise ValueError(
+                        f"{stage}.eval_strategy={self.config(stage).eval_strategy!r} evaluates on the {dataset} dataset, which data does not name: {hint}"
+                    )
         return self
 
     def eval_metrics(self) -> set[str]:

@@ -12,10 +12,11 @@ from rlhf_pipeline.tasks.registry import RegistryConfig, current_champion
 from rlhf_pipeline.tasks.stage import ArtifactRef, RunContext, StageOutcome, read_history, run_stage
 from rlhf_pipeline.tasks.stages import BY_NAME
 from rlhf_pipeline.trainers.common import ModelConfig
+from rlhf_pipeline.trainers.custom import fingerprint
 from rlhf_pipeline.trainers.eval import EvalConfig
 
 REPORT_FILES = ("summary.json", "summary.md", "samples.jsonl", "plots")
-CURVES = ("/train/loss", "/train/accuracy", "/train/reward", "/train/kl", "/train/rewards_margins")  # plotted per stage
+CURVES = ("/train/loss", "/eval/loss", "/train/accuracy", "/train/reward", "/train/kl", "/train/rewards_margins")  # plotted per stage
 
 
 @stage_task("eval")
@@ -57,7 +58,10 @@ def evaluate(
     if champion:
         upstream["champion"] = champion
     settings = {"eval": config.model_dump(mode="json"), "model": model.model_dump(mode="json")}
-    outcome = run_stage("eval", settings, upstream, ctx, build, log_files=REPORT_FILES, log=prefect_log, trainer=row.trainer, device=row.device)
+    fingerprints = fingerprint(config.code_paths())  # editing the gold metric or a judge function re-runs eval alone
+    outcome = run_stage(
+        "eval", settings, upstream, ctx, build, fingerprints=fingerprints, log_files=REPORT_FILES, log=prefect_log, trainer=row.trainer, device=row.device
+    )  # fmt: skip
     publish_report(outcome.ref, [data, sft_model, reward_model, policy], ctx)
     return outcome
 

@@ -102,6 +102,11 @@ ALGORITHMS: tuple[str, ...] = tuple(stage.name for stage in STAGES if stage.algo
 DEVICE_STAGES = frozenset(stage.name for stage in STAGES if stage.device)
 
 
+def reads(stage: str, config: StrictModel) -> tuple[str, ...]:
+    """The datasets `stage` reads with this config: the row's, and the held-out ones it evaluates on while training (`held_out`)."""
+    return (*BY_NAME[stage].reads, *(name for name in getattr(config, "held_out", tuple)() if name not in BY_NAME[stage].reads))
+
+
 def pair_readers(stages: list[str] | None = None) -> dict[str, tuple[str, ...]]:
     """Dataset -> the stages (of `stages`, default: all) that read it as preference pairs."""
     readers: dict[str, tuple[str, ...]] = {}

@@ -24,7 +24,7 @@ from pydantic import BaseModel
 
 from rlhf_pipeline.tasks.orchestration import prefect_log, stage_task
 from rlhf_pipeline.tasks.stage import ArtifactRef, RunContext, StageOutcome, run_stage
-from rlhf_pipeline.tasks.stages import BY_NAME, STAGES, Stage
+from rlhf_pipeline.tasks.stages import BY_NAME, STAGES, Stage, reads
 
 MODEL_INPUTS = {"sft_model": "sft", "reward_model": "rm"}
 """Trainer parameter -> the upstream stage whose `model/` folder it receives."""
@@ -49,17 +49,21 @@ def settings_of(stage: Stage) -> tuple[str, ...]:
     return tuple(name for name in trainer_parameters(stage) if name in SETTINGS)
 
 
+def code_fingerprints(config: BaseModel, settings: dict[str, BaseModel]) -> dict[str, str]:
+    """The source digest of every import path the stage runs (its optimizer factory, callbacks, compute_metrics; the reward
+    functions of `rewards`): editing one re-runs the stages that use it and nothing else."""
+    from rlhf_pipeline.trainers.custom import fingerprint
+
+    paths = [*getattr(config, "code_paths", list)(), *(path for block in settings.values() for path in getattr(block, "code_paths", list)())]
+    return fingerprint(paths)
+
+
 def train_stage(stage: str, config: BaseModel, settings: dict[str, BaseModel], upstream: dict[str, ArtifactRef], ctx: RunContext) -> StageOutcome:
     """Build (or reuse) one training stage of the table from its config, the blocks it takes and its upstream artifacts."""
     row = BY_NAME[stage]
     wanted = trainer_parameters(row)
     data = upstream["data"]
-    if "rewards" in settings:
-        from rlhf_pipeline.trainers.rewards import fingerprint
-
-        fingerprints = fingerprint(settings["rewards"])  # editing a reward function re-runs the stages it scores
-    else:
-        fingerprints = {}
+    fingerprints = code_fingerprints(config, settings)
 
     def build(out_dir, work_dir, log_metrics) -> dict[str, float]:
         trainer = importlib.import_module(row.trainer)
@@ -68,7 +72,7 @@ def train_stage(stage: str, config: BaseModel, settings: dict[str, BaseModel], u
         return trainer.train(**{name: value for name, value in given.items() if name in wanted})
 
     keyed = {stage: config.model_dump(mode="json"), **{name: block.model_dump(mode="json") for name, block in settings.items()}}
-    inputs = {**{name: ref for name, ref in upstream.items() if name != "data"}, "data": data.select(row.reads)}
+    inputs = {**{name: ref for name, ref in upstream.items() if name != "data"}, "data": data.select(reads(stage, config))}
     return run_stage(
         stage, keyed, inputs, ctx, build, fingerprints=fingerprints, log_files=LOGGED, log=prefect_log, trainer=row.trainer, device=row.device
     )  # fmt: skip

@@ -7,6 +7,7 @@ need them, so that config classes stay cheap to import for the flow and the CLI.
 from __future__ import annotations
 
 import difflib
+import inspect
 import logging
 import math
 import re
@@ -14,7 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -91,6 +92,143 @@ class LoraConfig(StrictModel):
         )
 
 
+class CallbackSpec(StrictModel):
+    """A transformers `TrainerCallback` class and the keyword arguments it is built with."""
+
+    path: str = Field(description="'package.module:Class' of a transformers TrainerCallback subclass.")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the class (JSON values).")
+
+    @model_validator(mode="after")
+    def _a_trainer_callback(self):
+        from transformers import TrainerCallback
+
+        from rlhf_pipeline.trainers.custom import import_object
+
+        cls = import_object(self.path, "callback")
+        if not (isinstance(cls, type) and issubclass(cls, TrainerCallback)):
+            raise ValueError(f"callback {self.path!r} is not a subclass of transformers.TrainerCallback")
+        try:
+            inspect.signature(cls).bind(**self.kwargs)
+        except TypeError as exc:
+            raise ValueError(f"callback {self.path!r} cannot be built with kwargs {self.kwargs}: {exc}") from exc
+        return self
+
+    def build(self):
+        from rlhf_pipeline.trainers.custom import import_object
+
+        return import_object(self.path, "callback")(**self.kwargs)
+
+
+class Customisation(StrictModel):
+    """Code of the user's that a stage runs beside ours: its own optimizer and callbacks."""
+
+    optimizer_factory: str | None = Field(
+        None,
+        description="'package.module:function' of fn(model, args) -> (optimizer, lr_scheduler or None), passed to the trainer as its "
+        "optimizers (args: the stage's transformers TrainingArguments; scheduler None: the stage's lr_scheduler_type drives the "
+        "optimizer). Its state is checkpointed and restored on resume. For ppo, model holds .policy and .value_model.",
+    )
+    callbacks: list[CallbackSpec] = Field(
+        default_factory=list,
+        description="transformers TrainerCallbacks run beside the pipeline's own (ppo calls on_train_begin, on_step_end, on_log, on_save and "
+        "on_train_end at the matching points). One that sets control.should_training_stop ends the stage early: it publishes what it has, "
+        "tagged stopped early.",
+    )
+
+    @field_validator("optimizer_factory")
+    @classmethod
+    def _factory_importable(cls, path: str | None) -> str | None:
+        if path is not None:
+            from rlhf_pipeline.trainers.custom import import_callable
+
+            import_callable(path, "optimizer_factory", positional=2)
+        return path
+
+    def code_paths(self) -> list[str]:
+        """Import paths whose source keys the stage."""
+        return [*([self.optimizer_factory] if self.optimizer_factory else []), *(spec.path for spec in self.callbacks)]
+
+    def user_callbacks(self) -> list:
+        return [spec.build() for spec in self.callbacks]
+
+
+class EvalDuringTraining(StrictModel):
+    """Evaluation on the stage's held-out split while it trains (sft, rm, dpo), as transformers' Trainer does it."""
+
+    eval_strategy: Literal["no", "steps", "epoch"] = Field(
+        "no", description="Evaluate on the stage's held-out split every eval_steps ('steps') or epoch; logged as <stage>/eval/<name> curves."
+    )
+    eval_steps: int | None = Field(None, ge=1, description="Steps between evaluations (eval_strategy='steps'). None: logging_steps.")
+    per_device_eval_batch_size: int = Field(8, ge=1, description="Examples per device per evaluation forward pass.")
+    compute_metrics: str | None = Field(
+        None,
+        description="'package.module:function' of fn(eval_prediction) -> {name: value} (transformers' compute_metrics), logged as "
+        "<stage>/eval/<name> beside the trainer's own eval metrics.",
+    )
+    load_best_model_at_end: bool = Field(
+        False, description="Publish the checkpoint with the best metric_for_best_model instead of the last (needs save_steps a multiple of eval_steps)."
+    )
+    metric_for_best_model: str | None = Field(
+        None, description="Eval metric that picks the best checkpoint, without the eval_ prefix (e.g. 'loss', 'accuracy'). None: 'loss'."
+    )
+    greater_is_better: bool | None = Field(None, description="Whether a larger metric_for_best_model is better. None: False for a loss, True otherwise.")
+
+    @field_validator("compute_metrics")
+    @classmethod
+    def _metrics_importable(cls, path: str | None) -> str | None:
+        if path is not None:
+            from rlhf_pipeline.trainers.custom import import_callable
+
+            import_callable(path, "compute_metrics", positional=1)
+        return path
+
+    @model_validator(mode="after")
+    def _evaluation_agrees(self):
+        if self.eval_strategy == "no":
+            given = [name for name in ("eval_steps", "compute_metrics", "load_best_model_at_end", "metric_for_best_model") if getattr(self, name)]
+            if given:
+                raise ValueError(f"{', '.join(given)} only apply while evaluating: set eval_strategy='steps' (or 'epoch')")
+        elif self.load_best_model_at_end and self.eval_strategy == "steps":
+            every, saves = self.eval_steps or getattr(self, "logging_steps", 1), getattr(self, "save_steps", 1)
+            if saves % every:
+                raise ValueError(
+                    f"load_best_model_at_end picks among the checkpoints, which are saved every save_steps={saves}: it must be a multiple of "
+                    f"eval_steps={every}, so each checkpoint has an evaluation"
+                )
+        return self
+
+    @property
+    def evaluates(self) -> bool:
+        return self.eval_strategy != "no"
+
+    def held_out(self) -> tuple[str, ...]:
+        """Datasets of the `data` stage it reads only to evaluate (each stage names its own)."""
+        return ()
+
+    def eval_arguments(self) -> dict[str, Any]:
+        """The TrainingArguments of evaluation during training."""
+        if not self.evaluates:
+            return {"eval_strategy": "no"}
+        metric = self.metric_for_best_model or "loss"
+        return {
+            "eval_strategy": self.eval_strategy,
+            "eval_steps": self.eval_steps or getattr(self, "logging_steps", None),
+            "per_device_eval_batch_size": self.per_device_eval_batch_size,
+            "load_best_model_at_end": self.load_best_model_at_end,
+            **({"metric_for_best_model": metric, "greater_is_better": self.greater_is_better} if self.load_best_model_at_end else {}),
+        }
+
+    def metrics_function(self) -> Callable | None:
+        if self.compute_metrics is None:
+            return None
+        from rlhf_pipeline.trainers.custom import import_callable
+
+        return import_callable(self.compute_metrics, "compute_metrics", positional=1)
+
+    def code_paths(self) -> list[str]:
+        return [*super().code_paths(), *([self.compute_metrics] if self.compute_metrics else [])]  # type: ignore[misc]
+
+
 MANAGED_ARGUMENTS = frozenset({"output_dir", "report_to", "use_cpu", "save_only_model", "activation_checkpointing"})
 """TRL arguments the pipeline sets itself: overriding them would break resume, the device choice or tracking."""
 
@@ -104,7 +242,7 @@ def trl_config_fields(name: str) -> set[str]:
     return {field.name for field in dataclasses.fields(getattr(trl, name))}
 
 
-class TrainingConfig(StrictModel):
+class TrainingFields(StrictModel):
     """Fields shared by the TRL-backed stages; names follow transformers' TrainingArguments."""
 
     learning_rate: float = Field(2e-5, gt=0, description="Peak learning rate (AdamW).")
@@ -231,6 +369,10 @@ class TrainingConfig(StrictModel):
             "save_only_model": False,
             **self.trl_overrides,
         }
+
+
+class TrainingConfig(Customisation, TrainingFields):
+    """A TRL-backed stage: TrainingArguments' fields (`TrainingFields`), then the user's own optimizer and callbacks."""
 
 
 # --- loading and saving -----------------------------------------------------------
@@ -365,8 +507,8 @@ def _duration(seconds: float) -> str:
     return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
 
 
-def stage_callbacks(stage: str, log_metrics: LogMetrics | None) -> list:
-    """The TrainerCallbacks of every TRL stage: metrics and progress, and complete-checkpoint markers."""
+def stage_callbacks(stage: str, log_metrics: LogMetrics | None, cfg: Customisation | None = None) -> list:
+    """The TrainerCallbacks of every TRL stage: metrics and progress, complete-checkpoint markers, then the user's (`cfg.callbacks`)."""
     from transformers import TrainerCallback
 
     class MarkComplete(TrainerCallback):
@@ -376,7 +518,7 @@ def stage_callbacks(stage: str, log_metrics: LogMetrics | None) -> list:
             if folder.is_dir() and state.is_world_process_zero:
                 (folder / COMPLETE).write_text(f"{state.global_step}\n")
 
-    return [metrics_callback(stage, log_metrics), MarkComplete()]
+    return [metrics_callback(stage, log_metrics), MarkComplete(), *(cfg.user_callbacks() if cfg is not None else [])]
 
 
 def metrics_callback(stage: str, log_metrics: LogMetrics | None):
@@ -401,13 +543,25 @@ def metrics_callback(stage: str, log_metrics: LogMetrics | None):
     return ForwardMetrics()
 
 
-def train_and_save(stage: str, trainer, tokenizer, lora: LoraConfig, work_dir: Path, out_dir: Path, generation_config=None) -> dict[str, float]:
-    """What every TRL stage ends with: train (resuming from the newest complete checkpoint), save the
-    model (merged under LoRA unless `keep_adapter`, with `generation_config` put back if given) and return the last logged values."""
+def fit(trainer, cfg: TrainingConfig, work_dir: Path, out_dir: Path) -> dict:
+    """Train a TRL trainer with the user's optimizer if any (`cfg.optimizer_factory`), resuming from the newest complete
+    checkpoint, and write how it ended (`training.json`: stopped early by a callback, the best checkpoint loaded)."""
+    from rlhf_pipeline.trainers.custom import install, write_outcome
+
+    install(trainer, cfg)
     trainer.train(resume_from_checkpoint=last_checkpoint(work_dir))
+    state = trainer.state
+    best = state.best_model_checkpoint if getattr(cfg, "load_best_model_at_end", False) else None
+    return write_outcome(out_dir, state.global_step, state.max_steps, best, state.best_metric)
+
+
+def train_and_save(stage: str, trainer, tokenizer, cfg: TrainingConfig, work_dir: Path, out_dir: Path, generation_config=None) -> dict[str, float]:
+    """What every TRL stage ends with: train (`fit`), save the model (merged under LoRA unless `keep_adapter`, with
+    `generation_config` put back if given) and return the last logged values."""
+    fit(trainer, cfg, work_dir, out_dir)
     if generation_config is not None:
         trainer.model.generation_config = generation_config
-    save_model(trainer.model, tokenizer, out_dir / "model", keep_adapter=lora.keep_adapter)
+    save_model(trainer.model, tokenizer, out_dir / "model", keep_adapter=cfg.lora.keep_adapter)
     return final_train_metrics(stage, trainer)
 
 

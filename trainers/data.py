@@ -47,6 +47,7 @@ class DataConfig(StrictModel):
     """The datasets of one pipeline run. Defaults: the bundled "sort the digits" task."""
 
     sft: DatasetSpec = Field(default_factory=lambda: _bundled("sft"), description="SFT demonstrations (text, messages, or prompt/completion).")
+    sft_eval: DatasetSpec | None = Field(None, description="Held-out demonstrations sft evaluates on while it trains (sft.eval_strategy); None: none.")
     preference: DatasetSpec = Field(default_factory=lambda: _bundled("preference"), description="Preference pairs (prompt?/chosen/rejected) for rm and dpo.")
     preference_eval: DatasetSpec | None = Field(
         default_factory=lambda: _bundled("preference_eval"), description="Held-out pairs for reward-model accuracy; None to skip."
@@ -60,6 +61,7 @@ class DataConfig(StrictModel):
         """Dataset name -> (kind, spec), in the order the data stage checks them."""
         named: dict[str, tuple[Kind, DatasetSpec | None]] = {
             "sft": ("sft", self.sft),
+            "sft_eval": ("sft", self.sft_eval),
             "preference": ("preference", self.preference),
             "preference_eval": ("preference", self.preference_eval),
             "prompts": ("prompt", self.prompts),
@@ -169,6 +171,7 @@ def load_source(spec: DatasetSpec) -> Dataset:
 
 # Held-out dataset -> the datasets trained on that must not share a prompt with it.
 HELD_OUT = {
+    "sft_eval": ("sft",),  # sft's evaluation during training
     "preference_eval": ("preference",),  # reward-model accuracy is measured on it
     # Exact match of the final policy: SFT, DPO and the online trainers all saw their prompts.
     "prompts_eval": ("sft", "preference", "prompts"),

@@ -10,7 +10,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from rlhf_pipeline.trainers.common import LogMetrics, TrainingConfig
+from rlhf_pipeline.trainers.common import EvalDuringTraining, LogMetrics, TrainingConfig
 
 DpoLoss = Literal[
     "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
@@ -18,7 +18,7 @@ DpoLoss = Literal[
 ]  # fmt: skip
 
 
-class DpoConfig(TrainingConfig):
+class DpoConfig(EvalDuringTraining, TrainingConfig):
     trl_config: ClassVar[str] = "DPOConfig"
     learning_rate: float = Field(1e-6, gt=0, description="Peak learning rate (TRL DPOConfig default 1e-6).")
     beta: float = Field(0.1, gt=0, description="KL strength to the reference model (TRL DPOConfig.beta).")
@@ -29,6 +29,28 @@ class DpoConfig(TrainingConfig):
     )
     loss_weights: list[float] | None = Field(None, description="One weight per loss type; None: all 1.0.")
     label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="Assumed label noise (cDPO / robust loss).")
+    ref_model_quantization: Literal["none", "8bit", "4bit"] = Field(
+        "none",
+        description="Load the frozen reference model in 8 or 4 bits (bitsandbytes, CUDA GPU only), as TRL's guide does to save memory; "
+        "not with lora, whose reference is the policy with its adapters off.",
+    )
+
+    def held_out(self) -> tuple[str, ...]:
+        return ("preference_eval",) if self.evaluates else ()
+
+    @model_validator(mode="after")
+    def _quantization_possible(self):
+        if self.ref_model_quantization != "none":
+            import importlib.util
+
+            if self.lora.enabled:
+                raise ValueError(
+                    f"ref_model_quantization={self.ref_model_quantization!r} with lora: the reference is the policy with its adapters off, "
+                    "so there is no separate reference to quantize"
+                )
+            if importlib.util.find_spec("bitsandbytes") is None:
+                raise ValueError(f"ref_model_quantization={self.ref_model_quantization!r} needs bitsandbytes (and a CUDA GPU), which is not installed")
+        return self
 
     @model_validator(mode="after")
     def _weights_match_losses(self):
@@ -59,14 +81,34 @@ def train(
         loss_type=list(cfg.loss_type),
         loss_weights=cfg.loss_weights,
         label_smoothing=cfg.label_smoothing,
+        **cfg.eval_arguments(),
     )
+    ref_model = None
+    if cfg.ref_model_quantization != "none":
+        ref_model = quantized_reference(sft_model, cfg.ref_model_quantization)  # checks the device before loading anything
     policy, tokenizer = load_causal_lm(sft_model)
     trainer = trl.DPOTrainer(
         model=policy,
+        ref_model=ref_model,
         args=args,
         train_dataset=load_split(data_dir, "preference"),
+        eval_dataset=load_split(data_dir, "preference_eval") if cfg.evaluates else None,
+        compute_metrics=cfg.metrics_function(),
         processing_class=tokenizer,
         peft_config=cfg.lora.peft_config(),
-        callbacks=stage_callbacks("dpo", log_metrics),
+        callbacks=stage_callbacks("dpo", log_metrics, cfg),
     )
-    return train_and_save("dpo", trainer, tokenizer, cfg.lora, work_dir, out_dir)
+    return train_and_save("dpo", trainer, tokenizer, cfg, work_dir, out_dir)
+
+
+def quantized_reference(sft_model: Path, bits: str):
+    """The SFT model in 8 or 4 bits (bitsandbytes) on the GPU, frozen: DPO's reference (TRL's "training customization" guide)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(f"ref_model_quantization={bits!r}: bitsandbytes quantizes on a CUDA GPU, and this machine trains on cpu")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(load_in_8bit=True) if bits == "8bit" else BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(str(sft_model), quantization_config=quantization, device_map={"": torch.cuda.current_device()})
+    return model.eval().requires_grad_(False)

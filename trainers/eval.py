@@ -55,6 +55,10 @@ class EvalConfig(StrictModel):
         "champion, each pair judged in both orders (`judge_win_rate_vs_<rival>`, with position bias); None: no judge.",
     )
 
+    def code_paths(self) -> list[str]:
+        """Import paths whose source keys the eval stage (the gold metric, a function judge)."""
+        return [*([self.gold_metric.path] if self.gold_metric else []), *([self.judge.path] if self.judge and self.judge.is_function else [])]
+
 
 def planned_metrics(cfg: EvalConfig, *, has_reference: bool, reward_model: bool, champion: bool = True, preference_eval: bool = True) -> set[str]:
     """The metric names `evaluate` returns for a run with these inputs (`_low`/`_high` bounds included), so a

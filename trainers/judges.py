@@ -109,6 +109,9 @@ class JudgeConfig(StrictModel):
     @model_validator(mode="after")
     def _model_fields_for_a_model(self):
         if self.is_function:
+            from rlhf_pipeline.trainers.custom import import_callable
+
+            import_callable(self.path, "judge function", positional=3)  # with the parameters; it is tried on a sample before use too
             given = [name for name in ("template", "revision", "trust_remote_code") if name in self.model_fields_set]
             if given:
                 raise ValueError(f"judge {self.path!r} is a function: {', '.join(given)} only apply to an LM judge")
@@ -136,9 +139,9 @@ class FunctionJudge:
     """A Python function judge, called `batch_size` pairs at a time; every result is checked (count, range) before it is used."""
 
     def __init__(self, cfg: JudgeConfig):
-        from rlhf_pipeline.trainers.rewards import import_function
+        from rlhf_pipeline.trainers.custom import import_callable
 
-        self.fn = import_function(cfg.path, "judge function")
+        self.fn = import_callable(cfg.path, "judge function", positional=3)
         self.path, self.batch_size = cfg.path, cfg.batch_size
 
     def check(self, prompts: list, completions_a: list, completions_b: list) -> None:

@@ -89,6 +89,6 @@ def train(
         train_dataset=rows,
         processing_class=tokenizer,
         peft_config=cfg.lora.peft_config(),
-        callbacks=stage_callbacks("kto", log_metrics),
+        callbacks=stage_callbacks("kto", log_metrics, cfg),
     )
-    return train_and_save("kto", trainer, tokenizer, cfg.lora, work_dir, out_dir)
+    return train_and_save("kto", trainer, tokenizer, cfg, work_dir, out_dir)

@@ -90,6 +90,6 @@ def train(
         train_dataset=prompts,
         processing_class=tokenizer,
         peft_config=cfg.lora.peft_config(),
-        callbacks=stage_callbacks(stage, log_metrics),
+        callbacks=stage_callbacks(stage, log_metrics, cfg),
     )
-    return train_and_save(stage, trainer, tokenizer, cfg.lora, work_dir, out_dir, generation_config=shipped)
+    return train_and_save(stage, trainer, tokenizer, cfg, work_dir, out_dir, generation_config=shipped)

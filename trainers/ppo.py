@@ -21,19 +21,20 @@ import json
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, model_validator
 
-from rlhf_pipeline.trainers.common import COMPLETE, LogMetrics, LoraConfig, Progress, StrictModel
+from rlhf_pipeline.trainers.common import COMPLETE, Customisation, LogMetrics, LoraConfig, Progress, StrictModel
 from rlhf_pipeline.trainers.rewards import RewardsConfig
 
 if TYPE_CHECKING:
     import torch
 
 
-class PpoConfig(StrictModel):
+class PpoFields(StrictModel):
     """Field names follow TRL's old PPOConfig, so scripts written for it carry over."""
 
     learning_rate: float = Field(3e-6, gt=0, description="Peak AdamW learning rate, shared by policy and value model (TRL PPOConfig default 3e-6).")
@@ -115,6 +116,10 @@ class PpoConfig(StrictModel):
     def sample_every(self, num_updates: int) -> int | None:
         """Updates between sample tables, as TRL spaced them (None: no tables)."""
         return max(1, num_updates // self.num_sample_generations) if self.num_sample_generations else None
+
+
+class PpoConfig(Customisation, PpoFields):
+    """Our PPO's fields (`PpoFields`), then the user's own optimizer and callbacks, as in every stage."""
 
 
 SAMPLE_ROWS = 8
@@ -230,7 +235,7 @@ def value_loss(values, old_values, returns, mask, cliprange_value: float) -> tup
 # --- model plumbing ------------------------------------------------------------------
 
 
-def stop_ids(cfg: PpoConfig, tokenizer) -> list[int]:
+def stop_ids(cfg: PpoFields, tokenizer) -> list[int]:
     """The ids a completion ends at, per `stop_token` / `stop_token_id`."""
     from rlhf_pipeline.trainers.templates import stop_token_ids
 
@@ -243,7 +248,7 @@ def stop_ids(cfg: PpoConfig, tokenizer) -> list[int]:
     return stop_token_ids(tokenizer)
 
 
-def _sample(policy, tokenizer, prompt_ids: list[list[int]], cfg: PpoConfig, stops: list[int], device) -> tuple[dict, torch.Tensor, torch.Tensor]:
+def _sample(policy, tokenizer, prompt_ids: list[list[int]], cfg: PpoFields, stops: list[int], device) -> tuple[dict, torch.Tensor, torch.Tensor]:
     """Left-padded prompts (N+ §4) -> inputs for prompt + completion, completion mask, whether each reached a stop token.
     No top-k/top-p/repetition penalty (own_sampling: not even the model's generation_config's), so we sample from
     exactly the distribution whose log-probs we compute (N+ §7)."""
@@ -305,7 +310,7 @@ def _trainable(model) -> dict[str, torch.Tensor]:
     return {name: p.detach().contiguous().cpu() for name, p in model.named_parameters() if p.requires_grad}
 
 
-def _save_checkpoint(work_dir: Path, update: int, policy, value_model, optimizer, state: dict) -> None:
+def _save_checkpoint(work_dir: Path, update: int, policy, value_model, optimizer, scheduler, state: dict) -> None:
     """Written into a hidden sibling and renamed into place when complete (with the COMPLETE marker
     `last_checkpoint` wants), so a half-written one is never used. Keeps the two newest."""
     import numpy as np
@@ -318,6 +323,8 @@ def _save_checkpoint(work_dir: Path, update: int, policy, value_model, optimizer
     save_file(_trainable(policy), tmp / "policy.safetensors")
     save_file(_trainable(value_model), tmp / "value_model.safetensors")
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    if scheduler is not None:  # an optimizer_factory's scheduler
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
@@ -331,7 +338,7 @@ def _save_checkpoint(work_dir: Path, update: int, policy, value_model, optimizer
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _load_checkpoint(checkpoint: Path, policy, value_model, optimizer) -> dict:
+def _load_checkpoint(checkpoint: Path, policy, value_model, optimizer, scheduler) -> dict:
     import numpy as np
     import torch
     from safetensors.torch import load_file
@@ -342,6 +349,8 @@ def _load_checkpoint(checkpoint: Path, policy, value_model, optimizer) -> dict:
             raise ValueError(f"{checkpoint / name}.safetensors does not hold this model's trained weights (was the config, e.g. lora, changed?)")
         model.load_state_dict(weights, strict=False)
     optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=True))
+    if scheduler is not None:
+        scheduler.load_state_dict(torch.load(checkpoint / "scheduler.pt", weights_only=True))
     rng = torch.load(checkpoint / "rng.pt", weights_only=False)  # our own file; python/numpy states are tuples
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
@@ -376,9 +385,10 @@ def train(
     import numpy as np
     import torch
     from tqdm.auto import tqdm
-    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification, TrainingArguments
 
     from rlhf_pipeline.trainers.common import last_checkpoint, load_causal_lm, load_split, load_tokenizer, save_model
+    from rlhf_pipeline.trainers.custom import Hooks, make_optimizer, write_outcome
     from rlhf_pipeline.trainers.rewards import RewardScorer, as_completions
     from rlhf_pipeline.trainers.text import prompt_ids as render_prompt
 
@@ -424,13 +434,25 @@ def train(
         if model is not None:
             model.to(device).eval()
     params = [p for m in (policy, value_model) for p in m.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, eps=1e-5, weight_decay=0.0)  # eps 1e-5 as in CleanRL / N+ code
+    # The stage's TrainingArguments, as a TRL stage's: what an optimizer_factory and the callbacks receive (steps are updates).
+    args = TrainingArguments(
+        output_dir=str(work_dir), learning_rate=cfg.learning_rate, max_steps=num_updates, logging_steps=cfg.logging_steps, save_steps=cfg.save_steps,
+        seed=cfg.seed, max_grad_norm=cfg.max_grad_norm, lr_scheduler_type=cfg.lr_scheduler_type, adam_epsilon=1e-5, weight_decay=0.0,
+        use_cpu=device.type == "cpu", report_to="none",
+    )  # fmt: skip
+    scheduler = None  # None: the linear/constant schedule below, over the updates
+    if cfg.optimizer_factory:
+        # One optimizer for both trained models (as ours); a scheduler it returns is stepped once per update, as TRL's PPOTrainer did.
+        optimizer, scheduler = make_optimizer(cfg.optimizer_factory, torch.nn.ModuleDict({"policy": policy, "value_model": value_model}), args)
+    else:
+        optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, eps=1e-5, weight_decay=0.0)  # eps 1e-5 as in CleanRL / N+ code
+    base_lrs = [group["lr"] for group in optimizer.param_groups]  # before a checkpoint overwrites them with scheduled values
     bf16 = cfg.bf16 if cfg.bf16 is not None else (device.type == "cuda" and torch.cuda.is_bf16_supported())
     autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)  # noqa: E731
 
     state = {"update": 0, "data_epoch": 0, "data_index": 0, "metrics": {}}
     if checkpoint := last_checkpoint(work_dir):
-        state = _load_checkpoint(Path(checkpoint), policy, value_model, optimizer)
+        state = _load_checkpoint(Path(checkpoint), policy, value_model, optimizer, scheduler)
     for stale in work_dir.glob(".checkpoint-*.tmp") if work_dir.is_dir() else []:
         shutil.rmtree(stale, ignore_errors=True)
     samples = work_dir / "samples.jsonl"  # beside the checkpoints, so a resumed run keeps the tables written before it
@@ -451,11 +473,18 @@ def train(
     metrics: dict[str, float] = state["metrics"]
     progress = tqdm(range(state["update"] + 1, num_updates + 1), initial=state["update"], total=num_updates, desc="ppo", unit="update")
     progress_log = Progress("ppo", num_updates, state["update"])
+    hooks = Hooks(cfg.user_callbacks(), args, num_updates, state["update"], model=policy, processing_class=tokenizer, optimizer=optimizer,
+                  lr_scheduler=scheduler, train_dataloader=None, eval_dataloader=None)  # fmt: skip
+    hooks("on_train_begin")
+    started, first = time.monotonic(), state["update"]
+    update = first
     with _cpu_threads(cfg.num_threads), progress:
         for update in progress:
-            lr = cfg.learning_rate * (1 - (update - 1) / num_updates if cfg.lr_scheduler_type == "linear" else 1.0)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            if scheduler is None:
+                factor = 1 - (update - 1) / num_updates if cfg.lr_scheduler_type == "linear" else 1.0
+                for group, base in zip(optimizer.param_groups, base_lrs):
+                    group["lr"] = base * factor
+            lr = optimizer.param_groups[0]["lr"]
             rows = next_rows()
 
             # 1. Roll out, score, and turn the scores into per-token advantages.
@@ -500,6 +529,11 @@ def train(
                     for name, value in zip(stats, (pg_loss, vf_loss, clipfrac, approx_kl, vf_clipfrac, ratio)):
                         stats[name].append(value.item())
 
+            if scheduler is not None:
+                scheduler.step()
+            hooks.state.global_step = update
+            hooks("on_step_end")
+
             # 3. Metrics (averaged over the `logging_steps` window), sample tables and checkpoints.
             current = {
                 "reward": scores.mean().item(),
@@ -521,6 +555,7 @@ def train(
                 progress_log.log(update, {k: metrics[k] for k in ("ppo/train/reward", "ppo/train/kl")})
                 if log_metrics is not None:
                     log_metrics(metrics, update)
+                hooks("on_log", logs={name.removeprefix("ppo/train/"): value for name, value in metrics.items()})
             if sample_every and (update - 1) % sample_every == 0:
                 table = [
                     {
@@ -532,9 +567,19 @@ def train(
                 work_dir.mkdir(parents=True, exist_ok=True)
                 with samples.open("a") as f:
                     f.writelines(json.dumps(row) + "\n" for row in table)
-            if update % cfg.save_steps == 0:
+            stop = hooks.control.should_training_stop  # a callback ended training: publish what we have, as the Trainer does
+            if update % cfg.save_steps == 0 or update == num_updates or hooks.control.should_save:
                 state.update(update=update, metrics=metrics)
-                _save_checkpoint(work_dir, update, policy, value_model, optimizer, state)
+                _save_checkpoint(work_dir, update, policy, value_model, optimizer, scheduler, state)
+                hooks.control.should_save = False
+                hooks("on_save")
+            if stop:
+                break
+
+    # The closing summary the Trainer logs too, then the end of training.
+    hooks("on_log", logs={"train_runtime": time.monotonic() - started, "train_updates": update - first})
+    hooks("on_train_end")
+    write_outcome(out_dir, update, num_updates)
 
     save_model(policy, tokenizer, out_dir / "model", keep_adapter=cfg.lora.keep_adapter)
     if cfg.save_value_model:

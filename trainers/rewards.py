@@ -12,7 +12,6 @@ a keyword argument holding one value per completion.
 
 from __future__ import annotations
 
-import importlib
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -33,10 +32,9 @@ class RewardFunctionSpec(StrictModel):
 
     @field_validator("path")
     @classmethod
-    def _has_module_and_name(cls, path: str) -> str:
-        module, _, name = path.partition(":")
-        if not module or not name:
-            raise ValueError(f"reward function {path!r}: expected 'package.module:function'")
+    def _importable(cls, path: str) -> str:
+        """Imported and its signature checked with the parameters (it is called on a sample before training, too)."""
+        import_function(path)
         return path
 
 
@@ -56,18 +54,16 @@ class RewardsConfig(StrictModel):
     def uses_reward_model(self) -> bool:
         return self.reward_model_weight > 0
 
+    def code_paths(self) -> list[str]:
+        """Import paths whose source keys the stages these rewards score."""
+        return [spec.path for spec in self.functions]
+
 
 def import_function(path: str, what: str = "reward function") -> Callable:
-    """The callable `package.module:function` names; a module that does not import or a missing name fails naming the path."""
-    module_name, _, name = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:
-        raise ValueError(f"{what} {path!r}: module {module_name!r} does not import ({type(exc).__name__}: {exc})") from exc
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise ValueError(f"{what} {path!r}: {module_name} has no callable {name!r}")
-    return fn
+    """The function `package.module:function` names, callable as fn(prompts=, completions=, **columns); fails naming the path."""
+    from rlhf_pipeline.trainers.custom import import_callable
+
+    return import_callable(path, what, keywords=("prompts", "completions"), more=True)
 
 
 def load_function(spec: RewardFunctionSpec) -> RewardFunction:
@@ -196,24 +192,3 @@ class RewardScorer:
             with torch.no_grad():
                 scores.extend(self.model(input_ids=input_ids, attention_mask=attention).logits[:, 0].float().tolist())
         return scores
-
-
-def fingerprint(cfg: RewardsConfig) -> dict[str, str]:
-    """Source hash of every reward function's module, so editing a reward re-runs the stages it scores.
-
-    Found without importing (the import itself is checked, with a sample call, when training starts).
-    """
-    import hashlib
-    import importlib.util
-
-    found: dict[str, str] = {}
-    for spec in cfg.functions:
-        module = spec.path.partition(":")[0]
-        try:
-            origin = getattr(importlib.util.find_spec(module), "origin", None)
-        except (ImportError, ValueError) as exc:
-            raise ValueError(f"reward function {spec.path!r}: module {module!r} does not import ({exc})") from exc
-        if origin is None:
-            raise ValueError(f"reward function {spec.path!r}: module {module!r} not found")
-        found[f"reward:{spec.path}"] = "sha256:" + hashlib.sha256(Path(origin).read_bytes()).hexdigest() if origin.endswith(".py") else origin
-    return found

@@ -11,13 +11,16 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from rlhf_pipeline.trainers.common import LogMetrics, TrainingConfig
+from rlhf_pipeline.trainers.common import EvalDuringTraining, LogMetrics, TrainingConfig
 
 
-class RewardModelConfig(TrainingConfig):
+class RewardModelConfig(EvalDuringTraining, TrainingConfig):
     trl_config: ClassVar[str] = "RewardConfig"
     learning_rate: float = Field(1e-4, gt=0, description="Peak learning rate (TRL RewardConfig default 1e-4).")
     center_rewards_coefficient: float | None = Field(None, ge=0, description="Pull mean reward towards 0 (TRL RewardConfig.center_rewards_coefficient).")
+
+    def held_out(self) -> tuple[str, ...]:
+        return ("preference_eval",) if self.evaluates else ()
 
 
 def train(
@@ -32,30 +35,33 @@ def train(
     import trl
     from transformers import AutoModelForSequenceClassification
 
-    from rlhf_pipeline.trainers.common import final_train_metrics, last_checkpoint, load_split, load_tokenizer, save_model, stage_callbacks
+    from rlhf_pipeline.trainers.common import final_train_metrics, fit, load_split, load_tokenizer, save_model, stage_callbacks
 
     # The TRL config first: a combination TRL refuses fails before any weights load.
     args = trl.RewardConfig(
         **cfg.trl_arguments(work_dir),
         max_length=cfg.max_length,
         center_rewards_coefficient=cfg.center_rewards_coefficient,
-        eval_strategy="no",
+        **cfg.eval_arguments(),
     )
     tokenizer = load_tokenizer(sft_model)
     model = AutoModelForSequenceClassification.from_pretrained(str(sft_model), num_labels=1, use_safetensors=True)
     model.config.pad_token_id = tokenizer.pad_token_id
     eval_path = data_dir / "datasets" / "preference_eval.parquet"
     eval_dataset = load_split(data_dir, "preference_eval") if eval_path.is_file() else None
+    if cfg.evaluates and eval_dataset is None:
+        raise ValueError(f"rm.eval_strategy={cfg.eval_strategy!r} evaluates on preference_eval, which the data stage did not write ({eval_path})")
     trainer = trl.RewardTrainer(
         model=model,
         args=args,
         train_dataset=load_split(data_dir, "preference"),
         eval_dataset=eval_dataset,
+        compute_metrics=cfg.metrics_function(),
         processing_class=tokenizer,
         peft_config=cfg.lora.peft_config("SEQ_CLS"),
-        callbacks=stage_callbacks("rm", log_metrics),
+        callbacks=stage_callbacks("rm", log_metrics, cfg),
     )
-    trainer.train(resume_from_checkpoint=last_checkpoint(work_dir))
+    fit(trainer, cfg, work_dir, out_dir)
     metrics = final_train_metrics("rm", trainer)
     if eval_dataset is not None:
         trainer.evaluate()  # logs rm/eval/accuracy through the callback and into log_history

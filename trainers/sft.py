@@ -9,12 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from rlhf_pipeline.trainers.common import LogMetrics, ModelConfig, TrainingConfig
+from rlhf_pipeline.trainers.common import EvalDuringTraining, LogMetrics, ModelConfig, TrainingConfig
 
 
-class SftConfig(TrainingConfig):
+class SftConfig(EvalDuringTraining, TrainingConfig):
     trl_config: ClassVar[str] = "SFTConfig"
     learning_rate: float = Field(2e-5, gt=0, description="Peak learning rate (TRL SFTConfig default 2e-5).")
     completion_only_loss: bool | None = Field(
@@ -22,6 +22,21 @@ class SftConfig(TrainingConfig):
     )
     assistant_only_loss: bool = Field(False, description="Train on assistant turns only (conversational rows); needs {% generation %} in the chat template.")
     packing: bool = Field(False, description="Pack several examples into one sequence of max_length.")
+    eval_split: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="Share of the demonstrations held out (seeded) for evaluation during training. None: the data block's `sft_eval` dataset.",
+    )
+
+    @model_validator(mode="after")
+    def _split_only_to_evaluate(self):
+        if self.eval_split is not None and not self.evaluates:
+            raise ValueError(f"eval_split={self.eval_split} holds out demonstrations for evaluation during training: set eval_strategy='steps' too")
+        return self
+
+    def held_out(self) -> tuple[str, ...]:
+        return ("sft_eval",) if self.evaluates and self.eval_split is None else ()
 
 
 def train(
@@ -32,7 +47,8 @@ def train(
     work_dir: Path,
     log_metrics: LogMetrics | None = None,
 ) -> dict[str, float]:
-    """Fine-tune the base model on `<data_dir>/datasets/sft.parquet`; write the model to `out_dir`."""
+    """Fine-tune the base model on `<data_dir>/datasets/sft.parquet`; write the model to `out_dir`. Evaluating during
+    training, the held-out split is `eval_split` of it (seeded) or `sft_eval.parquet`."""
     import trl
 
     from rlhf_pipeline.trainers.base import load_base_model
@@ -45,14 +61,24 @@ def train(
         completion_only_loss=cfg.completion_only_loss,
         assistant_only_loss=cfg.assistant_only_loss,
         packing=cfg.packing,
+        **cfg.eval_arguments(),
     )
+    train_dataset, eval_dataset = load_split(data_dir, "sft"), None
+    if cfg.evaluates:
+        if cfg.eval_split is not None:
+            split = train_dataset.train_test_split(test_size=cfg.eval_split, seed=cfg.seed)
+            train_dataset, eval_dataset = split["train"], split["test"]
+        else:
+            eval_dataset = load_split(data_dir, "sft_eval")
     policy, tokenizer = load_base_model(model)
     trainer = trl.SFTTrainer(
         model=policy,
         args=args,
-        train_dataset=load_split(data_dir, "sft"),
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        compute_metrics=cfg.metrics_function(),
         processing_class=tokenizer,
         peft_config=cfg.lora.peft_config(),
-        callbacks=stage_callbacks("sft", log_metrics),
+        callbacks=stage_callbacks("sft", log_metrics, cfg),
     )
-    return train_and_save("sft", trainer, tokenizer, cfg.lora, work_dir, out_dir)
+    return train_and_save("sft", trainer, tokenizer, cfg, work_dir, out_dir)

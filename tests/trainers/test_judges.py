@@ -182,7 +182,7 @@ def test_broken_function_judges_fail_with_their_path(tmp_path, monkeypatch):
 
     with pytest.raises(ValueError, match=r"'no_such_module:judge'.*does not import"):
         load("no_such_module:judge")
-    with pytest.raises(ValueError, match=r"'my_judges:missing'.*no callable 'missing'"):
+    with pytest.raises(ValueError, match=r"'my_judges:missing'.*has no 'missing'"):
         load("my_judges:missing")
     with pytest.raises(ValueError, match=r"'my_judges:short' returned 1 values for 2 pairs"):
         load("my_judges:short")

@@ -58,9 +58,11 @@ def test_group_must_divide_the_generation_batch():
         grpo.GrpoConfig(per_device_train_batch_size=8, num_generations=3)
 
 
-def test_broken_reward_function_fails_before_training(tmp_path, sft_dir):
+def test_broken_reward_function_fails_before_training(tmp_path, sft_dir, monkeypatch):
     data = write_data_dir(tmp_path / "data", rows=16)
-    bad = RewardsConfig(reward_model_weight=0, functions=[RewardFunctionSpec(path="rlhf_pipeline.trainers.sort_task:nope")])
-    with pytest.raises(ValueError, match="rlhf_pipeline.trainers.sort_task:nope"):
+    (tmp_path / "broken_reward.py").write_text("def score(prompts, completions, **columns):\n    return columns['gold']\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    bad = RewardsConfig(reward_model_weight=0, functions=[RewardFunctionSpec(path="broken_reward:score")])
+    with pytest.raises(ValueError, match="'broken_reward:score' raised on a sample of 4 rows: KeyError"):
         rloo.train(rloo.RlooConfig(**ONLINE), bad, sft_dir, None, data, tmp_path / "out", tmp_path / "work")
     assert not (tmp_path / "work").exists()

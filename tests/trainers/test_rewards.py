@@ -4,7 +4,8 @@ import pytest
 from pydantic import ValidationError
 
 from rlhf_pipeline.trainers import sort_task
-from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, RewardsConfig, fingerprint, load_functions, trl_reward_funcs
+from rlhf_pipeline.trainers.custom import fingerprint
+from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, RewardsConfig, load_functions, trl_reward_funcs
 
 PROMPTS = ["sort 21 -> ", "sort 312 -> "]
 COLUMNS = {"answer": ["12", "123"]}
@@ -20,7 +21,7 @@ def test_bundled_task_rewards_score_standard_and_conversational_completions():
 def test_at_least_one_reward_and_well_formed_paths():
     with pytest.raises(ValidationError, match="no reward functions"):
         RewardsConfig(reward_model_weight=0)
-    with pytest.raises(ValidationError, match="expected 'package.module:function'"):
+    with pytest.raises(ValidationError, match="expected 'package.module:name'"):
         RewardFunctionSpec(path="rlhf_pipeline.trainers.sort_task.exact_match")
 
 
@@ -31,6 +32,7 @@ def _check(path: str):
 
 def test_broken_reward_functions_fail_with_their_name(tmp_path, monkeypatch):
     (tmp_path / "my_rewards.py").write_text(
+        "def two(a, b):\n    return [1.0]\n"
         "def short(prompts, completions, **kw):\n    return [1.0]\n"
         "def nan(prompts, completions, **kw):\n    return [float('nan')] * len(completions)\n"
         "def boom(prompts, completions, **kw):\n    raise KeyError('answer_text')\n"
@@ -38,8 +40,11 @@ def test_broken_reward_functions_fail_with_their_name(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ValueError, match=r"'no_such_module:f'.*does not import"):
         _check("no_such_module:f")
-    with pytest.raises(ValueError, match=r"'my_rewards:missing'.*no callable 'missing'"):
+    with pytest.raises(ValueError, match=r"'my_rewards:missing'.*has no 'missing'"):
         _check("my_rewards:missing")
+    # The path and the signature fail with the parameters, before any sample call.
+    with pytest.raises(ValidationError, match=r"'my_rewards:two' has the signature two\(a, b\).*prompts=..., completions=..."):
+        RewardFunctionSpec(path="my_rewards:two")
     with pytest.raises(ValueError, match=r"'my_rewards:short' returned 1 scores for 2 completions"):
         _check("my_rewards:short")
     with pytest.raises(ValueError, match=r"'my_rewards:nan' returned non-numeric or non-finite"):
@@ -63,8 +68,8 @@ def test_fingerprint_follows_the_reward_module_source(tmp_path, monkeypatch):
     module.write_text("def f(prompts, completions, **kw):\n    return [0.0] * len(completions)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg = RewardsConfig(reward_model_weight=0, functions=[RewardFunctionSpec(path="edited_rewards:f")])
-    before = fingerprint(cfg)
+    before = fingerprint(cfg.code_paths())
     module.write_text("def f(prompts, completions, **kw):\n    return [1.0] * len(completions)\n")
-    assert fingerprint(cfg) != before
+    assert fingerprint(cfg.code_paths()) != before
     with pytest.raises(ValueError, match="not found|does not import"):
-        fingerprint(RewardsConfig(reward_model_weight=0, functions=[RewardFunctionSpec(path="nowhere_module:f")]))
+        fingerprint(["nowhere_module:f"])
