@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict
 from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.secrets import redact
 from rlhf_pipeline.trainers.common import LogMetrics, last_checkpoint, tokenizer_digest
+from rlhf_pipeline.trainers.custom import OUTCOME
 
 MANIFEST = "manifest.json"
 HISTORY = "history.jsonl"
@@ -293,6 +294,9 @@ def run_stage(
                 shutil.copy(history, tmp / HISTORY)
             seconds = time.time() - started
             metrics = {**metrics, f"{stage}/time/seconds": round(seconds, 3)}
+            training = json.loads((tmp / OUTCOME).read_text()) if (tmp / OUTCOME).is_file() else None
+            if ended := outcome_tags(stage, training, log):
+                tracking.set_tags(run_id, ended)
             manifest = {
                 "stage": stage,
                 "key": key,
@@ -303,6 +307,7 @@ def run_stage(
                 "fingerprints": fingerprints,
                 "code_version": code,
                 "tokenizer": tokenizer_digest(tmp / "model"),
+                "training": training,
                 "versions": _versions(),
                 "metrics": metrics,
                 "mlflow_run_id": run_id,
@@ -328,6 +333,18 @@ def run_stage(
         shutil.rmtree(work_dir, ignore_errors=True)  # checkpoints are only a resume source
         log(f"{stage}: done in {seconds:.1f}s -> {final}")
         return StageOutcome(ref, cached=False, metrics=metrics, mlflow_run_id=run_id)
+
+
+def outcome_tags(stage: str, training: dict | None, log: Callable[[str], None]) -> dict[str, str]:
+    """MLflow tags (and a log line) for how a training stage ended: stopped early by a callback, the best checkpoint published."""
+    tags: dict[str, str] = {}
+    if training and training.get("stopped_early"):
+        tags["rlhf.stopped_early"] = f"step {training['global_step']} of {training['max_steps']}"
+        log(f"{stage}: stopped early by a callback at step {training['global_step']} of {training['max_steps']}; publishing what it has")
+    if training and training.get("best_checkpoint"):
+        tags["rlhf.best_checkpoint"] = f"{training['best_checkpoint']} ({training['best_metric']:.6g})"
+        log(f"{stage}: publishing the best checkpoint, {training['best_checkpoint']} (metric {training['best_metric']:.6g}), not the last")
+    return tags
 
 
 NOT_TOKENIZER_BOUND = ("data", "champion")

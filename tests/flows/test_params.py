@@ -1,3 +1,4 @@
+import json
 from pathlib import Path
 
 import pytest
@@ -125,3 +126,27 @@ def test_optimizers_and_precision_are_checked_with_the_parameters(tmp_path):
     else:
         with pytest.raises(ValueError, match="fp16=true needs a CUDA GPU; this machine trains on cpu"):
             fp16.trl_arguments(tmp_path)
+
+
+def test_a_misspelt_import_path_fails_in_rlhf_params_naming_it(capsys):
+    assert main(["params", "--set", "sft.optimizer_factory=tests.user_code:sgdd"]) == 2
+    assert "optimizer_factory 'tests.user_code:sgdd': tests.user_code has no 'sgdd'" in capsys.readouterr().err
+    callbacks = '[{"path": "tests.usr_code:CountHooks", "kwargs": {"out": "x.json"}}]'
+    assert main(["params", "--set", f"ppo.callbacks={callbacks}"]) == 2
+    assert "callback 'tests.usr_code:CountHooks': module 'tests.usr_code' does not import" in capsys.readouterr().err
+    assert main(["params", "--set", "rewards.functions=[{path: rlhf_pipeline.trainers.sort_task:exact_macth}]"]) == 2
+    assert "reward function 'rlhf_pipeline.trainers.sort_task:exact_macth'" in capsys.readouterr().err
+    # Spelt right, every path resolves, and each stage's block shows it.
+    assert main(["params", "--set", "sft.optimizer_factory=tests.user_code:sgd", "--set", "dpo.eval_strategy=steps"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["sft"]["optimizer_factory"] == "tests.user_code:sgd" and shown["dpo"]["eval_strategy"] == "steps"
+
+
+def test_evaluating_while_training_needs_a_held_out_dataset():
+    with pytest.raises(ValidationError, match=r"sft.eval_strategy='steps' evaluates on the sft_eval dataset.*or sft.eval_split"):
+        load_params("tiny", ["sft.eval_strategy=steps"])
+    assert load_params("tiny", ["sft.eval_strategy=steps", "sft.eval_split=0.1"]).sft.held_out() == ()
+    with pytest.raises(ValidationError, match=r"dpo.eval_strategy='steps' evaluates on the preference_eval dataset"):
+        load_params("tiny", ["algorithm=dpo", "dpo.eval_strategy=steps", "data.preference_eval=null", "eval.use_reward_model=false"])
+    with pytest.raises(ValidationError, match=r"eval_split=0.1 holds out demonstrations"):
+        load_params("tiny", ["sft.eval_split=0.1"])

@@ -1,0 +1,89 @@
+"""Training code of a user's own, named by import path in the tests (`tests.user_code:<name>`), as a user names theirs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+
+def sgd(model, args):
+    """An optimizer_factory: SGD with momentum over the trainable parameters; the stage's own schedule drives it."""
+    import torch
+
+    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, momentum=0.9), None
+
+
+def sgd_with_step_decay(model, args):
+    """An optimizer_factory with its own scheduler: halve the rate every step."""
+    import torch
+
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate)
+    return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+
+def frozen_only(model, args):
+    """A broken factory: an optimizer over no trainable parameter."""
+    import torch
+
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=args.learning_rate), None
+
+
+HOOKS = ("on_train_begin", "on_step_end", "on_log", "on_save", "on_train_end")
+
+
+class CountHooks(TrainerCallback):
+    """Counts the hooks it sees and writes them to `out` (JSON) when training ends."""
+
+    def __init__(self, out: str):
+        self.out, self.counts = out, dict.fromkeys(HOOKS, 0)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.counts["on_train_begin"] += 1
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.counts["on_step_end"] += 1
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.counts["on_log"] += 1
+
+    def on_save(self, args, state, control, **kwargs):
+        self.counts["on_save"] += 1
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.counts["on_train_end"] += 1
+        Path(self.out).write_text(json.dumps(self.counts))
+
+
+class StopAtStep(TrainerCallback):
+    """Ends training once `step` steps are done (an early-stopping rule)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True
+        return control
+
+
+class KillAtStep(TrainerCallback):
+    """SIGKILLs its own process at `step`: the machine died mid-stage."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def token_accuracy(eval_prediction) -> dict[str, float]:
+    """compute_metrics: share of labelled tokens the model predicts greedily."""
+    logits, labels = eval_prediction.predictions, eval_prediction.label_ids
+    predicted, target = logits[:, :-1].argmax(-1), labels[:, 1:]
+    mask = target != -100
+    return {"token_accuracy": float((predicted[mask] == target[mask]).mean()) if mask.any() else float("nan")}
