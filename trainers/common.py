@@ -233,6 +233,44 @@ MANAGED_ARGUMENTS = frozenset({"output_dir", "report_to", "use_cpu", "save_only_
 """TRL arguments the pipeline sets itself: overriding them would break resume, the device choice or tracking."""
 
 
+def check_precision_fields(bf16: bool | None, fp16: bool) -> None:
+    if bf16 and fp16:
+        raise ValueError("bf16 and fp16 are both on: choose one mixed precision (bf16 where the GPU has it)")
+
+
+def check_optimizer_name(optim: str, default: str) -> None:
+    """A transformers optimizer name (`OptimizerNames`), with a did-you-mean; a bitsandbytes one needs bitsandbytes installed."""
+    if optim == default:
+        return
+    from transformers.training_args import OptimizerNames
+
+    known = [name.value for name in OptimizerNames]
+    if optim not in known:
+        close = difflib.get_close_matches(optim, known, n=1)
+        raise ValueError(f"optim={optim!r} is not an optimizer of transformers" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    if any(part in optim for part in ("8bit", "bnb", "paged", "32bit")):
+        import importlib.util
+
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ValueError(f"optim={optim!r} needs bitsandbytes (and a CUDA GPU), which is not installed")
+
+
+def device_precision(bf16: bool | None, fp16: bool, tf32: bool | None) -> bool:
+    """Whether bf16 is on (None: where the CUDA device has it). A precision this machine's device lacks is refused
+    before any weights load, naming the device (transformers would fail later, or on a CPU silently not at all)."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    device = torch.cuda.get_device_name() if cuda else "cpu"
+    if fp16 and not cuda:
+        raise ValueError(f"fp16=true needs a CUDA GPU; this machine trains on {device} (bf16 works on CPU)")
+    if bf16 and cuda and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"bf16=true: {device} has no bfloat16; use fp16=true")
+    if tf32 and not (cuda and torch.cuda.get_device_capability()[0] >= 8):
+        raise ValueError(f"tf32=true needs an Ampere or newer GPU; this machine trains on {device}")
+    return bool(bf16 if bf16 is not None else (cuda and torch.cuda.is_bf16_supported()))
+
+
 def trl_config_fields(name: str) -> set[str]:
     """The fields of a TRL config class (imported only when a stage has overrides to check)."""
     import dataclasses
@@ -283,20 +321,8 @@ class TrainingFields(StrictModel):
     @model_validator(mode="after")
     def _known_optimizer_and_one_precision(self):
         """A misspelt optimizer, a bitsandbytes one without bitsandbytes, or two precisions at once fail here, not once the weights are loaded."""
-        if self.bf16 and self.fp16:
-            raise ValueError("bf16 and fp16 are both on: choose one mixed precision (bf16 where the GPU has it)")
-        if self.optim != "adamw_torch_fused":
-            from transformers.training_args import OptimizerNames
-
-            known = [name.value for name in OptimizerNames]
-            if self.optim not in known:
-                close = difflib.get_close_matches(self.optim, known, n=1)
-                raise ValueError(f"optim={self.optim!r} is not an optimizer of transformers" + (f" (did you mean {close[0]!r}?)" if close else ""))
-            if any(part in self.optim for part in ("8bit", "bnb", "paged", "32bit")):
-                import importlib.util
-
-                if importlib.util.find_spec("bitsandbytes") is None:
-                    raise ValueError(f"optim={self.optim!r} needs bitsandbytes (and a CUDA GPU), which is not installed")
+        check_precision_fields(self.bf16, self.fp16)
+        check_optimizer_name(self.optim, "adamw_torch_fused")
         return self
 
     @model_validator(mode="after")
@@ -333,15 +359,7 @@ class TrainingFields(StrictModel):
         import torch
 
         cuda = torch.cuda.is_available()
-        device = torch.cuda.get_device_name() if cuda else "cpu"
-        bf16 = self.bf16 if self.bf16 is not None else (cuda and torch.cuda.is_bf16_supported())
-        # Refused before any weights load, with the device named (transformers would fail later, or on CPU silently not at all).
-        if self.fp16 and not cuda:
-            raise ValueError(f"fp16=true needs a CUDA GPU; this machine trains on {device} (bf16 works on CPU)")
-        if self.bf16 and cuda and not torch.cuda.is_bf16_supported():
-            raise ValueError(f"bf16=true: {device} has no bfloat16; use fp16=true")
-        if self.tf32 and not (cuda and torch.cuda.get_device_capability()[0] >= 8):
-            raise ValueError(f"tf32=true needs an Ampere or newer GPU; this machine trains on {device}")
+        bf16 = device_precision(self.bf16, self.fp16, self.tf32)
         return {
             "output_dir": str(work_dir),
             "learning_rate": self.learning_rate,

@@ -86,7 +86,14 @@ class PpoFields(StrictModel):
     seed: int = Field(42, description="Seed for prompt order, sampling and mini-batch order.")
     logging_steps: int = Field(10, ge=1, description="Log metrics (averaged over the window) every this many updates.")
     save_steps: int = Field(100, ge=1, description="Checkpoint every this many updates; a re-run resumes from the newest.")
+    optim: str = Field(
+        "adamw_torch",
+        description="Optimizer of policy and value model by transformers' name (default adamw_torch, eps 1e-5 as in the N+ code): adamw_torch_fused, "
+        "adafactor, sgd, rmsprop, adamw_8bit (bitsandbytes, GPU), ...; optimizer_factory for anything else.",
+    )
     bf16: bool | None = Field(None, description="bfloat16 autocast. None: on when a CUDA device supports it.")
+    fp16: bool = Field(False, description="float16 autocast with loss scaling (CUDA GPUs without bfloat16); not with bf16.")
+    tf32: bool | None = Field(None, description="TensorFloat-32 matmuls on Ampere and newer GPUs. None: torch's default.")
     num_threads: int | None = Field(
         None, ge=1, description="torch CPU threads while training (restored after); None: torch's default. Small models on a busy CPU run fastest with 1."
     )
@@ -95,6 +102,13 @@ class PpoFields(StrictModel):
 
     @model_validator(mode="after")
     def _fields_agree(self):
+        from rlhf_pipeline.trainers.common import check_optimizer_name, check_precision_fields
+
+        check_precision_fields(self.bf16, self.fp16)
+        check_optimizer_name(self.optim, "adamw_torch")
+        factory = getattr(self, "optimizer_factory", None)  # PpoConfig's (Customisation)
+        if self.optim != "adamw_torch" and factory:
+            raise ValueError(f"optim={self.optim!r} and optimizer_factory={factory!r} both choose the optimizer: set one")
         batch, minis = self.rollout_batch_size, self.num_mini_batches
         if batch % minis:
             raise ValueError(f"rollout_batch_size={batch} must be divisible by num_mini_batches={minis} (mini-batches of {batch / minis:.2f} rollouts)")
@@ -302,6 +316,20 @@ def _cpu_threads(num_threads: int | None):
         torch.set_num_threads(previous)
 
 
+@contextlib.contextmanager
+def _tf32(enabled: bool | None):
+    """TensorFloat-32 matmuls while training (`tf32`; None: torch's setting), restored after."""
+    import torch
+
+    previous = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    if enabled is not None:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
+
+
 # --- checkpoints -------------------------------------------------------------------------
 
 
@@ -387,7 +415,7 @@ def train(
     from tqdm.auto import tqdm
     from transformers import AutoModelForSequenceClassification, TrainingArguments
 
-    from rlhf_pipeline.trainers.common import last_checkpoint, load_causal_lm, load_split, load_tokenizer, save_model
+    from rlhf_pipeline.trainers.common import device_precision, last_checkpoint, load_causal_lm, load_split, load_tokenizer, save_model
     from rlhf_pipeline.trainers.custom import Hooks, make_optimizer, write_outcome
     from rlhf_pipeline.trainers.rewards import RewardScorer, as_completions
     from rlhf_pipeline.trainers.text import prompt_ids as render_prompt
@@ -412,6 +440,7 @@ def train(
 
     # The reward model's tokenizer is checked, and a broken reward function fails with its name, before the policy loads.
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    bf16 = device_precision(cfg.bf16, cfg.fp16, cfg.tf32)  # a precision the device lacks fails here, naming it
     scorer = RewardScorer(rewards, reward_model, device, policy_model=sft_model)
     sample = list(range(min(4, len(dataset))))
     scorer.check([prompts[i] for i in sample], completions(["0"] * len(sample), sample), {k: [v[i] for i in sample] for k, v in columns.items()})
@@ -438,17 +467,20 @@ def train(
     args = TrainingArguments(
         output_dir=str(work_dir), learning_rate=cfg.learning_rate, max_steps=num_updates, logging_steps=cfg.logging_steps, save_steps=cfg.save_steps,
         seed=cfg.seed, max_grad_norm=cfg.max_grad_norm, lr_scheduler_type=cfg.lr_scheduler_type, adam_epsilon=1e-5, weight_decay=0.0,
-        use_cpu=device.type == "cpu", report_to="none",
+        use_cpu=device.type == "cpu", report_to="none", optim=cfg.optim,
     )  # fmt: skip
     scheduler = None  # None: the linear/constant schedule below, over the updates
     if cfg.optimizer_factory:
         # One optimizer for both trained models (as ours); a scheduler it returns is stepped once per update, as TRL's PPOTrainer did.
         optimizer, scheduler = make_optimizer(cfg.optimizer_factory, torch.nn.ModuleDict({"policy": policy, "value_model": value_model}), args)
+    elif cfg.optim != "adamw_torch":
+        optimizer = named_optimizer(args, params, policy)
     else:
         optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, eps=1e-5, weight_decay=0.0)  # eps 1e-5 as in CleanRL / N+ code
     base_lrs = [group["lr"] for group in optimizer.param_groups]  # before a checkpoint overwrites them with scheduled values
-    bf16 = cfg.bf16 if cfg.bf16 is not None else (device.type == "cuda" and torch.cuda.is_bf16_supported())
-    autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)  # noqa: E731
+    dtype = torch.float16 if cfg.fp16 else torch.bfloat16
+    autocast = lambda: torch.autocast(device.type, dtype=dtype, enabled=bf16 or cfg.fp16)  # noqa: E731
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.fp16)  # float16 gradients underflow without loss scaling
 
     state = {"update": 0, "data_epoch": 0, "data_index": 0, "metrics": {}}
     if checkpoint := last_checkpoint(work_dir):
@@ -478,7 +510,7 @@ def train(
     hooks("on_train_begin")
     started, first = time.monotonic(), state["update"]
     update = first
-    with _cpu_threads(cfg.num_threads), progress:
+    with _cpu_threads(cfg.num_threads), _tf32(cfg.tf32), progress:
         for update in progress:
             if scheduler is None:
                 factor = 1 - (update - 1) / num_updates if cfg.lr_scheduler_type == "linear" else 1.0
@@ -523,9 +555,11 @@ def train(
                     vf_loss, vf_clipfrac = value_loss(new_values, values[idx], returns[idx], mask[idx], cfg.cliprange_value)
                     ratio = masked_mean(torch.exp(new_logprobs.detach() - logprobs[idx]), mask[idx])
                     optimizer.zero_grad(set_to_none=True)
-                    (pg_loss + cfg.vf_coef * vf_loss).backward()
+                    scaler.scale(pg_loss + cfg.vf_coef * vf_loss).backward()
+                    scaler.unscale_(optimizer)
                     torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-                    optimizer.step()
+                    scaler.step(optimizer)
+                    scaler.update()
                     for name, value in zip(stats, (pg_loss, vf_loss, clipfrac, approx_kl, vf_clipfrac, ratio)):
                         stats[name].append(value.item())
 
@@ -587,6 +621,20 @@ def train(
     if samples.is_file():
         shutil.copyfile(samples, out_dir / "samples.jsonl")
     return metrics
+
+
+def named_optimizer(args, params: list, policy):
+    """The optimizer transformers builds for `args.optim` (its own classes and arguments), over policy and value parameters
+    without weight decay (as ours). Optimizers that take over the model (GaLore, LOMO, ...) are the Trainer's alone."""
+    from transformers import Trainer
+
+    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, policy)
+    taken = sorted({"params", "model", "optimizer_dict"} & set(kwargs))
+    if taken or not isinstance(cls, type):
+        raise ValueError(
+            f"ppo.optim={args.optim!r} builds its optimizer from the model itself; our ppo takes optimizers over parameters (use optimizer_factory)"
+        )
+    return cls([{"params": params, "weight_decay": 0.0}], **kwargs)
 
 
 def _component(name: str) -> str:

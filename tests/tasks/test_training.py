@@ -55,3 +55,26 @@ def test_editing_a_callback_re_runs_the_stage_that_uses_it_and_nothing_else(ctx,
     assert build() == (True, True)
     module.write_text(module.read_text() + "\n# tuned the quiet period\n")
     assert build() == (False, True)  # sft re-trains; dpo, which runs no user code, is reused
+
+
+def test_sft_evaluates_on_the_data_stages_sft_eval_and_keys_on_it_only_then(ctx, tmp_path):
+    from rlhf_pipeline.tasks.data import validate_data
+    from rlhf_pipeline.tasks.stage import read_history
+    from rlhf_pipeline.trainers.data import DataConfig, DatasetSpec
+    from tests.helpers import write_jsonl
+
+    demos = [{"prompt": f"sort {n} -> ", "completion": "".join(sorted(str(n)))} for n in (4213, 9071, 5532, 8064)]
+    held_out = write_jsonl(tmp_path / "sft_eval.jsonl", demos)
+    data = validate_data.fn(DataConfig(sft_eval=DatasetSpec(path=str(held_out))), ctx)
+    assert (data.path / "datasets" / "sft_eval.parquet").is_file() and "sft_eval" in data.parts
+    evaluating = SftConfig(max_steps=2, eval_strategy="steps", eval_steps=1, **FAST)
+    outcome = train_stage("sft", evaluating, {"model": SMALL_MODEL}, {"data": data}, ctx)
+    curve = [step for step, values in read_history(outcome.ref.path) if "sft/eval/loss" in values]
+    assert curve == [1, 2]
+    # A new held-out file re-keys the sft that evaluates on it, not one that does not evaluate.
+    plain = SftConfig(max_steps=2, **FAST)
+    train_stage("sft", plain, {"model": SMALL_MODEL}, {"data": data}, ctx)
+    write_jsonl(held_out, demos[:3])
+    changed = validate_data.fn(DataConfig(sft_eval=DatasetSpec(path=str(held_out))), ctx)
+    assert train_stage("sft", plain, {"model": SMALL_MODEL}, {"data": changed}, ctx).cached
+    assert not train_stage("sft", evaluating, {"model": SMALL_MODEL}, {"data": changed}, ctx).cached

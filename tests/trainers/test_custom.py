@@ -166,3 +166,24 @@ def test_a_quantized_reference_needs_bitsandbytes_and_a_gpu(tmp_path, sft_dir):
     with pytest.raises(ValueError, match=r"ref_model_quantization='8bit': bitsandbytes quantizes on a CUDA GPU, and this machine trains on cpu"):
         dpo.train(cfg, sft_dir, write_data_dir(tmp_path / "data", rows=8), tmp_path / "out", tmp_path / "work")
     assert not (tmp_path / "out").exists()
+
+
+def test_ppo_takes_optimizers_by_transformers_name_and_refuses_a_precision_the_device_lacks(tmp_path, sft_dir):
+    data = write_data_dir(tmp_path / "data", rows=32)
+    rewards = RewardsConfig(reward_model_weight=0, functions=[RewardFunctionSpec(path="tests.helpers:length_reward")])
+    fast = dict(rollout_batch_size=8, num_mini_batches=2, num_ppo_epochs=1, total_episodes=16, response_length=4, num_threads=1, save_steps=2)
+    ppo.train(ppo.PpoConfig(optim="sgd", learning_rate=0.05, **fast), rewards, sft_dir, None, data, tmp_path / "out", tmp_path / "work")
+    groups = torch.load(tmp_path / "work" / "checkpoint-2" / "optimizer.pt", weights_only=True)["param_groups"]
+    assert "momentum" in groups[0] and "betas" not in groups[0] and groups[0]["weight_decay"] == 0.0
+    assert unchanged(trainable(load_base_model(SMALL_MODEL)[0]), load_causal_lm(tmp_path / "out" / "model")[0]) == []
+    with pytest.raises(ValidationError, match=r"optim='adamw_tourch' is not an optimizer of transformers \(did you mean 'adamw_torch'\?\)"):
+        ppo.PpoConfig(optim="adamw_tourch")
+    with pytest.raises(ValidationError, match=r"optim='sgd' and optimizer_factory='tests.user_code:sgd' both choose the optimizer"):
+        ppo.PpoConfig(optim="sgd", optimizer_factory="tests.user_code:sgd")
+    with pytest.raises(ValidationError, match="bf16 and fp16 are both on"):
+        ppo.PpoConfig(bf16=True, fp16=True)
+    if not torch.cuda.is_available():
+        for field, error in (("fp16", "fp16=true needs a CUDA GPU; this machine trains on cpu"), ("tf32", "tf32=true needs an Ampere or newer GPU")):
+            with pytest.raises(ValueError, match=error):
+                ppo.train(ppo.PpoConfig(**{field: True}, **fast), rewards, sft_dir, None, data, tmp_path / field, tmp_path / f"{field}-work")
+            assert not (tmp_path / field).exists()
