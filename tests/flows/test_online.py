@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
-from tests.flows.helpers import run, task_states
+from rlhf_pipeline.flows.params import load_params
+from tests.flows.helpers import CI_PRESET, run, task_states
 
 pytestmark = pytest.mark.e2e  # a pipeline run end to end: the fast loop skips it (-m 'not e2e')
 
@@ -32,9 +34,15 @@ def test_each_online_algorithm_runs_and_reuses_sft_and_rm(prefect, state):
         assert "eval/heldout/policy_exact_match" in metrics
 
 
-def test_a_reward_function_that_does_not_import_fails_before_training(prefect, state):
-    failed = run(*ONLINE_FAST, "algorithm=grpo", "rewards.functions=[{path: 'no_such.module:score'}]")
-    assert failed.is_failed()
-    assert "no_such.module:score" in str(failed.result(raise_on_failure=False))
-    states = task_states(failed)
-    assert states["grpo"] == "Failed"
+def test_a_reward_function_that_does_not_import_fails_with_the_parameters(prefect, state):
+    bad = "rewards.functions=[{path: 'no_such.module:score'}]"
+    with pytest.raises(ValidationError, match=r"reward function 'no_such.module:score': module 'no_such.module' does not import"):
+        run(*ONLINE_FAST, "algorithm=grpo", bad)
+    # Handed to the flow as the UI's form hands it (a plain block), the run fails before any stage starts.
+    from rlhf_pipeline.flows.rlhf import rlhf
+
+    params = load_params(CI_PRESET, [*ONLINE_FAST, "algorithm=grpo"])
+    rewards = {"reward_model_weight": 0.5, "functions": [{"path": "no_such.module:score"}]}
+    failed = rlhf(**{**dict(params), "rewards": rewards}, return_state=True)
+    assert failed.is_failed() and "no_such.module:score" in str(failed.result(raise_on_failure=False))
+    assert task_states(failed) == {}
