@@ -14,6 +14,7 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, Field, create_model, model_validator
 
+from rlhf_pipeline.tasks.launcher import LaunchConfig
 from rlhf_pipeline.tasks.orchestration import RetryConfig
 from rlhf_pipeline.tasks.stages import ALGORITHMS, BY_NAME, POLICY, STAGES, reads
 from rlhf_pipeline.trainers.common import TINY, ModelConfig, StrictModel
@@ -41,6 +42,9 @@ class RunSettings(StrictModel):
     model: ModelConfig = Field(default_factory=ModelConfig, description="The base model.")
     rewards: RewardsConfig = Field(default_factory=RewardsConfig, description="Rewards of the online stages (grpo, rloo, ppo).")
     retry: RetryConfig = Field(default_factory=RetryConfig, description="Retries with backoff after transient errors, and a time limit per stage.")
+    launch: LaunchConfig = Field(
+        default_factory=LaunchConfig, description="Where training stages run: in the flow run's process or under accelerate (DDP, DeepSpeed, FSDP2)."
+    )
 
     def config(self, stage: str) -> StrictModel:
         return getattr(self, stage)

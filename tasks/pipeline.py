@@ -63,6 +63,7 @@ def pipeline_run(params: BaseModel) -> Iterator[PipelineRun]:
         experiment_id=experiment,
         parent_run_id=run_id,
         force=params.no_cache,
+        launch=params.launch,
     )
     prefect_log(f"MLflow: {tracking.run_link(run_id)}")
     prefect_log(f"Artifacts: {ctx.artifact_root}")

@@ -31,6 +31,7 @@ from typing import Any, Callable
 from pydantic import BaseModel, ConfigDict
 
 from rlhf_pipeline.tasks import tracking
+from rlhf_pipeline.tasks.launcher import LaunchConfig
 from rlhf_pipeline.tasks.secrets import redact
 from rlhf_pipeline.trainers.common import LogMetrics, last_checkpoint, tokenizer_digest
 from rlhf_pipeline.trainers.custom import OUTCOME
@@ -71,13 +72,14 @@ class ArtifactRef(BaseModel):
 
 
 class RunContext(BaseModel):
-    """Per flow run: where artifacts go, which MLflow run is the parent, whether to ignore the cache."""
+    """Per flow run: where artifacts go, which MLflow run is the parent, whether to ignore the cache, how stages are launched."""
 
     model_config = ConfigDict(frozen=True)
     artifact_root: str
     experiment_id: str
     parent_run_id: str
     force: bool = False
+    launch: LaunchConfig = LaunchConfig()
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from rlhf_pipeline.tasks.launcher import run_launched
 from rlhf_pipeline.tasks.orchestration import prefect_log, stage_task
 from rlhf_pipeline.tasks.stage import ArtifactRef, RunContext, StageOutcome, run_stage
 from rlhf_pipeline.tasks.stages import BY_NAME, STAGES, Stage, reads
@@ -66,10 +67,12 @@ def train_stage(stage: str, config: BaseModel, settings: dict[str, BaseModel], u
     fingerprints = code_fingerprints(config, settings)
 
     def build(out_dir, work_dir, log_metrics) -> dict[str, float]:
-        trainer = importlib.import_module(row.trainer)
-        given: dict[str, Any] = {"cfg": config, "data_dir": data.path, "out_dir": out_dir, "work_dir": work_dir, "log_metrics": log_metrics, **settings}
+        given: dict[str, Any] = {"cfg": config, "data_dir": data.path, "out_dir": out_dir, "work_dir": work_dir, **settings}
         given |= {param: upstream[source].path / "model" if source in upstream else None for param, source in MODEL_INPUTS.items()}
-        return trainer.train(**{name: value for name, value in given.items() if name in wanted})
+        arguments = {name: value for name, value in given.items() if name in wanted}
+        if ctx.launch.launcher_of(stage) == "accelerate":  # processes of its own; rank 0 writes into out_dir
+            return run_launched(stage, row.trainer, arguments, work_dir, log_metrics, prefect_log, ctx.launch)
+        return importlib.import_module(row.trainer).train(**arguments, log_metrics=log_metrics)
 
     keyed = {stage: config.model_dump(mode="json"), **{name: block.model_dump(mode="json") for name, block in settings.items()}}
     inputs = {**{name: ref for name, ref in upstream.items() if name != "data"}, "data": data.select(reads(stage, config))}

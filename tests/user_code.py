@@ -71,14 +71,20 @@ class StopAtStep(TrainerCallback):
 
 
 class KillAtStep(TrainerCallback):
-    """SIGKILLs its own process at `step`: the machine died mid-stage."""
+    """SIGKILLs its own process at `step`: the machine died mid-stage. `rank`: only that rank under accelerate;
+    `once`: a marker file, so that the retry of the same config runs through."""
 
-    def __init__(self, step: int):
-        self.step = step
+    def __init__(self, step: int, rank: int | None = None, once: str | None = None):
+        self.step, self.rank, self.once = step, rank, once
 
     def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step >= self.step:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if state.global_step < self.step or (self.rank is not None and int(os.environ.get("RANK", "0")) != self.rank):
+            return
+        if self.once is not None:
+            if Path(self.once).exists():
+                return
+            Path(self.once).write_text(f"{os.getpid()}\n")
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def token_accuracy(eval_prediction) -> dict[str, float]:

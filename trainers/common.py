@@ -385,6 +385,8 @@ class TrainingFields(StrictModel):
             "activation_checkpointing": False,
             "report_to": "none",
             "save_only_model": False,
+            # Under accelerate: every trained parameter takes part in each step (frozen ones have no grad), so DDP need not search.
+            "ddp_find_unused_parameters": False,
             **self.trl_overrides,
         }
 
@@ -548,6 +550,11 @@ def metrics_callback(stage: str, log_metrics: LogMetrics | None):
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.progress = Progress(stage, state.max_steps, state.global_step)
+            if args.world_size > 1 and state.is_world_process_zero:
+                import torch.distributed as dist
+
+                backend = dist.get_backend() if dist.is_initialized() else "?"
+                PROGRESS.info(f"{stage}: world size {args.world_size} ({args.parallel_mode.name.lower()}, {backend})")
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if not logs or not state.is_world_process_zero:
@@ -570,7 +577,22 @@ def fit(trainer, cfg: TrainingConfig, work_dir: Path, out_dir: Path) -> dict:
     trainer.train(resume_from_checkpoint=last_checkpoint(work_dir))
     state = trainer.state
     best = state.best_model_checkpoint if getattr(cfg, "load_best_model_at_end", False) else None
-    return write_outcome(out_dir, state.global_step, state.max_steps, best, state.best_metric)
+    outcome = {"global_step": state.global_step, "max_steps": state.max_steps}
+    if is_main_process(trainer):
+        outcome = write_outcome(out_dir, state.global_step, state.max_steps, best, state.best_metric)
+    return outcome
+
+
+def is_main_process(trainer) -> bool:
+    """Rank 0 under accelerate (the only one that writes the artifact); always true in one process."""
+    return trainer.args.process_index == 0
+
+
+def save_on_main(trainer, tokenizer, out_dir: Path, keep_adapter: bool = False) -> None:
+    """Rank 0 saves the model (`save_model`); every rank waits for it, so none exits before the artifact is whole."""
+    if is_main_process(trainer):
+        save_model(trainer.model, tokenizer, out_dir, keep_adapter=keep_adapter)
+    trainer.accelerator.wait_for_everyone()
 
 
 def train_and_save(stage: str, trainer, tokenizer, cfg: TrainingConfig, work_dir: Path, out_dir: Path, generation_config=None) -> dict[str, float]:
@@ -579,7 +601,7 @@ def train_and_save(stage: str, trainer, tokenizer, cfg: TrainingConfig, work_dir
     fit(trainer, cfg, work_dir, out_dir)
     if generation_config is not None:
         trainer.model.generation_config = generation_config
-    save_model(trainer.model, tokenizer, out_dir / "model", keep_adapter=cfg.lora.keep_adapter)
+    save_on_main(trainer, tokenizer, out_dir / "model", keep_adapter=cfg.lora.keep_adapter)
     return final_train_metrics(stage, trainer)
 
 

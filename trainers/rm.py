@@ -35,7 +35,7 @@ def train(
     import trl
     from transformers import AutoModelForSequenceClassification
 
-    from rlhf_pipeline.trainers.common import final_train_metrics, fit, load_split, load_tokenizer, save_model, stage_callbacks
+    from rlhf_pipeline.trainers.common import final_train_metrics, fit, load_split, load_tokenizer, save_on_main, stage_callbacks
 
     # The TRL config first: a combination TRL refuses fails before any weights load.
     args = trl.RewardConfig(
@@ -67,5 +67,5 @@ def train(
         trainer.evaluate()  # logs rm/eval/accuracy through the callback and into log_history
         metrics = final_train_metrics("rm", trainer)
     # GRPO/RLOO load a reward model by path together with its tokenizer (DESIGN.md).
-    save_model(trainer.model, tokenizer, out_dir / "model", keep_adapter=cfg.lora.keep_adapter)
+    save_on_main(trainer, tokenizer, out_dir / "model", keep_adapter=cfg.lora.keep_adapter)
     return metrics

@@ -1,0 +1,198 @@
+"""Where a training stage runs: in the flow run's own process, or in processes of its own under `accelerate launch`.
+
+    accelerate launch [--config_file deployments/accelerate/<engine>.yaml | --multi_gpu (CPU: gloo)] --num_processes N \
+        -m rlhf_pipeline.trainers.launch <work_dir>/launch.json
+
+The parent (this module, in the Prefect task) writes the stage's resolved arguments to `launch.json`, starts the
+launcher in a process group of its own, streams every line into the task's log, forwards rank 0's metrics to
+`log_metrics`, and kills the whole group on timeout, cancellation, a failed rank or any error of its own. Rank 0
+saves the model into the stage's temporary directory; the parent then publishes it and writes the manifest
+exactly as for an in-process build (`tasks.stage.run_stage`). A retry resumes from the newest complete checkpoint
+in the work directory, which every attempt shares.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from importlib import resources
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from rlhf_pipeline.trainers.launch import ERROR_FILE, METRICS_MARK, RESULT_FILE, write_spec
+
+Launcher = Literal["inprocess", "accelerate"]
+ENGINES = ("ddp", "zero2", "zero3", "fsdp2")
+ENGINE_DIR = Path(str(resources.files("rlhf_pipeline.deployments") / "accelerate"))
+PERMANENT = {"ValueError": ValueError, "TypeError": TypeError, "KeyError": KeyError, "ImportError": ImportError, "NotImplementedError": NotImplementedError}
+"""Errors a rank reports that no retry can fix (bad config or data): raised again in the parent as the same type."""
+
+
+class LaunchConfig(BaseModel):
+    """How the training stages are run. Not part of any stage's key: the same stage built in one process or eight is the same artifact."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    launcher: Literal["auto", "inprocess", "accelerate"] = Field(
+        "auto", description="'auto': accelerate whenever a CUDA GPU is present, else in the flow run's process; or force one."
+    )
+    stages: dict[str, Launcher] = Field(default_factory=dict, description="Per-stage override, e.g. {ppo: inprocess}.")
+    num_processes: int | None = Field(None, ge=1, description="Processes per machine under accelerate. None: one per GPU (1 on a CPU).")
+    engine: str = Field(
+        "ddp",
+        description="accelerate engine: ddp, zero2, zero3 (DeepSpeed ZeRO), fsdp2 (deployments/accelerate/<engine>.yaml), or the path of an "
+        "accelerate config file. On a CPU: gloo DDP. Multi-node: RLHF_NUM_MACHINES, RLHF_MACHINE_RANK, RLHF_MAIN_PROCESS_IP, RLHF_MAIN_PROCESS_PORT.",
+    )
+    kill_grace_seconds: float = Field(15, ge=0, description="After SIGTERM, how long the ranks get to exit before SIGKILL.")
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, engine: str) -> str:
+        if engine not in ENGINES and not Path(engine).expanduser().is_file():
+            raise ValueError(f"launch.engine={engine!r} is neither one of {', '.join(ENGINES)} nor an accelerate config file")
+        return engine
+
+    def launcher_of(self, stage: str) -> Launcher:
+        chosen = self.stages.get(stage, self.launcher)
+        if chosen == "auto":
+            import torch
+
+            return "accelerate" if torch.cuda.is_available() else "inprocess"
+        return chosen
+
+    def command(self, spec: Path) -> list[str]:
+        """The `accelerate launch` command line for this machine (CPU: gloo DDP over `num_processes` processes)."""
+        import torch
+
+        cuda = torch.cuda.is_available()
+        processes = self.num_processes or (torch.cuda.device_count() if cuda else 1)
+        machines = int(os.environ.get("RLHF_NUM_MACHINES", "1"))
+        command = [sys.executable, "-m", "accelerate.commands.launch"]
+        if cuda:
+            config = ENGINE_DIR / f"{self.engine}.yaml" if self.engine in ENGINES else Path(self.engine).expanduser()
+            command += ["--config_file", str(config)]
+        else:
+            # A MULTI_CPU config takes accelerate's simple launcher (one process); --multi_gpu with use_cpu inside gives gloo DDP (DESIGN.md).
+            command += ["--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no"]
+        command += ["--num_processes", str(processes * machines), "--num_machines", str(machines)]
+        if machines > 1:
+            command += ["--machine_rank", os.environ["RLHF_MACHINE_RANK"], "--main_process_ip", os.environ["RLHF_MAIN_PROCESS_IP"]]
+        command += ["--main_process_port", os.environ.get("RLHF_MAIN_PROCESS_PORT") or str(_free_port())]
+        return [*command, "-m", "rlhf_pipeline.trainers.launch", str(spec)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_launched(
+    stage: str,
+    trainer: str,
+    arguments: dict[str, Any],
+    work_dir: Path,
+    log_metrics: Callable[[dict[str, float], int], None],
+    log: Callable[[str], None],
+    launch: LaunchConfig,
+) -> dict[str, float]:
+    """Run `trainer.train(**arguments)` under `accelerate launch`; its final metrics, as the in-process call returns them."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    spec = work_dir / "launch.json"
+    for stale in (work_dir / RESULT_FILE, work_dir / ERROR_FILE):
+        stale.unlink(missing_ok=True)
+    write_spec(spec, trainer, arguments)
+    command = launch.command(spec)
+    env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1", "RLHF_STAGE": stage}
+    log(f"{stage}: {' '.join(command[2:])}")
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env, start_new_session=True, preexec_fn=_die_with_parent
+    )  # fmt: skip
+    tail: deque[str] = deque(maxlen=30)
+    try:
+        _stream(process, stage, log, log_metrics, tail)
+        returncode = process.wait()
+    except BaseException:
+        kill_group(process, launch.kill_grace_seconds, log, stage)
+        raise
+    finally:
+        if process.stdout is not None:
+            process.stdout.close()
+    kill_group(process, launch.kill_grace_seconds, log, stage)  # ranks the launcher left behind, if any
+    error = work_dir / ERROR_FILE
+    if error.is_file():
+        reported = json.loads(error.read_text())
+        raise PERMANENT.get(reported["type"], RuntimeError)(f"{stage} (rank {reported['rank']}): {reported['message']}")
+    if returncode != 0:
+        last = "\n".join(tail)
+        raise RuntimeError(f"{stage}: accelerate launch exited with {returncode} (a rank failed or was killed); its last lines:\n{last}")
+    return json.loads((work_dir / RESULT_FILE).read_text())
+
+
+def _stream(process: subprocess.Popen, stage: str, log, log_metrics, tail: deque) -> None:
+    """Every line of the ranks into the log, metrics lines into `log_metrics`. Polls, so that a Prefect timeout or
+    cancellation raised into this thread is seen between lines."""
+    selector = selectors.DefaultSelector()
+    selector.register(process.stdout, selectors.EVENT_READ)
+    while True:
+        if not selector.select(timeout=0.5):
+            if process.poll() is not None:
+                break
+            continue
+        line = process.stdout.readline()
+        if not line:
+            break
+        line = line.rstrip("\n")
+        if line.startswith(METRICS_MARK):
+            row = json.loads(line[len(METRICS_MARK) :])
+            log_metrics(row["values"], row["step"])
+        elif line.strip():
+            tail.append(line)
+            log(line)
+
+
+def kill_group(process: subprocess.Popen, grace: float, log: Callable[[str], None], stage: str) -> None:
+    """SIGTERM to the launcher's process group (every rank), then SIGKILL to what is left after `grace` seconds."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return  # the group is gone
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and _group_alive(process.pid):
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(0.2)
+    if _group_alive(process.pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        log(f"{stage}: killed the ranks of process group {process.pid} that outlived SIGTERM by {grace:.0f}s")
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(5)
+
+
+def _group_alive(pgid: int) -> bool:
+    import psutil
+
+    alive = False
+    for proc in psutil.process_iter(["pid"]):
+        with contextlib.suppress(psutil.Error):
+            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                alive = True
+                break
+    return alive
+
+
+def _die_with_parent() -> None:
+    """In the launcher (before exec): SIGTERM when the flow run's process dies, even by SIGKILL (Linux prctl PR_SET_PDEATHSIG)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)

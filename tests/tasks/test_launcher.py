@@ -1,0 +1,92 @@
+"""Training stages under `accelerate launch` with 2 CPU processes (gloo), as the flow runs them (`train_stage`), without Prefect."""
+
+from __future__ import annotations
+
+import logging
+
+import psutil
+import pytest
+from mlflow.tracking import MlflowClient
+
+from rlhf_pipeline.tasks import tracking
+from rlhf_pipeline.tasks.launcher import LaunchConfig
+from rlhf_pipeline.tasks.stage import ArtifactRef, RunContext, read_history
+from rlhf_pipeline.tasks.training import train_stage
+from rlhf_pipeline.trainers.common import CallbackSpec
+from rlhf_pipeline.trainers.sft import SftConfig
+from tests.helpers import FAST, SMALL_MODEL, write_data_dir
+
+pytestmark = pytest.mark.e2e  # each launch starts two Python processes with torch (~10 s)
+
+TWO_RANKS = LaunchConfig(launcher="accelerate", num_processes=2, kill_grace_seconds=5)
+
+
+@pytest.fixture
+def ctx(tmp_path) -> RunContext:
+    experiment = tracking.experiment_id("test-launcher")
+    parent = tracking.start_run(experiment, "parent", {})
+    return RunContext(artifact_root=str(tmp_path / "artifacts"), experiment_id=experiment, parent_run_id=parent, launch=TWO_RANKS)
+
+
+@pytest.fixture
+def data(tmp_path) -> ArtifactRef:
+    return ArtifactRef(stage="data", key="d", uri=str(write_data_dir(tmp_path / "data", rows=64)))
+
+
+def launched_processes(spec_dir) -> list[psutil.Process]:
+    """Processes (ranks or launcher) still running this stage's launch.json."""
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        try:
+            if any(str(spec_dir) in part for part in process.info["cmdline"] or []):
+                found.append(process)
+        except psutil.Error:
+            pass
+    return found
+
+
+def test_sft_trains_on_two_ranks_and_publishes_as_in_process(ctx, data, caplog):
+    caplog.set_level(logging.INFO, logger="rlhf")
+    config = SftConfig(max_steps=4, **{**FAST, "per_device_train_batch_size": 8})
+    outcome = train_stage("sft", config, {"model": SMALL_MODEL}, {"data": data}, ctx)
+    assert "sft: world size 2 (distributed, gloo)" in caplog.messages
+    assert [step for step, values in read_history(outcome.ref.path) if "sft/train/loss" in values] == [1, 2, 3, 4]  # rank 0's, once
+    manifest = outcome.ref.manifest()
+    assert manifest["training"] == {"global_step": 4, "max_steps": 4, "stopped_early": False} and manifest["tokenizer"]
+    assert (outcome.ref.path / "model" / "model.safetensors").is_file()
+    metrics = MlflowClient().get_run(outcome.mlflow_run_id).data.metrics
+    assert metrics["sft/train/loss"] == manifest["metrics"]["sft/train/loss"]
+    assert train_stage("sft", config, {"model": SMALL_MODEL}, {"data": data}, ctx).cached  # the launcher is not part of the key
+
+
+def test_a_rank_killed_mid_stage_fails_the_stage_leaves_no_process_and_the_retry_resumes(ctx, data, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="rlhf")
+    kill = CallbackSpec(path="tests.user_code:KillAtStep", kwargs={"step": 3, "rank": 1, "once": str(tmp_path / "killed")})
+    config = SftConfig(max_steps=4, callbacks=[kill], **{**FAST, "per_device_train_batch_size": 8, "save_steps": 2})
+    with pytest.raises(RuntimeError, match=r"sft: accelerate launch exited with \d+ \(a rank failed or was killed\)"):
+        train_stage("sft", config, {"model": SMALL_MODEL}, {"data": data}, ctx)
+    assert (tmp_path / "killed").is_file()
+    work = next((tmp_path / "artifacts" / "sft" / ".work").iterdir())
+    assert launched_processes(work) == [] and psutil.Process().children(recursive=True) == []  # the whole group is gone
+    # The retry (same config, same key) resumes from the newest complete checkpoint: steps 3 and 4 only.
+    caplog.clear()
+    outcome = train_stage("sft", config, {"model": SMALL_MODEL}, {"data": data}, ctx)
+    assert any(m == f"sft: resuming from {work / 'checkpoint-2'}" for m in caplog.messages), caplog.messages
+    assert MlflowClient().get_run(outcome.mlflow_run_id).data.tags["rlhf.resumed_from"] == "checkpoint-2"
+    steps = [step for step, values in read_history(outcome.ref.path) if "sft/train/loss" in values]
+    assert steps[-2:] == [3, 4] and steps.count(3) == 1 + (3 in steps[:-2])
+    assert outcome.ref.manifest()["training"]["global_step"] == 4
+
+
+def test_a_config_a_rank_refuses_fails_at_once_with_the_same_error(ctx, data, tmp_path):
+    from rlhf_pipeline.trainers.base import load_base_model
+    from rlhf_pipeline.trainers.common import save_model
+    from rlhf_pipeline.trainers.dpo import DpoConfig
+
+    policy, tokenizer = load_base_model(SMALL_MODEL)
+    save_model(policy, tokenizer, tmp_path / "sft" / "model")
+    sft = ArtifactRef(stage="sft", key="s", uri=str(tmp_path / "sft"))
+    # Checked where the parameters were made (a head node with bitsandbytes), refused in the ranks' environment (without it).
+    config = DpoConfig.model_construct(**{**dict(DpoConfig(max_steps=2, **FAST)), "ref_model_quantization": "8bit"})
+    with pytest.raises(ValueError, match=r"(?s)dpo \(rank [01]\): .*ref_model_quantization='8bit' needs bitsandbytes"):
+        train_stage("dpo", config, {}, {"data": data, "sft": sft}, ctx)

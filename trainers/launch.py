@@ -1,0 +1,96 @@
+"""A stage's trainer as a process of its own: the entry point every rank of `accelerate launch` runs.
+
+    accelerate launch ... -m rlhf_pipeline.trainers.launch <work_dir>/launch.json
+
+`launch.json` (written by `tasks.launcher`) names the trainer module and its arguments: configs by class and
+JSON, paths as strings. Every rank calls `train(**arguments)`. Rank 0's metrics are printed as
+`@@rlhf-metrics {"step", "values"}` lines for the parent to forward, its final metrics are written to
+`<work_dir>/result.json`, and an error that no retry can fix (bad config or data) to `<work_dir>/launch-error.json`.
+No Prefect here: trainers never import it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+METRICS_MARK = "@@rlhf-metrics "
+RESULT_FILE = "result.json"
+ERROR_FILE = "launch-error.json"
+PERMANENT = (ValueError, TypeError, KeyError, ImportError, NotImplementedError)
+
+
+def write_spec(path: Path, trainer: str, arguments: dict[str, Any]) -> None:
+    """`launch.json`: the trainer module and its arguments (pydantic configs by class and value, paths as text)."""
+    from pydantic import BaseModel
+
+    def encode(value: Any) -> Any:
+        if isinstance(value, BaseModel):
+            cls = type(value)
+            return {"config": f"{cls.__module__}:{cls.__qualname__}", "value": value.model_dump(mode="json")}
+        if isinstance(value, Path):
+            return {"path": str(value)}
+        return {"value": value}
+
+    path.write_text(json.dumps({"trainer": trainer, "arguments": {name: encode(value) for name, value in arguments.items()}}, indent=2))
+
+
+def read_spec(path: Path) -> tuple[str, dict[str, Any]]:
+    spec = json.loads(path.read_text())
+
+    def decode(encoded: dict) -> Any:
+        if "config" in encoded:
+            module, _, name = encoded["config"].partition(":")
+            return getattr(importlib.import_module(module), name).model_validate(encoded["value"])
+        if "path" in encoded:
+            return Path(encoded["path"])
+        return encoded["value"]
+
+    return spec["trainer"], {name: decode(value) for name, value in spec["arguments"].items()}
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def main(argv: list[str]) -> int:
+    _die_with_parent()
+    logging.basicConfig(stream=sys.stdout, level=logging.WARNING, format="%(message)s")
+    logging.getLogger("rlhf_pipeline").setLevel(logging.INFO)
+    spec = Path(argv[0])
+    work_dir = spec.parent
+
+    def log_metrics(values: dict[str, float], step: int) -> None:
+        if rank() == 0:
+            print(METRICS_MARK + json.dumps({"step": step, "values": values}), flush=True)
+
+    try:
+        trainer, arguments = read_spec(spec)  # the configs are validated again here, in the rank's environment
+        metrics = importlib.import_module(trainer).train(**arguments, log_metrics=log_metrics)
+    except PERMANENT as exc:
+        kind = next(cls.__name__ for cls in PERMANENT if isinstance(exc, cls))  # pydantic's ValidationError is a ValueError
+        (work_dir / ERROR_FILE).write_text(json.dumps({"rank": rank(), "type": kind, "message": str(exc)}))
+        raise
+    if rank() == 0:
+        (work_dir / RESULT_FILE).write_text(json.dumps(metrics))
+    return 0
+
+
+def _die_with_parent() -> None:
+    """A rank ends when the process that started it dies, even by SIGKILL (Linux prctl PR_SET_PDEATHSIG): no orphans."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except Exception:  # not Linux: the launcher's process group is still killed as a whole
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
