@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, model_validator
 
-from rlhf_pipeline.trainers.common import COMPLETE, Customisation, LogMetrics, LoraConfig, Progress, StrictModel
+from rlhf_pipeline.trainers.common import COMPLETE, PROGRESS, Customisation, LogMetrics, LoraConfig, Progress, StrictModel
 from rlhf_pipeline.trainers.rewards import RewardsConfig
 
 if TYPE_CHECKING:
@@ -330,6 +330,92 @@ def _tf32(enabled: bool | None):
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
 
 
+class Ranks:
+    """This process's place among the ranks of `accelerate launch` (torchrun's RANK / WORLD_SIZE; one rank in-process).
+
+    Our PPO is data-parallel by hand: each rank rolls out its share of every rollout batch, gradients are all-reduced
+    (averaged) before clipping, so the weights stay identical on every rank, logged statistics are averaged over the
+    ranks, and rank 0 writes checkpoints and the artifact. Engines that shard the model (DeepSpeed, FSDP) are refused."""
+
+    def __init__(self, cpu: bool):
+        import torch.distributed as dist
+
+        self.world, self.rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+        self.local = int(os.environ.get("LOCAL_RANK", "0"))
+        self.started = False
+        if self.world > 1:
+            sharded = [name for name in ("DEEPSPEED", "FSDP") if os.environ.get(f"ACCELERATE_USE_{name}", "").lower() == "true"]
+            if sharded:
+                raise ValueError(f"ppo is data-parallel (launch.engine=ddp); it does not shard the model with {sharded[0].lower()}")
+            if not dist.is_initialized():
+                dist.init_process_group("gloo" if cpu else "nccl")
+                self.started = True
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def average_gradients(self, params: list) -> None:
+        """Every rank's gradients replaced by their mean over the ranks (one flat all-reduce)."""
+        if self.world == 1:
+            return
+        import torch
+        import torch.distributed as dist
+
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat /= self.world
+        offset = 0
+        for p, g in zip(params, grads):
+            p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
+            offset += g.numel()
+
+    def broadcast(self, models: list) -> None:
+        """Rank 0's parameters and buffers into every rank's models."""
+        import torch.distributed as dist
+
+        for model in models:
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor.data, src=0)
+
+    def mean(self, values: dict[str, float]) -> dict[str, float]:
+        """Each value averaged over the ranks (every rank has the same names)."""
+        if self.world == 1:
+            return values
+        import torch
+        import torch.distributed as dist
+
+        names = sorted(values)
+        stacked = torch.tensor([values[n] for n in names], dtype=torch.float64)
+        dist.all_reduce(stacked)
+        return {name: value / self.world for name, value in zip(names, stacked.tolist())}
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when any rank says so (a callback's stop must stop them all)."""
+        if self.world == 1:
+            return flag
+        import torch
+        import torch.distributed as dist
+
+        found = torch.tensor([int(flag)])
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        return bool(found.item())
+
+    def close(self) -> None:
+        if self.started:
+            import torch.distributed as dist
+
+            dist.barrier()
+            dist.destroy_process_group()
+
+
 # --- checkpoints -------------------------------------------------------------------------
 
 
@@ -338,25 +424,42 @@ def _trainable(model) -> dict[str, torch.Tensor]:
     return {name: p.detach().contiguous().cpu() for name, p in model.named_parameters() if p.requires_grad}
 
 
-def _save_checkpoint(work_dir: Path, update: int, policy, value_model, optimizer, scheduler, state: dict) -> None:
+def _rng_file(rank: int) -> str:
+    return "rng.pt" if rank == 0 else f"rng-{rank}.pt"
+
+
+def _save_checkpoint(work_dir: Path, update: int, policy, value_model, optimizer, scheduler, state: dict, ranks: Ranks) -> None:
     """Written into a hidden sibling and renamed into place when complete (with the COMPLETE marker
-    `last_checkpoint` wants), so a half-written one is never used. Keeps the two newest."""
+    `last_checkpoint` wants), so a half-written one is never used. Keeps the two newest. Every rank writes its
+    RNG state; rank 0 the weights and optimizer (identical on every rank) and the marker."""
     import numpy as np
+    import torch
+
+    final, tmp = work_dir / f"checkpoint-{update}", work_dir / f".checkpoint-{update}.tmp"
+    ranks.barrier()
+    if ranks.main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    ranks.barrier()
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    torch.save(rng, tmp / _rng_file(ranks.rank))
+    ranks.barrier()
+    if ranks.main:
+        _write_checkpoint(work_dir, tmp, final, update, policy, value_model, optimizer, scheduler, state)
+    ranks.barrier()
+
+
+def _write_checkpoint(work_dir: Path, tmp: Path, final: Path, update: int, policy, value_model, optimizer, scheduler, state: dict) -> None:
     import torch
     from safetensors.torch import save_file
 
-    final, tmp = work_dir / f"checkpoint-{update}", work_dir / f".checkpoint-{update}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     save_file(_trainable(policy), tmp / "policy.safetensors")
     save_file(_trainable(value_model), tmp / "value_model.safetensors")
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     if scheduler is not None:  # an optimizer_factory's scheduler
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    torch.save(rng, tmp / "rng.pt")
     (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
     (tmp / COMPLETE).write_text(f"{update}\n")
     shutil.rmtree(final, ignore_errors=True)
@@ -366,7 +469,7 @@ def _save_checkpoint(work_dir: Path, update: int, policy, value_model, optimizer
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _load_checkpoint(checkpoint: Path, policy, value_model, optimizer, scheduler) -> dict:
+def _load_checkpoint(checkpoint: Path, policy, value_model, optimizer, scheduler, rank: int = 0) -> dict:
     import numpy as np
     import torch
     from safetensors.torch import load_file
@@ -379,7 +482,9 @@ def _load_checkpoint(checkpoint: Path, policy, value_model, optimizer, scheduler
     optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=True))
     if scheduler is not None:
         scheduler.load_state_dict(torch.load(checkpoint / "scheduler.pt", weights_only=True))
-    rng = torch.load(checkpoint / "rng.pt", weights_only=False)  # our own file; python/numpy states are tuples
+    if not (checkpoint / _rng_file(rank)).is_file():
+        raise ValueError(f"{checkpoint} has no RNG state of rank {rank}: it was written by fewer ranks; resume with the same launch.num_processes")
+    rng = torch.load(checkpoint / _rng_file(rank), weights_only=False)  # our own file; python/numpy states are tuples
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
@@ -426,7 +531,7 @@ def train(
     dataset = load_split(data_dir, "prompts")
     if "prompt" not in dataset.column_names:
         raise ValueError(f"prompts has no 'prompt' column (columns: {dataset.column_names})")
-    batch_size, mini_batch_size = cfg.rollout_batch_size, cfg.rollout_batch_size // cfg.num_mini_batches
+    batch_size = cfg.rollout_batch_size
     if len(dataset) < batch_size:
         raise ValueError(f"prompts has {len(dataset)} rows, fewer than rollout_batch_size={batch_size}")
     num_updates = cfg.num_updates(len(dataset))
@@ -440,12 +545,19 @@ def train(
 
     # The reward model's tokenizer is checked, and a broken reward function fails with its name, before the policy loads.
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    ranks = Ranks(cpu=device.type == "cpu")
+    if device.type == "cuda":
+        device = torch.device("cuda", ranks.local)
+        torch.cuda.set_device(device)
+    if batch_size % ranks.world or (batch_size // ranks.world) % cfg.num_mini_batches:
+        raise ValueError(f"rollout_batch_size={batch_size} must split into {ranks.world} ranks x num_mini_batches={cfg.num_mini_batches} equal mini-batches")
+    local_batch = batch_size // ranks.world  # this rank's rollouts per update
     bf16 = device_precision(cfg.bf16, cfg.fp16, cfg.tf32)  # a precision the device lacks fails here, naming it
     scorer = RewardScorer(rewards, reward_model, device, policy_model=sft_model)
     sample = list(range(min(4, len(dataset))))
     scorer.check([prompts[i] for i in sample], completions(["0"] * len(sample), sample), {k: [v[i] for i in sample] for k, v in columns.items()})
 
-    random.seed(cfg.seed)
+    random.seed(cfg.seed)  # the same on every rank: the value head's fresh init must not differ between ranks
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     policy = load_causal_lm(sft_model)[0]  # in the dtype its folder was saved in (float32 unless model.dtype says otherwise)
@@ -462,6 +574,11 @@ def train(
     for model in (policy, reference, value_model):  # eval(): dropout off (N+ §4), so rollout and update log-probs agree
         if model is not None:
             model.to(device).eval()
+    if ranks.world > 1:  # each rank then samples rollouts of its own; rank 0's weights are every rank's (as DDP starts)
+        ranks.broadcast([policy, value_model])
+        random.seed(cfg.seed + ranks.rank)
+        np.random.seed(cfg.seed + ranks.rank)
+        torch.manual_seed(cfg.seed + ranks.rank)
     params = [p for m in (policy, value_model) for p in m.parameters() if p.requires_grad]
     # The stage's TrainingArguments, as a TRL stage's: what an optimizer_factory and the callbacks receive (steps are updates).
     args = TrainingArguments(
@@ -484,11 +601,12 @@ def train(
 
     state = {"update": 0, "data_epoch": 0, "data_index": 0, "metrics": {}}
     if checkpoint := last_checkpoint(work_dir):
-        state = _load_checkpoint(Path(checkpoint), policy, value_model, optimizer, scheduler)
-    for stale in work_dir.glob(".checkpoint-*.tmp") if work_dir.is_dir() else []:
+        state = _load_checkpoint(Path(checkpoint), policy, value_model, optimizer, scheduler, ranks.rank)
+    ranks.barrier()
+    for stale in work_dir.glob(".checkpoint-*.tmp") if work_dir.is_dir() and ranks.main else []:
         shutil.rmtree(stale, ignore_errors=True)
     samples = work_dir / "samples.jsonl"  # beside the checkpoints, so a resumed run keeps the tables written before it
-    if samples.is_file():  # tables of updates after the checkpoint are written again
+    if samples.is_file() and ranks.main:  # tables of updates after the checkpoint are written again
         kept = [line for line in samples.read_text().splitlines() if json.loads(line)["update"] <= state["update"]]
         samples.write_text("".join(line + "\n" for line in kept))
     prompt_ids = [render_prompt(tokenizer, p) for p in prompts]
@@ -503,10 +621,22 @@ def train(
 
     window: dict[str, list[float]] = {}
     metrics: dict[str, float] = state["metrics"]
-    progress = tqdm(range(state["update"] + 1, num_updates + 1), initial=state["update"], total=num_updates, desc="ppo", unit="update")
+    progress = tqdm(
+        range(state["update"] + 1, num_updates + 1),
+        initial=state["update"],
+        total=num_updates,
+        desc="ppo",
+        unit="update",
+        disable=not ranks.main or bool(os.environ.get("TQDM_DISABLE")),
+    )
     progress_log = Progress("ppo", num_updates, state["update"])
     hooks = Hooks(cfg.user_callbacks(), args, num_updates, state["update"], model=policy, processing_class=tokenizer, optimizer=optimizer,
                   lr_scheduler=scheduler, train_dataloader=None, eval_dataloader=None)  # fmt: skip
+    hooks.state.is_world_process_zero, hooks.state.is_local_process_zero = ranks.main, ranks.local == 0
+    if ranks.world > 1 and ranks.main:
+        PROGRESS.info(
+            f"ppo: world size {ranks.world} (data-parallel, {'gloo' if device.type == 'cpu' else 'nccl'}), {local_batch} rollouts per rank per update"
+        )
     hooks("on_train_begin")
     started, first = time.monotonic(), state["update"]
     update = first
@@ -517,7 +647,7 @@ def train(
                 for group, base in zip(optimizer.param_groups, base_lrs):
                     group["lr"] = base * factor
             lr = optimizer.param_groups[0]["lr"]
-            rows = next_rows()
+            rows = next_rows()[ranks.rank :: ranks.world]  # this rank's share of the rollout batch
 
             # 1. Roll out, score, and turn the scores into per-token advantages.
             with torch.no_grad(), autocast():
@@ -546,7 +676,7 @@ def train(
             # 2. `num_ppo_epochs` passes over shuffled mini-batches (Schulman et al. 2017, Algorithm 1).
             stats: dict[str, list[float]] = {name: [] for name in ("policy_loss", "value_loss", "clipfrac", "approx_kl", "value_clipfrac", "ratio")}
             for _ in range(cfg.num_ppo_epochs):
-                for idx in torch.randperm(batch_size, device=device).split(mini_batch_size):
+                for idx in torch.randperm(local_batch, device=device).split(local_batch // cfg.num_mini_batches):
                     mini = {k: v[idx] for k, v in inputs.items()}
                     with autocast():
                         new_logprobs, _ = _response_logprobs(policy, mini, width, cfg.temperature)
@@ -556,6 +686,7 @@ def train(
                     ratio = masked_mean(torch.exp(new_logprobs.detach() - logprobs[idx]), mask[idx])
                     optimizer.zero_grad(set_to_none=True)
                     scaler.scale(pg_loss + cfg.vf_coef * vf_loss).backward()
+                    ranks.average_gradients(params)
                     scaler.unscale_(optimizer)
                     torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
                     scaler.step(optimizer)
@@ -585,12 +716,13 @@ def train(
                 window.setdefault(name, []).append(value)
             progress.set_postfix(reward=f"{current['reward']:.3f}", kl=f"{current['kl']:.3f}")
             if update % cfg.logging_steps == 0 or update == num_updates:
-                metrics, window = {f"ppo/train/{name}": sum(v) / len(v) for name, v in window.items()}, {}
-                progress_log.log(update, {k: metrics[k] for k in ("ppo/train/reward", "ppo/train/kl")})
-                if log_metrics is not None:
-                    log_metrics(metrics, update)
+                metrics, window = ranks.mean({f"ppo/train/{name}": sum(v) / len(v) for name, v in window.items()}), {}
+                if ranks.main:
+                    progress_log.log(update, {k: metrics[k] for k in ("ppo/train/reward", "ppo/train/kl")})
+                    if log_metrics is not None:
+                        log_metrics(metrics, update)
                 hooks("on_log", logs={name.removeprefix("ppo/train/"): value for name, value in metrics.items()})
-            if sample_every and (update - 1) % sample_every == 0:
+            if sample_every and (update - 1) % sample_every == 0 and ranks.main:
                 table = [
                     {
                         "update": update, "prompt": prompts[i], "completion": tokenizer.decode(responses[j]), "ended": bool(ended[j]),
@@ -601,10 +733,10 @@ def train(
                 work_dir.mkdir(parents=True, exist_ok=True)
                 with samples.open("a") as f:
                     f.writelines(json.dumps(row) + "\n" for row in table)
-            stop = hooks.control.should_training_stop  # a callback ended training: publish what we have, as the Trainer does
+            stop = ranks.any(hooks.control.should_training_stop)  # a callback ended training: publish what we have, as the Trainer does
             if update % cfg.save_steps == 0 or update == num_updates or hooks.control.should_save:
                 state.update(update=update, metrics=metrics)
-                _save_checkpoint(work_dir, update, policy, value_model, optimizer, scheduler, state)
+                _save_checkpoint(work_dir, update, policy, value_model, optimizer, scheduler, state, ranks)
                 hooks.control.should_save = False
                 hooks("on_save")
             if stop:
@@ -613,13 +745,14 @@ def train(
     # The closing summary the Trainer logs too, then the end of training.
     hooks("on_log", logs={"train_runtime": time.monotonic() - started, "train_updates": update - first})
     hooks("on_train_end")
-    write_outcome(out_dir, update, num_updates)
-
-    save_model(policy, tokenizer, out_dir / "model", keep_adapter=cfg.lora.keep_adapter)
-    if cfg.save_value_model:
-        save_model(value_model, tokenizer, out_dir / "value_model")
-    if samples.is_file():
-        shutil.copyfile(samples, out_dir / "samples.jsonl")
+    if ranks.main:  # the weights are the same on every rank
+        write_outcome(out_dir, update, num_updates)
+        save_model(policy, tokenizer, out_dir / "model", keep_adapter=cfg.lora.keep_adapter)
+        if cfg.save_value_model:
+            save_model(value_model, tokenizer, out_dir / "value_model")
+        if samples.is_file():
+            shutil.copyfile(samples, out_dir / "samples.jsonl")
+    ranks.close()
     return metrics
 
 

@@ -90,3 +90,34 @@ def test_a_config_a_rank_refuses_fails_at_once_with_the_same_error(ctx, data, tm
     config = DpoConfig.model_construct(**{**dict(DpoConfig(max_steps=2, **FAST)), "ref_model_quantization": "8bit"})
     with pytest.raises(ValueError, match=r"(?s)dpo \(rank [01]\): .*ref_model_quantization='8bit' needs bitsandbytes"):
         train_stage("dpo", config, {}, {"data": data, "sft": sft}, ctx)
+
+
+def test_ppo_on_two_ranks_resumes_a_killed_rank_to_the_same_weights_as_an_unbroken_run(ctx, data, tmp_path, caplog):
+    from safetensors.torch import load_file
+
+    from rlhf_pipeline.trainers.base import load_base_model
+    from rlhf_pipeline.trainers.common import save_model
+    from rlhf_pipeline.trainers.ppo import PpoConfig
+    from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, RewardsConfig
+
+    caplog.set_level(logging.INFO, logger="rlhf")
+    policy, tokenizer = load_base_model(SMALL_MODEL)
+    save_model(policy, tokenizer, tmp_path / "sft" / "model")
+    inputs = {"data": data, "sft": ArtifactRef(stage="sft", key="s", uri=str(tmp_path / "sft"))}
+    rewards = {"rewards": RewardsConfig(reward_model_weight=0, functions=[RewardFunctionSpec(path="tests.helpers:length_reward")])}
+    fast = dict(rollout_batch_size=8, num_mini_batches=2, num_ppo_epochs=1, total_episodes=32, response_length=4, logging_steps=1, save_steps=2, seed=3)
+    unbroken = train_stage("ppo", PpoConfig(**fast), rewards, inputs, ctx)
+    assert "ppo: world size 2 (data-parallel, gloo), 4 rollouts per rank per update" in caplog.messages
+    # Killed on rank 1 at update 3 (after checkpoint-2, which holds both ranks' RNG), then retried: the same weights.
+    kill = CallbackSpec(path="tests.user_code:KillAtStep", kwargs={"step": 3, "rank": 1, "once": str(tmp_path / "killed")})
+    config = PpoConfig(**fast, callbacks=[kill])
+    with pytest.raises(RuntimeError, match="ppo: accelerate launch exited"):
+        train_stage("ppo", config, rewards, inputs, ctx)
+    work = next(p for p in (tmp_path / "artifacts" / "ppo" / ".work").iterdir() if (p / "checkpoint-2").is_dir())
+    assert {"rng.pt", "rng-1.pt"} <= {f.name for f in (work / "checkpoint-2").iterdir()}
+    assert launched_processes(work) == []
+    resumed = train_stage("ppo", config, rewards, inputs, ctx)
+    assert MlflowClient().get_run(resumed.mlflow_run_id).data.tags["rlhf.resumed_from"] == "checkpoint-2"
+    weights = {name: load_file(ref.path / "model" / "model.safetensors") for name, ref in (("unbroken", unbroken.ref), ("resumed", resumed.ref))}
+    assert all((weights["unbroken"][k] == weights["resumed"][k]).all() for k in weights["unbroken"])
+    assert resumed.metrics["ppo/train/reward"] == pytest.approx(unbroken.metrics["ppo/train/reward"])
