@@ -190,13 +190,13 @@ PipelineParams = create_model(
 
 def parameter_order() -> list[str]:
     """The flow's parameters as a person reads them: the run's settings, then the stages in pipeline order
-    (`rewards` just before the first online stage), then `retry`."""
+    (`rewards` just before the first online stage), then `retry` and `launch`."""
     order = ["algorithm", "preset", "experiment_name", "no_cache", "model"]
     for stage in STAGES:
         if stage.online and "rewards" not in order:
             order.append("rewards")
         order.append(stage.name)
-    return [*order, "retry"]
+    return [*order, "retry", "launch"]
 
 
 def preset_path(preset: str) -> Path:

@@ -4,8 +4,8 @@
         -m rlhf_pipeline.trainers.launch <work_dir>/launch.json
 
 The parent (this module, in the Prefect task) writes the stage's resolved arguments to `launch.json`, starts the
-launcher in a process group of its own, streams every line into the task's log, forwards rank 0's metrics to
-`log_metrics`, and kills the whole group on timeout, cancellation, a failed rank or any error of its own. Rank 0
+launcher in the flow run's process group, streams every line into the task's log, forwards rank 0's metrics to
+`log_metrics`, and kills every process of the launch on timeout, cancellation, a failed rank or any error of its own. Rank 0
 saves the model into the stage's temporary directory; the parent then publishes it and writes the manifest
 exactly as for an in-process build (`tasks.stage.run_stage`). A retry resumes from the newest complete checkpoint
 in the work directory, which every attempt shares.
@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from importlib import resources
@@ -114,20 +115,22 @@ def run_launched(
     command = launch.command(spec)
     env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1", "RLHF_STAGE": stage}
     log(f"{stage}: {' '.join(command[2:])}")
+    # In the flow run's process group, so that a runner cancelling the run (SIGTERM to the group) or Ctrl-C reaches every rank.
     process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env, start_new_session=True, preexec_fn=_die_with_parent
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env, preexec_fn=_die_with_parent
     )  # fmt: skip
+    ranks = Tree(process.pid)
     tail: deque[str] = deque(maxlen=30)
     try:
-        _stream(process, stage, log, log_metrics, tail)
+        _stream(process, ranks, log, log_metrics, tail)
         returncode = process.wait()
     except BaseException:
-        kill_group(process, launch.kill_grace_seconds, log, stage)
+        ranks.kill(launch.kill_grace_seconds, log, stage)
         raise
     finally:
         if process.stdout is not None:
             process.stdout.close()
-    kill_group(process, launch.kill_grace_seconds, log, stage)  # ranks the launcher left behind, if any
+    ranks.kill(launch.kill_grace_seconds, log, stage)  # ranks the launcher left behind, if any
     error = work_dir / ERROR_FILE
     if error.is_file():
         reported = json.loads(error.read_text())
@@ -138,12 +141,51 @@ def run_launched(
     return json.loads((work_dir / RESULT_FILE).read_text())
 
 
-def _stream(process: subprocess.Popen, stage: str, log, log_metrics, tail: deque) -> None:
+class Tree:
+    """The launcher and every process under it, remembered as they appear: a rank whose parent died is still found."""
+
+    def __init__(self, pid: int):
+        import psutil
+
+        self.root = psutil.Process(pid)
+        self.known = {self.root}
+
+    def refresh(self) -> None:
+        import psutil
+
+        with contextlib.suppress(psutil.Error):
+            self.known |= set(self.root.children(recursive=True))
+
+    def kill(self, grace: float, log: Callable[[str], None], stage: str) -> None:
+        """SIGTERM to every process of the tree, then SIGKILL to those alive after `grace` seconds."""
+        import psutil
+
+        self.refresh()
+        alive = [p for p in self.known if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        for process in alive:
+            with contextlib.suppress(psutil.Error):
+                process.terminate()
+        _, left = psutil.wait_procs(alive, timeout=grace)
+        for process in left:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+        if left:
+            log(f"{stage}: killed {len(left)} process(es) of the launch that outlived SIGTERM by {grace:.0f}s")
+        psutil.wait_procs(left, timeout=5)
+
+
+def _stream(process: subprocess.Popen, ranks: Tree, log, log_metrics, tail: deque) -> None:
     """Every line of the ranks into the log, metrics lines into `log_metrics`. Polls, so that a Prefect timeout or
-    cancellation raised into this thread is seen between lines."""
+    cancellation raised into this thread is seen between lines, and ends when the flow run's main thread has ended."""
     selector = selectors.DefaultSelector()
     selector.register(process.stdout, selectors.EVENT_READ)
+    checked = 0.0
     while True:
+        if time.monotonic() - checked > 2:
+            ranks.refresh()
+            checked = time.monotonic()
+            if not threading.main_thread().is_alive():  # the process is shutting down (e.g. the run was cancelled)
+                raise RuntimeError("the flow run's process is exiting: stopping the launched ranks")
         if not selector.select(timeout=0.5):
             if process.poll() is not None:
                 break
@@ -158,36 +200,6 @@ def _stream(process: subprocess.Popen, stage: str, log, log_metrics, tail: deque
         elif line.strip():
             tail.append(line)
             log(line)
-
-
-def kill_group(process: subprocess.Popen, grace: float, log: Callable[[str], None], stage: str) -> None:
-    """SIGTERM to the launcher's process group (every rank), then SIGKILL to what is left after `grace` seconds."""
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):
-        return  # the group is gone
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and _group_alive(process.pid):
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(0.2)
-    if _group_alive(process.pid):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
-        log(f"{stage}: killed the ranks of process group {process.pid} that outlived SIGTERM by {grace:.0f}s")
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(5)
-
-
-def _group_alive(pgid: int) -> bool:
-    import psutil
-
-    alive = False
-    for proc in psutil.process_iter(["pid"]):
-        with contextlib.suppress(psutil.Error):
-            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
-                alive = True
-                break
-    return alive
 
 
 def _die_with_parent() -> None:

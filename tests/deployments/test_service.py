@@ -5,6 +5,7 @@ Every process is started here, binds 127.0.0.1 and is stopped by its pid.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -160,3 +161,34 @@ def test_rlhf_up_starts_prefect_mlflow_and_serve_and_stops_them_all(tmp_path):
     assert up.returncode == 0
     still_running = [pid for pid in started if Path(f"/proc/{pid}").exists()]
     assert still_running == []
+
+
+def test_cancelling_a_flow_run_stops_every_rank_of_a_launched_stage(service):
+    import time
+
+    import psutil
+    from prefect.states import Cancelling
+
+    def launched() -> list[psutil.Process]:
+        found = []
+        for process in psutil.process_iter(["cmdline"]):
+            with contextlib.suppress(psutil.Error):
+                if "rlhf_pipeline.trainers.launch" in " ".join(process.info["cmdline"] or []):
+                    found.append(process)
+        return found
+
+    full = deployment(service, "rlhf/full")
+    endless = {**TINY_RUN, "sft": {"max_steps": 100_000, "logging_steps": 10, "save_steps": 100_000}, "launch": {"launcher": "accelerate", "num_processes": 2}}
+    with service["client"]() as client:
+        run = client.create_flow_run_from_deployment(full.id, parameters=endless)
+    deadline = time.time() + 300
+    while len([p for p in launched() if "RANK" in p.environ()]) < 2:  # both ranks of sft are training
+        assert time.time() < deadline, explain(service, wait_for(service, run.id, timeout=1))
+        time.sleep(1)
+    ranks = launched()
+    with service["client"]() as client:
+        client.set_flow_run_state(run.id, Cancelling(), force=True)
+    cancelled = wait_for(service, run.id, timeout=120)
+    assert cancelled.state.type.value == "CANCELLED", explain(service, cancelled)
+    gone, alive = psutil.wait_procs(ranks, timeout=30)
+    assert alive == [] and launched() == [], [p.pid for p in alive]

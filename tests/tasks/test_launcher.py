@@ -45,7 +45,7 @@ def launched_processes(spec_dir) -> list[psutil.Process]:
     return found
 
 
-def test_sft_trains_on_two_ranks_and_publishes_as_in_process(ctx, data, caplog):
+def test_sft_and_dpo_train_on_two_ranks_and_publish_as_in_process(ctx, data, caplog):
     caplog.set_level(logging.INFO, logger="rlhf")
     config = SftConfig(max_steps=4, **{**FAST, "per_device_train_batch_size": 8})
     outcome = train_stage("sft", config, {"model": SMALL_MODEL}, {"data": data}, ctx)
@@ -57,6 +57,13 @@ def test_sft_trains_on_two_ranks_and_publishes_as_in_process(ctx, data, caplog):
     metrics = MlflowClient().get_run(outcome.mlflow_run_id).data.metrics
     assert metrics["sft/train/loss"] == manifest["metrics"]["sft/train/loss"]
     assert train_stage("sft", config, {"model": SMALL_MODEL}, {"data": data}, ctx).cached  # the launcher is not part of the key
+    # dpo from that sft artifact, on two ranks as well.
+    from rlhf_pipeline.trainers.dpo import DpoConfig
+
+    caplog.clear()
+    dpo = train_stage("dpo", DpoConfig(max_steps=2, **{**FAST, "per_device_train_batch_size": 8}), {}, {"data": data, "sft": outcome.ref}, ctx)
+    assert "dpo: world size 2 (distributed, gloo)" in caplog.messages
+    assert dpo.ref.manifest()["training"]["global_step"] == 2 and (dpo.ref.path / "model" / "model.safetensors").is_file()
 
 
 def test_a_rank_killed_mid_stage_fails_the_stage_leaves_no_process_and_the_retry_resumes(ctx, data, tmp_path, caplog):
