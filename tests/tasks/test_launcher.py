@@ -128,3 +128,23 @@ def test_ppo_on_two_ranks_resumes_a_killed_rank_to_the_same_weights_as_an_unbrok
     weights = {name: load_file(ref.path / "model" / "model.safetensors") for name, ref in (("unbroken", unbroken.ref), ("resumed", resumed.ref))}
     assert all((weights["unbroken"][k] == weights["resumed"][k]).all() for k in weights["unbroken"])
     assert resumed.metrics["ppo/train/reward"] == pytest.approx(unbroken.metrics["ppo/train/reward"])
+
+
+def test_engine_configs_and_the_kubernetes_job_template_ship_with_the_package():
+    import json
+
+    import yaml
+
+    from rlhf_pipeline.tasks.launcher import ENGINE_DIR, ENGINES
+
+    kinds = {name: yaml.safe_load((ENGINE_DIR / f"{name}.yaml").read_text()) for name in ENGINES}
+    assert {name: kind["distributed_type"] for name, kind in kinds.items()} == {"ddp": "MULTI_GPU", "zero2": "DEEPSPEED", "zero3": "DEEPSPEED", "fsdp2": "FSDP"}
+    assert kinds["zero3"]["deepspeed_config"]["zero3_save_16bit_model"] and kinds["fsdp2"]["fsdp_config"]["fsdp_version"] == 2
+    assert all(kind["mixed_precision"] == "no" for kind in kinds.values())  # each stage's bf16/fp16 decides
+    template = json.loads((ENGINE_DIR.parent / "kubernetes" / "gpu-job-template.json").read_text())
+    container = template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "{{ gpus }}"
+    assert {"name": "rlhf-state", "mountPath": "/state"} in container["volumeMounts"]
+    assert template["variables"]["properties"]["env"]["default"]["RLHF_STATE_DIR"] == "/state"
+    with pytest.raises(ValueError, match="launch.engine='zero4' is neither one of ddp, zero2, zero3, fsdp2 nor an accelerate config file"):
+        LaunchConfig(engine="zero4")
