@@ -4,6 +4,8 @@
     python -m bench.gpu_launch --engine zero2
     python -m bench.gpu_launch --tiny          # the same pipeline on a CPU: a 2-layer model, 2 gloo processes (a dry run)
 
+With vLLM installed (`pip install '.[vllm]'`), grpo runs a second time with `grpo.use_vllm=true`.
+
 Nothing is downloaded: the model folder is built from Qwen2.5-0.5B's configuration (hidden 896, 24 layers, 14 heads,
 2 KV heads, vocabulary 151936, tied embeddings) with random weights, and a ChatML tokenizer is trained locally with
 `tokenizers`; the data is the tests' conversational set without references. It prints, per stage, the state, the
@@ -76,8 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     env.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{out / 'mlflow.db'}")
     rows = []
     with open(out / "run.log", "w") as log:
-        for algorithm in ("dpo", "grpo"):
-            command = [sys.executable, "-m", "rlhf_pipeline.flows.cli", "run", *(f"--set={item}" for item in [*common, f"algorithm={algorithm}"])]
+        import importlib.util
+
+        runs = {"dpo": ["algorithm=dpo"], "grpo": ["algorithm=grpo"]}
+        if importlib.util.find_spec("vllm") is not None:  # pip install '.[vllm]': grpo once more with vLLM rollouts
+            runs["grpo-vllm"] = ["algorithm=grpo", "grpo.use_vllm=true"]
+        for algorithm, extra in runs.items():
+            command = [sys.executable, "-m", "rlhf_pipeline.flows.cli", "run", *(f"--set={item}" for item in [*common, *extra])]
             started = time.time()
             done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True)
             log.write(done.stdout + done.stderr)

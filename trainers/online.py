@@ -24,6 +24,22 @@ class OnlineConfig(TrainingConfig):
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of the rollouts.")
     num_iterations: int = Field(1, ge=1, description="Optimisation passes over each generated batch (mu).")
     epsilon: float = Field(0.2, gt=0, description="Clipping range of the policy ratio.")
+    use_vllm: bool = Field(
+        False,
+        description="Generate the rollouts with vLLM in the training processes (TRL's colocate mode; CUDA GPU, the [vllm] extra). Off: transformers' generate.",
+    )
+    vllm_gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="Share of each GPU's memory vLLM may take (colocate mode).")
+
+    @model_validator(mode="after")
+    def _vllm_installed(self):
+        if self.use_vllm:
+            import importlib.util
+
+            if importlib.util.find_spec("vllm") is None:
+                raise ValueError(
+                    "use_vllm=true needs vLLM, which is not installed: pip install 'rlhf-pipeline[vllm]' (the vLLM TRL 1.16 supports) on a CUDA machine"
+                )
+        return self
 
     @model_validator(mode="after")
     def _group_fits_the_batch(self):
@@ -43,6 +59,16 @@ class OnlineConfig(TrainingConfig):
     def trl_kwargs(self) -> dict[str, Any]:
         """Fields specific to the algorithm (each subclass adds its own)."""
         return {}
+
+    def vllm_kwargs(self) -> dict[str, Any]:
+        """TRL's vLLM settings: colocated with training, in the same processes (no separate server to run)."""
+        if not self.use_vllm:
+            return {"use_vllm": False}
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("use_vllm=true: vLLM generates on a CUDA GPU, and this machine trains on cpu")
+        return {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": self.vllm_gpu_memory_utilization}
 
 
 def train(
@@ -77,6 +103,7 @@ def train(
         epsilon=cfg.epsilon,
         reward_weights=reward_weights,
         **cfg.trl_kwargs(),
+        **cfg.vllm_kwargs(),
     )
     policy, tokenizer = load_causal_lm(sft_model)
     # TRL sets temperature, top_k, top_p and repetition_penalty from the config but leaves the rest (min_p,

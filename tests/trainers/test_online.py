@@ -66,3 +66,19 @@ def test_broken_reward_function_fails_before_training(tmp_path, sft_dir, monkeyp
     with pytest.raises(ValueError, match="'broken_reward:score' raised on a sample of 4 rows: KeyError"):
         rloo.train(rloo.RlooConfig(**ONLINE), bad, sft_dir, None, data, tmp_path / "out", tmp_path / "work")
     assert not (tmp_path / "work").exists()
+
+
+def test_vllm_rollouts_need_vllm_and_a_gpu_and_say_so_before_any_weights_load(tmp_path, sft_dir):
+    import importlib.util
+
+    import torch
+
+    assert importlib.util.find_spec("vllm") is None  # this machine: the parameters name the extra to install
+    with pytest.raises(ValidationError, match=r"use_vllm=true needs vLLM, which is not installed: pip install 'rlhf-pipeline\[vllm\]'"):
+        grpo.GrpoConfig(use_vllm=True)
+    if not torch.cuda.is_available():  # with vLLM installed on a CPU machine, the stage names the missing device
+        cfg = rloo.RlooConfig.model_construct(**{**dict(rloo.RlooConfig(**ONLINE)), "use_vllm": True})
+        rewards = RewardsConfig(reward_model_weight=0, functions=[RewardFunctionSpec(path="tests.helpers:length_reward")])
+        with pytest.raises(ValueError, match="use_vllm=true: vLLM generates on a CUDA GPU, and this machine trains on cpu"):
+            rloo.train(cfg, rewards, sft_dir, None, write_data_dir(tmp_path / "data", rows=16), tmp_path / "out", tmp_path / "work")
+        assert not (tmp_path / "out").exists()

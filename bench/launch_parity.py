@@ -1,0 +1,101 @@
+"""The accelerate launcher against the in-process run on the embedded default: sft, then dpo and ppo from it, side by side.
+
+    python -m bench.launch_parity                  # 2 CPU processes (gloo) against one process; ~6 minutes on 2 cores
+    python -m bench.launch_parity --processes 4
+
+Each stage is trained twice with the tiny preset's settings, interleaved: once in this process and once under
+`accelerate launch` with the same global batch (per-device batch / processes for sft and dpo; ppo's rollout batch is
+global already). Every model is then scored by greedy held-out exact match on the bundled `prompts_eval`, and the
+table shows seconds, exact match with its 95% interval, and the launched run's difference in points.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def exact_match(model_dir: Path, prompts: list, answers: list) -> tuple[float, float, float]:
+    from rlhf_pipeline.trainers.common import load_causal_lm
+    from rlhf_pipeline.trainers.metrics import bootstrap_mean
+    from rlhf_pipeline.trainers.sort_task import exact_match as score
+    from rlhf_pipeline.trainers.text import generate
+
+    model, tokenizer = load_causal_lm(model_dir)
+    correct = score(prompts, generate(model, tokenizer, prompts, max_new_tokens=12, batch_size=200), answer=answers)
+    interval = bootstrap_mean(correct, n_bootstrap=1000, seed=0)
+    return interval.mean, interval.low, interval.high
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--keep", type=Path, default=None, help="keep the models here (default: a temporary folder)")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+
+    from rlhf_pipeline.flows.params import load_params
+    from rlhf_pipeline.tasks.launcher import LaunchConfig, run_launched
+    from rlhf_pipeline.trainers.common import load_split
+    from tests.helpers import write_data_dir
+
+    params = load_params("tiny")
+    root = args.keep or Path(tempfile.mkdtemp(prefix="launch-parity-"))
+    data = write_data_dir(root / "data", rows=10**9)
+    held_out = load_split(data, "prompts_eval")
+    prompts, answers = held_out["prompt"], held_out["answer"]
+    launch = LaunchConfig(launcher="accelerate", num_processes=args.processes)
+    per_device = {
+        stage: getattr(params, stage).model_copy(update={"per_device_train_batch_size": getattr(params, stage).per_device_train_batch_size // args.processes})
+        for stage in ("sft", "dpo")
+    }
+    rows = []
+
+    def build(stage: str, mode: str, arguments: dict) -> Path:
+        import importlib
+
+        out, work = root / mode / stage, root / mode / f"{stage}-work"
+        shutil.rmtree(work, ignore_errors=True)
+        arguments = {**arguments, "data_dir": data, "out_dir": out, "work_dir": work}
+        started = time.perf_counter()
+        if mode == "inprocess":
+            importlib.import_module(f"rlhf_pipeline.trainers.{stage}").train(**arguments)
+        else:
+            run_launched(stage, f"rlhf_pipeline.trainers.{stage}", arguments, work, lambda values, step: None, lambda line: None, launch)
+        seconds = time.perf_counter() - started
+        value, low, high = exact_match(out / "model", prompts, answers)
+        rows.append({"stage": stage, "mode": mode, "seconds": seconds, "exact_match": value, "low": low, "high": high})
+        print(f"{stage:4} {mode:10} {seconds:7.1f}s  exact match {value:.3f} [{low:.3f}, {high:.3f}]", flush=True)
+        return out / "model"
+
+    sft = {
+        "inprocess": build("sft", "inprocess", {"cfg": params.sft, "model": params.model}),
+        "accelerate": build("sft", "accelerate", {"cfg": per_device["sft"], "model": params.model}),
+    }
+    for mode in ("inprocess", "accelerate"):
+        build("dpo", mode, {"cfg": params.dpo if mode == "inprocess" else per_device["dpo"], "sft_model": sft[mode]})
+    for mode in ("inprocess", "accelerate"):
+        build("ppo", mode, {"cfg": params.ppo, "rewards": params.rewards, "sft_model": sft[mode], "reward_model": None})
+
+    print(f"\n{args.processes} processes (gloo on CPU) against 1, the same global batch; held-out exact match on {len(prompts)} prompts")
+    print("stage  in-process        launched          difference  time ratio")
+    for stage in ("sft", "dpo", "ppo"):
+        one, many = (next(r for r in rows if r["stage"] == stage and r["mode"] == mode) for mode in ("inprocess", "accelerate"))
+        points = 100 * (many["exact_match"] - one["exact_match"])
+        print(
+            f"{stage:5}  {one['exact_match']:.3f} ({one['seconds']:5.1f}s)  {many['exact_match']:.3f} ({many['seconds']:5.1f}s)"
+            f"  {points:+6.1f} pts  {many['seconds'] / one['seconds']:5.2f}x"
+        )
+    if args.keep is None:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
