@@ -93,6 +93,26 @@ class RunSettings(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _adapter_handoff_chosen(self):
+        """sft that keeps its LoRA adapter hands it on merged or stacked: each stage after it says which, before anything trains."""
+        if self.sft.lora.handoff is not None:
+            raise ValueError("sft.lora.handoff: sft starts from the base model; handoff is chosen by the stages after it")
+        if not (self.sft.lora.enabled and self.sft.lora.keep_adapter):
+            return self
+        for stage in self.plan():
+            lora = getattr(self.config(stage), "lora", None)
+            if lora is None or stage == "sft" or "sft" not in BY_NAME[stage].upstream:
+                continue
+            if lora.handoff is None:
+                raise ValueError(
+                    f"sft keeps its LoRA adapter (sft.lora.keep_adapter=true): choose how {stage} continues from it: {stage}.lora.handoff=merge "
+                    "(folded into the weights) or stack (the adapter trains on, a frozen copy is the reference)"
+                )
+            if stage == "rm" and lora.handoff == "stack":
+                raise ValueError("rm.lora.handoff=stack: the reward model starts from sft's adapter merged (a score head is added): use merge")
+        return self
+
+    @model_validator(mode="after")
     def _held_out_data_given(self):
         """A stage that evaluates while it trains needs its held-out dataset in the data block."""
         given = self.config("data").sources()

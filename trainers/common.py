@@ -74,7 +74,14 @@ class LoraConfig(StrictModel):
     target_modules: str | list[str] = Field("all-linear", description="Modules that get adapters ('all-linear' or names).")
     keep_adapter: bool = Field(
         False,
-        description="Save the adapter alone (adapter_model.safetensors) instead of merging it; later stages then need the base model by hub id or path.",
+        description="Save the adapter alone (adapter_model.safetensors) instead of merging it; the base model is found by its hub id or "
+        "path, or saved beside the adapter (model/base) when it has neither (the tiny model). Later stages then choose `handoff`.",
+    )
+    handoff: Literal["merge", "stack"] | None = Field(
+        None,
+        description="How this stage continues from an upstream stage that kept its LoRA adapter (sft.lora.keep_adapter): 'merge' folds it "
+        "into the weights (then this block's own LoRA, if enabled, trains on top); 'stack' trains that adapter on, with a frozen copy "
+        "of it as the reference (TRL's 'ref' adapter; this block's r/alpha do not apply). Must be chosen when the upstream kept one.",
     )
 
     def peft_config(self, task_type: str = "CAUSAL_LM"):
@@ -441,11 +448,66 @@ def tokenizer_digest(folder: str | Path) -> str:
     return digest.hexdigest()[:32] if found else ""
 
 
-def load_causal_lm(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A model written by an earlier stage (`<artifact>/model`)."""
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def has_adapter(folder: str | Path) -> bool:
+    """The folder holds a LoRA adapter (a stage with lora.keep_adapter), not a whole model."""
+    return (Path(folder) / ADAPTER_CONFIG).is_file()
+
+
+def load_causal_lm(path: str | Path, handoff: str | None = "merge") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A model written by an earlier stage (`<artifact>/model`). An adapter folder is loaded onto its base and merged
+    (`handoff="merge"`, what evaluation and references read), or kept as a trainable peft adapter (`"stack"`)."""
     from transformers import AutoModelForCausalLM
 
+    if has_adapter(path):
+        return load_adapter_model(path, AutoModelForCausalLM, handoff), load_tokenizer(path)
     return AutoModelForCausalLM.from_pretrained(str(path), use_safetensors=True), load_tokenizer(path)
+
+
+def upstream_policy(sft_model: Path, lora: LoraConfig, task_type: str = "CAUSAL_LM"):
+    """The policy a stage starts from, and the peft config to hand its TRL trainer: an upstream adapter merged (then this stage's
+    own LoRA, if any) or stacked (trained on; TRL keeps a frozen 'ref' copy as the reference, and takes no new peft config)."""
+    if has_adapter(sft_model) and lora.handoff is None:
+        raise ValueError(f"{sft_model} holds sft's LoRA adapter (sft.lora.keep_adapter): choose lora.handoff=merge or stack for this stage")
+    policy, tokenizer = load_causal_lm(sft_model, lora.handoff or "merge")
+    stacked = has_adapter(sft_model) and lora.handoff == "stack"
+    return policy, tokenizer, None if stacked else lora.peft_config(task_type)
+
+
+def load_sequence_classifier(path: str | Path, num_labels: int = 1):
+    """A reward or value model from an earlier stage's folder: a whole model, or an adapter merged onto its base (a reward
+    model's adapter carries its score head; a causal LM's adapter gets a fresh one)."""
+    from transformers import AutoModelForSequenceClassification
+
+    if has_adapter(path):
+        return load_adapter_model(path, AutoModelForSequenceClassification, "merge", num_labels=num_labels)
+    return AutoModelForSequenceClassification.from_pretrained(str(path), num_labels=num_labels, use_safetensors=True)
+
+
+def load_adapter_model(folder: str | Path, auto_class, handoff: str | None, **kwargs):
+    """The base model (`<folder>/base`, else the adapter's `base_model_name_or_path`) with the folder's adapter on it."""
+    import json
+
+    from peft import PeftConfig, PeftModel
+
+    folder = Path(folder)
+    if handoff not in ("merge", "stack"):
+        raise ValueError(f"{folder} holds a LoRA adapter: choose how to continue from it (lora.handoff: merge or stack)")
+    base = folder / "base" if (folder / "base").is_dir() else json.loads((folder / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"{folder} holds a LoRA adapter whose base model is neither saved beside it (base/) nor named in {ADAPTER_CONFIG}")
+    config = PeftConfig.from_pretrained(str(folder))
+    if config.task_type == "CAUSAL_LM" and not auto_class.__name__.endswith("CausalLM"):
+        config.task_type = None  # a causal LM's adapter on a reward/value model's backbone: the same layers, no generation wrapper
+    model = auto_class.from_pretrained(str(base), use_safetensors=True, **kwargs)
+    model = PeftModel.from_pretrained(model, str(folder), config=config, is_trainable=handoff == "stack")
+    if handoff == "stack":
+        return model
+    merged = model.merge_and_unload()
+    merged.name_or_path = merged.config._name_or_path = ""  # no longer the named base: an adapter kept on it saves it (`_save_base`)
+    return merged
 
 
 def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: Path, keep_adapter: bool = False) -> Path:
@@ -455,8 +517,12 @@ def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_d
     from rlhf_pipeline.trainers.templates import stop_token_ids
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    if "ref" in getattr(model, "peft_config", {}):  # TRL's frozen copy of a stacked adapter: the reference, not the result
+        model.delete_adapter("ref")
     if hasattr(model, "merge_and_unload") and not keep_adapter:
         model = model.merge_and_unload()
+    elif hasattr(model, "peft_config") and keep_adapter:
+        _save_base(model, out_dir)
     generation = getattr(model, "generation_config", None)
     if generation is not None and getattr(model, "can_generate", lambda: False)():
         stops = stop_token_ids(tokenizer)
@@ -465,6 +531,20 @@ def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_d
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+def _save_base(model, out_dir: Path) -> None:
+    """Beside a kept adapter, the base it applies to when nothing else names it (a model built in memory, or a stacked adapter's base
+    read from an upstream `base/`): later stages load the base from `<model>/base`."""
+    import copy
+
+    name = model.peft_config[model.active_adapter].base_model_name_or_path
+    if name and Path(name).name != "base":
+        return  # a hub id or a model folder of the user's: named in adapter_config.json
+    base = copy.deepcopy(model).unload()  # the base weights, adapters taken out
+    base.save_pretrained(out_dir / "base", safe_serialization=True)
+    for adapter in model.peft_config.values():
+        adapter.base_model_name_or_path = None  # found as base/ by `load_adapter_model`, wherever the artifact is
 
 
 def load_split(data_dir: Path, name: str):

@@ -71,7 +71,7 @@ def train(
 ) -> dict[str, float]:
     import trl
 
-    from rlhf_pipeline.trainers.common import load_causal_lm, load_split, stage_callbacks, train_and_save
+    from rlhf_pipeline.trainers.common import load_split, stage_callbacks, train_and_save, upstream_policy
 
     # The TRL config first: a combination TRL refuses fails before any weights load.
     args = trl.DPOConfig(
@@ -86,7 +86,7 @@ def train(
     ref_model = None
     if cfg.ref_model_quantization != "none":
         ref_model = quantized_reference(sft_model, cfg.ref_model_quantization)  # checks the device before loading anything
-    policy, tokenizer = load_causal_lm(sft_model)
+    policy, tokenizer, peft_config = upstream_policy(sft_model, cfg.lora)
     trainer = trl.DPOTrainer(
         model=policy,
         ref_model=ref_model,
@@ -95,7 +95,7 @@ def train(
         eval_dataset=load_split(data_dir, "preference_eval") if cfg.evaluates else None,
         compute_metrics=cfg.metrics_function(),
         processing_class=tokenizer,
-        peft_config=cfg.lora.peft_config(),
+        peft_config=peft_config,
         callbacks=stage_callbacks("dpo", log_metrics, cfg),
     )
     return train_and_save("dpo", trainer, tokenizer, cfg, work_dir, out_dir)

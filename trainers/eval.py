@@ -110,11 +110,10 @@ def evaluate(
     `out_dir`; returns the metrics `planned_metrics` names, with `_low`/`_high`
     95% bootstrap bounds on the gold metric and the win rates.
     """
-    from transformers import AutoModelForSequenceClassification
 
     from rlhf_pipeline.trainers import metrics as stats
     from rlhf_pipeline.trainers.base import load_base_model
-    from rlhf_pipeline.trainers.common import load_causal_lm, load_split, load_tokenizer
+    from rlhf_pipeline.trainers.common import load_causal_lm, load_sequence_classifier, load_split, load_tokenizer
 
     prompts_ds = load_split(data_dir, "prompts_eval")
     if cfg.max_prompts:
@@ -190,7 +189,7 @@ def evaluate(
     rewards: dict[str, list[float]] = {}
     win_rates: dict[str, stats.WinRate] = {}
     if reward_model is not None:
-        rm = AutoModelForSequenceClassification.from_pretrained(str(reward_model), use_safetensors=True)
+        rm = load_sequence_classifier(reward_model)
         rm_tokenizer = load_tokenizer(reward_model)
         for name in [n for n in completions if n != "base"]:
             rewards[name] = reward_scores(rm, rm_tokenizer, prompts, completions[name], cfg.batch_size)

@@ -63,7 +63,7 @@ def train(
     import trl
     from trl.data_utils import maybe_extract_prompt, unpair_preference_dataset
 
-    from rlhf_pipeline.trainers.common import load_causal_lm, load_split, stage_callbacks, train_and_save
+    from rlhf_pipeline.trainers.common import load_split, stage_callbacks, train_and_save, upstream_policy
 
     rows = load_split(data_dir, "preference")
     if "chosen" in rows.column_names and "rejected" in rows.column_names:
@@ -82,13 +82,13 @@ def train(
         undesirable_weight=cfg.undesirable_weight,
         loss_type=cfg.loss_type,
     )
-    policy, tokenizer = load_causal_lm(sft_model)
+    policy, tokenizer, peft_config = upstream_policy(sft_model, cfg.lora)
     trainer = trl.KTOTrainer(
         model=policy,
         args=args,
         train_dataset=rows,
         processing_class=tokenizer,
-        peft_config=cfg.lora.peft_config(),
+        peft_config=peft_config,
         callbacks=stage_callbacks("kto", log_metrics, cfg),
     )
     return train_and_save("kto", trainer, tokenizer, cfg, work_dir, out_dir)

@@ -85,7 +85,7 @@ def train(
     """Train with TRL's GRPOTrainer (`stage="grpo"`) or RLOOTrainer (`stage="rloo"`) on `prompts`."""
     import trl
 
-    from rlhf_pipeline.trainers.common import load_causal_lm, load_split, stage_callbacks, train_and_save
+    from rlhf_pipeline.trainers.common import load_split, stage_callbacks, train_and_save, upstream_policy
     from rlhf_pipeline.trainers.rewards import trl_reward_funcs
     from rlhf_pipeline.trainers.text import blank_generation_config
 
@@ -105,18 +105,22 @@ def train(
         **cfg.trl_kwargs(),
         **cfg.vllm_kwargs(),
     )
-    policy, tokenizer = load_causal_lm(sft_model)
+    policy, tokenizer, peft_config = upstream_policy(sft_model, cfg.lora)
     # TRL sets temperature, top_k, top_p and repetition_penalty from the config but leaves the rest (min_p,
     # typical_p, no_repeat_ngram_size...) to the checkpoint's generation_config: rollouts get a blank one,
     # which also names the stop tokens TRL reads (EOS and the template's end of turn); the saved policy keeps its own.
     shipped, policy.generation_config = policy.generation_config, blank_generation_config(policy, tokenizer)
+    from transformers import PreTrainedModel
+
     trainer = trainer_cls(
         model=policy,
         reward_funcs=reward_funcs,
+        # A reward model passed as a model (rm's adapter, merged) reads the policy's tokenizer, which it shares (checked at the edge).
+        reward_processing_classes=[tokenizer if isinstance(f, PreTrainedModel) else None for f in reward_funcs],
         args=args,
         train_dataset=prompts,
         processing_class=tokenizer,
-        peft_config=cfg.lora.peft_config(),
+        peft_config=peft_config,
         callbacks=stage_callbacks(stage, log_metrics, cfg),
     )
     return train_and_save(stage, trainer, tokenizer, cfg, work_dir, out_dir, generation_config=shipped)

@@ -518,9 +518,19 @@ def train(
     import numpy as np
     import torch
     from tqdm.auto import tqdm
-    from transformers import AutoModelForSequenceClassification, TrainingArguments
+    from transformers import TrainingArguments
 
-    from rlhf_pipeline.trainers.common import device_precision, last_checkpoint, load_causal_lm, load_split, load_tokenizer, save_model
+    from rlhf_pipeline.trainers.common import (
+        device_precision,
+        has_adapter,
+        last_checkpoint,
+        load_causal_lm,
+        load_sequence_classifier,
+        load_split,
+        load_tokenizer,
+        save_model,
+        upstream_policy,
+    )  # fmt: skip
     from rlhf_pipeline.trainers.custom import Hooks, make_optimizer, write_outcome
     from rlhf_pipeline.trainers.rewards import RewardScorer, as_completions
     from rlhf_pipeline.trainers.text import prompt_ids as render_prompt
@@ -560,16 +570,23 @@ def train(
     random.seed(cfg.seed)  # the same on every rank: the value head's fresh init must not differ between ranks
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    policy = load_causal_lm(sft_model)[0]  # in the dtype its folder was saved in (float32 unless model.dtype says otherwise)
-    reference = None  # under LoRA the reference is the policy with its adapters disabled
-    if cfg.lora.enabled:
+    # In the dtype its folder was saved in (float32 unless model.dtype says otherwise); an sft adapter merged or stacked (lora.handoff).
+    policy, _, peft_config = upstream_policy(sft_model, cfg.lora)
+    reference = None  # under LoRA the reference is the policy with its adapters disabled, or with the frozen copy of a stacked one
+    if peft_config is None and has_adapter(sft_model):  # stacked: the sft adapter trains on; a frozen copy of it is the reference
+        policy.add_adapter("ref", policy.peft_config["default"])
+        for name, param in policy.named_parameters():
+            if ".default." in name:
+                policy.get_parameter(name.replace(".default.", ".ref.")).data.copy_(param.data)
+        policy.set_adapter("default")
+    elif cfg.lora.enabled:
         import peft
 
-        policy = peft.get_peft_model(policy, cfg.lora.peft_config())
+        policy = peft.get_peft_model(policy, peft_config)
     else:
-        reference = load_causal_lm(sft_model)[0].requires_grad_(False)
+        reference = load_causal_lm(sft_model, cfg.lora.handoff)[0].requires_grad_(False)
     # Value model: the reward model, trained on (InstructGPT §3.5, N+ §7); else the SFT model with a fresh scalar head.
-    value_model = AutoModelForSequenceClassification.from_pretrained(str(reward_model or sft_model), num_labels=1, use_safetensors=True)
+    value_model = load_sequence_classifier(reward_model or sft_model)
     value_model.config.pad_token_id = tokenizer.pad_token_id
     for model in (policy, reference, value_model):  # eval(): dropout off (N+ §4), so rollout and update log-probs agree
         if model is not None:
@@ -654,7 +671,7 @@ def train(
                 inputs, mask, ended = _sample(policy, tokenizer, [prompt_ids[i] for i in rows], cfg, stops, device)
                 width = mask.shape[1]
                 logprobs, entropy = _response_logprobs(policy, inputs, width, cfg.temperature, with_entropy=True)
-                with policy.disable_adapter() if reference is None else contextlib.nullcontext():
+                with _reference_of(policy) if reference is None else contextlib.nullcontext():
                     ref_logprobs, _ = _response_logprobs(policy if reference is None else reference, inputs, width, cfg.temperature)
                 values = _response_values(value_model, inputs, width)
                 # The reward model reads the ids as sampled, up to and including the stop token (N+ §4): no decode and
@@ -754,6 +771,13 @@ def train(
             shutil.copyfile(samples, out_dir / "samples.jsonl")
     ranks.close()
     return metrics
+
+
+def _reference_of(policy):
+    """The reference policy, inside the LoRA policy: the frozen 'ref' copy of a stacked adapter, else the adapters disabled."""
+    from trl.trainer.utils import use_adapter
+
+    return use_adapter(policy, "ref" if "ref" in policy.peft_config else None)
 
 
 def named_optimizer(args, params: list, policy):

@@ -114,7 +114,14 @@ def trl_reward_funcs(cfg: RewardsConfig, reward_model: Path | None, sample: dict
     if cfg.uses_reward_model:
         if reward_model is None:
             raise ValueError("rewards.reward_model_weight > 0 but no reward model was trained")
-        funcs.append(str(reward_model))
+        from rlhf_pipeline.trainers.common import has_adapter, load_sequence_classifier, load_tokenizer
+
+        if has_adapter(reward_model):  # TRL loads a reward model by path only when it is whole: rm's adapter is merged here
+            merged = load_sequence_classifier(reward_model)
+            merged.config.pad_token_id = load_tokenizer(reward_model).pad_token_id
+            funcs.append(merged)
+        else:
+            funcs.append(str(reward_model))
         weights.append(cfg.reward_model_weight)
     return funcs, weights
 
@@ -149,11 +156,9 @@ class RewardScorer:
         if cfg.uses_reward_model:
             if reward_model is None:
                 raise ValueError("rewards.reward_model_weight > 0 but no reward model was trained")
-            from transformers import AutoModelForSequenceClassification
+            from rlhf_pipeline.trainers.common import load_sequence_classifier, load_tokenizer
 
-            from rlhf_pipeline.trainers.common import load_tokenizer
-
-            self.model = AutoModelForSequenceClassification.from_pretrained(str(reward_model), num_labels=1, use_safetensors=True)
+            self.model = load_sequence_classifier(reward_model)  # a whole model, or rm's adapter (with its score head) merged
             self.model.to(device).eval().requires_grad_(False)
             if self.model.config.pad_token_id is None:  # it pools the score at the last non-padding token
                 self.model.config.pad_token_id = load_tokenizer(reward_model).pad_token_id

@@ -33,9 +33,17 @@ def train(
 ) -> dict[str, float]:
     """Train a scalar reward head on `preference`; report pairwise accuracy on `preference_eval` if present."""
     import trl
-    from transformers import AutoModelForSequenceClassification
 
-    from rlhf_pipeline.trainers.common import final_train_metrics, fit, load_split, load_tokenizer, save_on_main, stage_callbacks
+    from rlhf_pipeline.trainers.common import (
+        final_train_metrics,
+        fit,
+        has_adapter,
+        load_sequence_classifier,
+        load_split,
+        load_tokenizer,
+        save_on_main,
+        stage_callbacks,
+    )
 
     # The TRL config first: a combination TRL refuses fails before any weights load.
     args = trl.RewardConfig(
@@ -45,7 +53,9 @@ def train(
         **cfg.eval_arguments(),
     )
     tokenizer = load_tokenizer(sft_model)
-    model = AutoModelForSequenceClassification.from_pretrained(str(sft_model), num_labels=1, use_safetensors=True)
+    if has_adapter(sft_model) and cfg.lora.handoff != "merge":
+        raise ValueError(f"{sft_model} holds sft's LoRA adapter: the reward model starts from it merged (rm.lora.handoff=merge; a score head is added)")
+    model = load_sequence_classifier(sft_model)
     model.config.pad_token_id = tokenizer.pad_token_id
     eval_path = data_dir / "datasets" / "preference_eval.parquet"
     eval_dataset = load_split(data_dir, "preference_eval") if eval_path.is_file() else None

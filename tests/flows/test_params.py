@@ -150,3 +150,22 @@ def test_evaluating_while_training_needs_a_held_out_dataset():
         load_params("tiny", ["algorithm=dpo", "dpo.eval_strategy=steps", "data.preference_eval=null", "eval.use_reward_model=false"])
     with pytest.raises(ValidationError, match=r"eval_split=0.1 holds out demonstrations"):
         load_params("tiny", ["sft.eval_split=0.1"])
+
+
+def test_a_kept_sft_adapter_needs_each_later_stage_to_choose_merge_or_stack():
+    kept = ["sft.lora.enabled=true", "sft.lora.keep_adapter=true"]
+    with pytest.raises(ValidationError, match=r"choose how rm continues from it: rm.lora.handoff=merge"):
+        load_params("tiny", [*kept, "algorithm=dpo"])
+    with pytest.raises(ValidationError, match=r"rm.lora.handoff=stack: the reward model starts from sft's adapter merged"):
+        load_params("tiny", [*kept, "rm.lora.handoff=stack", "dpo.lora.handoff=stack"])
+    chosen = load_params("tiny", [*kept, "rm.lora.handoff=merge", "dpo.lora.handoff=stack"])
+    assert chosen.dpo.lora.handoff == "stack"
+    assert load_params("tiny", [*kept, "algorithm=ppo", "eval.use_reward_model=false", "ppo.lora.handoff=merge"]).plan() == [
+        "data",
+        "sft",
+        "ppo",
+        "eval",
+        "registry",
+    ]
+    with pytest.raises(ValidationError, match="sft.lora.handoff: sft starts from the base model"):
+        load_params("tiny", ["sft.lora.handoff=merge"])

@@ -1,0 +1,96 @@
+"""An SFT LoRA adapter carried into the later stages, merged or stacked (lora.handoff), and reward-model adapters with their score head."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlhf_pipeline.trainers import dpo, ppo, rm, sft
+from rlhf_pipeline.trainers.common import LoraConfig, load_causal_lm, load_sequence_classifier, load_tokenizer
+from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, RewardsConfig
+from tests.helpers import FAST, SMALL_MODEL, write_data_dir
+
+ADAPTER = LoraConfig(enabled=True, r=4, lora_alpha=8, lora_dropout=0.0, keep_adapter=True)
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory):
+    """sft trained with LoRA, its adapter kept (with the tiny base saved beside it, since no hub id names it)."""
+    root = tmp_path_factory.mktemp("handoff")
+    data = write_data_dir(root / "data", rows=32)
+    # A large rate, so the adapter is far from its zero init and merged/stacked/base models differ.
+    sft.train(sft.SftConfig(max_steps=4, lora=ADAPTER, **{**FAST, "learning_rate": 3e-2}), SMALL_MODEL, data, root / "sft", root / "sft-work")
+    return {"data": data, "model": root / "sft" / "model"}
+
+
+def logits(model, tokenizer, text: str = "sort 3142 -> 1234"):
+    ids = torch.tensor([tokenizer(text)["input_ids"]])
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_a_kept_adapter_loads_merged_or_stacked_to_the_same_logits(adapter):
+    files = {p.name for p in adapter["model"].iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "base"} <= files and "model.safetensors" not in files
+    merged, tokenizer = load_causal_lm(adapter["model"], "merge")
+    stacked, _ = load_causal_lm(adapter["model"], "stack")
+    assert hasattr(stacked, "peft_config") and not hasattr(merged, "peft_config")
+    assert torch.allclose(logits(merged, tokenizer), logits(stacked, tokenizer), atol=1e-4)
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(adapter["model"] / "base")
+    assert not torch.allclose(logits(base, tokenizer), logits(merged, tokenizer), atol=1e-3)  # the adapter does something
+    with pytest.raises(ValueError, match=r"holds a LoRA adapter: choose how to continue from it \(lora.handoff: merge or stack\)"):
+        load_causal_lm(adapter["model"], None)
+
+
+def test_dpo_on_a_stacked_adapter_starts_at_ln2_with_the_policy_equal_to_its_reference(adapter, tmp_path):
+    logged: list[tuple[int, dict]] = []
+    cfg = dpo.DpoConfig(max_steps=3, lora=LoraConfig(handoff="stack"), **{**FAST, "learning_rate": 1e-2})
+    dpo.train(cfg, adapter["model"], adapter["data"], tmp_path / "out", tmp_path / "work", lambda values, step: logged.append((step, values)))
+    first = next(values for step, values in logged if step == 1 and "dpo/train/loss" in values)
+    assert first["dpo/train/loss"] == pytest.approx(math.log(2), abs=1e-3)
+    # rewards = beta * (log pi - log pi_ref): zero at step 0 means the policy's log-probabilities equal the reference's.
+    assert abs(first["dpo/train/rewards_chosen"]) < 1e-6 and abs(first["dpo/train/rewards_rejected"]) < 1e-6
+    later = [values["dpo/train/loss"] for step, values in logged if step == 3 and "dpo/train/loss" in values]
+    assert later and later[0] != pytest.approx(math.log(2), abs=1e-4)  # the stacked adapter trained
+    # Published merged (keep_adapter off): a whole model, and not the sft one.
+    out, tokenizer = load_causal_lm(tmp_path / "out" / "model")
+    assert not torch.allclose(logits(out, tokenizer), logits(load_causal_lm(adapter["model"], "merge")[0], tokenizer), atol=1e-5)
+
+
+def test_dpo_on_a_merged_adapter_trains_its_own_lora_and_an_unchosen_handoff_fails_before_training(adapter, tmp_path):
+    merged = dpo.DpoConfig(max_steps=2, lora=LoraConfig(enabled=True, r=4, handoff="merge"), **FAST)
+    dpo.train(merged, adapter["model"], adapter["data"], tmp_path / "out", tmp_path / "work")
+    assert (tmp_path / "out" / "model" / "model.safetensors").is_file()
+    with pytest.raises(ValueError, match="holds sft's LoRA adapter \\(sft.lora.keep_adapter\\): choose lora.handoff=merge or stack"):
+        dpo.train(dpo.DpoConfig(max_steps=2, **FAST), adapter["model"], adapter["data"], tmp_path / "none", tmp_path / "none-work")
+    assert not (tmp_path / "none").exists()
+
+
+def test_a_reward_model_adapter_keeps_its_score_head(adapter, tmp_path):
+    cfg = rm.RewardModelConfig(max_steps=3, lora=LoraConfig(enabled=True, r=4, keep_adapter=True, handoff="merge"), **{**FAST, "learning_rate": 1e-2})
+    rm.train(cfg, adapter["model"], adapter["data"], tmp_path / "rm", tmp_path / "rm-work")
+    saved = load_file(tmp_path / "rm" / "model" / "adapter_model.safetensors")
+    assert any("score" in name for name in saved), sorted(saved)[:5]  # the head travels in the adapter (peft modules_to_save)
+    tokenizer = load_tokenizer(tmp_path / "rm" / "model")
+    first, second = load_sequence_classifier(tmp_path / "rm" / "model"), load_sequence_classifier(tmp_path / "rm" / "model")
+    assert torch.equal(logits(first, tokenizer), logits(second, tokenizer))  # no fresh (random) head on load
+    with pytest.raises(ValueError, match="the reward model starts from it merged"):
+        rm.train(cfg.model_copy(update={"lora": LoraConfig(handoff="stack")}), adapter["model"], adapter["data"], tmp_path / "x", tmp_path / "x-work")
+
+
+def test_ppo_on_a_stacked_adapter_has_no_kl_to_its_reference_at_the_first_update(adapter, tmp_path):
+    logged: list[tuple[int, dict]] = []
+    rewards = RewardsConfig(reward_model_weight=0, functions=[RewardFunctionSpec(path="tests.helpers:length_reward")])
+    cfg = ppo.PpoConfig(
+        rollout_batch_size=8, num_mini_batches=2, num_ppo_epochs=1, total_episodes=24, response_length=4, logging_steps=1, num_threads=1,
+        learning_rate=1e-2, lora=LoraConfig(handoff="stack"),
+    )  # fmt: skip
+    ppo.train(cfg, rewards, adapter["model"], None, adapter["data"], tmp_path / "out", tmp_path / "work", lambda values, step: logged.append((step, values)))
+    kl = {step: values["ppo/train/kl"] for step, values in logged}
+    assert abs(kl[1]) < 1e-5 and abs(kl[3]) > 1e-5  # the frozen copy is the reference; the trained adapter moves away from it
+    assert (tmp_path / "out" / "model" / "model.safetensors").is_file()
