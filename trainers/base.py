@@ -29,12 +29,25 @@ def load_base_tokenizer(model: ModelConfig) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def load_base_model(model: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_base_model(model: ModelConfig, bnb_config=None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The base weights in `model.dtype` (float32 by default: a bf16 checkpoint is upcast, so AdamW updates a
-    full-precision master copy), embeddings grown to the tokenizer when the chat template added tokens."""
+    full-precision master copy), embeddings grown to the tokenizer when the chat template added tokens.
+    With `bnb_config` (QLoRA), in 4 bits on this rank's GPU, prepared for adapter training (peft)."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    if bnb_config is not None:
+        if model.name_or_path == TINY:
+            raise ValueError("lora.quantization (QLoRA) loads a pretrained checkpoint in 4 bits: the tiny model is built in memory, not loaded")
+        import peft
+
+        from rlhf_pipeline.trainers.common import quantized_loading
+
+        tokenizer = load_base_tokenizer(model)
+        policy = AutoModelForCausalLM.from_pretrained(
+            model.name_or_path, revision=model.revision, trust_remote_code=model.trust_remote_code, use_safetensors=True, **quantized_loading(bnb_config)
+        )  # fmt: skip
+        return peft.prepare_model_for_kbit_training(policy, use_gradient_checkpointing=False), tokenizer
     tokenizer = load_base_tokenizer(model)
     dtype = getattr(torch, model.dtype)
     if model.name_or_path == TINY:

@@ -84,6 +84,36 @@ class LoraConfig(StrictModel):
         "of it as the reference (TRL's 'ref' adapter; this block's r/alpha do not apply). Must be chosen when the upstream kept one.",
     )
 
+    quantization: Literal["none", "4bit"] = Field(
+        "none",
+        description="QLoRA: the frozen base in 4 bits (bitsandbytes NF4 with double quantization, bf16 compute), the adapters trained "
+        "on top; CUDA GPU and bitsandbytes only. In the stages after sft it applies to a stacked adapter's base.",
+    )
+
+    @model_validator(mode="after")
+    def _quantization_possible(self):
+        if self.quantization != "none":
+            import importlib.util
+
+            if self.handoff == "merge":
+                raise ValueError(f"lora.quantization={self.quantization!r} with handoff=merge: an adapter cannot be merged into 4-bit weights; stack it")
+            if not (self.enabled or self.handoff == "stack"):
+                raise ValueError(f"lora.quantization={self.quantization!r} quantizes the frozen base under adapters: set lora.enabled=true")
+            if importlib.util.find_spec("bitsandbytes") is None:
+                raise ValueError(f"lora.quantization={self.quantization!r} (QLoRA) needs bitsandbytes and a CUDA GPU; bitsandbytes is not installed")
+        return self
+
+    def bnb_config(self):
+        """transformers' BitsAndBytesConfig for QLoRA (None without quantization); the device is checked before any weights load."""
+        if self.quantization == "none":
+            return None
+        import torch
+        from transformers import BitsAndBytesConfig
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"lora.quantization={self.quantization!r} (QLoRA): bitsandbytes quantizes on a CUDA GPU, and this machine trains on cpu")
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16)
+
     def peft_config(self, task_type: str = "CAUSAL_LM"):
         """A peft.LoraConfig, or None when LoRA is off."""
         if not self.enabled:
@@ -471,9 +501,29 @@ def upstream_policy(sft_model: Path, lora: LoraConfig, task_type: str = "CAUSAL_
     own LoRA, if any) or stacked (trained on; TRL keeps a frozen 'ref' copy as the reference, and takes no new peft config)."""
     if has_adapter(sft_model) and lora.handoff is None:
         raise ValueError(f"{sft_model} holds sft's LoRA adapter (sft.lora.keep_adapter): choose lora.handoff=merge or stack for this stage")
-    policy, tokenizer = load_causal_lm(sft_model, lora.handoff or "merge")
     stacked = has_adapter(sft_model) and lora.handoff == "stack"
+    if stacked and lora.quantization != "none":  # QLoRA: the stacked adapter on a 4-bit base
+        from transformers import AutoModelForCausalLM
+
+        quantized = load_adapter_model(sft_model, AutoModelForCausalLM, "stack", **quantized_loading(lora.bnb_config()))
+        return quantized, load_tokenizer(sft_model), None
+    if lora.quantization != "none" and not has_adapter(sft_model):  # QLoRA on a whole upstream model: new adapters on its 4-bit copy
+        import peft
+        from transformers import AutoModelForCausalLM
+
+        quantized = AutoModelForCausalLM.from_pretrained(str(sft_model), use_safetensors=True, **quantized_loading(lora.bnb_config()))
+        return peft.prepare_model_for_kbit_training(quantized, use_gradient_checkpointing=False), load_tokenizer(sft_model), lora.peft_config(task_type)
+    policy, tokenizer = load_causal_lm(sft_model, lora.handoff or "merge")
     return policy, tokenizer, None if stacked else lora.peft_config(task_type)
+
+
+def quantized_loading(bnb_config) -> dict[str, Any]:
+    """`from_pretrained` arguments that load a base in 4 bits on this rank's GPU."""
+    import os
+
+    import torch
+
+    return {"quantization_config": bnb_config, "device_map": {"": int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))}}
 
 
 def load_sequence_classifier(path: str | Path, num_labels: int = 1):

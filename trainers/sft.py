@@ -70,7 +70,7 @@ def train(
             train_dataset, eval_dataset = split["train"], split["test"]
         else:
             eval_dataset = load_split(data_dir, "sft_eval")
-    policy, tokenizer = load_base_model(model)
+    policy, tokenizer = load_base_model(model, cfg.lora.bnb_config())  # QLoRA: the device is checked before any weights load
     trainer = trl.SFTTrainer(
         model=policy,
         args=args,

@@ -94,3 +94,36 @@ def test_ppo_on_a_stacked_adapter_has_no_kl_to_its_reference_at_the_first_update
     kl = {step: values["ppo/train/kl"] for step, values in logged}
     assert abs(kl[1]) < 1e-5 and abs(kl[3]) > 1e-5  # the frozen copy is the reference; the trained adapter moves away from it
     assert (tmp_path / "out" / "model" / "model.safetensors").is_file()
+
+
+def test_grpo_trains_a_stacked_adapter_against_its_frozen_copy(adapter, tmp_path):
+    from rlhf_pipeline.trainers import grpo
+
+    logged: list[tuple[int, dict]] = []
+    rewards = RewardsConfig(reward_model_weight=0, functions=[RewardFunctionSpec(path="tests.helpers:length_reward")])
+    cfg = grpo.GrpoConfig(
+        max_steps=2, per_device_train_batch_size=8, num_generations=4, max_completion_length=4, lora=LoraConfig(handoff="stack"),
+        **{k: v for k, v in FAST.items() if k != "per_device_train_batch_size"},
+    )  # fmt: skip
+    grpo.train(cfg, rewards, adapter["model"], None, adapter["data"], tmp_path / "out", tmp_path / "work", lambda values, step: logged.append((step, values)))
+    kl = [values["grpo/train/kl"] for step, values in logged if step == 1 and "grpo/train/kl" in values]
+    assert kl and abs(kl[0]) < 1e-6  # the reference is the frozen copy of sft's adapter, not the bare base
+    assert (tmp_path / "out" / "model" / "model.safetensors").is_file()
+
+
+def test_qlora_needs_bitsandbytes_and_a_gpu_and_says_which_is_missing(adapter, tmp_path):
+    import importlib.util
+
+    assert importlib.util.find_spec("bitsandbytes") is None  # this machine: the parameters name the package
+    with pytest.raises(ValueError, match=r"lora.quantization='4bit' \(QLoRA\) needs bitsandbytes and a CUDA GPU; bitsandbytes is not installed"):
+        LoraConfig(enabled=True, quantization="4bit")
+    with pytest.raises(ValueError, match="an adapter cannot be merged into 4-bit weights; stack it"):
+        LoraConfig(handoff="merge", quantization="4bit")
+    with pytest.raises(ValueError, match="set lora.enabled=true"):
+        LoraConfig(quantization="4bit")
+    if not torch.cuda.is_available():  # with bitsandbytes present on a CPU machine: the stage names the device, before any weights load
+        qlora = LoraConfig.model_construct(**{**dict(LoraConfig(enabled=True, r=4)), "quantization": "4bit"})
+        cfg = sft.SftConfig.model_construct(**{**dict(sft.SftConfig(max_steps=2, **FAST)), "lora": qlora})
+        with pytest.raises(ValueError, match=r"\(QLoRA\): bitsandbytes quantizes on a CUDA GPU, and this machine trains on cpu"):
+            sft.train(cfg, SMALL_MODEL, adapter["data"], tmp_path / "out", tmp_path / "work")
+        assert not (tmp_path / "out").exists()
