@@ -60,6 +60,11 @@ class LaunchConfig(BaseModel):
     def _known_engine(cls, engine: str) -> str:
         if engine not in ENGINES and not Path(engine).expanduser().is_file():
             raise ValueError(f"launch.engine={engine!r} is neither one of {', '.join(ENGINES)} nor an accelerate config file")
+        if engine.startswith("zero"):
+            import importlib.util
+
+            if importlib.util.find_spec("deepspeed") is None:
+                raise ValueError(f"launch.engine={engine!r} runs DeepSpeed ZeRO, which is not installed: pip install 'rlhf-pipeline[deepspeed]' (CUDA)")
         return engine
 
     def launcher_of(self, stage: str) -> Launcher:

@@ -560,7 +560,7 @@ def load_adapter_model(folder: str | Path, auto_class, handoff: str | None, **kw
     return merged
 
 
-def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: Path, keep_adapter: bool = False) -> Path:
+def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: Path, keep_adapter: bool = False, state_dict=None) -> Path:
     """Save weights (safetensors) and tokenizer (with its chat template); a peft model is merged first unless
     `keep_adapter`. A causal LM's generation config stops at EOS and the template's end of turn (TRL's
     GRPO/RLOO read their stop tokens from it)."""
@@ -578,7 +578,7 @@ def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_d
         stops = stop_token_ids(tokenizer)
         generation.eos_token_id = stops if len(stops) > 1 else stops[0]
         generation.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(out_dir, safe_serialization=True)
+    model.save_pretrained(out_dir, safe_serialization=True, **({"state_dict": state_dict} if state_dict is not None else {}))
     tokenizer.save_pretrained(out_dir)
     return out_dir
 
@@ -719,9 +719,15 @@ def is_main_process(trainer) -> bool:
 
 
 def save_on_main(trainer, tokenizer, out_dir: Path, keep_adapter: bool = False) -> None:
-    """Rank 0 saves the model (`save_model`); every rank waits for it, so none exits before the artifact is whole."""
+    """Rank 0 saves the model (`save_model`); every rank waits for it, so none exits before the artifact is whole. Under DeepSpeed
+    or FSDP the weights are sharded: every rank takes part in gathering the full state dict first (ZeRO-3's 16-bit gather)."""
+    state_dict = None
+    if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
+        if hasattr(trainer.model, "peft_config"):
+            raise NotImplementedError("saving a LoRA model trained under DeepSpeed/FSDP is not supported yet: use launch.engine=ddp with lora")
+        state_dict = trainer.accelerator.get_state_dict(trainer.deepspeed if trainer.is_deepspeed_enabled else trainer.model_wrapped)
     if is_main_process(trainer):
-        save_model(trainer.model, tokenizer, out_dir, keep_adapter=keep_adapter)
+        save_model(trainer.model, tokenizer, out_dir, keep_adapter=keep_adapter, state_dict=state_dict)
     trainer.accelerator.wait_for_everyone()
 
 

@@ -148,3 +148,8 @@ def test_engine_configs_and_the_kubernetes_job_template_ship_with_the_package():
     assert template["variables"]["properties"]["env"]["default"]["RLHF_STATE_DIR"] == "/state"
     with pytest.raises(ValueError, match="launch.engine='zero4' is neither one of ddp, zero2, zero3, fsdp2 nor an accelerate config file"):
         LaunchConfig(engine="zero4")
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:  # this machine: ZeRO is refused with the parameters, naming the extra
+        with pytest.raises(ValueError, match=r"launch.engine='zero3' runs DeepSpeed ZeRO, which is not installed: pip install 'rlhf-pipeline\[deepspeed\]'"):
+            LaunchConfig(engine="zero3")
