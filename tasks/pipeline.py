@@ -10,6 +10,7 @@ import yaml
 from pydantic import BaseModel
 
 from rlhf_pipeline.tasks import tracking
+from rlhf_pipeline.tasks.launcher import LaunchConfig
 from rlhf_pipeline.tasks.orchestration import coordinated, ensure_device_limit, prefect_log
 from rlhf_pipeline.tasks.secrets import install_log_filter, redact
 from rlhf_pipeline.tasks.stage import ArtifactRef, RunContext
@@ -63,7 +64,7 @@ def pipeline_run(params: BaseModel) -> Iterator[PipelineRun]:
         experiment_id=experiment,
         parent_run_id=run_id,
         force=params.no_cache,
-        launch=params.launch,
+        launch=getattr(params, "launch", LaunchConfig()),  # the rlhf-eval flow trains nothing: it has no launch block
     )
     prefect_log(f"MLflow: {tracking.run_link(run_id)}")
     prefect_log(f"Artifacts: {ctx.artifact_root}")
