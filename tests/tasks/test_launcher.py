@@ -155,3 +155,28 @@ def test_engine_configs_and_the_kubernetes_job_template_ship_with_the_package():
     if importlib.util.find_spec("deepspeed") is None:  # this machine: ZeRO is refused with the parameters, naming the extra
         with pytest.raises(ValueError, match=r"launch.engine='zero3' runs DeepSpeed ZeRO, which is not installed: pip install 'rlhf-pipeline\[deepspeed\]'"):
             LaunchConfig(engine="zero3")
+
+
+def test_sft_on_two_ranks_reaches_the_held_out_exact_match_of_one_process_within_3_points(ctx, tmp_path):
+    """The embedded default's sft (300 steps of 64), once in this process and once on 2 ranks of 32: the same held-out figure.
+    (dpo and ppo side by side: `python -m bench.launch_parity`.)"""
+    from rlhf_pipeline.flows.params import load_params
+    from rlhf_pipeline.trainers.common import load_causal_lm, load_split
+    from rlhf_pipeline.trainers.sort_task import exact_match
+    from rlhf_pipeline.trainers.text import generate
+
+    params = load_params("tiny")
+    data = ArtifactRef(stage="data", key="all", uri=str(write_data_dir(tmp_path / "data", rows=10**9)))
+    held_out = load_split(data.path, "prompts_eval")
+    one = train_stage("sft", params.sft, {"model": params.model}, {"data": data}, ctx.model_copy(update={"launch": LaunchConfig(launcher="inprocess")}))
+    halves = params.sft.model_copy(update={"per_device_train_batch_size": params.sft.per_device_train_batch_size // 2})
+    two = train_stage("sft", halves, {"model": params.model}, {"data": data}, ctx)
+
+    def score(ref: ArtifactRef) -> float:
+        model, tokenizer = load_causal_lm(ref.path / "model")
+        answers = generate(model, tokenizer, held_out["prompt"], max_new_tokens=12, batch_size=200)
+        return sum(exact_match(held_out["prompt"], answers, answer=held_out["answer"])) / len(answers)
+
+    single, launched = score(one.ref), score(two.ref)
+    assert single > 0.5  # a trained model, not two untrained ones that agree
+    assert abs(launched - single) <= 0.03, (single, launched)
