@@ -17,7 +17,6 @@ import contextlib
 import json
 import os
 import selectors
-import signal
 import socket
 import subprocess
 import sys
@@ -30,12 +29,12 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from rlhf_pipeline.trainers.launch import ERROR_FILE, METRICS_MARK, RESULT_FILE, write_spec
+from rlhf_pipeline.trainers.launch import ERROR_FILE, METRICS_MARK, PERMANENT, RESULT_FILE, die_with_parent, write_spec
 
 Launcher = Literal["inprocess", "accelerate"]
 ENGINES = ("ddp", "zero2", "zero3", "fsdp2")
 ENGINE_DIR = Path(str(resources.files("rlhf_pipeline.deployments") / "accelerate"))
-PERMANENT = {"ValueError": ValueError, "TypeError": TypeError, "KeyError": KeyError, "ImportError": ImportError, "NotImplementedError": NotImplementedError}
+PERMANENT_BY_NAME = {cls.__name__: cls for cls in PERMANENT}
 """Errors a rank reports that no retry can fix (bad config or data): raised again in the parent as the same type."""
 
 
@@ -122,7 +121,7 @@ def run_launched(
     log(f"{stage}: {' '.join(command[2:])}")
     # In the flow run's process group, so that a runner cancelling the run (SIGTERM to the group) or Ctrl-C reaches every rank.
     process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env, preexec_fn=_die_with_parent
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env, preexec_fn=die_with_parent
     )  # fmt: skip
     ranks = Tree(process.pid)
     tail: deque[str] = deque(maxlen=30)
@@ -139,7 +138,7 @@ def run_launched(
     error = work_dir / ERROR_FILE
     if error.is_file():
         reported = json.loads(error.read_text())
-        raise PERMANENT.get(reported["type"], RuntimeError)(f"{stage} (rank {reported['rank']}): {reported['message']}")
+        raise PERMANENT_BY_NAME.get(reported["type"], RuntimeError)(f"{stage} (rank {reported['rank']}): {reported['message']}")
     if returncode != 0:
         last = "\n".join(tail)
         raise RuntimeError(f"{stage}: accelerate launch exited with {returncode} (a rank failed or was killed); its last lines:\n{last}")
@@ -205,11 +204,3 @@ def _stream(process: subprocess.Popen, ranks: Tree, log, log_metrics, tail: dequ
         elif line.strip():
             tail.append(line)
             log(line)
-
-
-def _die_with_parent() -> None:
-    """In the launcher (before exec): SIGTERM when the flow run's process dies, even by SIGKILL (Linux prctl PR_SET_PDEATHSIG)."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.secrets import redact_text
 from rlhf_pipeline.tasks.stage import ArtifactRef, StageOutcome
+from rlhf_pipeline.trainers.launch import PERMANENT
 
 
 def retrying(config: RetryConfig) -> Callable:
@@ -78,7 +79,7 @@ def device_slot(stage: str, log: Callable[[str], None] = print) -> Iterator[None
         yield
 
 
-PERMANENT_ERRORS = (ValueError, TypeError, KeyError, ImportError, NotImplementedError)
+PERMANENT_ERRORS = PERMANENT  # one list for a stage in this process and for a rank of a launched one
 
 
 class RetryConfig(BaseModel):

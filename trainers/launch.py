@@ -24,6 +24,7 @@ METRICS_MARK = "@@rlhf-metrics "
 RESULT_FILE = "result.json"
 ERROR_FILE = "launch-error.json"
 PERMANENT = (ValueError, TypeError, KeyError, ImportError, NotImplementedError)
+"""Errors no retry can fix (bad config or data); `tasks.orchestration` retries every other one."""
 
 
 def write_spec(path: Path, trainer: str, arguments: dict[str, Any]) -> None:
@@ -60,7 +61,7 @@ def rank() -> int:
 
 
 def main(argv: list[str]) -> int:
-    _die_with_parent()
+    die_with_parent()
     logging.basicConfig(stream=sys.stdout, level=logging.WARNING, format="%(message)s")
     logging.getLogger("rlhf_pipeline").setLevel(logging.INFO)
     spec = Path(argv[0])
@@ -82,8 +83,9 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _die_with_parent() -> None:
-    """A rank ends when the process that started it dies, even by SIGKILL (Linux prctl PR_SET_PDEATHSIG): no orphans."""
+def die_with_parent() -> None:
+    """This process ends (SIGTERM) when the one that started it dies, even by SIGKILL (Linux prctl PR_SET_PDEATHSIG): no orphans.
+    Called in every rank, and in the launcher before it execs."""
     try:
         import ctypes
 
