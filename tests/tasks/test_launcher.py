@@ -157,9 +157,10 @@ def test_engine_configs_and_the_kubernetes_job_template_ship_with_the_package():
             LaunchConfig(engine="zero3")
 
 
-def test_sft_on_two_ranks_reaches_the_held_out_exact_match_of_one_process_within_3_points(ctx, tmp_path):
+def test_sft_dpo_and_ppo_on_two_ranks_reach_the_held_out_exact_match_of_one_process_within_3_points(ctx, tmp_path):
     """The embedded default's sft (300 steps of 64), once in this process and once on 2 ranks of 32: the same held-out figure.
-    (dpo and ppo side by side: `python -m bench.launch_parity`.)"""
+    Then dpo and ppo from the in-process sft, on shorter budgets than the preset's (so each is still moving), in both ways.
+    (The preset's full budgets side by side: `python -m bench.launch_parity`.)"""
     from rlhf_pipeline.flows.params import load_params
     from rlhf_pipeline.trainers.common import load_causal_lm, load_split
     from rlhf_pipeline.trainers.sort_task import exact_match
@@ -168,15 +169,22 @@ def test_sft_on_two_ranks_reaches_the_held_out_exact_match_of_one_process_within
     params = load_params("tiny")
     data = ArtifactRef(stage="data", key="all", uri=str(write_data_dir(tmp_path / "data", rows=10**9)))
     held_out = load_split(data.path, "prompts_eval")
-    one = train_stage("sft", params.sft, {"model": params.model}, {"data": data}, ctx.model_copy(update={"launch": LaunchConfig(launcher="inprocess")}))
-    halves = params.sft.model_copy(update={"per_device_train_batch_size": params.sft.per_device_train_batch_size // 2})
-    two = train_stage("sft", halves, {"model": params.model}, {"data": data}, ctx)
+    inprocess = ctx.model_copy(update={"launch": LaunchConfig(launcher="inprocess")})
+
+    def halved(config):
+        return config.model_copy(update={"per_device_train_batch_size": config.per_device_train_batch_size // 2})
 
     def score(ref: ArtifactRef) -> float:
         model, tokenizer = load_causal_lm(ref.path / "model")
         answers = generate(model, tokenizer, held_out["prompt"], max_new_tokens=12, batch_size=200)
         return sum(exact_match(held_out["prompt"], answers, answer=held_out["answer"])) / len(answers)
 
-    single, launched = score(one.ref), score(two.ref)
-    assert single > 0.5  # a trained model, not two untrained ones that agree
-    assert abs(launched - single) <= 0.03, (single, launched)
+    sft = train_stage("sft", params.sft, {"model": params.model}, {"data": data}, inprocess)
+    scores = {"sft": (score(sft.ref), score(train_stage("sft", halved(params.sft), {"model": params.model}, {"data": data}, ctx).ref))}
+    upstream = {"data": data, "sft": sft.ref}
+    dpo = params.dpo.model_copy(update={"max_steps": 60})
+    scores["dpo"] = tuple(score(train_stage("dpo", config, {}, upstream, run).ref) for config, run in ((dpo, inprocess), (halved(dpo), ctx)))
+    ppo, rewards = params.ppo.model_copy(update={"total_episodes": 1280}), {"rewards": params.rewards}  # 20 updates; the rollout batch is global
+    scores["ppo"] = tuple(score(train_stage("ppo", ppo, rewards, upstream, run).ref) for run in (inprocess, ctx))
+    assert scores["sft"][0] > 0.5 and scores["dpo"][0] > scores["sft"][0] + 0.05 and scores["ppo"][0] > scores["sft"][0] + 0.05  # each trained
+    assert all(abs(launched - single) <= 0.03 for single, launched in scores.values()), scores
