@@ -721,14 +721,39 @@ def is_main_process(trainer) -> bool:
 def save_on_main(trainer, tokenizer, out_dir: Path, keep_adapter: bool = False) -> None:
     """Rank 0 saves the model (`save_model`); every rank waits for it, so none exits before the artifact is whole. Under DeepSpeed
     or FSDP the weights are sharded: every rank takes part in gathering the full state dict first (ZeRO-3's 16-bit gather)."""
-    state_dict = None
+    model, state_dict = trainer.model, None
     if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
-        if hasattr(trainer.model, "peft_config"):
-            raise NotImplementedError("saving a LoRA model trained under DeepSpeed/FSDP is not supported yet: use launch.engine=ddp with lora")
         state_dict = trainer.accelerator.get_state_dict(trainer.deepspeed if trainer.is_deepspeed_enabled else trainer.model_wrapped)
+        if hasattr(model, "peft_config") and is_main_process(trainer):  # merging (or saving the base) needs whole weights
+            model, state_dict = unsharded_copy(model, state_dict), None
     if is_main_process(trainer):
-        save_model(trainer.model, tokenizer, out_dir, keep_adapter=keep_adapter, state_dict=state_dict)
+        save_model(model, tokenizer, out_dir, keep_adapter=keep_adapter, state_dict=state_dict)
     trainer.accelerator.wait_for_everyone()
+
+
+def unsharded_copy(model, state_dict: dict):
+    """A CPU copy of a peft model whose weights are sharded over the ranks (ZeRO-3 leaves each rank's parameters empty, FSDP2
+    makes them DTensors), built from its gathered full `state_dict`: every adapter, score head and base weight, loaded strictly."""
+    import copy
+
+    import torch
+    from peft import get_peft_model
+
+    base = model.get_base_model()
+    with torch.device("cpu"):
+        fresh = type(base)(copy.deepcopy(base.config))  # the class itself, not from_pretrained: no ZeRO-3 init context
+    names = list(model.peft_config)
+    copied = get_peft_model(fresh, copy.deepcopy(model.peft_config[names[0]]), adapter_name=names[0])
+    for name in names[1:]:
+        copied.add_adapter(name, copy.deepcopy(model.peft_config[name]))
+    copied.load_state_dict({key: value.to("cpu") for key, value in state_dict.items()}, strict=True)
+    copied.set_adapter(model.active_adapter)
+    for name in names:  # the stacked reference stays frozen, as in the trainer
+        if name != model.active_adapter:
+            for key, parameter in copied.named_parameters():
+                if f".{name}." in key:
+                    parameter.requires_grad_(False)
+    return copied.to(next(iter(state_dict.values())).dtype)
 
 
 def train_and_save(stage: str, trainer, tokenizer, cfg: TrainingConfig, work_dir: Path, out_dir: Path, generation_config=None) -> dict[str, float]:

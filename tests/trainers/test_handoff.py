@@ -127,3 +127,38 @@ def test_qlora_needs_bitsandbytes_and_a_gpu_and_says_which_is_missing(adapter, t
         with pytest.raises(ValueError, match=r"\(QLoRA\): bitsandbytes quantizes on a CUDA GPU, and this machine trains on cpu"):
             sft.train(cfg, SMALL_MODEL, adapter["data"], tmp_path / "out", tmp_path / "work")
         assert not (tmp_path / "out").exists()
+
+
+def test_a_sharded_lora_model_is_saved_from_its_gathered_state_dict(adapter, tmp_path):
+    """Under ZeRO-3 or FSDP a rank holds only its shard, so `save_on_main` rebuilds the peft model from the gathered state dict
+    (`unsharded_copy`). The originals' own weights are emptied after the gather, as ZeRO-3 leaves them: the copy can only come from
+    the dict. A stacked policy with TRL's frozen "ref" adapter, and a reward model with its score head."""
+    from peft import LoraConfig as PeftLora
+    from peft import get_peft_model
+
+    from rlhf_pipeline.trainers.common import save_model, unsharded_copy
+
+    def gather_and_empty(model) -> dict:
+        gathered = {key: value.clone() for key, value in model.state_dict().items()}
+        for parameter in model.parameters():
+            parameter.data = torch.empty(0)
+        return gathered
+
+    stacked, tokenizer = load_causal_lm(adapter["model"], "stack")
+    stacked.load_adapter(str(adapter["model"]), adapter_name="ref")
+    stacked.set_adapter("default")
+    expected = logits(stacked, tokenizer)
+    copied = unsharded_copy(stacked, gather_and_empty(stacked))
+    assert torch.allclose(logits(copied, tokenizer), expected, atol=1e-6)
+    save_model(copied, tokenizer, tmp_path / "policy")  # merged; the "ref" adapter is dropped
+    assert torch.allclose(logits(load_causal_lm(tmp_path / "policy")[0], tokenizer), expected, atol=1e-4)
+
+    merged, _ = load_causal_lm(adapter["model"], "merge")
+    save_model(merged, tokenizer, tmp_path / "sft-merged")
+    scorer = get_peft_model(load_sequence_classifier(tmp_path / "sft-merged"), PeftLora(r=4, lora_alpha=8, task_type="SEQ_CLS"))
+    with torch.no_grad():
+        scorer.base_model.model.score.modules_to_save["default"].weight.normal_()  # a head unlike a fresh one
+    expected = logits(scorer, tokenizer)
+    copied = unsharded_copy(scorer, gather_and_empty(scorer))
+    save_model(copied, tokenizer, tmp_path / "rm", keep_adapter=True)
+    assert torch.allclose(logits(load_sequence_classifier(tmp_path / "rm"), tokenizer), expected, atol=1e-5)
