@@ -47,6 +47,7 @@ def load_base_model(model: ModelConfig, bnb_config=None) -> tuple[PreTrainedMode
         policy = AutoModelForCausalLM.from_pretrained(
             model.name_or_path, revision=model.revision, trust_remote_code=model.trust_remote_code, use_safetensors=True, **quantized_loading(bnb_config)
         )  # fmt: skip
+        _grow_embeddings(policy, tokenizer)  # embeddings and lm_head stay unquantized under bitsandbytes
         return peft.prepare_model_for_kbit_training(policy, use_gradient_checkpointing=False), tokenizer
     tokenizer = load_base_tokenizer(model)
     dtype = getattr(torch, model.dtype)
@@ -58,6 +59,41 @@ def load_base_model(model: ModelConfig, bnb_config=None) -> tuple[PreTrainedMode
         policy = AutoModelForCausalLM.from_pretrained(
             model.name_or_path, revision=model.revision, trust_remote_code=model.trust_remote_code, dtype=dtype, use_safetensors=True
         )  # fmt: skip
+    _grow_embeddings(policy, tokenizer)
+    return policy, tokenizer
+
+
+def _grow_embeddings(policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
     if len(tokenizer) > policy.get_input_embeddings().weight.shape[0]:
         policy.resize_token_embeddings(len(tokenizer), mean_resizing=True)
-    return policy, tokenizer
+
+
+def added_token_ids(model: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Ids of the special tokens `model.chat_template` added to the checkpoint's own tokenizer (ChatML's on a GPT-2 one). Their
+    embedding rows are new, or padding rows never trained, so a frozen base under LoRA could neither read nor emit them."""
+    from rlhf_pipeline.trainers import templates
+
+    if model.chat_template is None:
+        return []
+    _, specials = templates.resolve(model.chat_template)
+    if not specials:
+        return []
+    if model.name_or_path == TINY:
+        from rlhf_pipeline.trainers.tiny import build_tokenizer
+
+        own = build_tokenizer().get_vocab()
+    else:
+        own = load_tokenizer(model.name_or_path, revision=model.revision, trust_remote_code=model.trust_remote_code).get_vocab()
+    return [tokenizer.convert_tokens_to_ids(token) for token in specials if token not in own]
+
+
+def trainable_tokens(policy: PreTrainedModel, token_ids: list[int]) -> list[int] | dict[str, list[int]] | None:
+    """peft's `trainable_token_indices` for `token_ids`: their rows of the input embeddings train beside the adapter, and of the
+    output embeddings too when they are not tied to the input ones (an untied lm_head must learn to emit an added end of turn)."""
+    if not token_ids:
+        return None
+    embeddings, head = policy.get_input_embeddings(), policy.get_output_embeddings()
+    if head is None or head.weight is embeddings.weight:
+        return list(token_ids)  # peft trains the tied head with the embeddings
+    names = {id(module): name.rsplit(".", 1)[-1] for name, module in policy.named_modules()}
+    return {names[id(embeddings)]: list(token_ids), names[id(head)]: list(token_ids)}

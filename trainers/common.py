@@ -114,8 +114,8 @@ class LoraConfig(StrictModel):
             raise ValueError(f"lora.quantization={self.quantization!r} (QLoRA): bitsandbytes quantizes on a CUDA GPU, and this machine trains on cpu")
         return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16)
 
-    def peft_config(self, task_type: str = "CAUSAL_LM"):
-        """A peft.LoraConfig, or None when LoRA is off."""
+    def peft_config(self, task_type: str = "CAUSAL_LM", trainable_tokens: list[int] | dict[str, list[int]] | None = None):
+        """A peft.LoraConfig, or None when LoRA is off; `trainable_tokens` (`base.trainable_tokens`): embedding rows that train too."""
         if not self.enabled:
             return None
         import peft
@@ -126,6 +126,7 @@ class LoraConfig(StrictModel):
             lora_dropout=self.lora_dropout,
             target_modules=self.target_modules,
             task_type=task_type,
+            trainable_token_indices=trainable_tokens,
         )
 
 
@@ -552,12 +553,27 @@ def load_adapter_model(folder: str | Path, auto_class, handoff: str | None, **kw
     if config.task_type == "CAUSAL_LM" and not auto_class.__name__.endswith("CausalLM"):
         config.task_type = None  # a causal LM's adapter on a reward/value model's backbone: the same layers, no generation wrapper
     model = auto_class.from_pretrained(str(base), use_safetensors=True, **kwargs)
+    rows = len(load_tokenizer(folder))
+    if rows > model.get_input_embeddings().weight.shape[0]:  # a named base, without the tokens its chat template added
+        model.resize_token_embeddings(rows, mean_resizing=False)  # those rows come from the adapter (trainable tokens)
     model = PeftModel.from_pretrained(model, str(folder), config=config, is_trainable=handoff == "stack")
     if handoff == "stack":
-        return model
+        return head_bias_through_trainable_tokens(model)
     merged = model.merge_and_unload()
     merged.name_or_path = merged.config._name_or_path = ""  # no longer the named base: an adapter kept on it saves it (`_save_base`)
     return merged
+
+
+def head_bias_through_trainable_tokens(model):
+    """TRL's fused LM head (sft, dpo, kto, grpo, rloo) reads `lm_head.weight` and `lm_head.bias`. peft's trainable-tokens wrapper
+    serves `weight` (the base rows with the trained ones copied in) but not `bias`: give it the wrapped head's, unregistered, so
+    the state dict keeps its keys."""
+    from peft.utils.other import TrainableTokensWrapper
+
+    for module in model.modules():
+        if isinstance(module, TrainableTokensWrapper) and "bias" not in module.__dict__:
+            module.__dict__["bias"] = getattr(module.original_module, "bias", None)
+    return model
 
 
 def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: Path, keep_adapter: bool = False, state_dict=None) -> Path:

@@ -51,8 +51,8 @@ def train(
     training, the held-out split is `eval_split` of it (seeded) or `sft_eval.parquet`."""
     import trl
 
-    from rlhf_pipeline.trainers.base import load_base_model
-    from rlhf_pipeline.trainers.common import load_split, stage_callbacks, train_and_save
+    from rlhf_pipeline.trainers.base import added_token_ids, load_base_model, trainable_tokens
+    from rlhf_pipeline.trainers.common import head_bias_through_trainable_tokens, load_split, stage_callbacks, train_and_save
 
     # The TRL config first: a combination TRL refuses fails before any weights load.
     args = trl.SFTConfig(
@@ -78,7 +78,8 @@ def train(
         eval_dataset=eval_dataset,
         compute_metrics=cfg.metrics_function(),
         processing_class=tokenizer,
-        peft_config=cfg.lora.peft_config(),
+        peft_config=cfg.lora.peft_config(trainable_tokens=trainable_tokens(policy, added_token_ids(model, tokenizer))),
         callbacks=stage_callbacks("sft", log_metrics, cfg),
     )
+    head_bias_through_trainable_tokens(trainer.model)
     return train_and_save("sft", trainer, tokenizer, cfg, work_dir, out_dir)

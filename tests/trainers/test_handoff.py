@@ -162,3 +162,42 @@ def test_a_sharded_lora_model_is_saved_from_its_gathered_state_dict(adapter, tmp
     copied = unsharded_copy(scorer, gather_and_empty(scorer))
     save_model(copied, tokenizer, tmp_path / "rm", keep_adapter=True)
     assert torch.allclose(logits(load_sequence_classifier(tmp_path / "rm"), tokenizer), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_lora_trains_the_rows_of_the_tokens_a_chat_template_added_and_later_stages_load_them(tmp_path, tied):
+    """A GPT-2-style checkpoint without ChatML's tokens, `model.chat_template=chatml`: sft under LoRA trains their embedding rows
+    (and the untied lm_head's) as peft trainable tokens, and the kept adapter loads onto the named base, whose vocabulary lacks them."""
+    from datasets import Dataset
+    from transformers import GPT2LMHeadModel
+
+    from rlhf_pipeline.trainers.common import ModelConfig
+    from tests.fixtures import chat_data, gpt2_folder
+
+    folder = gpt2_folder(tmp_path / "gpt2")
+    if not tied:
+        untied = GPT2LMHeadModel.from_pretrained(folder, tie_word_embeddings=False)
+        untied.lm_head.weight = torch.nn.Parameter(untied.transformer.wte.weight.detach().clone())
+        untied.save_pretrained(folder, safe_serialization=True)
+    chat_data(tmp_path / "chat")
+    (tmp_path / "data" / "datasets").mkdir(parents=True)
+    Dataset.from_json(str(tmp_path / "chat" / "sft.jsonl")).to_parquet(str(tmp_path / "data" / "datasets" / "sft.parquet"))
+    model = ModelConfig(name_or_path=str(folder), chat_template="chatml")
+    cfg = sft.SftConfig(max_steps=3, lora=ADAPTER, **{**FAST, "learning_rate": 3e-2})
+    sft.train(cfg, model, tmp_path / "data", tmp_path / "sft", tmp_path / "sft-work")
+
+    out = tmp_path / "sft" / "model"
+    saved = load_file(out / "adapter_model.safetensors")
+    deltas = {name.split(".")[-3]: value for name, value in saved.items() if name.endswith("trainable_tokens_delta")}
+    assert set(deltas) == {"wte", "lm_head"}, sorted(saved)  # the tied head's rows are saved beside the embeddings' too
+    tokenizer = load_tokenizer(out)
+    added = [tokenizer.convert_tokens_to_ids(token) for token in ("<|im_start|>", "<|im_end|>")]
+    assert min(added) >= GPT2LMHeadModel.from_pretrained(folder).get_input_embeddings().weight.shape[0]  # rows the checkpoint lacks
+    merged, _ = load_causal_lm(out, "merge")
+    stacked, _ = load_causal_lm(out, "stack")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Describe the red cat."}], tokenize=False, add_generation_prompt=True)
+    assert torch.allclose(logits(merged, tokenizer, text), logits(stacked, tokenizer, text), atol=1e-4)
+    # The rows come from the adapter, whatever the base held; an untied head trained rows of its own.
+    assert torch.equal(merged.get_input_embeddings().weight[added], deltas["wte"])
+    assert torch.equal(merged.get_output_embeddings().weight[added], deltas["lm_head"])
+    assert torch.equal(deltas["wte"], deltas["lm_head"]) == tied
