@@ -34,7 +34,7 @@ from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.launcher import LaunchConfig
 from rlhf_pipeline.tasks.secrets import redact
 from rlhf_pipeline.trainers.common import LogMetrics, last_checkpoint, tokenizer_digest
-from rlhf_pipeline.trainers.custom import OUTCOME
+from rlhf_pipeline.trainers.custom import OUTCOME, PEAK_GPU
 
 MANIFEST = "manifest.json"
 HISTORY = "history.jsonl"
@@ -290,13 +290,16 @@ def run_stage(
         from rlhf_pipeline.tasks.orchestration import device_slot  # the Prefect side; imported here, it imports this module
 
         try:
-            with device_slot(stage, log) if device else contextlib.nullcontext():
+            with device_slot(stage, log) if device else contextlib.nullcontext(), PeakMemory() as memory:
                 metrics = build(tmp, work_dir, log_metrics)
             if history.is_file():
                 shutil.copy(history, tmp / HISTORY)
             seconds = time.time() - started
-            metrics = {**metrics, f"{stage}/time/seconds": round(seconds, 3)}
             training = json.loads((tmp / OUTCOME).read_text()) if (tmp / OUTCOME).is_file() else None
+            resources = memory.figures(training)
+            metrics = {**metrics, f"{stage}/time/seconds": round(seconds, 3), **{f"{stage}/memory/{name}": value for name, value in resources.items()}}
+            if training:
+                training = {name: value for name, value in training.items() if name != PEAK_GPU}
             if ended := outcome_tags(stage, training, log):
                 tracking.set_tags(run_id, ended)
             manifest = {
@@ -314,6 +317,7 @@ def run_stage(
                 "metrics": metrics,
                 "mlflow_run_id": run_id,
                 "timings": {"started": started, "finished": time.time(), "seconds": seconds},
+                "resources": {"seconds": round(seconds, 3), **resources},
             }
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
             for name in (MANIFEST, *log_files):
@@ -373,6 +377,66 @@ def read_history(stage_dir: Path) -> list[tuple[int, dict[str, float]]]:
     if not path.is_file():
         return []
     return [(row["step"], row["metrics"]) for row in map(json.loads, path.read_text().splitlines()) if row]
+
+
+class PeakMemory:
+    """The most resident memory the build held: this process and every process under it (a launch's ranks), sampled by a thread
+    every `interval` seconds, above what this process held when the build began; and the most GPU memory torch allocated (in this
+    process, or rank 0's from its `training.json`)."""
+
+    def __init__(self, interval: float = 0.1):
+        import threading
+
+        self.interval, self.peak, self.before = interval, 0, 0
+        self._stop, self._thread = threading.Event(), threading.Thread(target=self._sample, name="rlhf-peak-memory", daemon=True)
+
+    def __enter__(self) -> PeakMemory:
+        import psutil
+
+        self._process = psutil.Process()
+        self.before = self.peak = self._process.memory_info().rss
+        self._torch = _cuda_torch()
+        if self._torch is not None:
+            self._torch.cuda.reset_peak_memory_stats()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._measure()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._measure()
+
+    def _measure(self) -> None:
+        import psutil
+
+        total = 0
+        for process in [self._process, *self._process.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                total += process.memory_info().rss
+        self.peak = max(self.peak, total)
+
+    def figures(self, training: dict | None) -> dict[str, float]:
+        """MiB, for the manifest's `resources` and the `<stage>/memory/*` metrics."""
+        mib = 2**20
+        figures = {"peak_rss_mb": round(self.peak / mib, 1), "rss_before_mb": round(self.before / mib, 1)}
+        gpu = (training or {}).get(PEAK_GPU)
+        if gpu is None and self._torch is not None:
+            gpu = self._torch.cuda.max_memory_allocated()
+        if gpu is not None:
+            figures["peak_gpu_mb"] = round(gpu / mib, 1)
+        return figures
+
+
+def _cuda_torch():
+    """torch, when a trainer already imported it and a GPU is there (the Prefect side never imports torch itself)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    return torch if torch is not None and torch.cuda.is_available() else None
 
 
 def _child_pids() -> set[int]:

@@ -109,11 +109,19 @@ def install(trainer, cfg) -> None:
         trainer.optimizer, trainer.lr_scheduler = make_optimizer(cfg.optimizer_factory, trainer.model, trainer.args)
 
 
+PEAK_GPU = "peak_gpu_bytes"
+"""In `training.json` on a GPU: the most memory torch allocated in the writing process (rank 0 under a launch)."""
+
+
 def write_outcome(out_dir: Path, global_step: int, max_steps: int, best_checkpoint: str | None = None, best_metric: float | None = None) -> dict:
     """`training.json`: how the training ended, for the manifest and the MLflow tags (`tasks.stage`)."""
+    import torch
+
     outcome = {"global_step": global_step, "max_steps": max_steps, "stopped_early": global_step < max_steps}
     if best_checkpoint:
         outcome |= {"best_checkpoint": Path(best_checkpoint).name, "best_metric": best_metric}
+    if torch.cuda.is_available():
+        outcome[PEAK_GPU] = torch.cuda.max_memory_allocated()
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / OUTCOME).write_text(json.dumps(outcome, indent=2) + "\n")
     return outcome

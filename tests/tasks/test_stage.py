@@ -134,3 +134,33 @@ def test_models_with_different_tokenizers_are_refused_at_the_edge_before_the_sta
     # `rlhf eval` with local folders fails in its parameters.
     with pytest.raises(ValueError, match="must share a tokenizer"):
         EvalParams(policy=str(tmp_path / "policy"), sft_model=str(tmp_path / "sft"))
+
+
+def test_the_manifest_and_the_mlflow_run_record_the_builds_peak_memory_and_wall_time_with_its_child_processes(ctx):
+    """A build that holds 200 MiB itself and starts a child process holding 300 MiB: the peak counts both, above the process's
+    memory before the build; a build that allocates nothing records about none."""
+    import subprocess
+    import sys
+    import time
+
+    def holding(out_dir, work_dir, log_metrics):
+        held = bytearray(200 * 2**20)
+        child = subprocess.Popen([sys.executable, "-c", "import time; b = bytearray(300 * 2**20); b[::4096] = b'x' * len(b[::4096]); time.sleep(1.5)"])
+        held[::4096] = b"x" * len(held[::4096])  # touched, so resident
+        child.wait()
+        time.sleep(0.3)
+        return {"dpo/train/loss": 0.5}
+
+    def idle(out_dir, work_dir, log_metrics):
+        time.sleep(0.5)
+        return {"dpo/train/loss": 0.5}
+
+    busy = run_stage("dpo", DpoConfig(), {}, ctx, holding)
+    quiet = run_stage("dpo", DpoConfig(beta=0.2), {}, ctx, idle)
+    resources = {name: outcome.ref.manifest()["resources"] for name, outcome in (("busy", busy), ("quiet", quiet))}
+    grown = resources["busy"]["peak_rss_mb"] - resources["busy"]["rss_before_mb"]
+    assert 450 < grown < 700, resources  # 200 + 300 MiB, and the child's interpreter
+    assert resources["quiet"]["peak_rss_mb"] - resources["quiet"]["rss_before_mb"] < 50, resources
+    assert resources["busy"]["seconds"] >= 1.5 and resources["quiet"]["seconds"] >= 0.5
+    metrics = MlflowClient().get_run(busy.mlflow_run_id).data.metrics
+    assert metrics["dpo/memory/peak_rss_mb"] == resources["busy"]["peak_rss_mb"] and metrics["dpo/time/seconds"] == resources["busy"]["seconds"]
