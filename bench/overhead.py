@@ -1,0 +1,168 @@
+"""What the orchestration costs: the default pipeline via `rlhf run` against the same stages as plain scripts, side by side.
+
+    python -m bench.overhead              # ~8 minutes on 2 cores: 3 rounds at half the preset's training steps
+    python -m bench.overhead --full       # the preset's own steps (sft 300, rm 150, ppo 5120 episodes); ~14 minutes
+
+Both sides run in a fresh process each, timed wall to wall (imports, model building, loading and saving included), and
+interleaved: pipeline, plain, pipeline, plain, ...
+- pipeline: `rlhf run` on a fresh state folder: data (Great Expectations checks, Parquet copies) -> sft -> rm -> ppo ->
+  eval -> registry, with Prefect (its temporary server), MLflow tracking, content-addressed artifacts and hashing.
+- plain: one Python process that does the same work with no Prefect, MLflow, validation or hashing: the bundled files
+  read into Parquet with `datasets`; sft with TRL's `SFTTrainer` and rm with TRL's `RewardTrainer`, built from the same
+  resolved settings and seeds (`trl_arguments`); ppo with `trainers.ppo.train` (ours: TRL has no PPO since 1.0) and the
+  eval with `trainers.eval.evaluate`, called directly, as a script would.
+The pipeline's breakdown comes from its manifests: each stage's build (`resources.seconds`: training, the model loads
+and saves between stages, and for `data` the validation); whatever is left of the wall time is orchestration, tracking
+and start-up. Target (issue 14): ratio <= 1.05.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.runs import ROOT, clean_env, timed
+
+HALF = ["sft.max_steps=150", "rm.max_steps=75", "ppo.total_episodes=2560"]
+STAGES = ("data", "sft", "rm", "ppo", "eval")
+
+
+def plain(out: Path, overrides: list[str]) -> None:
+    """The child side: the default pipeline's stages as plain scripts; prints one JSON line of per-stage seconds."""
+    started = time.perf_counter()
+    import trl
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhf_pipeline.flows.params import load_params
+    from rlhf_pipeline.trainers import eval as evaluation
+    from rlhf_pipeline.trainers import ppo
+    from rlhf_pipeline.trainers.data import load_source
+    from rlhf_pipeline.trainers.tiny import build_model, build_tokenizer
+
+    params = load_params("tiny", overrides)
+    seconds = {"imports": time.perf_counter() - started}
+
+    last = [time.perf_counter()]
+
+    def finished(stage: str) -> None:
+        now = time.perf_counter()
+        seconds[stage], last[0] = now - last[0], now
+
+    data = out / "data"
+    (data / "datasets").mkdir(parents=True)
+    for name, (_, spec) in params.data.sources().items():
+        load_source(spec).to_parquet(str(data / "datasets" / f"{name}.parquet"))
+    finished("data")
+
+    from datasets import Dataset
+
+    cfg = params.sft
+    tokenizer = build_tokenizer()
+    model = build_model(params.model.tiny, tokenizer, seed=params.model.seed)
+    args = trl.SFTConfig(
+        **cfg.trl_arguments(out / "sft-work"), max_length=cfg.max_length, completion_only_loss=cfg.completion_only_loss, packing=cfg.packing
+    )  # fmt: skip
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=Dataset.from_parquet(str(data / "datasets" / "sft.parquet")), processing_class=tokenizer)
+    trainer.train()
+    trainer.save_model(str(out / "sft"))
+    finished("sft")
+
+    cfg = params.rm
+    model = AutoModelForSequenceClassification.from_pretrained(str(out / "sft"), num_labels=1)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    args = trl.RewardConfig(**cfg.trl_arguments(out / "rm-work"), max_length=cfg.max_length, center_rewards_coefficient=cfg.center_rewards_coefficient)
+    trainer = trl.RewardTrainer(
+        model=model, args=args, processing_class=tokenizer,
+        train_dataset=Dataset.from_parquet(str(data / "datasets" / "preference.parquet")),
+        eval_dataset=Dataset.from_parquet(str(data / "datasets" / "preference_eval.parquet")),
+    )  # fmt: skip
+    trainer.train()
+    trainer.evaluate()
+    trainer.save_model(str(out / "rm"))
+    finished("rm")
+
+    reward_model = out / "rm" if params.rewards.uses_reward_model else None
+    ppo.train(params.ppo, params.rewards, out / "sft", reward_model, data, out / "ppo", out / "ppo-work")
+    finished("ppo")
+    evaluation.evaluate(params.eval, params.model, out / "sft", out / "ppo" / "model", out / "rm", data, out / "eval", policy_stage="ppo")
+    finished("eval")
+    print("@@plain " + json.dumps(seconds), flush=True)
+
+
+def pipeline_breakdown(printed: str) -> dict[str, float]:
+    """Each stage's build seconds from the manifests of the artifacts `rlhf run` printed."""
+    text = printed.rsplit("== finished ==", 1)[-1]
+    builds = {}
+    for match in re.finditer(r"^  (\w+)\s+(\S+)$", text, re.M):
+        manifest = Path(match[2]) / "manifest.json"
+        if manifest.is_file():
+            builds[match[1]] = json.loads(manifest.read_text())["resources"]["seconds"]
+    return builds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--full", action="store_true", help="the preset's own training steps (default: half of them)")
+    parser.add_argument("--plain", type=Path, default=None, help=argparse.SUPPRESS)  # the child side
+    parser.add_argument("--set", dest="overrides", action="append", default=[], help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    if args.plain is not None:
+        plain(args.plain, args.overrides)
+        return 0
+
+    overrides = [] if args.full else HALF
+    root = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
+    log = root / "runs.log"
+    base = clean_env()
+    sets = [part for item in overrides for part in ("--set", item)]
+    walls: dict[str, list[float]] = {"pipeline": [], "plain": []}
+    parts: dict[str, dict[str, list[float]]] = {"pipeline": {}, "plain": {}}
+    for round_ in range(args.rounds):
+        state = root / f"round-{round_}"
+        env = {**base, "RLHF_STATE_DIR": str(state / "state"), "PREFECT_HOME": str(state / "prefect")}
+        seconds, printed = timed([sys.executable, "-m", "rlhf_pipeline.flows.cli", "run", *sets], env, log)
+        walls["pipeline"].append(seconds)
+        for stage, value in pipeline_breakdown(printed).items():
+            parts["pipeline"].setdefault(stage, []).append(value)
+        print(f"round {round_ + 1}: pipeline {seconds:.1f}s", flush=True)
+        seconds, printed = timed([sys.executable, "-m", "bench.overhead", "--plain", str(state / "plain"), *sets], base, log)
+        walls["plain"].append(seconds)
+        for stage, value in json.loads(printed.rsplit("@@plain ", 1)[-1].splitlines()[0]).items():
+            parts["plain"].setdefault(stage, []).append(value)
+        print(f"round {round_ + 1}: plain {seconds:.1f}s", flush=True)
+        shutil.rmtree(state, ignore_errors=True)
+
+    def median(values: list[float]) -> float:
+        return statistics.median(values) if values else float("nan")
+
+    print(f"\nthe embedded default{'' if args.full else ' at half its training steps (' + ', '.join(HALF) + ')'}; {args.rounds} rounds, median [min, max]")
+    print(f"{'part':34} {'pipeline':>10} {'plain':>10}")
+    for stage in STAGES:
+        print(f"{stage + ' (build)':34} {median(parts['pipeline'].get(stage, [])):9.1f}s {median(parts['plain'].get(stage, [])):9.1f}s")
+    built = [sum(parts["pipeline"][s][i] for s in parts["pipeline"] if i < len(parts["pipeline"][s])) for i in range(args.rounds)]
+    rest = [wall - inside for wall, inside in zip(walls["pipeline"], built)]
+    print(f"{'registry (build)':34} {median(parts['pipeline'].get('registry', [])):9.1f}s {'-':>10}")
+    print(f"{'outside the builds':34} {median(rest):9.1f}s {median(parts['plain']['imports']):9.1f}s   (pipeline: Prefect, MLflow, start-up; plain: imports)")
+    for side in ("pipeline", "plain"):
+        values = walls[side]
+        print(f"{side + ' wall to wall':34} {median(values):9.1f}s  [{min(values):.1f}, {max(values):.1f}]")
+    ratios = [one / two for one, two in zip(walls["pipeline"], walls["plain"])]
+    ratio = median(walls["pipeline"]) / median(walls["plain"])
+    print(
+        f"ratio pipeline / plain: {ratio:.3f} by medians (per round {', '.join(f'{r:.3f}' for r in ratios)}); target <= 1.05: {'met' if ratio <= 1.05 else 'NOT met'}"
+    )
+    shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""What the wall-to-wall benchmarks share: a clean environment and a timed, logged subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without any Prefect, MLflow or pipeline state setting (each run names its own), offline."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("PREFECT_", "MLFLOW_", "RLHF_"))}
+    return env | {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"} | extra
+
+
+def timed(command: list[str], env: dict, log: Path) -> tuple[float, str]:
+    """Run `command` from the repository root with its output appended to `log`: wall seconds and what it printed.
+    A failure stops the benchmark, naming the log."""
+    started = time.perf_counter()
+    with open(log, "a") as out:
+        out.write(f"\n$ {' '.join(command)}\n")
+        out.flush()
+        done = subprocess.run(command, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    seconds = time.perf_counter() - started
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed with {done.returncode}; see {log}")
+    return seconds, log.read_text().rsplit("\n$ ", 1)[-1]
