@@ -93,3 +93,22 @@ def token_accuracy(eval_prediction) -> dict[str, float]:
     predicted, target = logits[:, :-1].argmax(-1), labels[:, 1:]
     mask = target != -100
     return {"token_accuracy": float((predicted[mask] == target[mask]).mean()) if mask.any() else float("nan")}
+
+
+class RecordBatches(TrainerCallback):
+    """Writes to `out` the shape of every training batch the model was called with, and whether it came with an attention mask."""
+
+    def __init__(self, out: str):
+        self.out, self.batches = Path(out), []
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        def record(module, positional, keyword):
+            if module.training:
+                ids = keyword.get("input_ids")
+                self.batches.append({"shape": list(ids.shape), "mask": keyword.get("attention_mask") is not None})
+
+        self.hook = model.register_forward_pre_hook(record, with_kwargs=True)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.hook.remove()
+        self.out.write_text(json.dumps(self.batches))

@@ -1,5 +1,7 @@
+import json
 import shutil
 
+import pytest
 from safetensors.torch import load_file
 
 from rlhf_pipeline.trainers import sft
@@ -117,3 +119,24 @@ def test_an_optimizer_and_schedule_by_transformers_name_train_and_are_checkpoint
     # ... and the schedule decays to min_lr_rate * lr, not to 0.
     rates = [values["sft/train/learning_rate"] for values in logged if "sft/train/learning_rate" in values]
     assert rates[0] > rates[-1] >= 0.25 - 1e-9
+
+
+def test_padding_free_batches_train_the_same_losses_as_padded_ones(tmp_path):
+    """padding_free concatenates each batch's rows (no pad tokens; transformers masks the rows apart by their position_ids):
+    the same rows, steps and seed log the same losses as padded batches, step by step."""
+    from rlhf_pipeline.trainers.common import CallbackSpec
+
+    data = write_data_dir(tmp_path / "data")
+    losses, batches = {}, {}
+    for padding_free in (False, True):
+        logged: list[float] = []
+        record = CallbackSpec(path="tests.user_code:RecordBatches", kwargs={"out": str(tmp_path / f"batches-{padding_free}.json")})
+        config = sft.SftConfig(max_steps=3, padding_free=padding_free, callbacks=[record], **{**FAST, "per_device_train_batch_size": 4})
+        sft.train(config, SMALL_MODEL, data, tmp_path / f"out-{padding_free}", tmp_path / f"work-{padding_free}",
+                  lambda values, step: logged.extend([values["sft/train/loss"]] if "sft/train/loss" in values else []))  # fmt: skip
+        losses[padding_free] = logged
+        batches[padding_free] = json.loads((tmp_path / f"batches-{padding_free}.json").read_text())
+    assert [b["shape"][0] for b in batches[False]] == [4, 4, 4] and all(b["mask"] for b in batches[False])
+    assert [b["shape"][0] for b in batches[True]] == [1, 1, 1] and not any(b["mask"] for b in batches[True])  # one row, no padding
+    assert sum(b["shape"][1] for b in batches[True]) < sum(b["shape"][0] * b["shape"][1] for b in batches[False])
+    assert len(losses[True]) == 3 and losses[True] == pytest.approx(losses[False], abs=1e-4), losses
