@@ -112,9 +112,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(params.model_dump(mode="json"), indent=2))
         return 0
 
+    _start_temporary_server()
     _warm_up_imports()
     from rlhf_pipeline.flows.rlhf import rlhf
 
+    _wait_for_temporary_server()
     summary = rlhf(**dict(params))
     _report(summary)
     return 0
@@ -132,6 +134,73 @@ def _make_state_folders() -> None:
         folders.append(str(Path(uri.removeprefix("sqlite:///")).parent))
     for folder in filter(None, folders):
         Path(folder).expanduser().mkdir(parents=True, exist_ok=True)
+
+
+_TEMPORARY: dict = {}
+
+
+def _start_temporary_server() -> None:
+    """With no PREFECT_API_URL, start the temporary Prefect server now, as Prefect would start it at the flow call (the same
+    uvicorn app and settings as its SubprocessASGIServer), so that it comes up while this process imports the flow and the
+    libraries: Prefect's own way imports its whole server package here first and then waits for the server, ~4 s of a
+    cached re-run's ~9 (bench.cache). Stopped at exit, after Prefect's own exit handlers have sent the last logs."""
+    if os.environ.get("PREFECT_API_URL"):
+        return
+    import atexit
+    import importlib.util
+    import socket
+    import subprocess
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    prefect_dir = os.path.dirname(importlib.util.find_spec("prefect").origin)
+    env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+    command = [sys.executable, "-m", "uvicorn", "--app-dir", os.path.dirname(prefect_dir), "--factory", "prefect.server.api.server:create_app",
+               "--host", "127.0.0.1", "--port", str(port), "--log-level", "error", "--lifespan", "on"]  # fmt: skip
+    from rlhf_pipeline.trainers.launch import die_with_parent  # stdlib only; a killed `rlhf run` leaves no server behind
+
+    process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
+    _TEMPORARY.update(process=process, url=f"http://127.0.0.1:{port}/api")
+    os.environ["PREFECT_API_URL"] = _TEMPORARY["url"]
+    atexit.register(_stop_temporary_server)  # registered before Prefect's handlers, so it runs after them
+    print(f"Starting temporary Prefect server on http://127.0.0.1:{port} (set PREFECT_API_URL to use a running one)", file=sys.stderr)
+
+
+def _wait_for_temporary_server() -> None:
+    import time
+    import urllib.error
+    import urllib.request
+
+    process = _TEMPORARY.get("process")
+    if process is None:
+        return
+    timeout = float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"])
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"rlhf: the temporary Prefect server exited with {process.returncode} before it answered (its output is above)")
+        try:
+            with urllib.request.urlopen(f"{_TEMPORARY['url']}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.05)
+    raise SystemExit(f"rlhf: the temporary Prefect server did not answer at {_TEMPORARY['url']} within {timeout:.0f}s")
+
+
+def _stop_temporary_server() -> None:
+    import subprocess
+
+    process = _TEMPORARY.pop("process", None)
+    if process is not None and process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def _warm_up_imports() -> None:
@@ -157,7 +226,9 @@ def _evaluate(args) -> int:
     except (ValidationError, ValueError) as exc:
         print(f"rlhf: invalid parameters:\n{exc}", file=sys.stderr)
         return 2
+    _start_temporary_server()
     _warm_up_imports()
+    _wait_for_temporary_server()
     _report(rlhf_eval(**dict(params)))
     return 0
 
