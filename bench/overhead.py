@@ -1,16 +1,18 @@
 """What the orchestration costs: the default pipeline via `rlhf run` against the same stages as plain scripts, side by side.
 
     python -m bench.overhead              # ~8 minutes on 2 cores: 3 rounds at half the preset's training steps
-    python -m bench.overhead --full       # the preset's own steps (sft 300, rm 150, ppo 5120 episodes); ~14 minutes
+    python -m bench.overhead --full       # the preset's own steps (sft 300, rm 150, dpo 200); ~14 minutes
+    python -m bench.overhead --set algorithm=ppo
 
 Both sides run in a fresh process each, timed wall to wall (imports, model building, loading and saving included), and
 interleaved: pipeline, plain, pipeline, plain, ...
-- pipeline: `rlhf run` on a fresh state folder: data (Great Expectations checks, Parquet copies) -> sft -> rm -> ppo ->
-  eval -> registry, with Prefect (its temporary server), MLflow tracking, content-addressed artifacts and hashing.
+- pipeline: `rlhf run` on a fresh state folder: data (Great Expectations checks, Parquet copies) -> sft -> rm -> dpo
+  (the default algorithm; `--set algorithm=ppo` for ppo) -> eval -> registry, with Prefect (its temporary server),
+  MLflow tracking, content-addressed artifacts and hashing.
 - plain: one Python process that does the same work with no Prefect, MLflow, validation or hashing: the bundled files
-  read into Parquet with `datasets`; sft with TRL's `SFTTrainer` and rm with TRL's `RewardTrainer`, built from the same
-  resolved settings and seeds (`trl_arguments`); ppo with `trainers.ppo.train` (ours: TRL has no PPO since 1.0) and the
-  eval with `trainers.eval.evaluate`, called directly, as a script would.
+  read into Parquet with `datasets`; sft, rm and dpo with TRL's `SFTTrainer`, `RewardTrainer` and `DPOTrainer`, built
+  from the same resolved settings and seeds (`trl_arguments`); ppo with `trainers.ppo.train` (ours: TRL has no PPO since
+  1.0) and the eval with `trainers.eval.evaluate`, called directly, as a script would.
 The pipeline's breakdown comes from its manifests: each stage's build (`resources.seconds`: training, the model loads
 and saves between stages, and for `data` the validation); whatever is left of the wall time is orchestration, tracking
 and start-up. Target (issue 14): ratio <= 1.05.
@@ -30,15 +32,15 @@ from pathlib import Path
 
 from bench.runs import ROOT, clean_env, timed
 
-HALF = ["sft.max_steps=150", "rm.max_steps=75", "ppo.total_episodes=2560"]
-STAGES = ("data", "sft", "rm", "ppo", "eval")
+HALF = ["sft.max_steps=150", "rm.max_steps=75", "dpo.max_steps=100", "ppo.total_episodes=2560"]
+STAGES = ("data", "sft", "rm", "dpo", "ppo", "eval")
 
 
 def plain(out: Path, overrides: list[str]) -> None:
     """The child side: the default pipeline's stages as plain scripts; prints one JSON line of per-stage seconds."""
     started = time.perf_counter()
     import trl
-    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from rlhf_pipeline.flows.params import load_params
     from rlhf_pipeline.trainers import eval as evaluation
@@ -88,10 +90,26 @@ def plain(out: Path, overrides: list[str]) -> None:
     trainer.save_model(str(out / "rm"))
     finished("rm")
 
-    reward_model = out / "rm" if params.rewards.uses_reward_model else None
-    ppo.train(params.ppo, params.rewards, out / "sft", reward_model, data, out / "ppo", out / "ppo-work")
-    finished("ppo")
-    evaluation.evaluate(params.eval, params.model, out / "sft", out / "ppo" / "model", out / "rm", data, out / "eval", policy_stage="ppo")
+    policy = params.algorithm
+    if policy == "dpo":  # the default
+        cfg = params.dpo
+        args = trl.DPOConfig(
+            **cfg.trl_arguments(out / "dpo-work"), max_length=cfg.max_length, beta=cfg.beta, loss_type=list(cfg.loss_type),
+            loss_weights=cfg.loss_weights, label_smoothing=cfg.label_smoothing,
+        )  # fmt: skip
+        model = AutoModelForCausalLM.from_pretrained(str(out / "sft"))
+        trainer = trl.DPOTrainer(
+            model=model, args=args, processing_class=tokenizer, train_dataset=Dataset.from_parquet(str(data / "datasets" / "preference.parquet"))
+        )  # fmt: skip
+        trainer.train()
+        trainer.save_model(str(out / "dpo" / "model"))
+    elif policy == "ppo":  # ours: TRL has no PPO since 1.0
+        reward_model = out / "rm" if params.rewards.uses_reward_model else None
+        ppo.train(params.ppo, params.rewards, out / "sft", reward_model, data, out / "ppo", out / "ppo-work")
+    else:
+        raise SystemExit(f"bench.overhead compares algorithm=dpo or ppo, not {policy}")
+    finished(policy)
+    evaluation.evaluate(params.eval, params.model, out / "sft", out / policy / "model", out / "rm", data, out / "eval", policy_stage=policy)
     finished("eval")
     print("@@plain " + json.dumps(seconds), flush=True)
 
@@ -112,14 +130,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--full", action="store_true", help="the preset's own training steps (default: half of them)")
     parser.add_argument("--plain", type=Path, default=None, help=argparse.SUPPRESS)  # the child side
-    parser.add_argument("--set", dest="overrides", action="append", default=[], help=argparse.SUPPRESS)
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="an override for both sides (repeatable)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     if args.plain is not None:
         plain(args.plain, args.overrides)
         return 0
 
-    overrides = [] if args.full else HALF
+    overrides = ([] if args.full else HALF) + args.overrides
     root = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     log = root / "runs.log"
     base = clean_env()
