@@ -12,7 +12,13 @@ These checks read the bytes line by line and name the file, the rule and the
 Rules: `not_empty_file`, `utf8`, `json_lines` (.jsonl, and .json files that are
 not one JSON array), `json_document` (.json arrays) and `row_size` (line-based
 files: .jsonl, .json lines, .csv). Parquet is binary and self-checking: only
-`not_empty_file`. Nothing here imports more than the standard library.
+`not_empty_file`. Nothing here imports more than the standard library (and orjson, prefect's
+dependency, when it is there).
+
+A file is read in blocks of whole lines. A line that orjson parses as an object is a valid row for
+every rule (orjson accepts a subset of what `json.loads` does: no NaN, no lone surrogates, strict
+UTF-8), and a block no longer than MAX_ROW_BYTES per line holds no oversized row; every other line
+takes the full per-line checks, whose messages come from `json`.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Callable
 
 from rlhf_pipeline.validators.report import MAX_EXAMPLES, RuleResult, ValidationReport, short_repr
 
@@ -35,6 +42,8 @@ NOT_EMPTY = "not_empty_file"
 UTF8 = ("utf8", "every line must be valid UTF-8")
 JSON_LINES = ("json_lines", "every non-blank line must be one complete JSON object {column: value}")
 JSON_DOCUMENT = ("json_document", "a .json file starting with '[' must be one JSON array of row objects")
+BLOCK_BYTES = 4 << 20  # lines are read this many bytes at a time (a longer line is read whole)
+BLANK = b" \t\n\r\x0b\x0c"  # what bytes.strip() removes: a line of these is blank
 
 
 def check_files(kind: str, paths: Iterable[Path]) -> list[ValidationReport]:
@@ -61,26 +70,18 @@ def _row_size() -> tuple[str, str]:
 
 def _check_lines(path: Path, *, parse_json: bool, header: bool) -> tuple[list[RuleResult], int]:
     failed: dict[str, list[tuple[int, str]]] = {UTF8[0]: [], JSON_LINES[0]: [], "row_size": []}
+    fine = _json_block_test() if parse_json else _text_block_test
     number, rows = 0, 0
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            if number == 1 and raw.startswith(BOM):
-                raw = raw[len(BOM) :]
-            content = raw.rstrip(b"\r\n")
-            if len(content) > MAX_ROW_BYTES:
-                failed["row_size"].append((number, f"{len(content):,} bytes, over the {MAX_ROW_BYTES:,}-byte limit"))
-            if not content.strip():
-                continue
-            rows += 1
-            try:
-                text = content.decode("utf-8")
-            except UnicodeDecodeError as error:
-                failed[UTF8[0]].append((number, _not_utf8(content, error.start, error.reason)))
-                continue
-            if parse_json:
-                why = _not_a_json_object(text, complete=raw.endswith(b"\n"))
-                if why:
-                    failed[JSON_LINES[0]].append((number, why))
+    for first, lines, last_complete in _line_blocks(path):
+        if first == 1 and lines[0].startswith(BOM):
+            lines[0] = lines[0][len(BOM) :]
+        number = first + len(lines) - 1
+        if max(map(len, lines)) <= MAX_ROW_BYTES and fine(lines):
+            rows += len(lines)  # the common block: every line a row that passes every rule
+            continue
+        for number, raw in enumerate(lines, first):
+            complete = last_complete or number < first + len(lines) - 1
+            rows += _check_line(number, raw, complete, parse_json, failed)
     rows -= 1 if header and rows else 0
     row = "a non-blank line after the header" if header else "a non-blank line"
     results = [_table_rule((NOT_EMPTY, f"a data file must hold at least one row ({row})"), success=rows > 0)]
@@ -89,6 +90,67 @@ def _check_lines(path: Path, *, parse_json: bool, header: bool) -> tuple[list[Ru
         results.append(_line_rule(JSON_LINES, failed[JSON_LINES[0]]))
     results.append(_line_rule(_row_size(), failed["row_size"]))
     return results, number
+
+
+def _check_line(number: int, raw: bytes, complete: bool, parse_json: bool, failed: dict[str, list[tuple[int, str]]]) -> int:
+    """Every rule on one line (without its newline); returns 1 for a row, 0 for a blank line."""
+    content = raw.rstrip(b"\r\n")
+    if len(content) > MAX_ROW_BYTES:
+        failed["row_size"].append((number, f"{len(content):,} bytes, over the {MAX_ROW_BYTES:,}-byte limit"))
+    if not content.strip():
+        return 0
+    try:
+        text = content.decode("utf-8")
+    except UnicodeDecodeError as error:
+        failed[UTF8[0]].append((number, _not_utf8(content, error.start, error.reason)))
+        return 1
+    if parse_json:
+        why = _not_a_json_object(text, complete=complete)
+        if why:
+            failed[JSON_LINES[0]].append((number, why))
+    return 1
+
+
+def _line_blocks(path: Path):
+    """(number of the first line, the lines without their newline, whether the last one had a newline) per block."""
+    first, rest = 1, b""
+    with open(path, "rb") as f:
+        while block := f.read(BLOCK_BYTES):
+            lines = (rest + block).split(b"\n")
+            rest = lines.pop()  # the part after the last newline: the start of the next block's first line
+            if lines:
+                yield first, lines, True
+                first += len(lines)
+    if rest:
+        yield first, [rest], False  # the file ends mid-line
+
+
+def _json_block_test() -> Callable[[list[bytes]], bool]:
+    """A test that passes a block only when every JSON-lines rule accepts each of its lines: one
+    complete JSON object per line, valid UTF-8 (a false result only sends the block to the per-line checks)."""
+    try:
+        from orjson import loads  # ~3x json's speed on short rows; accepts no line json rejects
+    except ImportError:
+
+        def loads(raw: bytes):
+            return json.loads(raw.decode("utf-8"))
+
+    def fine(lines: list[bytes]) -> bool:
+        try:
+            return all(type(loads(raw)) is dict for raw in lines)
+        except ValueError:  # orjson's JSONDecodeError, json's and UnicodeDecodeError are ValueErrors
+            return False
+
+    return fine
+
+
+def _text_block_test(lines: list[bytes]) -> bool:
+    """Every line non-blank valid UTF-8 (CSV rows)."""
+    try:
+        b"\n".join(lines).decode("utf-8")  # a newline byte never sits inside a UTF-8 character
+    except UnicodeDecodeError:
+        return False
+    return all(raw.strip(BLANK) for raw in lines)
 
 
 def _check_json_document(path: Path) -> tuple[list[RuleResult], int]:

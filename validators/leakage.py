@@ -10,10 +10,11 @@ implicit-prompt pairs carry no separable prompt and are not compared.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rlhf_pipeline.validators.formats import read_format
+from rlhf_pipeline.validators.formats import BATCH_ROWS, detect_format, record_batches
 from rlhf_pipeline.validators.report import MAX_EXAMPLES, RuleResult, short_repr
 
 if TYPE_CHECKING:
@@ -33,32 +34,69 @@ class Split:
 
 def check_leakage(held_out: Split, training: list[Split]) -> RuleResult:
     """The held-out rows whose prompt is also a prompt of a training split (first training row quoted)."""
-    seen: dict[str, tuple[Split, int]] = {}
-    for split in training:
-        for row, prompt in enumerate(prompts(split)):
-            if prompt is not None:
-                seen.setdefault(prompt, (split, row))
-    leaked = []
-    for row, prompt in enumerate(prompts(held_out)):
-        if prompt in seen:
-            split, train_row = seen[prompt]
-            why = f"{short_repr(prompt)} is also row {train_row} of {split.name} ({split.source})"
-            leaked.append({"row": row, "value": why})
-    trained = ", ".join(f"{split.name} ({split.source})" for split in training)
-    description = f"a prompt held out in {held_out.name} must not appear in the data trained on: {trained}"
-    return RuleResult(RULE, description, not leaked, len(leaked), leaked[:MAX_EXAMPLES])
+    return check_leakages([(held_out, training)])[0]
 
 
-def prompts(split: Split) -> list[str | None]:
-    """Each row's prompt, normalised; None where the row has none to compare."""
-    fmt, values = read_format(split.kind, split.dataset, split.source)
+def check_leakages(checks: list[tuple[Split, list[Split]]], batch_rows: int = BATCH_ROWS) -> list[RuleResult]:
+    """check_leakage for each (held-out split, training splits), reading each training split once.
+
+    Only the held-out prompts are kept in memory: a training split is streamed batch by batch,
+    noting the first row of each held-out prompt it holds.
+    """
+    held = [list(_rows_with_prompts(split, batch_rows)) for split, _ in checks]
+    wanted = {prompt for rows in held for _, prompt in rows}
+    first_rows: dict[int, dict[str, int]] = {}  # id(training split) -> held-out prompt -> its first row there
+    for _, training in checks:
+        for split in training:
+            if id(split) not in first_rows:
+                found: dict[str, int] = {}
+                for row, prompt in _rows_with_prompts(split, batch_rows, wanted):
+                    found.setdefault(prompt, row)
+                first_rows[id(split)] = found
+    results = []
+    for (held_out, training), rows in zip(checks, held):
+        leaked = []
+        for row, prompt in rows:
+            # The first training split (in order) that holds the prompt, at its first row there.
+            split = next((split for split in training if prompt in first_rows[id(split)]), None)
+            if split is not None:
+                why = f"{short_repr(prompt)} is also row {first_rows[id(split)][prompt]} of {split.name} ({split.source})"
+                leaked.append({"row": row, "value": why})
+        trained = ", ".join(f"{split.name} ({split.source})" for split in training)
+        description = f"a prompt held out in {held_out.name} must not appear in the data trained on: {trained}"
+        results.append(RuleResult(RULE, description, not leaked, len(leaked), leaked[:MAX_EXAMPLES]))
+    return results
+
+
+def _rows_with_prompts(split: Split, batch_rows: int = BATCH_ROWS, wanted: set[str] | None = None) -> Iterator[tuple[int, str]]:
+    """(0-based row, normalised prompt) of every row that has one (and, given `wanted`, one of those), in order."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    fmt = detect_format(split.kind, split.dataset, split.source, batch_rows)
     if fmt.prompt == "explicit":
-        column = values["prompt"]
+        column = "prompt"
     elif fmt.conversational:
-        column = values["messages"] if fmt.kind == "sft" else values["chosen"]
+        column = "messages" if fmt.kind == "sft" else "chosen"
     else:
-        return [None] * split.dataset.num_rows
-    return [_normalise(_first_user_text(value)) for value in column]
+        return
+    targets = None if wanted is None else pa.array(sorted(wanted), type=pa.string())
+    for batch in record_batches(split.dataset, [column], batch_rows):
+        texts = batch.table.column(column)
+        if targets is None or not pa.types.is_string(texts.type):
+            candidates = range(batch.num_rows)
+        else:
+            # Printable ASCII without a run of spaces: str.split() splits at single spaces alone, so cutting the
+            # ends' spaces normalises as _normalise does, and only rows that may hold a wanted prompt come to Python.
+            plain = pc.and_(pc.and_(pc.string_is_ascii(texts), pc.ascii_is_printable(texts)), pc.invert(pc.match_substring(texts, "  ")))
+            maybe = pc.or_(pc.invert(pc.fill_null(plain, False)), pc.is_in(pc.utf8_trim(texts, " "), value_set=targets))
+            candidates = pc.indices_nonzero(maybe).to_pylist()
+        values = batch.values[column] if targets is None or len(candidates) > batch.num_rows // 10 else None
+        for index in candidates:
+            value = values[index] if values is not None else texts[index].as_py()
+            prompt = _normalise(_first_user_text(value))
+            if prompt is not None and (wanted is None or prompt in wanted):
+                yield batch.start + index, prompt
 
 
 def _first_user_text(value: Any) -> Any:

@@ -6,6 +6,8 @@ GX expectation can judge. A value of None means "not applicable to this row"
 (GX skips nulls): a row whose `chosen` has the wrong type fails
 `consistent_types` only, not every rule that would have looked inside it.
 Each failing row also gets an English explanation for the report.
+
+validators.screen derives a record batch at a time, keeping the rows Arrow can vouch for out of Python.
 """
 
 from __future__ import annotations
@@ -39,10 +41,10 @@ class Rule:
 
 @dataclass
 class Derived:
-    columns: dict[str, list[Any]] = field(default_factory=dict)
-    """Derived column -> one scalar per row (None: not applicable)."""
+    columns: dict[str, Any] = field(default_factory=dict)
+    """Derived column -> one scalar per row (None: not applicable): a list, or a numpy array from Arrow."""
     explanations: dict[str, dict[int, str]] = field(default_factory=dict)
-    """Rule -> row -> why that row fails it."""
+    """Rule -> dataset row -> why that row fails it."""
 
 
 def rules_for(fmt: DatasetFormat) -> list[Rule]:
@@ -114,14 +116,22 @@ def _in_set(name: str, description: str, column: str, *allowed: Any) -> Rule:
     return Rule(name, description, column, "in_set", allowed)
 
 
-def derive(fmt: DatasetFormat, values: dict[str, list[Any]], rules: list[Rule]) -> Derived:
-    """One scalar per row and rule, plus an explanation for every failing row."""
+def derive(fmt: DatasetFormat, values: dict[str, list[Any]], rules: list[Rule], *, start: int = 0, checks: dict[str, Check] | None = None) -> Derived:
+    """One scalar per row and rule, plus an explanation for every failing row.
+
+    `values` are rows start, start + 1, ... of the dataset (explanations name those rows). An
+    unpaired dataset's label rules look at every row: pass `checks` from `label_checks` when
+    `values` is one batch of it.
+    """
     derived = Derived()
     row_rules = [rule for rule in rules if rule.column is not None]
     for rule in row_rules:
         derived.columns[rule.column] = []
         derived.explanations[rule.name] = {}
-    checks = {**CHECKS, **_label_checks(fmt, values)} if fmt.unpaired else CHECKS
+    if not row_rules:
+        return derived
+    if checks is None:
+        checks = {**CHECKS, **label_checks(fmt, [values])} if fmt.unpaired else CHECKS
     num_rows = len(values[fmt.columns[0]])
     for index in range(num_rows):
         row = {column: values[column][index] for column in fmt.columns}
@@ -130,7 +140,7 @@ def derive(fmt: DatasetFormat, values: dict[str, list[Any]], rules: list[Rule]) 
             value, why = checks[rule.name](fmt, row, typed)
             derived.columns[rule.column].append(value)
             if why is not None:
-                derived.explanations[rule.name][index] = why
+                derived.explanations[rule.name][start + index] = why
     return derived
 
 
@@ -254,15 +264,21 @@ def _check_label(fmt: DatasetFormat, row: Row, typed: Row) -> tuple[Any, str | N
     return False, f"label is {value_type(label)}, expected true or false{shown}"
 
 
-def _label_checks(fmt: DatasetFormat, values: dict[str, list[Any]]) -> dict[str, Check]:
-    """The unpaired rules that look at other rows: the label counts and the first row of each (prompt, completion, label)."""
-    labels = values[LABEL]
-    counts = Counter(label for label in labels if isinstance(label, bool))
+def label_checks(fmt: DatasetFormat, batches) -> dict[str, Check]:
+    """The unpaired rules that look at other rows, from one pass over every row: the label counts and
+    the first row of each (prompt, completion, label). `batches`: the dataset's values, batch after
+    batch (dicts of column -> list). The first-row index holds one key per distinct row."""
+    counts: Counter = Counter()
     first_row: dict[tuple[str, str, bool], int] = {}
-    for index, label in enumerate(labels):
-        prompt, completion = values["prompt"][index], values["completion"][index]
-        if isinstance(label, bool) and value_type(prompt) == value_type(completion) == fmt.value_type:
-            first_row.setdefault((*_pair_key(prompt, completion), label), index)
+    start = 0
+    for values in batches:
+        labels = values[LABEL]
+        counts.update(label for label in labels if isinstance(label, bool))
+        for index, label in enumerate(labels):
+            prompt, completion = values["prompt"][index], values["completion"][index]
+            if isinstance(label, bool) and value_type(prompt) == value_type(completion) == fmt.value_type:
+                first_row.setdefault((*_pair_key(prompt, completion), label), start + index)
+        start += len(labels)
 
     def both_labels(fmt: DatasetFormat, row: Row, typed: Row) -> tuple[Any, str | None]:
         label = row[LABEL]

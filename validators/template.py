@@ -41,9 +41,13 @@ def chat_template_rule() -> Rule:
     return Rule(TEMPLATE_RULE, "conversational rows need a chat template that can train them", "template_ok", "in_set", (True,))
 
 
-def template_column(num_rows: int, problem: str) -> tuple[list[Any], dict[int, str]]:
-    """Every row fails the same way: no row can be rendered (the reason is given once, at the first row)."""
-    return [False] * num_rows, {0: problem, **dict.fromkeys(range(1, num_rows), "the same (see the first row)")}
+def template_column(num_rows: int, problem: str, start: int = 0) -> tuple[list[Any], dict[int, str]]:
+    """Every row fails the same way: no row can be rendered (the reason is given once, at the dataset's first row).
+    Rows start .. start + num_rows - 1 of the dataset; the explanations are keyed by the local row."""
+    why = dict.fromkeys(range(num_rows), "the same (see the first row)")
+    if start == 0 and num_rows:
+        why[0] = problem
+    return [False] * num_rows, why
 
 
 def end_of_turn_rule() -> Rule:
