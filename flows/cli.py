@@ -163,6 +163,9 @@ def _start_temporary_server() -> None:
     process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
     _TEMPORARY.update(process=process, url=f"http://127.0.0.1:{port}/api")
     os.environ["PREFECT_API_URL"] = _TEMPORARY["url"]
+    # Its leases die with it, so device slots are not shared through it (tasks.orchestration.coordinated); the name is
+    # written out here, since importing tasks.orchestration would import Prefect before the server starts.
+    os.environ["RLHF_TEMPORARY_PREFECT_API_URL"] = _TEMPORARY["url"]
     atexit.register(_stop_temporary_server)  # registered before Prefect's handlers, so it runs after them
     print(f"Starting temporary Prefect server on http://127.0.0.1:{port} (set PREFECT_API_URL to use a running one)", file=sys.stderr)
 

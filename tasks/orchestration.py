@@ -40,7 +40,12 @@ def coordinated() -> bool:
     run that was killed would never come back."""
     from prefect.settings import PREFECT_API_URL
 
-    return bool(PREFECT_API_URL.value())
+    url = PREFECT_API_URL.value()
+    return bool(url) and url != os.environ.get(TEMPORARY_SERVER_ENV)  # `rlhf run` names the temporary server it started
+
+
+TEMPORARY_SERVER_ENV = "RLHF_TEMPORARY_PREFECT_API_URL"
+"""Set by `rlhf run`/`rlhf eval` to the API URL of the temporary server they started (flows.cli): not a server to coordinate through."""
 
 
 def ensure_device_limit(slots: int = 1) -> None:

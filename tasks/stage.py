@@ -396,6 +396,8 @@ class PeakMemory:
 
         self._process = psutil.Process()
         self.before = self.peak = self._process.memory_info().rss
+        # Processes already running (a temporary Prefect server, a test's servers) are not the build's.
+        self._others = {child.pid for child in self._process.children(recursive=True)}
         try:
             with open("/proc/self/clear_refs", "w") as refs:
                 refs.write("5")  # resets VmHWM, the process's peak resident set, to what it holds now
@@ -425,7 +427,7 @@ class PeakMemory:
         import psutil
 
         total = 0
-        for process in [self._process, *self._process.children(recursive=True)]:
+        for process in [self._process, *(child for child in self._process.children(recursive=True) if child.pid not in self._others)]:
             with contextlib.suppress(psutil.Error):
                 total += process.memory_info().rss
         self.peak = max(self.peak, total)

@@ -138,7 +138,7 @@ def test_models_with_different_tokenizers_are_refused_at_the_edge_before_the_sta
 
 def test_the_manifest_and_the_mlflow_run_record_the_builds_peak_memory_and_wall_time_with_its_child_processes(ctx):
     """A build that holds 200 MiB itself and starts a child process holding 300 MiB: the peak counts both, above the process's
-    memory before the build; a build that allocates nothing records about none."""
+    memory before the build; a build that allocates nothing records about none, beside a child that was there before."""
     import subprocess
     import sys
     import time
@@ -155,8 +155,16 @@ def test_the_manifest_and_the_mlflow_run_record_the_builds_peak_memory_and_wall_
         time.sleep(0.5)
         return {"dpo/train/loss": 0.5}
 
-    busy = run_stage("dpo", DpoConfig(), {}, ctx, holding)
-    quiet = run_stage("dpo", DpoConfig(beta=0.2), {}, ctx, idle)
+    # A process that was running before the builds (a temporary Prefect server, another test's server) is not theirs.
+    holder = "import time; b = bytearray(300 * 2**20); b[::4096] = b'x' * len(b[::4096]); print(flush=True); time.sleep(60)"
+    server = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE)
+    try:
+        server.stdout.readline()  # it holds its memory now
+        busy = run_stage("dpo", DpoConfig(), {}, ctx, holding)
+        quiet = run_stage("dpo", DpoConfig(beta=0.2), {}, ctx, idle)
+    finally:
+        server.kill()
+        server.wait()
     resources = {name: outcome.ref.manifest()["resources"] for name, outcome in (("busy", busy), ("quiet", quiet))}
     grown = resources["busy"]["peak_rss_mb"] - resources["busy"]["rss_before_mb"]
     assert 450 < grown < 700, resources  # 200 + 300 MiB, and the child's interpreter
