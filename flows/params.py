@@ -134,7 +134,10 @@ class RunSettings(StrictModel):
         cfg, data = self.config("eval"), self.config("data")
         columns = peek_columns(data.prompts_eval)
         has_reference = cfg.answer_column is not None and (columns is None or cfg.answer_column in columns)
-        return planned_metrics(cfg, has_reference=has_reference, reward_model=cfg.use_reward_model, preference_eval=data.preference_eval is not None)
+        return planned_metrics(
+            cfg, has_reference=has_reference, reward_model=cfg.use_reward_model, preference_eval=data.preference_eval is not None,
+            ensemble=self.config("rm").ensemble_size,
+        )  # fmt: skip
 
     @model_validator(mode="after")
     def _gate_metric_measured(self):

@@ -18,6 +18,7 @@ from rlhf_pipeline.tasks.stage import ArtifactRef, RunContext
 from rlhf_pipeline.trainers.common import StrictModel
 
 CHAMPION, CANDIDATE = "champion", "candidate"
+HELDOUT = "eval/heldout/"  # trainers.eval.HELDOUT, the prefix of the metrics the gates read
 
 
 GATE_ORDER = ("eval/heldout/win_rate_vs_champion", "eval/heldout/judge_win_rate_vs_champion", "eval/heldout/gold_gain_vs_champion",
@@ -39,6 +40,13 @@ class RegistryConfig(StrictModel):
         None, description="The metric's lower 95% bound must be above this. None: 0.45 for a win rate, -0.05 for a gain; -.inf: not checked."
     )
 
+    hacking_gate: bool = Field(
+        True,
+        description="Refuse to promote a policy whose held-out reward-model score rose over SFT's while the gold metric (exact match or "
+        "eval.gold_metric) fell, or, without one, while the reward-model ensemble's disagreement rose: it games its reward.",
+    )
+    hacking_tolerance: float = Field(0.0, ge=0, description="How far the gold metric may fall (or the disagreement rise) before the hacking gate refuses.")
+
     def resolved(self, planned: set[str]) -> RegistryConfig:
         """This gate with its defaults made concrete for a run whose eval reports `planned` metrics."""
         metric = self.gate_metric or next((name for name in GATE_ORDER if name in planned), GATE_ORDER[0])
@@ -50,6 +58,27 @@ class RegistryConfig(StrictModel):
                 "min_lower_bound": self.min_lower_bound if self.min_lower_bound is not None else 0.45 if rate else -0.05,
             }
         )
+
+
+def hacking(cfg: RegistryConfig, metrics: dict[str, float]) -> str | None:
+    """Why the policy looks like it games its reward model (with the numbers), or None."""
+    if not cfg.hacking_gate:
+        return None
+    reward, sft_reward = metrics.get(f"{HELDOUT}policy_mean_reward"), metrics.get(f"{HELDOUT}sft_mean_reward")
+    if reward is None or sft_reward is None or reward <= sft_reward:
+        return None
+    rose = f"the held-out reward-model score rose from {sft_reward:.4f} (sft) to {reward:.4f} (policy)"
+    for gold in ("gold", "exact_match"):
+        policy, sft = metrics.get(f"{HELDOUT}policy_{gold}"), metrics.get(f"{HELDOUT}sft_{gold}")
+        if policy is not None and sft is not None:
+            if policy < sft - cfg.hacking_tolerance:
+                return f"reward hacking: {rose} while {gold.replace('_', ' ')} fell from {sft:.4f} to {policy:.4f} (tolerance {cfg.hacking_tolerance})"
+            return None
+    policy, sft = metrics.get(f"{HELDOUT}policy_rm_disagreement"), metrics.get(f"{HELDOUT}sft_rm_disagreement")
+    if policy is not None and sft is not None and policy > sft + cfg.hacking_tolerance:
+        return (f"reward hacking: {rose} while the reward-model ensemble's disagreement rose from {sft:.4f} to {policy:.4f} "
+                f"(no gold metric; tolerance {cfg.hacking_tolerance})")  # fmt: skip
+    return None
 
 
 def gate(cfg: RegistryConfig, metrics: dict[str, float]) -> tuple[bool, str]:
@@ -102,7 +131,9 @@ def register_policy(cfg: RegistryConfig, policy: ArtifactRef, report: ArtifactRe
     tracking.set_alias(cfg.model_name, CANDIDATE, version)
 
     champion = tracking.alias_version(cfg.model_name, CHAMPION)
-    if champion is None:
+    if hacked := hacking(cfg, metrics):  # even a first version: a policy that games its reward is no champion
+        promoted, reason = False, hacked
+    elif champion is None:
         promoted, reason = True, "no champion yet: the first version becomes champion"
     elif champion == version:
         promoted, reason = True, "already champion"

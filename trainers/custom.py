@@ -127,6 +127,14 @@ def write_outcome(out_dir: Path, global_step: int, max_steps: int, best_checkpoi
     return outcome
 
 
+def add_outcome(out_dir: Path, values: dict) -> dict:
+    """`training.json` with `values` added (e.g. which held-out probe's policy was published)."""
+    path = out_dir / OUTCOME
+    outcome = (json.loads(path.read_text()) if path.is_file() else {}) | values
+    path.write_text(json.dumps(outcome, indent=2) + "\n")
+    return outcome
+
+
 class Hooks:
     """TrainerCallback hooks for a loop of our own (ppo): the same events, arguments and control as transformers' Trainer
     gives them, so one callback works in every stage. `control.should_training_stop` is the caller's to honour."""

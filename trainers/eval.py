@@ -60,7 +60,9 @@ class EvalConfig(StrictModel):
         return [*([self.gold_metric.path] if self.gold_metric else []), *([self.judge.path] if self.judge and self.judge.is_function else [])]
 
 
-def planned_metrics(cfg: EvalConfig, *, has_reference: bool, reward_model: bool, champion: bool = True, preference_eval: bool = True) -> set[str]:
+def planned_metrics(
+    cfg: EvalConfig, *, has_reference: bool, reward_model: bool, champion: bool = True, preference_eval: bool = True, ensemble: int = 1
+) -> set[str]:
     """The metric names `evaluate` returns for a run with these inputs (`_low`/`_high` bounds included), so a
     gate metric the run cannot produce fails when the parameters are checked, not after the training."""
     names = {f"{HELDOUT}{n}" for n in ("num_prompts", "kl_to_sft", "policy_distinct_2", "policy_mean_length", "length_drift", "hacking_warnings")}
@@ -82,6 +84,9 @@ def planned_metrics(cfg: EvalConfig, *, has_reference: bool, reward_model: bool,
         names |= {n for rival in rivals for n in bounded(f"win_rate_vs_{rival}")}
         if preference_eval:
             names.add(f"{HELDOUT}rm_pairwise_accuracy")
+        if ensemble > 1:  # each member's accuracy, and how far the members disagree on each model's answers
+            names |= {f"{HELDOUT}{m}_rm_disagreement" for m in models if m != "base"}
+            names |= {f"{HELDOUT}rm_member_{i}_pairwise_accuracy" for i in range(ensemble)} if preference_eval else set()
     if cfg.judge is not None:
         for rival in rivals:
             name = f"judge_win_rate_vs_{rival}"
@@ -187,6 +192,7 @@ def evaluate(
     del policy, reference
 
     rewards: dict[str, list[float]] = {}
+    member_rewards: dict[str, list[list[float]]] = {}
     win_rates: dict[str, stats.WinRate] = {}
     if reward_model is not None:
         rm = load_sequence_classifier(reward_model)
@@ -198,8 +204,24 @@ def evaluate(
             win = stats.win_rate(rewards["policy"], rewards[rival], **boot)
             win_rates[f"{policy_stage} vs {rival}"] = win
             _put(metrics, f"{HELDOUT}win_rate_vs_{rival}", win.rate, win.low, win.high)
-        if (data_dir / "datasets" / "preference_eval.parquet").is_file():
-            metrics[f"{HELDOUT}rm_pairwise_accuracy"] = _pairwise_accuracy(rm, rm_tokenizer, load_split(data_dir, "preference_eval"), cfg.batch_size)
+        pairs = load_split(data_dir, "preference_eval") if (data_dir / "datasets" / "preference_eval.parquet").is_file() else None
+        if pairs is not None:
+            metrics[f"{HELDOUT}rm_pairwise_accuracy"] = _pairwise_accuracy(rm, rm_tokenizer, pairs, cfg.batch_size)
+        del rm
+        from rlhf_pipeline.trainers.ensemble import TextEnsemble, member_dirs
+
+        if len(dirs := member_dirs(reward_model)) > 1:
+            for i, folder in enumerate(dirs):  # one member in memory at a time
+                member = TextEnsemble([folder], batch_size=cfg.batch_size)
+                if pairs is not None:
+                    metrics[f"{HELDOUT}rm_member_{i}_pairwise_accuracy"] = _pairwise_accuracy(member.models[0], member.tokenizer, pairs, cfg.batch_size)
+                for name in [n for n in completions if n != "base"]:
+                    member_rewards.setdefault(name, []).append(member.members(prompts, completions[name])[0])
+            for name, scores in member_rewards.items():
+                from rlhf_pipeline.trainers.ensemble import aggregate
+
+                spread = aggregate(scores, "mean")[1]
+                metrics[f"{HELDOUT}{name}_rm_disagreement"] = sum(spread) / len(spread)
 
     judged: dict[str, stats.WinRate] = {}
     if cfg.judge is not None:  # after the reward model is gone: an LM judge is one more model in memory
@@ -222,7 +244,26 @@ def evaluate(
     from rlhf_pipeline.trainers.eval_report import write_report
 
     write_report(out_dir, cfg.num_samples_logged, prompts, answers, completions, correct, rewards, metrics, warnings, accuracy, win_rates, gold_name, judged)
+    _overoptimisation_plot(Path(policy_model), out_dir, policy_stage)
     return metrics
+
+
+def _overoptimisation_plot(policy_model: Path, out_dir: Path, stage: str) -> None:
+    """The online stage's held-out probes (its `heldout.jsonl`, beside the policy), on Gao et al.'s axes."""
+    import json
+
+    from rlhf_pipeline.trainers.heldout import CURVES
+
+    path = policy_model.parent / CURVES
+    if not path.is_file():
+        return
+    from rlhf_pipeline.trainers import plots
+    from rlhf_pipeline.trainers.custom import OUTCOME
+
+    curves = [json.loads(line) for line in path.read_text().splitlines()]
+    outcome = policy_model.parent / OUTCOME
+    kept = json.loads(outcome.read_text()).get("kept_step") if outcome.is_file() else None
+    plots.overoptimisation(curves, out_dir / "plots" / "overoptimisation.png", stage, kept)
 
 
 def _put(metrics: dict[str, float], name: str, value: float, low: float, high: float) -> None:

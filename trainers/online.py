@@ -13,10 +13,11 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from rlhf_pipeline.trainers.common import LogMetrics, TrainingConfig
+from rlhf_pipeline.trainers.heldout import HeldOutFields
 from rlhf_pipeline.trainers.rewards import RewardsConfig
 
 
-class OnlineConfig(TrainingConfig):
+class OnlineConfig(HeldOutFields, TrainingConfig):
     learning_rate: float = Field(1e-6, gt=0, description="Peak learning rate (TRL GRPO/RLOO default 1e-6).")
     per_device_train_batch_size: int = Field(8, ge=1, description="Completions (not prompts) per device per step.")
     num_generations: int = Field(8, ge=2, description="Completions sampled per prompt (the group).")
@@ -86,6 +87,7 @@ def train(
     import trl
 
     from rlhf_pipeline.trainers.common import load_split, stage_callbacks, train_and_save, upstream_policy
+    from rlhf_pipeline.trainers.custom import add_outcome
     from rlhf_pipeline.trainers.rewards import trl_reward_funcs
     from rlhf_pipeline.trainers.text import blank_generation_config
 
@@ -112,6 +114,20 @@ def train(
     shipped, policy.generation_config = policy.generation_config, blank_generation_config(policy, tokenizer)
     from transformers import PreTrainedModel
 
+    callbacks = stage_callbacks(stage, log_metrics, cfg)
+    probe = None
+    if cfg.eval_steps:
+        from rlhf_pipeline.trainers.heldout import probe_callback
+
+        probe_args = {
+            "data_dir": data_dir,
+            "sft_model": sft_model,
+            "reward_model": reward_model,
+            "rewards": rewards,
+            "max_new_tokens": cfg.max_completion_length,
+        }
+        probe = probe_callback(stage, cfg, probe_args, work_dir, log_metrics)
+        callbacks.insert(1, probe)  # after the metrics callback, before the checkpoint marker and the user's
     trainer = trainer_cls(
         model=policy,
         reward_funcs=reward_funcs,
@@ -121,6 +137,12 @@ def train(
         train_dataset=prompts,
         processing_class=tokenizer,
         peft_config=peft_config,
-        callbacks=stage_callbacks(stage, log_metrics, cfg),
+        callbacks=callbacks,
     )
-    return train_and_save(stage, trainer, tokenizer, cfg, work_dir, out_dir, generation_config=shipped)
+    metrics = train_and_save(stage, trainer, tokenizer, cfg, work_dir, out_dir, generation_config=shipped)
+    if probe is not None and probe.probe is not None:
+        probe.keeper.publish(out_dir)
+        if probe.kept:
+            add_outcome(out_dir, probe.kept)
+            metrics[f"{stage}/heldout/kept_step"] = float(probe.kept["kept_step"])
+    return metrics

@@ -108,3 +108,33 @@ def accuracy_bars(values: dict[str, Interval], path: Path, title: str = "Exact m
     ax.set(title=title, ylabel="exact match", ylim=(0, top))
     ax.grid(axis="y", alpha=0.3)
     return _save(fig, path)
+
+
+def overoptimisation(curves: list[dict], path: Path, stage: str, kept_step: int | None = None) -> Path:
+    """Gao et al. 2022's axes: the held-out proxy reward and the gold metric against sqrt(KL(policy || SFT)), one point per
+    probe of the online stage (`heldout.jsonl`), the published probe ringed; the ensemble's disagreement beside them."""
+    points = sorted((c for c in curves if "sqrt_kl" in c), key=lambda c: c["step"])
+    if not points:
+        raise ValueError("overoptimisation: no probe with a KL in the curves")
+    fig = _figure(7.5, 4.2)
+    fig.suptitle(f"{stage}: proxy reward and gold metric against sqrt(KL to SFT), held-out probes")
+    ax = fig.subplots()
+    x = [c["sqrt_kl"] for c in points]
+    handles = []
+    if any("proxy_reward" in c for c in points):
+        handles += ax.plot(x, [c.get("proxy_reward", math.nan) for c in points], color="C0", marker="o", label="proxy reward (optimised)")
+        if any(c.get("disagreement") for c in points):
+            handles += ax.plot(x, [c.get("disagreement", math.nan) for c in points], color="C2", marker=".", ls="--", label="ensemble disagreement (std)")
+    ax.set(xlabel="sqrt(KL(policy || SFT)), nats^0.5", ylabel="reward-model score")
+    ax.grid(alpha=0.3)
+    if any("exact_match" in c for c in points):
+        gold = ax.twinx()
+        handles += gold.plot(x, [c.get("exact_match", math.nan) for c in points], color="C3", marker="s", label="gold: exact match")
+        gold.set(ylabel="exact match", ylim=(0, 1))
+    for c in points:
+        if c["step"] == kept_step:
+            handles.append(
+                ax.scatter([c["sqrt_kl"]], [c.get("proxy_reward", 0.0)], s=200, facecolors="none", edgecolors="k", label=f"published (step {kept_step})")
+            )
+    ax.legend(handles=handles, labels=[h.get_label() for h in handles], loc="best", fontsize=8)
+    return _save(fig, path)

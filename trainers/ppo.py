@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field, model_validator
 
 from rlhf_pipeline.trainers.common import COMPLETE, PROGRESS, Customisation, LogMetrics, LoraConfig, Progress, StrictModel
+from rlhf_pipeline.trainers.heldout import HeldOutFields
 from rlhf_pipeline.trainers.rewards import RewardsConfig
 
 if TYPE_CHECKING:
@@ -53,7 +54,14 @@ class PpoFields(StrictModel):
     cliprange: float = Field(0.2, gt=0, lt=1, description="Policy ratio clip epsilon (PPO eq. 7).")
     cliprange_value: float = Field(0.2, gt=0, description="How far a value prediction may move from its rollout value before the loss is clipped.")
     vf_coef: float = Field(0.1, ge=0, description="Weight of the value loss in the summed loss.")
-    kl_coef: float = Field(0.05, ge=0, description="Per-token KL penalty to the reference policy (InstructGPT's beta).")
+    kl_coef: float = Field(0.05, ge=0, description="Per-token KL penalty to the reference policy (InstructGPT's beta); with target_kl, its start.")
+    target_kl: float | None = Field(
+        None, gt=0, description="Adaptive KL (Ziegler et al. 2019): kl_coef follows the rollouts' KL towards this target (nats per completion), "
+        "logged as ppo/train/kl_coef. None: kl_coef stays fixed.",
+    )  # fmt: skip
+    kl_horizon: int = Field(
+        10000, ge=1, description="Adaptive KL's horizon in episodes: kl_coef moves by at most 20% x rollout_batch_size / kl_horizon per update."
+    )
     whiten_rewards: bool = Field(False, description="Rescale the per-token rewards to unit variance before GAE (mean kept).")
     kl_estimator: Literal["k1", "k3"] = Field(
         "k1",
@@ -132,7 +140,7 @@ class PpoFields(StrictModel):
         return max(1, num_updates // self.num_sample_generations) if self.num_sample_generations else None
 
 
-class PpoConfig(Customisation, PpoFields):
+class PpoConfig(Customisation, HeldOutFields, PpoFields):
     """Our PPO's fields (`PpoFields`), then the user's own optimizer and callbacks, as in every stage."""
 
 
@@ -167,6 +175,12 @@ def kl_per_token(logprobs, ref_logprobs, mask, kl_estimator: str = "k1") -> torc
     log_r = ref_logprobs - logprobs
     kl = -log_r if kl_estimator == "k1" else torch.expm1(log_r) - log_r
     return kl * mask
+
+
+def adapted_kl_coef(kl_coef: float, kl: float, target: float, batch_size: int, horizon: int) -> float:
+    """Ziegler et al. 2019 (section 2.2): e = clip(KL / target - 1, -0.2, 0.2); beta <- beta * (1 + e * batch_size / horizon)."""
+    error = min(max(kl / target - 1.0, -0.2), 0.2)
+    return kl_coef * (1.0 + error * batch_size / horizon)
 
 
 def kl_shaped_rewards(scores, logprobs, ref_logprobs, mask, kl_coef: float, kl_estimator: str = "k1") -> tuple[torch.Tensor, torch.Tensor]:
@@ -419,11 +433,6 @@ class Ranks:
 # --- checkpoints -------------------------------------------------------------------------
 
 
-def _trainable(model) -> dict[str, torch.Tensor]:
-    """Trained weights only: all of them for full fine-tuning, the adapters under LoRA (tied weights once)."""
-    return {name: p.detach().contiguous().cpu() for name, p in model.named_parameters() if p.requires_grad}
-
-
 def _rng_file(rank: int) -> str:
     return "rng.pt" if rank == 0 else f"rng-{rank}.pt"
 
@@ -455,8 +464,10 @@ def _write_checkpoint(work_dir: Path, tmp: Path, final: Path, update: int, polic
     import torch
     from safetensors.torch import save_file
 
-    save_file(_trainable(policy), tmp / "policy.safetensors")
-    save_file(_trainable(value_model), tmp / "value_model.safetensors")
+    from rlhf_pipeline.trainers.heldout import trainable
+
+    save_file(trainable(policy), tmp / "policy.safetensors")
+    save_file(trainable(value_model), tmp / "value_model.safetensors")
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     if scheduler is not None:  # an optimizer_factory's scheduler
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
@@ -531,7 +542,8 @@ def train(
         save_model,
         upstream_policy,
     )  # fmt: skip
-    from rlhf_pipeline.trainers.custom import Hooks, make_optimizer, write_outcome
+    from rlhf_pipeline.trainers.custom import Hooks, add_outcome, make_optimizer, write_outcome
+    from rlhf_pipeline.trainers.heldout import Keeper, Probe
     from rlhf_pipeline.trainers.rewards import RewardScorer, as_completions
     from rlhf_pipeline.trainers.text import prompt_ids as render_prompt
 
@@ -618,9 +630,17 @@ def train(
     autocast = lambda: torch.autocast(device.type, dtype=dtype, enabled=bf16 or cfg.fp16)  # noqa: E731
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.fp16)  # float16 gradients underflow without loss scaling
 
-    state = {"update": 0, "data_epoch": 0, "data_index": 0, "metrics": {}}
+    state = {"update": 0, "data_epoch": 0, "data_index": 0, "metrics": {}, "kl_coef": cfg.kl_coef}
     if checkpoint := last_checkpoint(work_dir):
-        state = _load_checkpoint(Path(checkpoint), policy, value_model, optimizer, scheduler, ranks.rank)
+        state = {"kl_coef": cfg.kl_coef} | _load_checkpoint(Path(checkpoint), policy, value_model, optimizer, scheduler, ranks.rank)
+    keeper = Keeper(work_dir, cfg.keep_best)
+    probe = None
+    if cfg.eval_steps and ranks.main:  # the held-out curves (rank 0 alone: every rank holds the same weights)
+        probe = Probe("ppo", data_dir, sft_model, reward_model, rewards, cfg, cfg.response_length, device,
+                      reference=(lambda: _reference_of(policy)) if reference is None else None)  # fmt: skip
+        if reference is not None:
+            probe.reference = reference  # the PPO reference is the SFT model already
+        keeper.resume(state["update"])
     ranks.barrier()
     for stale in work_dir.glob(".checkpoint-*.tmp") if work_dir.is_dir() and ranks.main else []:
         shutil.rmtree(stale, ignore_errors=True)
@@ -686,7 +706,8 @@ def train(
                     ids=[prompt_ids[i] + ids for i, ids in zip(rows, responses)],
                 )  # fmt: skip
                 scores = torch.tensor(total, device=device, dtype=torch.float) - eos_penalty * (~ended).float()  # N+ §7: the EOS trick
-                token_rewards, kl = kl_shaped_rewards(scores, logprobs, ref_logprobs, mask, cfg.kl_coef, cfg.kl_estimator)
+                kl_coef = state["kl_coef"]
+                token_rewards, kl = kl_shaped_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, cfg.kl_estimator)
                 if cfg.whiten_rewards:
                     token_rewards = whiten(token_rewards, mask, shift_mean=False)
                 advantages, returns = compute_gae(token_rewards, values, mask, cfg.gamma, cfg.lam)
@@ -715,6 +736,9 @@ def train(
 
             if scheduler is not None:
                 scheduler.step()
+            if cfg.target_kl is not None:  # the next update's coefficient, from this batch's KL (the same on every rank: averaged)
+                mean_kl = ranks.mean({"kl": kl.sum(1).mean().item()})["kl"]
+                state["kl_coef"] = adapted_kl_coef(kl_coef, mean_kl, cfg.target_kl, batch_size, cfg.kl_horizon)
             hooks.state.global_step = update
             hooks("on_step_end")
 
@@ -722,7 +746,8 @@ def train(
             current = {
                 "reward": scores.mean().item(),
                 "kl": kl.sum(1).mean().item(),  # KL(policy || reference) per completion, as N+ §7 and TRL report it
-                "non_score_reward": (-cfg.kl_coef * kl).sum(1).mean().item(),  # TRL's objective/non_score_reward
+                "non_score_reward": (-kl_coef * kl).sum(1).mean().item(),  # TRL's objective/non_score_reward
+                "kl_coef": kl_coef,
                 "entropy": masked_mean(entropy, mask).item(),
                 "explained_variance": explained_variance(values, returns, mask),
                 "response_length": mask.sum(1).mean().item(),
@@ -752,6 +777,12 @@ def train(
                 work_dir.mkdir(parents=True, exist_ok=True)
                 with samples.open("a") as f:
                     f.writelines(json.dumps(row) + "\n" for row in table)
+            if probe is not None and (update % cfg.eval_steps == 0 or update == num_updates):
+                heldout = probe(policy, seed=cfg.seed)
+                keeper.record(update, heldout, policy)
+                progress_log.log(update, {f"ppo/heldout/{k}": heldout[k] for k in ("exact_match", "proxy_reward", "kl") if k in heldout})
+                if log_metrics is not None:
+                    log_metrics({f"ppo/heldout/{name}": value for name, value in heldout.items()}, update)
             stop = ranks.any(hooks.control.should_training_stop)  # a callback ended training: publish what we have, as the Trainer does
             if update % cfg.save_steps == 0 or update == num_updates or hooks.control.should_save:
                 state.update(update=update, metrics=metrics)
@@ -765,7 +796,13 @@ def train(
     hooks("on_log", logs={"train_runtime": time.monotonic() - started, "train_updates": update - first})
     hooks("on_train_end")
     if ranks.main:  # the weights are the same on every rank
+        kept = keeper.restore(policy, update) if probe is not None else {}
         write_outcome(out_dir, update, num_updates)
+        if kept:  # which probe's policy is published, and why
+            add_outcome(out_dir, kept)
+            PROGRESS.info(f"ppo: published the policy of update {kept['kept_step']} (held-out proxy reward - disagreement {kept['kept_score']:.4f})")
+            metrics = metrics | {"ppo/heldout/kept_step": float(kept["kept_step"])}
+        keeper.publish(out_dir)
         save_model(policy, tokenizer, out_dir / "model", keep_adapter=cfg.lora.keep_adapter)
         if cfg.save_value_model:
             save_model(value_model, tokenizer, out_dir / "value_model")

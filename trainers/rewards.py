@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -43,6 +43,12 @@ class RewardsConfig(StrictModel):
 
     reward_model_weight: float = Field(1.0, ge=0, description="Weight of the `rm` stage's reward model; 0 leaves it out (and skips training it).")
     functions: list[RewardFunctionSpec] = Field(default_factory=list, description="Python reward functions, each with a weight.")
+    reward_model_aggregate: Literal["mean", "min", "mean_minus_std"] = Field(
+        "mean",
+        description="How an ensemble's members (rm.ensemble_size > 1) make one reward: their mean, their minimum (worst case, Coste et al. "
+        "2023), or mean - reward_model_std_coef * std (uncertainty-weighted). One reward model: its score.",
+    )
+    reward_model_std_coef: float = Field(1.0, ge=0, description="The std's weight in reward_model_aggregate='mean_minus_std'.")
 
     @model_validator(mode="after")
     def _some_reward(self):
@@ -114,9 +120,15 @@ def trl_reward_funcs(cfg: RewardsConfig, reward_model: Path | None, sample: dict
     if cfg.uses_reward_model:
         if reward_model is None:
             raise ValueError("rewards.reward_model_weight > 0 but no reward model was trained")
-        from rlhf_pipeline.trainers.common import has_adapter, load_sequence_classifier, load_tokenizer
+        import torch
 
-        if has_adapter(reward_model):  # TRL loads a reward model by path only when it is whole: rm's adapter is merged here
+        from rlhf_pipeline.trainers.common import has_adapter, load_sequence_classifier, load_tokenizer
+        from rlhf_pipeline.trainers.ensemble import TextEnsemble, scoring_dirs
+
+        dirs = scoring_dirs(reward_model)
+        if len(dirs) > 1:  # an ensemble: one reward function over its members, aggregated
+            funcs.append(TextEnsemble(dirs, cfg.reward_model_aggregate, cfg.reward_model_std_coef, "cuda" if torch.cuda.is_available() else "cpu"))
+        elif has_adapter(reward_model):  # TRL loads a reward model by path only when it is whole: rm's adapter is merged here
             merged = load_sequence_classifier(reward_model)
             merged.config.pad_token_id = load_tokenizer(reward_model).pad_token_id
             funcs.append(merged)
@@ -156,12 +168,11 @@ class RewardScorer:
         if cfg.uses_reward_model:
             if reward_model is None:
                 raise ValueError("rewards.reward_model_weight > 0 but no reward model was trained")
-            from rlhf_pipeline.trainers.common import load_sequence_classifier, load_tokenizer
+            from rlhf_pipeline.trainers.ensemble import load_members, scoring_dirs
 
-            self.model = load_sequence_classifier(reward_model)  # a whole model, or rm's adapter (with its score head) merged
-            self.model.to(device).eval().requires_grad_(False)
-            if self.model.config.pad_token_id is None:  # it pools the score at the last non-padding token
-                self.model.config.pad_token_id = load_tokenizer(reward_model).pad_token_id
+            # Whole models, or rm's adapter (with its score head) merged; every member of a served ensemble.
+            self.models = load_members(scoring_dirs(reward_model), device)
+            self.model = self.models[0]
 
     def check(self, prompts: list, completions: list, columns: dict[str, list]) -> None:
         for spec, fn in self.functions:
@@ -176,8 +187,10 @@ class RewardScorer:
         if self.model is not None:
             if ids is None or len(ids) != len(completions):
                 raise ValueError(f"the reward model scores token ids: pass `ids`, one row per completion ({len(completions)})")
-            scores = self.model_scores(ids, batch_size)
+            scores, spread = self.ensemble_scores(ids, batch_size)
             components["reward_model"] = scores
+            if len(self.models) > 1:  # logged beside the reward, weighted 0
+                components["reward_model_std"] = spread
             total = [t + self.cfg.reward_model_weight * s for t, s in zip(total, scores)]
         for spec, fn in self.functions:
             scores = [0.0 if s is None else float(s) for s in fn(prompts=prompts, completions=completions, **columns)]
@@ -185,15 +198,25 @@ class RewardScorer:
             total = [t + spec.weight * s for t, s in zip(total, scores)]
         return total, components
 
+    def ensemble_scores(self, ids: list[list[int]], batch_size: int = 64) -> tuple[list[float], list[float]]:
+        """The (aggregated) reward-model score of each row of token ids, and the members' disagreement (0 for one model)."""
+        from rlhf_pipeline.trainers.ensemble import aggregate
+
+        return aggregate([self.member_scores(m, ids, batch_size) for m in self.models], self.cfg.reward_model_aggregate, self.cfg.reward_model_std_coef)
+
     def model_scores(self, ids: list[list[int]], batch_size: int = 64) -> list[float]:
-        """The reward model's score of each row of token ids, right-padded as TRL's RewardTrainer pads them."""
+        return self.ensemble_scores(ids, batch_size)[0]
+
+    @staticmethod
+    def member_scores(model, ids: list[list[int]], batch_size: int = 64) -> list[float]:
+        """One reward model's score of each row of token ids, right-padded as TRL's RewardTrainer pads them."""
         import torch
 
         from rlhf_pipeline.trainers.text import pad
 
         scores: list[float] = []
         for start in range(0, len(ids), batch_size):
-            input_ids, attention = pad(ids[start : start + batch_size], self.model.config.pad_token_id, device=self.model.device)
+            input_ids, attention = pad(ids[start : start + batch_size], model.config.pad_token_id, device=model.device)
             with torch.no_grad():
-                scores.extend(self.model(input_ids=input_ids, attention_mask=attention).logits[:, 0].float().tolist())
+                scores.extend(model(input_ids=input_ids, attention_mask=attention).logits[:, 0].float().tolist())
         return scores

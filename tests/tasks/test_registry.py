@@ -6,7 +6,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from rlhf_pipeline.tasks import tracking
-from rlhf_pipeline.tasks.registry import CANDIDATE, CHAMPION, RegistryConfig, current_champion, gate, register_policy
+from rlhf_pipeline.tasks.registry import CANDIDATE, CHAMPION, RegistryConfig, current_champion, gate, hacking, register_policy
 from rlhf_pipeline.tasks.stage import RunContext, run_stage
 from rlhf_pipeline.trainers.base import load_base_model
 from rlhf_pipeline.trainers.common import save_model
@@ -23,6 +23,32 @@ def test_gate_needs_the_value_and_its_lower_bound_above_the_bars():
     passed, why = gate(cfg, {"eval/heldout/win_rate_vs_champion": 0.3, "eval/heldout/win_rate_vs_champion_low": 0.25})
     assert not passed and "is not above 0.5" in why
     assert gate(cfg, {}) == (False, "gate metric 'eval/heldout/win_rate_vs_champion' missing from eval metrics")
+
+
+HACKED = {  # the reward model's score up, exact match down: a policy that games its reward model
+    "eval/heldout/policy_mean_reward": 4.99, "eval/heldout/sft_mean_reward": 1.66,
+    "eval/heldout/policy_exact_match": 0.455, "eval/heldout/sft_exact_match": 0.623,
+    "eval/heldout/win_rate_vs_champion": 0.9, "eval/heldout/win_rate_vs_champion_low": 0.85,
+}  # fmt: skip
+
+
+def test_the_hacking_gate_reads_the_gold_metric_else_the_ensemble_disagreement():
+    cfg = RegistryConfig()
+    assert hacking(cfg, HACKED) == (
+        "reward hacking: the held-out reward-model score rose from 1.6600 (sft) to 4.9900 (policy) while exact match fell from 0.6230 to 0.4550 (tolerance 0.0)"
+    )
+    assert hacking(cfg, {**HACKED, "eval/heldout/policy_exact_match": 0.7}) is None  # both rose: an honest gain
+    assert hacking(cfg, {**HACKED, "eval/heldout/policy_mean_reward": 1.0}) is None  # the reward fell too: no sign of gaming
+    assert hacking(cfg.model_copy(update={"hacking_tolerance": 0.2}), HACKED) is None
+    assert hacking(cfg.model_copy(update={"hacking_gate": False}), HACKED) is None
+    # A verifier named as eval.gold_metric is read before exact match.
+    assert "gold fell from 0.9000 to 0.1000" in hacking(cfg, {**HACKED, "eval/heldout/policy_gold": 0.1, "eval/heldout/sft_gold": 0.9})
+    # Without a reference: the members of a reward-model ensemble disagree more on the policy's answers than on SFT's.
+    blind = {k: v for k, v in HACKED.items() if "exact_match" not in k}
+    assert hacking(cfg, blind) is None
+    why = hacking(cfg, {**blind, "eval/heldout/policy_rm_disagreement": 0.8, "eval/heldout/sft_rm_disagreement": 0.3})
+    assert why.endswith("while the reward-model ensemble's disagreement rose from 0.3000 to 0.8000 (no gold metric; tolerance 0.0)")
+    assert hacking(cfg, {**blind, "eval/heldout/policy_rm_disagreement": 0.2, "eval/heldout/sft_rm_disagreement": 0.3}) is None
 
 
 @pytest.fixture
@@ -49,6 +75,12 @@ def publish(ctx: RunContext, stage: str, seed: int, metrics: dict):
 def test_first_version_is_champion_a_loser_is_refused_a_winner_promoted(ctx):
     cfg = RegistryConfig(model_name="test-policy")
     client = MlflowClient()
+
+    # Even a first version is refused when it games its reward model, with the numbers.
+    policy, report, run_ctx = publish(ctx, "ppo", 0, HACKED)
+    hacked = register_policy(cfg, policy, report, [policy, report], run_ctx)
+    assert not hacked["promoted"] and hacked["reason"] == hacking(cfg, HACKED)
+    assert client.get_registered_model("test-policy").aliases == {CANDIDATE: int(hacked["version"])}  # no champion
 
     policy, report, run_ctx = publish(ctx, "dpo", 1, {})
     first = register_policy(cfg, policy, report, [policy, report], run_ctx)
