@@ -120,9 +120,12 @@ class RunSettings(StrictModel):
             for dataset in getattr(self.config(stage), "held_out", tuple)() if getattr(self.config(stage), "evaluates", False) else ():
                 if dataset not in given:
                     hint = f"set data.{dataset}" + (" or sft.eval_split (e.g. 0.05) to hold out a share of the demonstrations" if stage == "sft" else "")
-                    raise ValueError(
-                        f"{stage}.eval_strategy={self.config(stage).eval_strategy!r} evaluates on the {dataset} dataset, which data does not name: {hint}"
+                    setting = (
+                        f"eval_strategy={self.config(stage).eval_strategy!r}"
+                        if hasattr(self.config(stage), "eval_strategy")
+                        else f"eval_steps={self.config(stage).eval_steps}"
                     )
+                    raise ValueError(f"{stage}.{setting} evaluates on the {dataset} dataset, which data does not name: {hint}")
         return self
 
     def eval_metrics(self) -> set[str]:

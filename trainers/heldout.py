@@ -33,7 +33,19 @@ class HeldOutFields(StrictModel):
         "logged as <stage>/heldout/* curves. None: no probes.",
     )  # fmt: skip
     eval_prompts: int = Field(200, ge=1, description="Held-out prompts each probe answers (the first of prompts_eval).")
-    keep_best: bool = Field(True, description="With eval_steps: publish the policy of the probe with the best proxy_reward - disagreement, not the last one.")
+    keep_best: bool | None = Field(
+        None,
+        description="With eval_steps: publish the policy of the probe with the best proxy_reward - disagreement, not the last one. None: "
+        "only when a reward-model ensemble measures the disagreement (with one reward model the best proxy is the most over-optimised).",
+    )
+
+    @property
+    def evaluates(self) -> bool:
+        return self.eval_steps is not None
+
+    def held_out(self) -> tuple[str, ...]:
+        """The held-out prompts the probes answer: a dataset the stage reads (and keys on) only with eval_steps."""
+        return ("prompts_eval",) if self.evaluates else ()
 
 
 class Probe:
@@ -94,7 +106,11 @@ class Probe:
 class Keeper:
     """The curves file and the best probe's policy weights, in the stage's working folder (so a resumed run keeps both)."""
 
-    def __init__(self, work_dir: Path, keep_best: bool):
+    def __init__(self, work_dir: Path, keep_best: bool | None, reward_model: Path | None = None):
+        if keep_best is None:  # on when the members can disagree
+            from rlhf_pipeline.trainers.ensemble import member_dirs
+
+            keep_best = reward_model is not None and len(member_dirs(reward_model)) > 1
         self.work_dir, self.keep_best = work_dir, keep_best
         self.curves, self.best = work_dir / CURVES, work_dir / BEST
 
@@ -169,7 +185,7 @@ def probe_callback(stage: str, cfg: HeldOutFields, probe_args: dict, work_dir: P
         kept: dict = {}
 
         def __init__(self):
-            self.keeper, self.probe = Keeper(work_dir, cfg.keep_best), None
+            self.keeper, self.probe = Keeper(work_dir, cfg.keep_best, probe_args["reward_model"] if probe_args["rewards"].uses_reward_model else None), None
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             if state.is_world_process_zero:

@@ -633,7 +633,7 @@ def train(
     state = {"update": 0, "data_epoch": 0, "data_index": 0, "metrics": {}, "kl_coef": cfg.kl_coef}
     if checkpoint := last_checkpoint(work_dir):
         state = {"kl_coef": cfg.kl_coef} | _load_checkpoint(Path(checkpoint), policy, value_model, optimizer, scheduler, ranks.rank)
-    keeper = Keeper(work_dir, cfg.keep_best)
+    keeper = Keeper(work_dir, cfg.keep_best, reward_model if rewards.uses_reward_model else None)
     probe = None
     if cfg.eval_steps and ranks.main:  # the held-out curves (rank 0 alone: every rank holds the same weights)
         probe = Probe("ppo", data_dir, sft_model, reward_model, rewards, cfg, cfg.response_length, device,

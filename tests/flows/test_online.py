@@ -14,16 +14,33 @@ ONLINE_FAST = [  # a reward that varies on an untrained model's samples, mixed w
     "rewards.functions=[{path: 'tests.helpers:length_reward', weight: 1.0}]",
     "rewards.reward_model_weight=0.5",
 ]
+PROBES = ["grpo.eval_steps=1", "rloo.eval_steps=1", "ppo.eval_steps=1"]  # every step: the curves of every online stage
+HELDOUT_CURVES = ("kl", "sqrt_kl", "exact_match", "proxy_reward", "disagreement", "score")
+
+
+def assert_heldout_curves(summary: dict, stage: str, steps: int) -> None:
+    """The stage's MLflow run holds one point per step of each held-out curve; eval plotted them on Gao et al.'s axes."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    parent = client.get_run(summary["mlflow_run_id"])
+    runs = {r.info.run_name: r for r in client.search_runs([parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")}
+    for name in HELDOUT_CURVES:
+        history = client.get_metric_history(runs[stage].info.run_id, f"{stage}/heldout/{name}")
+        assert sorted(m.step for m in history) == list(range(1, steps + 1)), (stage, name)
+    assert any(m.value > 0 for m in client.get_metric_history(runs[stage].info.run_id, f"{stage}/heldout/disagreement"))  # an ensemble
+    assert "plots/overoptimisation.png" in {a.path for a in client.list_artifacts(runs["eval"].info.run_id, "plots")}
 
 
 def test_each_online_algorithm_runs_and_reuses_sft_and_rm(prefect, state):
-    grpo = run(*ONLINE_FAST, "algorithm=grpo")
+    grpo = run(*ONLINE_FAST, *PROBES, "algorithm=grpo")
     assert grpo.is_completed(), grpo.message
     assert task_states(grpo) == {"data": "Completed", "sft": "Completed", "rm": "Completed", "grpo": "Completed", "eval": "Completed", "registry": "Completed"}
     assert "eval/heldout/policy_exact_match" in grpo.result()["metrics"]
+    assert_heldout_curves(grpo.result(), "grpo", 2)
 
-    for algorithm in ("ppo", "rloo"):
-        switched = run(*ONLINE_FAST, f"algorithm={algorithm}")
+    for algorithm, steps in (("ppo", 2), ("rloo", 2)):
+        switched = run(*ONLINE_FAST, *PROBES, f"algorithm={algorithm}")
         assert switched.is_completed(), switched.message
         states = task_states(switched)
         # ppo has no prompt-length limit, so `data` re-checks without it (rloo's limit is grpo's:
@@ -32,6 +49,7 @@ def test_each_online_algorithm_runs_and_reuses_sft_and_rm(prefect, state):
         assert states == {"data": data, "sft": "Cached", "rm": "Cached", algorithm: "Completed", "eval": "Completed", "registry": "Completed"}
         metrics = switched.result()["metrics"]
         assert "eval/heldout/policy_exact_match" in metrics
+        assert_heldout_curves(switched.result(), algorithm, steps)
 
 
 def test_a_reward_function_that_does_not_import_fails_with_the_parameters(prefect, state):
@@ -46,3 +64,26 @@ def test_a_reward_function_that_does_not_import_fails_with_the_parameters(prefec
     failed = rlhf(**{**dict(params), "rewards": rewards}, return_state=True)
     assert failed.is_failed() and "no_such.module:score" in str(failed.result(raise_on_failure=False))
     assert task_states(failed) == {}
+
+
+def test_a_policy_that_games_its_reward_model_is_refused_promotion_with_the_numbers(prefect, state):
+    """The embedded default (not the CI preset: a hack needs a model that can do the task first), shortened: the reward
+    model is the only reward and nothing holds ppo back (no KL penalty, a high learning rate), so held-out exact match
+    falls while the reward model's score rises; the registry refuses the policy even as a first version."""
+    from rlhf_pipeline.flows.rlhf import rlhf
+
+    hack = [
+        "algorithm=ppo", "rewards.functions=[]", "rewards.reward_model_weight=1", "sft.max_steps=150", "rm.max_steps=75",
+        "ppo.kl_coef=0", "ppo.target_kl=null", "ppo.learning_rate=3e-4", "ppo.total_episodes=1280", "ppo.eval_steps=5", "eval.max_prompts=200",
+    ]  # fmt: skip
+    hacked = rlhf(**dict(load_params("tiny", hack)), return_state=True)
+    assert hacked.is_completed(), hacked.message
+    summary = hacked.result()
+    metrics, outcome = summary["metrics"], summary["registry"]
+    held = "eval/heldout/"
+    assert metrics[f"{held}policy_mean_reward"] > metrics[f"{held}sft_mean_reward"]
+    assert metrics[f"{held}policy_exact_match"] < metrics[f"{held}sft_exact_match"] - 0.1, metrics
+    assert not outcome["promoted"], outcome
+    assert outcome["reason"].startswith("reward hacking: the held-out reward-model score rose from ")
+    for name in ("sft_mean_reward", "policy_mean_reward", "sft_exact_match", "policy_exact_match"):
+        assert f"{metrics[held + name]:.4f}" in outcome["reason"], name

@@ -36,8 +36,9 @@ def test_token_limits_follow_the_stages_that_read_each_dataset():
     dpo = load_params("tiny", ["dpo.max_length=48"]).token_limits()
     assert dpo == {"sft": 64, "preference": 48, "preference_eval": 64}
     grpo = load_params("tiny", ["algorithm=grpo", "grpo.max_completion_length=8", "rm.max_length=60"]).token_limits()
-    assert grpo == {"sft": 64, "preference": 60, "preference_eval": 60, "prompts": 64 - 8}
-    no_rm = load_params("tiny", ["algorithm=grpo", "eval.use_reward_model=false"]).token_limits()
+    # The preset's grpo probes the held-out prompts (grpo.eval_steps): they must leave room for a completion too.
+    assert grpo == {"sft": 64, "preference": 60, "preference_eval": 60, "prompts": 64 - 8, "prompts_eval": 64 - 8}
+    no_rm = load_params("tiny", ["algorithm=grpo", "eval.use_reward_model=false", "grpo.eval_steps=null"]).token_limits()
     assert no_rm == {"sft": 64, "prompts": 64 - 8}  # rm does not run: its limit checks nothing
 
 

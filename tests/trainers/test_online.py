@@ -82,3 +82,42 @@ def test_vllm_rollouts_need_vllm_and_a_gpu_and_say_so_before_any_weights_load(tm
         with pytest.raises(ValueError, match="use_vllm=true: vLLM generates on a CUDA GPU, and this machine trains on cpu"):
             rloo.train(cfg, rewards, sft_dir, None, write_data_dir(tmp_path / "data", rows=16), tmp_path / "out", tmp_path / "work")
         assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("module,config", [(grpo, grpo.GrpoConfig), (rloo, rloo.RlooConfig)], ids=["grpo", "rloo"])
+def test_online_stages_probe_the_held_out_prompts_with_an_ensemble_and_publish_the_best_probe(tmp_path, sft_dir, module, config):
+    import json
+
+    import torch
+
+    from rlhf_pipeline.trainers import rm
+    from rlhf_pipeline.trainers.heldout import CURVES
+
+    data = write_data_dir(tmp_path / "data", rows=16)
+    rm.train(rm.RewardModelConfig(max_steps=2, ensemble_size=2, **FAST), sft_dir, data, tmp_path / "rm", tmp_path / "rm-work")
+    stage = module.__name__.split(".")[-1]
+    logged: list[tuple[int, dict]] = []
+    cfg = config(**{**ONLINE, "max_steps": 4, "learning_rate": 1e-2}, eval_steps=2, eval_prompts=8)
+    rewards = RewardsConfig(reward_model_aggregate="min")
+    metrics = module.train(cfg, rewards, sft_dir, tmp_path / "rm" / "model", data, tmp_path / "out", tmp_path / "work",
+                           lambda values, step: logged.append((step, values)))  # fmt: skip
+    # The reward is the ensemble's minimum, logged under the function's name (`reward_model`).
+    assert f"{stage}/train/rewards_reward_model_mean" in metrics
+    probes = [(step, v) for step, v in logged if f"{stage}/heldout/kl" in v]
+    assert [step for step, _ in probes] == [2, 4]
+    for _, values in probes:
+        for name in ("kl", "sqrt_kl", "exact_match", "proxy_reward", "disagreement", "score"):
+            assert f"{stage}/heldout/{name}" in values
+        assert values[f"{stage}/heldout/disagreement"] > 0  # two members, two seeds, two resamples
+    assert probes[-1][1][f"{stage}/heldout/kl"] != 0  # the policy moved away from SFT
+    curves = [json.loads(line) for line in (tmp_path / "out" / CURVES).read_text().splitlines()]
+    best = max(curves, key=lambda c: c["score"])
+    outcome = json.loads((tmp_path / "out" / "training.json").read_text())
+    assert outcome["kept_step"] == best["step"] and metrics[f"{stage}/heldout/kept_step"] == best["step"]
+    # The published policy holds the best probe's weights (put back when a later step was worse).
+    from safetensors.torch import load_file
+
+    kept = load_file(tmp_path / "work" / "best-policy" / "policy.safetensors")
+    published = load_causal_lm(tmp_path / "out" / "model")[0].state_dict()
+    assert kept and all(torch.equal(published[name], tensor) for name, tensor in kept.items() if name in published)
+    assert sum(name in published for name in kept) == len(published)
