@@ -18,6 +18,7 @@ from rlhf_pipeline.tasks.launcher import LaunchConfig
 from rlhf_pipeline.tasks.orchestration import RetryConfig
 from rlhf_pipeline.tasks.stages import ALGORITHMS, BY_NAME, POLICY, STAGES, reads
 from rlhf_pipeline.trainers.common import TINY, ModelConfig, StrictModel
+from rlhf_pipeline.trainers.feedback import FeedbackConfig
 from rlhf_pipeline.trainers.rewards import RewardsConfig
 
 CONFIG_DIR = Path(str(resources.files("rlhf_pipeline.configs")))  # package data: present in a wheel too
@@ -41,6 +42,10 @@ class RunSettings(StrictModel):
     no_cache: bool = Field(False, description="Re-run every stage even when its artifact already exists.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="The base model.")
     rewards: RewardsConfig = Field(default_factory=RewardsConfig, description="Rewards of the online stages (grpo, rloo, ppo).")
+    feedback: FeedbackConfig = Field(
+        default_factory=FeedbackConfig,
+        description="Iterated feedback after the policy stage: sample the policy, label pairs, retrain rm, train the policy again (rounds).",
+    )
     retry: RetryConfig = Field(default_factory=RetryConfig, description="Retries with backoff after transient errors, and a time limit per stage.")
     launch: LaunchConfig = Field(
         default_factory=LaunchConfig, description="Where training stages run: in the flow run's process or under accelerate (DDP, DeepSpeed, FSDP2)."
@@ -48,6 +53,17 @@ class RunSettings(StrictModel):
 
     def config(self, stage: str) -> StrictModel:
         return getattr(self, stage)
+
+    @model_validator(mode="after")
+    def _feedback_retrains_the_reward(self):
+        """Feedback rounds retrain the reward model the policy optimises: an online algorithm that reads it."""
+        if self.feedback.rounds and not (BY_NAME[self.algorithm].online and self.rewards.uses_reward_model):
+            raise ValueError(
+                f"feedback.rounds={self.feedback.rounds} retrains the reward model and then the policy against it: it needs an online "
+                f"algorithm (grpo, rloo, ppo) with rewards.reward_model_weight > 0 (algorithm={self.algorithm}, "
+                f"reward_model_weight={self.rewards.reward_model_weight})"
+            )
+        return self
 
     def plan(self) -> list[str]:
         """The stages this run builds, in order: data, sft, rm (when used), the algorithm's, eval, registry (when enabled)."""
@@ -221,6 +237,8 @@ def parameter_order() -> list[str]:
     for stage in STAGES:
         if stage.online and "rewards" not in order:
             order.append("rewards")
+        if stage.name == "eval":
+            order.append("feedback")
         order.append(stage.name)
     return [*order, "retry", "launch"]
 

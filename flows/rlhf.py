@@ -51,9 +51,20 @@ def _rlhf(**blocks) -> dict:
                 outputs = [futures[n] for n in params.plan() if n != "registry"]
                 future = stage(register_task()).submit(params.gate(), upstream[params.algorithm], upstream["eval"], outputs, run.ctx)
             else:
-                settings = {block: getattr(params, block) for block in settings_of(BY_NAME[name])}
+                settings = {block: getattr(params, block) for block in settings_of(BY_NAME[name]) if block != "feedback"}
                 future = stage(TASKS[name]).submit(name, params.config(name), settings, upstream, run.ctx, wait_for=previous)
             futures[name], previous = future, [future]
+            if name == params.algorithm:  # feedback rounds: rm samples the last policy and learns its labelled pairs, the policy trains again
+                for round_ in range(1, params.feedback.rounds + 1):
+                    for again in ("rm", name):
+                        if again == "rm":
+                            inputs = {"data": futures["data"], "sft": futures["sft"], "policy": futures[name], "rm": futures["rm"]}
+                        else:  # from the last round's policy, which is also its KL reference (iterated RLHF)
+                            inputs = {"data": futures["data"], "sft": futures[name], "rm": futures["rm"]}
+                        settings = {block: getattr(params, block) for block in settings_of(BY_NAME[again])}
+                        task = stage(TASKS[again]).with_options(task_run_name=f"{again} (round {round_})")
+                        future = task.submit(again, params.config(again), settings, inputs, run.ctx, round_, wait_for=previous)
+                        futures[again], previous = future, [future]
         built = [futures[n].result() for n in params.plan() if n != "registry"]
         registered = futures["registry"].result() if "registry" in futures else None
         return run.finish(policy=futures[params.algorithm].result(), report=futures["eval"].result(), stages=built, registered=registered)

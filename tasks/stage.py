@@ -213,6 +213,7 @@ def run_stage(
     parts: dict[str, str] | None = None,
     trainer: str | None = None,
     device: bool = False,
+    extra_tags: dict[str, str] | None = None,
 ) -> StageOutcome:
     """Publish `<root>/<stage>/<key>/` by running `build`, or reuse it when its manifest exists.
 
@@ -222,7 +223,7 @@ def run_stage(
     re-run that changes only a report (timestamps, a new rule) re-trains nothing.
     `parts` names paths whose digests are kept one by one (`ArtifactRef.select`).
     `trainer` is the module whose source (and imports) is the stage's code version;
-    `device`: the build holds a device slot.
+    `device`: the build holds a device slot; `extra_tags` go on its MLflow run (e.g. `rlhf.round` of a feedback round).
     """
     fingerprints = fingerprints or {}
     check_tokenizers(stage, upstream)
@@ -233,7 +234,7 @@ def run_stage(
     stage_root = Path(ctx.artifact_root) / stage
     final = stage_root / key
     ref = ArtifactRef(stage=stage, key=key, uri=str(final))
-    tags = {"rlhf.stage": stage, "rlhf.key": key, "rlhf.artifact": str(final)}
+    tags = {"rlhf.stage": stage, "rlhf.key": key, "rlhf.artifact": str(final), **(extra_tags or {})}
 
     stage_root.mkdir(parents=True, exist_ok=True)
     # One builder per key: a second run with the same inputs waits here, then finds the manifest.

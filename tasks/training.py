@@ -27,12 +27,13 @@ from rlhf_pipeline.tasks.orchestration import prefect_log, stage_task
 from rlhf_pipeline.tasks.stage import ArtifactRef, RunContext, StageOutcome, run_stage
 from rlhf_pipeline.tasks.stages import BY_NAME, STAGES, Stage, reads
 
-MODEL_INPUTS = {"sft_model": "sft", "reward_model": "rm"}
-"""Trainer parameter -> the upstream stage whose `model/` folder it receives."""
-SETTINGS = ("model", "rewards")
-"""Run-level blocks a trainer may take besides its own config."""
-LOGGED = ("samples.jsonl",)
-"""Files a trainer may write beside its model that are also logged to its MLflow run (ppo's sample tables)."""
+MODEL_INPUTS = {"sft_model": "sft", "reward_model": "rm", "policy_model": "policy"}
+"""Trainer parameter -> the upstream stage whose `model/` folder it receives (`policy`: the previous round's, in a feedback round)."""
+SETTINGS = ("model", "rewards", "feedback")
+"""Run-level blocks a trainer may take besides its own config (`feedback`: only in a feedback round)."""
+LOGGED = ("samples.jsonl", "feedback_pairs.jsonl", "heldout.jsonl")
+"""Files a trainer may write beside its model that are also logged to its MLflow run (ppo's sample tables, a feedback round's
+pairs, the held-out probes)."""
 PROVIDED = {"cfg", "data_dir", "out_dir", "work_dir", "log_metrics", *MODEL_INPUTS, *SETTINGS}
 
 
@@ -59,8 +60,11 @@ def code_fingerprints(config: BaseModel, settings: dict[str, BaseModel]) -> dict
     return fingerprint(paths)
 
 
-def train_stage(stage: str, config: BaseModel, settings: dict[str, BaseModel], upstream: dict[str, ArtifactRef], ctx: RunContext) -> StageOutcome:
-    """Build (or reuse) one training stage of the table from its config, the blocks it takes and its upstream artifacts."""
+def train_stage(
+    stage: str, config: BaseModel, settings: dict[str, BaseModel], upstream: dict[str, ArtifactRef], ctx: RunContext, round_: int = 0
+) -> StageOutcome:
+    """Build (or reuse) one training stage of the table from its config, the blocks it takes and its upstream artifacts;
+    `round_` > 0: a feedback round's (its rm samples the previous round's `policy` upstream, reading the training prompts)."""
     row = BY_NAME[stage]
     wanted = trainer_parameters(row)
     data = upstream["data"]
@@ -75,9 +79,11 @@ def train_stage(stage: str, config: BaseModel, settings: dict[str, BaseModel], u
         return importlib.import_module(row.trainer).train(**arguments, log_metrics=log_metrics)
 
     keyed = {stage: config.model_dump(mode="json"), **{name: block.model_dump(mode="json") for name, block in settings.items()}}
-    inputs = {**{name: ref for name, ref in upstream.items() if name != "data"}, "data": data.select(reads(stage, config))}
+    datasets = (*reads(stage, config), *(("prompts",) if "policy" in upstream and "prompts" not in reads(stage, config) else ()))
+    inputs = {**{name: ref for name, ref in upstream.items() if name != "data"}, "data": data.select(datasets)}
     return run_stage(
-        stage, keyed, inputs, ctx, build, fingerprints=fingerprints, log_files=LOGGED, log=prefect_log, trainer=row.trainer, device=row.device
+        stage, keyed, inputs, ctx, build, fingerprints=fingerprints, log_files=LOGGED, log=prefect_log, trainer=row.trainer, device=row.device,
+        extra_tags={"rlhf.round": str(round_)} if round_ else None,
     )  # fmt: skip
 
 

@@ -18,6 +18,16 @@ def exact_match(prompts: list, completions: list, answer: list[str], **_) -> lis
     return [float(_text(c).strip() == str(a).strip()) for c, a in zip(completions, answer)]
 
 
+def reference_labeller(prompts: list, first: list, second: list, answer: list[str], **_) -> list[float | None]:
+    """A rater who knows the right answer (feedback.labeller): the correct completion of a pair wins; None when both are
+    right or both wrong (no preference to learn)."""
+    out: list[float | None] = []
+    for a, b, reference in zip(first, second, answer):
+        right_a, right_b = _text(a).strip() == str(reference).strip(), _text(b).strip() == str(reference).strip()
+        out.append(None if right_a == right_b else float(right_a))
+    return out
+
+
 def digits_format(prompts: list, completions: list, answer: list[str], **_) -> list[float]:
     """1.0 when the answer is only digits and as long as the reference: well formed, maybe wrong."""
     out = []

@@ -87,3 +87,31 @@ def test_a_policy_that_games_its_reward_model_is_refused_promotion_with_the_numb
     assert outcome["reason"].startswith("reward hacking: the held-out reward-model score rose from ")
     for name in ("sft_mean_reward", "policy_mean_reward", "sft_exact_match", "policy_exact_match"):
         assert f"{metrics[held + name]:.4f}" in outcome["reason"], name
+
+
+def test_a_feedback_round_retrains_rm_on_the_policys_labelled_samples_then_the_policy(prefect, state):
+    from mlflow.tracking import MlflowClient
+
+    rounds = ["feedback.rounds=1", "feedback.labeller=tests.trainers.test_feedback:first_always", "feedback.prompts_per_round=16",
+              "feedback.max_new_tokens=4"]  # fmt: skip
+    done = run(*ONLINE_FAST, "algorithm=ppo", *rounds)
+    assert done.is_completed(), done.message
+    assert task_states(done) == {
+        "data": "Completed", "sft": "Completed", "rm": "Completed", "ppo": "Completed",
+        "rm (round 1)": "Completed", "ppo (round 1)": "Completed", "eval": "Completed", "registry": "Completed",
+    }  # fmt: skip
+    summary = done.result()
+    client = MlflowClient()
+    parent = client.get_run(summary["mlflow_run_id"])
+    children = client.search_runs([parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    by_round = {(r.info.run_name, r.data.tags.get("rlhf.round", "0")): r for r in children}
+    assert {("rm", "0"), ("rm", "1"), ("ppo", "0"), ("ppo", "1")} <= set(by_round)
+    feedback_rm = by_round[("rm", "1")]
+    assert feedback_rm.data.metrics["rm/feedback/round"] == 1 and feedback_rm.data.metrics["rm/feedback/new_pairs"] > 0
+    assert "feedback_pairs.jsonl" in {a.path for a in client.list_artifacts(feedback_rm.info.run_id)}
+    # eval and the registry read the last round's policy: the artifacts the run reports are round 1's.
+    assert summary["artifacts"]["ppo"] == by_round[("ppo", "1")].data.tags["rlhf.artifact"]
+    assert summary["artifacts"]["rm"] == feedback_rm.data.tags["rlhf.artifact"]
+    # Without an online algorithm that optimises the reward model, rounds are refused with the parameters.
+    with pytest.raises(ValidationError, match=r"feedback.rounds=1 retrains the reward model"):
+        run("algorithm=dpo", *rounds)
