@@ -73,7 +73,7 @@ def test_a_policy_that_games_its_reward_model_is_refused_promotion_with_the_numb
     from rlhf_pipeline.flows.rlhf import rlhf
 
     hack = [
-        "algorithm=ppo", "rewards.functions=[]", "rewards.reward_model_weight=1", "sft.max_steps=150", "rm.max_steps=75",
+        "algorithm=ppo", "rewards.functions=[]", "rewards.reward_model_weight=1", "sft.max_steps=100", "rm.max_steps=50",
         "ppo.kl_coef=0", "ppo.target_kl=null", "ppo.learning_rate=3e-4", "ppo.total_episodes=1280", "ppo.eval_steps=5", "eval.max_prompts=200",
     ]  # fmt: skip
     hacked = rlhf(**dict(load_params("tiny", hack)), return_state=True)
