@@ -38,6 +38,12 @@ class FeedbackConfig(StrictModel):
         description="'module:function' judging pairs of the policy's samples: fn(prompts, first, second, **columns) -> 1.0 (first better), 0.0 "
         "(second), None (drop). E.g. rlhf_pipeline.trainers.sort_task:reference_labeller (a rater who knows the answer).",
     )
+    labels_dir: str | None = Field(
+        None,
+        description="Instead of a labeller, people: each round writes <labels_dir>/round-<r>/pairs.jsonl (id, prompt, first, second) and "
+        'waits for round-<r>/labels.jsonl, one {"id": ..., "label": 1 | 0 | null} per pair (written whole, e.g. renamed into place).',
+    )
+    wait_timeout_s: float = Field(86400.0, gt=0, description="How long a round waits for labels.jsonl before the stage fails (labels_dir).")
     prompts_per_round: int = Field(512, ge=1, description="Training prompts sampled (two completions each) per round.")
     max_new_tokens: int = Field(64, ge=1, description="Longest sampled completion.")
     seed: int = Field(0, description="Seed of the prompt choice and the samples (each round draws its own).")
@@ -53,8 +59,10 @@ class FeedbackConfig(StrictModel):
 
     @model_validator(mode="after")
     def _labeller_given(self):
-        if self.rounds and self.labeller is None:
-            raise ValueError(f"feedback.rounds={self.rounds} needs a labeller ('module:function') to judge the policy's samples")
+        if self.labeller is not None and self.labels_dir is not None:
+            raise ValueError("feedback.labeller and feedback.labels_dir both label the pairs: set one")
+        if self.rounds and self.labeller is None and self.labels_dir is None:
+            raise ValueError(f"feedback.rounds={self.rounds} needs a labeller ('module:function') or a labels_dir where people label the policy's samples")
         return self
 
     def code_paths(self) -> list[str]:
@@ -71,7 +79,6 @@ def collect_pairs(cfg: FeedbackConfig, policy_model: Path, data_dir: Path, round
     from rlhf_pipeline.trainers.rewards import as_completions, import_function
     from rlhf_pipeline.trainers.text import generate
 
-    labeller: Callable = import_function(cfg.labeller, "labeller")
     prompts_ds = load_split(data_dir, "prompts")
     rows = random.Random(cfg.seed * 1000 + round_).sample(range(len(prompts_ds)), min(cfg.prompts_per_round, len(prompts_ds)))
     chosen_rows = prompts_ds.select(rows)
@@ -82,7 +89,11 @@ def collect_pairs(cfg: FeedbackConfig, policy_model: Path, data_dir: Path, round
     first, second = (generate(policy, tokenizer, prompts, cfg.max_new_tokens, batch_size=128, sample=True) for _ in range(2))
     del policy
     first_c, second_c = as_completions(prompts, first), as_completions(prompts, second)
-    labels = labeller(prompts=prompts, first=first_c, second=second_c, **columns)
+    if cfg.labels_dir is not None:
+        labels = wait_for_labels(Path(cfg.labels_dir) / f"round-{round_}", prompts, first_c, second_c, cfg.wait_timeout_s)
+    else:
+        labeller: Callable = import_function(cfg.labeller, "labeller")
+        labels = labeller(prompts=prompts, first=first_c, second=second_c, **columns)
     if len(labels) != len(prompts):
         raise ValueError(f"labeller {cfg.labeller!r} returned {len(labels)} labels for {len(prompts)} pairs")
     pairs = [json.loads(line) for line in earlier.read_text().splitlines()] if earlier is not None and earlier.is_file() else []
@@ -99,6 +110,46 @@ def collect_pairs(cfg: FeedbackConfig, policy_model: Path, data_dir: Path, round
     with open(out_dir / PAIRS, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(pair, ensure_ascii=False) + "\n" for pair in pairs)
     return pairs
+
+
+def wait_for_labels(folder: Path, prompts: list, first: list, second: list, timeout_s: float, poll_s: float = 5.0) -> list[float | None]:
+    """People's labels: the pairs go to `folder/pairs.jsonl` (ids 0..n-1), and the round waits for `folder/labels.jsonl`.
+    A resumed round finds the labels already there. A label file that misses a pair, or holds a label that is not 1, 0
+    or null, fails naming the file and the line."""
+    import os
+    import time
+
+    from rlhf_pipeline.trainers.common import PROGRESS
+
+    folder.mkdir(parents=True, exist_ok=True)
+    pairs = folder / "pairs.jsonl"
+    tmp = folder / ".pairs.jsonl.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(
+            json.dumps({"id": i, "prompt": p, "first": a, "second": b}, ensure_ascii=False) + "\n" for i, (p, a, b) in enumerate(zip(prompts, first, second))
+        )
+    os.replace(tmp, pairs)
+    labels_file, started, said = folder / "labels.jsonl", time.monotonic(), 0.0
+    while not labels_file.is_file():
+        waited = time.monotonic() - started
+        if waited > timeout_s:
+            raise TimeoutError(f"no labels for {pairs} after {waited:.0f}s (feedback.wait_timeout_s={timeout_s}): write {labels_file}")
+        if waited >= said:
+            PROGRESS.info(f"rm: waiting for the labels of {len(prompts)} pairs ({pairs}) in {labels_file}")
+            said = waited + 600
+        time.sleep(poll_s)
+    labels: dict[int, float | None] = {}
+    for number, line in enumerate(labels_file.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if not isinstance(row, dict) or "id" not in row or row.get("label") not in (1, 0, 1.0, 0.0, None):
+            raise ValueError(f'{labels_file} line {number}: each line is {{"id": <pair id>, "label": 1 | 0 | null}}, got {line[:200]!r}')
+        labels[int(row["id"])] = None if row["label"] is None else float(row["label"])
+    missing = [i for i in range(len(prompts)) if i not in labels]
+    if missing:
+        raise ValueError(f"{labels_file} has no label for pairs {missing[:10]}{' ...' if len(missing) > 10 else ''} of {pairs} (a null label drops a pair)")
+    return [labels[i] for i in range(len(prompts))]
 
 
 def with_pairs(dataset, pairs: list[dict]):

@@ -74,3 +74,41 @@ def test_a_feedback_round_trains_the_reward_model_on_the_new_pairs_too(policy, t
              feedback=cfg.model_copy(update={"seed": 1}), policy_model=policy["policy"], reward_model=tmp_path / "out" / "model")  # fmt: skip
     again = json.loads((tmp_path / "out2" / "feedback.json").read_text())
     assert again["round"] == 2 and again["pairs"] == len(pairs) + again["new_pairs"] and again["new_pairs"] > 0
+
+
+def test_people_label_the_pairs_in_a_folder_the_round_waits_on(policy, tmp_path):
+    import threading
+    import time
+
+    from rlhf_pipeline.trainers.feedback import wait_for_labels
+
+    cfg = FeedbackConfig(rounds=1, labels_dir=str(tmp_path / "labels"), prompts_per_round=6, max_new_tokens=4)
+    folder = tmp_path / "labels" / "round-1"
+
+    def rater():  # reads the pairs once they are there, prefers the second of each, drops the first pair
+        while not (folder / "pairs.jsonl").is_file():
+            time.sleep(0.05)
+        rows = [json.loads(line) for line in (folder / "pairs.jsonl").read_text().splitlines()]
+        labels = [{"id": r["id"], "label": None if r["id"] == 0 else 0} for r in rows]
+        (folder / ".labels.tmp").write_text("".join(json.dumps(label) + "\n" for label in labels))
+        (folder / ".labels.tmp").rename(folder / "labels.jsonl")
+
+    thread = threading.Thread(target=rater)
+    thread.start()
+    pairs = collect_pairs(cfg, policy["policy"], policy["data"], 1, None, tmp_path / "out")
+    thread.join()
+    asked = [json.loads(line) for line in (folder / "pairs.jsonl").read_text().splitlines()]
+    expected = [{"prompt": r["prompt"], "chosen": r["second"], "rejected": r["first"], "round": 1} for r in asked[1:] if r["first"] != r["second"]]
+    assert pairs == expected and pairs
+    # A label file with a bad row names the file and the line; one that misses a pair names the pair.
+    (folder / "labels.jsonl").write_text('{"id": 0, "label": 1}\n{"id": 1, "label": "better"}\n')
+    with pytest.raises(ValueError, match=r"labels.jsonl line 2: each line is"):
+        wait_for_labels(folder, ["a", "b"], ["1", "2"], ["3", "4"], timeout_s=1)
+    (folder / "labels.jsonl").write_text('{"id": 0, "label": 1}\n')
+    with pytest.raises(ValueError, match=r"no label for pairs \[1\]"):
+        wait_for_labels(folder, ["a", "b"], ["1", "2"], ["3", "4"], timeout_s=1)
+    (folder / "labels.jsonl").unlink()
+    with pytest.raises(TimeoutError, match="feedback.wait_timeout_s=0.2"):
+        wait_for_labels(folder, ["a"], ["1"], ["2"], timeout_s=0.2, poll_s=0.05)
+    with pytest.raises(ValidationError, match="set one"):
+        FeedbackConfig(rounds=1, labeller=LABELLER, labels_dir=str(tmp_path))
