@@ -43,7 +43,8 @@ class RegistryConfig(StrictModel):
     hacking_gate: bool = Field(
         True,
         description="Refuse to promote a policy whose held-out reward-model score rose over SFT's while the gold metric (exact match or "
-        "eval.gold_metric) fell, or, without one, while the reward-model ensemble's disagreement rose: it games its reward.",
+        "eval.gold_metric) fell, or, without one, while the reward-model ensemble's disagreement rose; or whose reward-model win rate against "
+        "the champion is above 0.5 while its gold metric is below the champion's: it games its reward.",
     )
     hacking_tolerance: float = Field(0.0, ge=0, description="How far the gold metric may fall (or the disagreement rise) before the hacking gate refuses.")
 
@@ -64,6 +65,14 @@ def hacking(cfg: RegistryConfig, metrics: dict[str, float]) -> str | None:
     """Why the policy looks like it games its reward model (with the numbers), or None."""
     if not cfg.hacking_gate:
         return None
+    win, gold_gain = metrics.get(f"{HELDOUT}win_rate_vs_champion"), None
+    for gold in ("gold", "exact_match"):
+        gold_gain = metrics.get(f"{HELDOUT}{gold}_gain_vs_champion")
+        if gold_gain is not None:
+            break
+    if win is not None and gold_gain is not None and win > 0.5 and gold_gain < -cfg.hacking_tolerance:
+        return (f"reward hacking: the reward model prefers the policy to the champion (win rate {win:.4f}) while {gold.replace('_', ' ')} "
+                f"is {gold_gain:+.4f} against the champion's (tolerance {cfg.hacking_tolerance})")  # fmt: skip
     reward, sft_reward = metrics.get(f"{HELDOUT}policy_mean_reward"), metrics.get(f"{HELDOUT}sft_mean_reward")
     if reward is None or sft_reward is None or reward <= sft_reward:
         return None

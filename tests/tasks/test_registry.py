@@ -49,6 +49,16 @@ def test_the_hacking_gate_reads_the_gold_metric_else_the_ensemble_disagreement()
     why = hacking(cfg, {**blind, "eval/heldout/policy_rm_disagreement": 0.8, "eval/heldout/sft_rm_disagreement": 0.3})
     assert why.endswith("while the reward-model ensemble's disagreement rose from 0.3000 to 0.8000 (no gold metric; tolerance 0.0)")
     assert hacking(cfg, {**blind, "eval/heldout/policy_rm_disagreement": 0.2, "eval/heldout/sft_rm_disagreement": 0.3}) is None
+    # Against the champion: the reward model prefers the policy, the gold metric does not (measured: an ensemble-min
+    # policy at SFT's exact match, 0.635, against a 0.898 champion won 0.617 of the reward model's comparisons).
+    honest = {**HACKED, "eval/heldout/policy_exact_match": 0.635, "eval/heldout/sft_exact_match": 0.633}
+    assert hacking(cfg, honest) is None
+    worse = {**honest, "eval/heldout/win_rate_vs_champion": 0.6167, "eval/heldout/exact_match_gain_vs_champion": -0.2633}
+    assert hacking(cfg, worse) == (
+        "reward hacking: the reward model prefers the policy to the champion (win rate 0.6167) while exact match is -0.2633 against "
+        "the champion's (tolerance 0.0)"
+    )
+    assert hacking(cfg, {**worse, "eval/heldout/exact_match_gain_vs_champion": 0.01}) is None
 
 
 @pytest.fixture
