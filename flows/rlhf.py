@@ -59,8 +59,9 @@ def _rlhf(**blocks) -> dict:
                     for again in ("rm", name):
                         if again == "rm":
                             inputs = {"data": futures["data"], "sft": futures["sft"], "policy": futures[name], "rm": futures["rm"]}
-                        else:  # from the last round's policy, which is also its KL reference (iterated RLHF)
-                            inputs = {"data": futures["data"], "sft": futures[name], "rm": futures["rm"]}
+                        else:  # from the last round's policy, which is also its KL reference (iterated RLHF), or from SFT again
+                            start = futures["sft"] if params.feedback.from_sft else futures[name]
+                            inputs = {"data": futures["data"], "sft": start, "rm": futures["rm"]}
                         settings = {block: getattr(params, block) for block in settings_of(BY_NAME[again])}
                         task = stage(TASKS[again]).with_options(task_run_name=f"{again} (round {round_})")
                         future = task.submit(again, params.config(again), settings, inputs, run.ctx, round_, wait_for=previous)

@@ -47,6 +47,11 @@ class FeedbackConfig(StrictModel):
     prompts_per_round: int = Field(512, ge=1, description="Training prompts sampled (two completions each) per round.")
     max_new_tokens: int = Field(64, ge=1, description="Longest sampled completion.")
     seed: int = Field(0, description="Seed of the prompt choice and the samples (each round draws its own).")
+    from_sft: bool = Field(
+        False,
+        description="Train each round's policy from the SFT model (its KL reference too) with the round's reward model, instead of from "
+        "the last round's policy (then also its reference: drift from SFT adds up over the rounds).",
+    )
 
     @field_validator("labeller")
     @classmethod
