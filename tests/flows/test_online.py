@@ -14,7 +14,7 @@ ONLINE_FAST = [  # a reward that varies on an untrained model's samples, mixed w
     "rewards.functions=[{path: 'tests.helpers:length_reward', weight: 1.0}]",
     "rewards.reward_model_weight=0.5",
 ]
-PROBES = ["grpo.eval_steps=1", "rloo.eval_steps=1", "ppo.eval_steps=1"]  # every step: the curves of every online stage
+PROBES = ["grpo.eval_steps=1", "rloo.eval_steps=1", "ppo.eval_steps=1", "rm.ensemble_size=2"]  # every step: every online stage's curves, disagreement too
 HELDOUT_CURVES = ("kl", "sqrt_kl", "exact_match", "proxy_reward", "disagreement", "score")
 
 
