@@ -89,5 +89,6 @@ def rlhf_eval(
         reward_model = resolve_model(reward_source, "rm")[0] if reward_source else None
         stage = retrying(params.retry)
         data = stage(validate_data).submit(params.data, run.ctx)  # held-out sets only need their own rules
-        report = stage(evaluate).submit(params.eval, params.model, data, sft_model, policy, reward_model, params.registry, run.ctx)
+        inputs = {"data": data, "sft": sft_model, "policy": policy, "rm": reward_model}
+        report = stage(evaluate).submit(params.eval, params.model, inputs, params.registry, run.ctx)
         return run.finish(policy=policy, report=report.result(), stages=[data.result(), sft_model, policy, report.result()])

@@ -43,10 +43,8 @@ def _rlhf(**blocks) -> dict:
                 data_checks = (params.model, params.token_limits(), pair_readers(params.plan()), params.sft.assistant_only_loss, params.required_columns())
                 future = stage(validate_data).submit(params.data, run.ctx, *data_checks)
             elif name == "eval":
-                future = stage(evaluate).submit(
-                    params.eval, params.model, upstream["data"], upstream["sft"], upstream[params.algorithm],
-                    upstream.get("rm"), params.registry, run.ctx, wait_for=previous,
-                )  # fmt: skip
+                inputs = {"data": upstream["data"], "sft": upstream["sft"], "policy": upstream[params.algorithm], "rm": upstream.get("rm")}
+                future = stage(evaluate).submit(params.eval, params.model, inputs, params.registry, run.ctx, wait_for=previous)
             elif name == "registry":
                 outputs = [futures[n] for n in params.plan() if n != "registry"]
                 future = stage(register_task()).submit(params.gate(), upstream[params.algorithm], upstream["eval"], outputs, run.ctx)
