@@ -63,15 +63,22 @@ def client():
     return MlflowClient(tracking_uri=uri)
 
 
+KIND_TAG, TRAINING = "mlflow.experimentKind", "custom_model_development"
+"""MLflow 3's experiment kind: the UI opens a model-training experiment on its runs table and curves, not on GenAI traces."""
+
+
 def experiment_id(name: str) -> str:
+    """The experiment's id, created if missing, marked as model training (unless someone chose its kind by hand)."""
     mlflow = client()
     found = mlflow.get_experiment_by_name(name)
     if found is not None:
+        if found.tags.get(KIND_TAG, "_inferred").endswith("_inferred"):  # made before the tag, or kind guessed by the UI
+            mlflow.set_experiment_tag(found.experiment_id, KIND_TAG, TRAINING)
         return found.experiment_id
     location = None
     if tracking_uri().startswith("sqlite:"):  # keep artifacts beside the database, not in ./mlruns
         location = (state_dir() / "mlartifacts" / name).as_uri()
-    return mlflow.create_experiment(name, artifact_location=location)
+    return mlflow.create_experiment(name, artifact_location=location, tags={KIND_TAG: TRAINING})
 
 
 def start_run(experiment: str, run_name: str, tags: dict[str, str], parent_run_id: str | None = None) -> str:

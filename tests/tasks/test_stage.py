@@ -172,3 +172,17 @@ def test_the_manifest_and_the_mlflow_run_record_the_builds_peak_memory_and_wall_
     assert resources["busy"]["seconds"] >= 1.5 and resources["quiet"]["seconds"] >= 0.5
     metrics = MlflowClient().get_run(busy.mlflow_run_id).data.metrics
     assert metrics["dpo/memory/peak_rss_mb"] == resources["busy"]["peak_rss_mb"] and metrics["dpo/time/seconds"] == resources["busy"]["seconds"]
+
+
+def test_experiments_are_marked_as_model_training_for_the_mlflow_ui():
+    mlflow = MlflowClient()
+    made = tracking.experiment_id("test-kind-new")
+    assert mlflow.get_experiment(made).tags[tracking.KIND_TAG] == "custom_model_development"
+    # One made before the tag (or whose kind the UI guessed) is marked; a kind someone chose is left alone.
+    old = mlflow.create_experiment("test-kind-old")
+    guessed = mlflow.create_experiment("test-kind-guessed", tags={tracking.KIND_TAG: "genai_development_inferred"})
+    chosen = mlflow.create_experiment("test-kind-chosen", tags={tracking.KIND_TAG: "genai_development"})
+    for name, experiment, kind in (("test-kind-old", old, "custom_model_development"), ("test-kind-guessed", guessed, "custom_model_development"),
+                                   ("test-kind-chosen", chosen, "genai_development")):  # fmt: skip
+        assert tracking.experiment_id(name) == experiment
+        assert mlflow.get_experiment(experiment).tags[tracking.KIND_TAG] == kind, name
