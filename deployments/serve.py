@@ -30,22 +30,17 @@ def deployments(preset: str = DEFAULT_PRESET, retrain_cron: str = RETRAIN_CRON, 
     from rlhf_pipeline.flows.evaluate import rlhf_eval
     from rlhf_pipeline.flows.rlhf import rlhf
 
-    def params(overrides: list[str] = (), **fields) -> dict:
-        return load_params(preset, overrides, **fields).model_dump(mode="json")
+    def pipeline(name: str, overrides: list[str] = (), algorithm: str = "ppo", **options) -> RunnerDeployment:
+        params = load_params(preset, overrides, algorithm=algorithm)
+        return leading_form(rlhf.to_deployment(name=name, parameters=params.model_dump(mode="json"), **options), params)
 
     return [
-        rlhf.to_deployment(
-            name="full", parameters=params(algorithm="ppo"), description="data -> sft -> rm -> ppo -> eval -> registry (the classic RLHF recipe)."
-        ),
-        *(
-            rlhf.to_deployment(name=algorithm, parameters=params(algorithm=algorithm), description=f"The pipeline with {algorithm}.")
-            for algorithm in ALGORITHMS
-            if algorithm != "ppo"
-        ),
-        rlhf.to_deployment(
-            name="retrain",
+        pipeline("full", description="data -> sft -> rm -> ppo -> eval -> registry (the classic RLHF recipe)."),
+        *(pipeline(algorithm, algorithm=algorithm, description=f"The pipeline with {algorithm}.") for algorithm in ALGORITHMS if algorithm != "ppo"),
+        pipeline(
+            "retrain",
+            retrain_overrides,
             cron=retrain_cron,
-            parameters=params(retrain_overrides, algorithm="ppo"),
             description="Scheduled retraining on the newest data (a path, glob or hub revision in `data`): "
             "unchanged stages are reused from the cache; promotion only through the registry gate.",
         ),
@@ -55,6 +50,26 @@ def deployments(preset: str = DEFAULT_PRESET, retrain_cron: str = RETRAIN_CRON, 
             description="Evaluate a registered version (or a model folder) on demand.",
         ),
     ]
+
+
+def leading_form(deployment: RunnerDeployment, params) -> RunnerDeployment:
+    """The deployment's form leads with what its runs use: the algorithm, its block (and `rewards`, `feedback` for an online
+    one), the run's settings and the stages it builds; the stage blocks it skips come last, titled as unused. Only the
+    order and titles change: every field keeps its type, bounds and server-side validation, and a block given still
+    merges field by field onto the preset."""
+    from rlhf_pipeline.flows.params import parameter_order
+    from rlhf_pipeline.tasks.stages import BY_NAME
+
+    properties = deployment._parameter_openapi_schema.properties
+    algorithm, plan = params.algorithm, params.plan()
+    lead = ["algorithm", algorithm, *(("rewards", "feedback") if BY_NAME[algorithm].online else ())]
+    rest = [name for name in parameter_order() if name not in lead]
+    unused = [name for name in rest if name in BY_NAME and name not in plan]
+    for position, name in enumerate([*lead, *(name for name in rest if name not in unused), *unused]):
+        properties[name]["position"] = position
+    for name in unused:
+        properties[name]["title"] = f"{name} (unused: this deployment runs {algorithm})"
+    return deployment
 
 
 def serve(preset: str = DEFAULT_PRESET, retrain_cron: str = RETRAIN_CRON, retrain_overrides: list[str] = ()) -> None:

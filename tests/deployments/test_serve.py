@@ -44,7 +44,8 @@ def test_flow_parameters_are_the_typed_params_with_a_description_on_every_field(
         assert undescribed(schema) == []
     schema = next(d for d in deployments() if d.name == "full")._parameter_openapi_schema.model_dump()
     assert schema["properties"]["algorithm"]["enum"] == list(ALGORITHMS)
-    assert [name for name, _ in sorted(schema["properties"].items(), key=lambda item: item[1]["position"])] == parameter_order()
+    own = rlhf.to_deployment(name="plain")._parameter_openapi_schema.model_dump()  # the flow's order; each deployment's leads with its algorithm
+    assert [name for name, _ in sorted(own["properties"].items(), key=lambda item: item[1]["position"])] == parameter_order()
     assert schema["properties"]["ppo"]["$ref"] == "#/definitions/PpoConfig"
     assert schema["definitions"]["PpoConfig"]["additionalProperties"] is False  # a misspelt field is refused
     assert schema["definitions"]["PpoConfig"]["properties"]["learning_rate"]["exclusiveMinimum"] == 0
@@ -60,3 +61,28 @@ def test_a_partial_block_changes_its_fields_and_keeps_the_rest_of_the_preset():
     assert params.ppo.kl_coef == 0.2
     assert params.ppo.total_episodes == preset.ppo.total_episodes != PpoConfig().total_episodes
     assert params.model_dump(exclude={"ppo"}) == preset.model_dump(exclude={"ppo"})
+
+
+def test_each_deployments_form_leads_with_its_algorithm_and_puts_the_blocks_it_skips_last_marked_unused():
+    import copy
+
+    from rlhf_pipeline.flows.rlhf import rlhf as flow
+
+    made = {d.name: d for d in deployments()}
+    plain = flow.to_deployment(name="plain")._parameter_openapi_schema.model_dump()
+    for name, algorithm in (("full", "ppo"), ("retrain", "ppo"), ("grpo", "grpo"), ("dpo", "dpo")):
+        schema = made[name]._parameter_openapi_schema.model_dump()
+        order = sorted(schema["properties"], key=lambda p: schema["properties"][p]["position"])
+        skipped = [s for s in ALGORITHMS if s != algorithm]
+        assert order[:2] == ["algorithm", algorithm], order
+        assert order[-len(skipped) :] == [s for s in parameter_order() if s in skipped], order  # last, in pipeline order
+        for block in skipped:
+            assert schema["properties"][block]["title"] == f"{block} (unused: this deployment runs {algorithm})"
+        assert schema["properties"]["sft"]["title"] == "sft"
+        # Only positions and titles differ from the flow's own schema: every type, bound and description stays.
+        stripped = copy.deepcopy(schema)
+        for prop, original in zip(stripped["properties"].values(), [plain["properties"][p] for p in stripped["properties"]]):
+            prop["position"], prop["title"] = original["position"], original["title"]
+        assert stripped == plain
+    online = made["full"]._parameter_openapi_schema.properties
+    assert online["rewards"]["position"] == 2 and online["feedback"]["position"] == 3
