@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
+import inspect
+
 import pytest
 
 from rlhf_pipeline.flows.params import PipelineParams, load_params
@@ -20,8 +23,12 @@ def closure(stage: str) -> set[str]:
 @pytest.mark.parametrize("stage", [s.name for s in STAGES if s.trainer and s.name not in ("data", "eval")])
 def test_every_trainer_takes_what_its_row_says(stage):
     parameters = trainer_parameters(BY_NAME[stage])
-    takes = {MODEL_INPUTS[p] for p in parameters if p in MODEL_INPUTS}
+    signature = inspect.signature(importlib.import_module(BY_NAME[stage].trainer).train).parameters
+    takes = {MODEL_INPUTS[p] for p in parameters if p in MODEL_INPUTS and signature[p].default is inspect.Parameter.empty}
     assert takes <= set(BY_NAME[stage].upstream), f"{stage} takes {takes} but its row lists {BY_NAME[stage].upstream}"
+    # Inputs with a default come only in a feedback round: its rm samples the last round's policy and carries its rm's pairs.
+    extra = {MODEL_INPUTS[p] for p in parameters if p in MODEL_INPUTS} - takes - set(BY_NAME[stage].upstream)
+    assert extra == ({"policy", "rm"} if stage == "rm" else set()), (stage, extra)
     assert {"cfg", "data_dir", "out_dir", "work_dir"} <= set(parameters)
 
 
