@@ -32,6 +32,16 @@ QUIET_ENV = {
 }
 
 
+CONSOLE_ENV = {
+    "RLHF_CONSOLE": "1",  # trainers.common.CONSOLE_ENV: one bar per stage, from our own progress callback
+    "TQDM_DISABLE": "1",  # every library's tqdm bar (transformers, datasets, hub, Great Expectations); ours draws regardless
+    "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TRANSFORMERS_VERBOSITY": "error",  # load reports and advisories; --verbose brings them back
+}
+"""What `rlhf run` and `rlhf eval` set unless --verbose: a terminal a person reads."""
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlhf", description="RLHF post-training pipeline (Prefect + MLflow + TRL).")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -47,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
             help="override one field, e.g. --set sft.learning_rate=1e-4 (repeatable)",
         )
         sub.add_argument("--no-cache", action="store_true", help="re-run every stage even if its artifact exists")
+        sub.add_argument("--verbose", action="store_true", help="the libraries' own progress bars, log dicts and warnings, instead of one bar per stage")
     check = commands.add_parser("check", help="check a preset without training: data rules, token lengths, memory per stage")
     check.add_argument("--config", default="tiny", help="preset name in configs/ or a YAML file (default: tiny)")
     check.add_argument(
@@ -82,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
+    if args.command in ("run", "eval") and not getattr(args, "verbose", False):
+        os.environ.update(CONSOLE_ENV)
     _make_state_folders()
 
     if args.command == "check":
@@ -245,18 +258,45 @@ def _report(summary: dict) -> None:
     from prefect.logging.handlers import APILogHandler
 
     APILogHandler().flush()
-    print("\n== finished ==")
-    print(f"MLflow run: {summary['mlflow']}")
+    print("\n" + closing_table(summary))
+
+
+def closing_table(summary: dict) -> str:
+    """What a run ends with: each stage, whether it ran or came from the cache, its time; the held-out figures with their
+    95% intervals; then where to look (MLflow, the artifacts, the registry's decision)."""
+    metrics, stages = summary["metrics"], summary.get("stages", {})
+    lines = ["== finished ==", "", f"{'stage':16} {'state':10} {'seconds':>8}  artifact"]
     for stage, uri in summary["artifacts"].items():
-        print(f"  {stage:5s} {uri}")
-    for name, value in sorted(summary["metrics"].items()):
-        if "/heldout/" in name and not name.endswith(("_low", "_high")):
-            low, high = summary["metrics"].get(f"{name}_low"), summary["metrics"].get(f"{name}_high")
-            interval = f"  [{low:.4f}, {high:.4f}]" if low is not None else ""
-            print(f"  {name} = {value:.4f}{interval}")
+        info = stages.get(stage, {})
+        seconds = f"{info['seconds']:.1f}" if info.get("seconds") is not None else "-"
+        lines.append(f"{stage:16} {info.get('state', '-'):10} {seconds:>8}  {uri}")
+    held = "eval/heldout/"
+    rows = [
+        (label, name)
+        for label, name in (
+            ("exact match: policy", "policy_exact_match"), ("exact match: sft", "sft_exact_match"), ("exact match: base", "base_exact_match"),
+            ("gold: policy", "policy_gold"), ("gold: sft", "sft_gold"), ("win rate vs sft (reward model)", "win_rate_vs_sft"),
+            ("win rate vs champion", "win_rate_vs_champion"), ("judge win rate vs sft", "judge_win_rate_vs_sft"),
+            ("reward: policy", "policy_mean_reward"), ("reward: sft", "sft_mean_reward"), ("KL(policy || sft), nats", "kl_to_sft"),
+        )
+        if held + name in metrics
+    ]  # fmt: skip
+    if rows:
+        lines += ["", f"{'held-out (' + str(int(metrics.get(held + 'num_prompts', 0))) + ' prompts)':34} {'value':>8}  95% interval"]
+        for label, name in rows:
+            low, high = metrics.get(f"{held}{name}_low"), metrics.get(f"{held}{name}_high")
+            interval = f"[{low:.3f}, {high:.3f}]" if low is not None and high is not None else ""
+            lines.append(f"{label:34} {metrics[held + name]:8.3f}  {interval}")
+    warnings = summary.get("warnings") or []
+    lines.append(f"{'hacking warnings':34} {len(warnings) if warnings else int(metrics.get(held + 'hacking_warnings', 0)):8d}")
+    lines += [f"  ! {w}" for w in warnings]
+    lines += ["", f"MLflow run: {summary['mlflow']}"]
     if summary.get("registry"):
         r = summary["registry"]
-        print(f"Registry: {r['model_name']} v{r['version']} is candidate; champion {'-> v' + r['version'] if r['promoted'] else 'unchanged'} ({r['reason']})")
+        lines.append(
+            f"Registry: {r['model_name']} v{r['version']} is candidate; champion {'-> v' + str(r['version']) if r['promoted'] else 'unchanged'} ({r['reason']})"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

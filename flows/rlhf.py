@@ -66,7 +66,8 @@ def _rlhf(**blocks) -> dict:
                         futures[again], previous = future, [future]
         built = [futures[n].result() for n in params.plan() if n != "registry"]
         registered = futures["registry"].result() if "registry" in futures else None
-        return run.finish(policy=futures[params.algorithm].result(), report=futures["eval"].result(), stages=built, registered=registered)
+        states = {name: future.state.name for name, future in futures.items()}  # Completed, or Cached where the manifest was there
+        return run.finish(policy=futures[params.algorithm].result(), report=futures["eval"].result(), stages=built, registered=registered, states=states)
 
 
 def _signature() -> inspect.Signature:

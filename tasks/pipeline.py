@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -21,8 +22,11 @@ class PipelineRun:
     ctx: RunContext
     summary: dict = field(default_factory=dict)
 
-    def finish(self, policy: ArtifactRef, report: ArtifactRef, stages: list[ArtifactRef], registered: dict | None = None) -> dict:
-        """Log the evaluation (and the final model, if the registry did not) to the parent run; return where everything is."""
+    def finish(
+        self, policy: ArtifactRef, report: ArtifactRef, stages: list[ArtifactRef], registered: dict | None = None, states: dict[str, str] | None = None
+    ) -> dict:
+        """Log the evaluation (and the final model, if the registry did not) to the parent run; return where everything is
+        (`stages`: each one's state in this run, e.g. Cached, given in `states`, and the seconds its build took)."""
         run_id = self.ctx.parent_run_id
         metrics = report.manifest()["metrics"]
         tracking.log_metrics(run_id, metrics)
@@ -37,6 +41,8 @@ class PipelineRun:
             "artifacts": {ref.stage: ref.uri for ref in stages},
             "metrics": metrics,
             "registry": registered,
+            "stages": {ref.stage: {"state": (states or {}).get(ref.stage), "seconds": ref.manifest().get("timings", {}).get("seconds")} for ref in stages},
+            "warnings": json.loads((report.path / "summary.json").read_text()).get("warnings", []) if (report.path / "summary.json").is_file() else [],
         }
         return self.summary
 

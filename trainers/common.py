@@ -10,8 +10,10 @@ import difflib
 import inspect
 import logging
 import math
+import os
 import re
 import time
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal
 
@@ -650,13 +652,28 @@ def metric_name(stage: str, key: str) -> str:
 PROGRESS = logging.getLogger("rlhf_pipeline.trainers.progress")
 """Progress lines ("sft: step 40/300 (13%) ... eta 1m20s"); `trainers` is one of Prefect's extra loggers, so they reach the UI."""
 PROGRESS.setLevel(logging.INFO)
+CONSOLE_ENV = "RLHF_CONSOLE"
+"""Set by `rlhf run` (unless --verbose): each stage draws one progress bar on the terminal, from `Progress`; the libraries'
+bars and printed log dicts are off, and the progress lines go to the Prefect UI's logs only."""
+KEY_METRICS = ("loss", "reward", "accuracy", "kl", "exact_match", "margin")
+"""What a stage's bar shows, the first three of these it logs."""
+
+# TRL 1.16's disable_gradient_checkpointing (trl/models/utils.py) reads transformers 5.24's deprecated property on every
+# checkpoint and generation: a FutureWarning we cannot fix at its cause.
+warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 
 class Progress:
-    """Step counter with rate and ETA, logged every time a stage logs metrics."""
+    """Step counter with rate and ETA, logged every time a stage logs metrics; under `rlhf run` (CONSOLE_ENV) also the
+    stage's one bar on the terminal (rank 0's: `main`), advanced every step (`step`) and closed at the end (`close`)."""
 
-    def __init__(self, stage: str, total: int, start_step: int = 0):
+    def __init__(self, stage: str, total: int, start_step: int = 0, main: bool = True):
         self.stage, self.total, self.start_step, self.started = stage, total, start_step, time.monotonic()
+        self.bar = _console_bar(stage, total, start_step) if main and os.environ.get(CONSOLE_ENV) else None
+
+    def step(self, step: int) -> None:
+        if self.bar is not None and step > self.bar.n:
+            self.bar.update(step - self.bar.n)
 
     def log(self, step: int, values: dict[str, float]) -> None:
         elapsed = time.monotonic() - self.started
@@ -664,6 +681,35 @@ class Progress:
         eta = elapsed / done * (self.total - step) if done > 0 else float("nan")
         shown = " ".join(f"{k.rsplit('/', 1)[-1]}={v:.4g}" for k, v in list(values.items())[:4])
         PROGRESS.info(f"{self.stage}: step {step}/{self.total} ({step / max(self.total, 1):.0%}) {shown} elapsed {_duration(elapsed)} eta {_duration(eta)}")
+        if self.bar is not None:
+            key = [(k.rsplit("/", 1)[-1], v) for k, v in values.items() if k.rsplit("/", 1)[-1] in KEY_METRICS][:3]
+            self.bar.set_postfix_str(" ".join(f"{name}={value:.4g}" for name, value in key), refresh=False)
+            self.step(step)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def _console_bar(stage: str, total: int, start_step: int):
+    """One tqdm bar (step, rate, ETA, key metrics), drawn even where TQDM_DISABLE turns the libraries' bars off; the
+    progress lines stop reaching the terminal (a second display of the same), and still reach the Prefect UI."""
+    import sys
+
+    from tqdm.auto import tqdm
+
+    for handler in logging.getLogger("rlhf_pipeline").handlers + logging.getLogger().handlers:
+        if type(handler).__name__ == "PrefectConsoleHandler" and not any(isinstance(f, _NotProgress) for f in handler.filters):
+            handler.addFilter(_NotProgress())
+    # Not a terminal (a pipe, a log file): tqdm writes each refresh as a line of its own, so refresh every 30 s there.
+    every = 0.1 if sys.stderr.isatty() else 30.0
+    return tqdm(total=total, initial=start_step, desc=stage, unit="step", file=sys.stderr, disable=False, dynamic_ncols=True, mininterval=every)
+
+
+class _NotProgress(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.name != PROGRESS.name
 
 
 def _duration(seconds: float) -> str:
@@ -695,7 +741,7 @@ def metrics_callback(stage: str, log_metrics: LogMetrics | None):
         progress: Progress | None = None
 
         def on_train_begin(self, args, state, control, **kwargs):
-            self.progress = Progress(stage, state.max_steps, state.global_step)
+            self.progress = Progress(stage, state.max_steps, state.global_step, main=state.is_world_process_zero)
             if args.world_size > 1 and state.is_world_process_zero:
                 import torch.distributed as dist
 
@@ -711,6 +757,14 @@ def metrics_callback(stage: str, log_metrics: LogMetrics | None):
             if values and log_metrics is not None:
                 log_metrics(values, state.global_step)
 
+        def on_step_end(self, args, state, control, **kwargs):
+            if self.progress is not None:
+                self.progress.step(state.global_step)
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if self.progress is not None:
+                self.progress.close()
+
     return ForwardMetrics()
 
 
@@ -720,6 +774,11 @@ def fit(trainer, cfg: TrainingConfig, work_dir: Path, out_dir: Path) -> dict:
     from rlhf_pipeline.trainers.custom import install, write_outcome
 
     install(trainer, cfg)
+    if os.environ.get(CONSOLE_ENV):  # our bar instead of transformers' (or, with tqdm off, its printed log dicts)
+        from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+        trainer.remove_callback(ProgressCallback)
+        trainer.remove_callback(PrinterCallback)
     trainer.train(resume_from_checkpoint=last_checkpoint(work_dir))
     state = trainer.state
     best = state.best_model_checkpoint if getattr(cfg, "load_best_model_at_end", False) else None

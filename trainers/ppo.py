@@ -668,7 +668,7 @@ def train(
         unit="update",
         disable=not ranks.main or bool(os.environ.get("TQDM_DISABLE")),
     )
-    progress_log = Progress("ppo", num_updates, state["update"])
+    progress_log = Progress("ppo", num_updates, state["update"], main=ranks.main)
     hooks = Hooks(cfg.user_callbacks(), args, num_updates, state["update"], model=policy, processing_class=tokenizer, optimizer=optimizer,
                   lr_scheduler=scheduler, train_dataloader=None, eval_dataloader=None)  # fmt: skip
     hooks.state.is_world_process_zero, hooks.state.is_local_process_zero = ranks.main, ranks.local == 0
@@ -759,6 +759,7 @@ def train(
             for name, value in current.items():
                 window.setdefault(name, []).append(value)
             progress.set_postfix(reward=f"{current['reward']:.3f}", kl=f"{current['kl']:.3f}")
+            progress_log.step(update)
             if update % cfg.logging_steps == 0 or update == num_updates:
                 metrics, window = ranks.mean({f"ppo/train/{name}": sum(v) / len(v) for name, v in window.items()}), {}
                 if ranks.main:
@@ -792,6 +793,7 @@ def train(
             if stop:
                 break
 
+    progress_log.close()
     # The closing summary the Trainer logs too, then the end of training.
     hooks("on_log", logs={"train_runtime": time.monotonic() - started, "train_updates": update - first})
     hooks("on_train_end")

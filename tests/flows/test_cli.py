@@ -30,6 +30,25 @@ def test_the_state_folder_is_beside_the_working_directory(tmp_path, monkeypatch)
     assert tracking.state_dir() == tmp_path / "elsewhere"
 
 
+def assert_a_clean_console(stdout: str, stderr: str, trained: list[str]) -> None:
+    """What `rlhf run` shows a person (issue 16): one bar per training stage, none of the libraries' bars, printed log
+    dicts or FutureWarnings, no progress line twice, and the closing table with the held-out figures."""
+    terminal = stdout + stderr
+    shown = [line.rsplit("\r", 1)[-1] for line in terminal.split("\n")]  # what stays on screen of each line a bar redraws with \r
+    assert "it/s]" not in terminal and "examples/s]" not in terminal, "a library's tqdm bar"  # ours count steps
+    assert not [line for line in shown if line.lstrip().startswith("{'")], "a printed log dict"
+    assert "FutureWarning" not in terminal and "rlhf_pipeline.trainers.progress" not in terminal
+    for stage in trained:  # one bar each: it starts once and ends full (in a pipe, tqdm writes each refresh as a line)
+        bars = [line for line in shown if line.startswith(f"{stage}: ")]
+        assert len([line for line in bars if " 0%|" in line]) == 1 and "100%" in bars[-1] and "step/s" in bars[-1], (stage, bars)
+    table = stdout[stdout.index("== finished ==") :]
+    for stage in ("data", *trained, "eval"):
+        assert any(line.split()[:2] == [stage, "Completed"] for line in table.splitlines()), (stage, table)
+    exact = next(line for line in table.splitlines() if line.startswith("exact match: policy"))
+    assert "[" in exact and "]" in exact, exact  # with its 95% interval
+    assert "MLflow run:" in table and "hacking warnings" in table
+
+
 @pytest.mark.e2e
 def test_rlhf_run_creates_prefect_home_state_and_tracking_folders_that_do_not_exist(tmp_path):
     fresh = tmp_path / "not" / "there" / "yet"
@@ -47,7 +66,7 @@ def test_rlhf_run_creates_prefect_home_state_and_tracking_folders_that_do_not_ex
         env=env, cwd=elsewhere, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "== finished ==" in done.stdout and "eval/heldout/policy_exact_match" in done.stdout
+    assert_a_clean_console(done.stdout, done.stderr, ["sft", "rm", "dpo"])
     assert (fresh / "mlflow" / "mlflow.db").is_file()
     assert {p.name for p in (fresh / "state" / "artifacts").iterdir()} >= {"data", "sft", "rm", "dpo", "eval"}
     assert any((fresh / "prefect").iterdir())
