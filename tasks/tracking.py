@@ -182,12 +182,23 @@ def ui_url() -> str | None:
     return os.environ.get(UI_ENV, "").rstrip("/") or None
 
 
+TRAINING_VIEW = "workflowType=machine_learning"
+"""MLflow 3.17's UI opens every experiment in its GenAI view unless the page's URL (or the browser's last choice) says
+"Model training": the experiment kind tag alone does not switch it. Our links say it."""
+
+
 def run_url(run_id: str) -> str | None:
-    """The run's page in the MLflow UI, when the UI has an address."""
+    """The run's page in the MLflow UI (its training view), when the UI has an address."""
     ui = ui_url()
     if ui is None:
         return None
-    return f"{ui}/#/experiments/{client().get_run(run_id).info.experiment_id}/runs/{run_id}"
+    return f"{ui}/#/experiments/{client().get_run(run_id).info.experiment_id}/runs/{run_id}?{TRAINING_VIEW}"
+
+
+def experiment_url(experiment: str, ui: str | None = None) -> str | None:
+    """The experiment's runs table in the MLflow UI (`ui`, default: `ui_url()`), nested stage runs under their parent."""
+    ui = (ui or ui_url() or "").rstrip("/")
+    return f"{ui}/#/experiments/{experiment}/runs?{TRAINING_VIEW}" if ui else None
 
 
 def run_link(run_id: str) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.flows.helpers import STAGES, run, task_states
+from tests.flows.helpers import STAGES, assert_a_flat_graph, data_running_before_the_next_submission, run, task_states
 
 pytestmark = pytest.mark.e2e  # a pipeline run end to end: the fast loop skips it (-m 'not e2e')
 
@@ -19,10 +19,14 @@ def run_without_registry(*overrides: str):
     return run("registry.enabled=false", *overrides)
 
 
-def test_pipeline_runs_caches_and_reruns_only_what_changed(prefect, state):
-    first = run_without_registry()
+def test_pipeline_runs_caches_and_reruns_only_what_changed(prefect, state, monkeypatch):
+    with monkeypatch.context() as patched:
+        data_running_before_the_next_submission(patched)  # as under a real server, so the graph below is what users see
+        first = run_without_registry()
     assert first.is_completed(), first.message
     assert task_states(first) == {stage: "Completed" for stage in STAGES}
+    # The Prefect UI's graph: every stage a top-level node with its upstream edges (issue 16).
+    assert_a_flat_graph(first.state_details.flow_run_id, STAGES)
     summary = first.result()
     assert set(summary["artifacts"]) == set(STAGES)
     assert summary["metrics"]["eval/heldout/sft_exact_match"] >= 0
