@@ -93,8 +93,6 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
-    if args.command in ("run", "eval") and not getattr(args, "verbose", False):
-        os.environ.update(CONSOLE_ENV)
     _make_state_folders()
 
     if args.command == "check":
@@ -125,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(params.model_dump(mode="json"), indent=2))
         return 0
 
+    _console(args)
     _start_temporary_server()
     _warm_up_imports()
     from rlhf_pipeline.flows.rlhf import rlhf
@@ -133,6 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     summary = rlhf(**dict(params))
     _report(summary)
     return 0
+
+
+def _console(args) -> None:
+    """The terminal a person reads (CONSOLE_ENV), set once the parameters are valid and a run starts: not for a command that
+    only checks or prints, nor with --verbose."""
+    if not getattr(args, "verbose", False):
+        os.environ.update(CONSOLE_ENV)
 
 
 def _make_state_folders() -> None:
@@ -245,6 +251,7 @@ def _evaluate(args) -> int:
     except (ValidationError, ValueError) as exc:
         print(f"rlhf: invalid parameters:\n{exc}", file=sys.stderr)
         return 2
+    _console(args)
     _start_temporary_server()
     _warm_up_imports()
     _wait_for_temporary_server()

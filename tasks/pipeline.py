@@ -41,7 +41,7 @@ class PipelineRun:
             "artifacts": {ref.stage: ref.uri for ref in stages},
             "metrics": metrics,
             "registry": registered,
-            "stages": {ref.stage: {"state": (states or {}).get(ref.stage), "seconds": ref.manifest().get("timings", {}).get("seconds")} for ref in stages},
+            "stages": {ref.stage: {"state": (states or {}).get(ref.stage), "seconds": _build_seconds(ref)} for ref in stages},
             "warnings": json.loads((report.path / "summary.json").read_text()).get("warnings", []) if (report.path / "summary.json").is_file() else [],
         }
         return self.summary
@@ -81,3 +81,9 @@ def pipeline_run(params: BaseModel) -> Iterator[PipelineRun]:
         tracking.end_run(run_id, failed=True)
         raise
     tracking.end_run(run_id)
+
+
+def _build_seconds(ref: ArtifactRef) -> float | None:
+    """How long the stage's build took, from its manifest (a registry model folder or a hub model has none)."""
+    manifest = ref.path / "manifest.json"
+    return json.loads(manifest.read_text()).get("timings", {}).get("seconds") if manifest.is_file() else None
