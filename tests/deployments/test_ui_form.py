@@ -94,8 +94,11 @@ def submit_from_the_form(url: str, deployed: dict, artifacts: Path, service_pids
             expect(algorithm).to_have_text(deployed["algorithm"])  # the form opens filled in from the deployment
             # It leads with the stage that runs: the ppo block above every block rlhf/full does not use (issue 16).
             unused = "(unused: this deployment runs ppo) (Optional)"
-            ppo_top = field(page, "ppo (Optional)").first.bounding_box()["y"]
-            assert all(ppo_top < field(page, f"{block} {unused}").first.bounding_box()["y"] for block in ("dpo", "kto", "grpo", "rloo"))
+            blocks = [field(page, "ppo (Optional)").first, *(field(page, f"{block} {unused}").first for block in ("dpo", "kto", "grpo", "rloo"))]
+            for block in blocks:  # the form renders section by section: each is drawn before it is measured
+                expect(block).to_be_visible()
+            tops = [block.bounding_box()["y"] for block in blocks]
+            assert all(tops[0] < top for top in tops[1:]), tops
             # A click on prefect-design's select button leaves its list closed here (a click on its chevron, Space or ArrowDown opens it).
             algorithm.press("ArrowDown")
             page.get_by_role("listbox").get_by_role("option", name=ALGORITHM, exact=True).click()
