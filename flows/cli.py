@@ -38,6 +38,7 @@ CONSOLE_ENV = {
     "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     "TRANSFORMERS_VERBOSITY": "error",  # load reports and advisories; --verbose brings them back
+    "MLFLOW_LOGGING_LEVEL": "WARNING",  # "Creating initial MLflow database tables...", the migrations of a fresh store
 }
 """What `rlhf run` and `rlhf eval` set unless --verbose: a terminal a person reads."""
 

@@ -166,6 +166,11 @@ def _import_great_expectations():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         import great_expectations
+    # One module sets its own logger to INFO at import: its "Created temporary directory ... for ephemeral docs site",
+    # once per dataset, would reach the console and the Prefect UI.
+    docs_logger = logging.getLogger("great_expectations.data_context.types.base")
+    if gx_logger.level == logging.WARNING and docs_logger.level == logging.INFO:
+        docs_logger.setLevel(logging.NOTSET)
 
     return great_expectations
 

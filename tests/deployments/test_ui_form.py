@@ -1,4 +1,5 @@
-"""The Prefect UI's custom-run form in a real headless browser: what a user types there reaches the flow run.
+"""The Prefect UI in a real headless browser: what a user types in the custom-run form reaches the flow run, and the
+run's page opens on a graph of every stage.
 
 A real Prefect server and `rlhf serve --config <tmp preset extending tests/ci.yaml>`, each with its own
 state folders; Debian's Chromium driven by Playwright. Every process is stopped by its pid and checked dead.
@@ -20,7 +21,7 @@ import pytest
 import yaml
 
 from tests.deployments.servers import children, deployment, explain, running_service, wait_for
-from tests.flows.helpers import CI_PRESET, task_runs
+from tests.flows.helpers import CI_PRESET, assert_a_flat_graph, task_runs
 
 CHROMIUM = "/usr/bin/chromium"  # Debian's package (.ci/run installs it): Playwright's own download cannot work here
 CHROMIUM_ARGS = [
@@ -127,6 +128,48 @@ def submit_from_the_form(url: str, deployed: dict, artifacts: Path, service_pids
     return browser_pids
 
 
+COMPLETED_FILL = (33, 157, 75)  # the fill of a Completed node in the UI's flow-run graph (prefect-design's state colour)
+
+
+def node_boxes(png: bytes) -> list[tuple[int, int, int, int]]:
+    """The Completed node boxes (x, y, width, height) drawn in a screenshot of the flow-run graph's canvas. The graph is
+    WebGL (no DOM to query), so a node is a blob of its state's fill: as tall as a label (12-60 px; the run-state bar
+    along the bottom is 4 px), at least 5 px wide (the UI's narrowest, a sub-second task, is ~9 px)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+    from scipy import ndimage
+
+    pixels = np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).astype(int)
+    fill, _ = ndimage.label((np.abs(pixels - COMPLETED_FILL) <= 16).all(axis=2))
+    blobs = [(x.start, y.start, x.stop - x.start, y.stop - y.start) for y, x in ndimage.find_objects(fill)]
+    return [blob for blob in blobs if 12 <= blob[3] <= 60 and blob[2] >= 5]
+
+
+def the_flow_run_graph(url: str, stages: int, artifacts: Path) -> tuple[dict, list]:
+    """Open the flow run's page as a person would and wait for its graph: the graph the page itself fetched
+    (`/graph-v2`) and the node boxes drawn, as soon as `stages` of them are (or what is drawn after 60 s); screenshot kept."""
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        page.set_default_timeout(60_000)
+        try:
+            with page.expect_response(lambda response: "/graph-v2" in response.url) as fetched:
+                page.goto(url)
+            canvas = page.locator("canvas").first
+            expect(canvas).to_be_visible()
+            deadline = time.monotonic() + 60
+            while len(boxes := node_boxes(canvas.screenshot())) < stages and time.monotonic() < deadline:
+                time.sleep(0.5)  # drawn over a few frames once the page has its data
+            page.screenshot(path=artifacts / "flow_run_graph.png")
+            return fetched.value.json(), boxes
+        finally:
+            browser.close()
+
+
 @pytest.mark.e2e
 def test_a_run_submitted_from_the_ui_form_has_the_typed_parameters_and_completes(tmp_path):
     assert Path(CHROMIUM).is_file(), f"{CHROMIUM} is missing: `apt-get install -y chromium` (as .ci/run does)"
@@ -159,7 +202,14 @@ def test_a_run_submitted_from_the_ui_form_has_the_typed_parameters_and_completes
         assert run.state.type.value == "COMPLETED", explain(service, run)
         with service["client"]() as client:
             states = {task.name: task.state.name for task in task_runs(run.id, client)}
-        assert states == dict.fromkeys(["data", "sft", "rm", ALGORITHM, "eval", "registry"], "Completed")
+        stages = ["data", "sft", "rm", ALGORITHM, "eval", "registry"]
+        assert states == dict.fromkeys(stages, "Completed")
+
+        # The run's page opens on a graph of all six stages, none folded into another's group (issue 16).
+        page = f"{service['env']['PREFECT_API_URL'].removesuffix('/api')}/runs/flow-run/{run.id}"
+        graph, boxes = the_flow_run_graph(page, len(stages), artifacts)
+        assert_a_flat_graph(graph, stages, ALGORITHM)
+        assert len(boxes) == len(stages), f"{len(boxes)} stage nodes drawn, not {len(stages)}: {boxes} (see flow_run_graph.png)"
 
     from mlflow.tracking import MlflowClient
 

@@ -34,14 +34,11 @@ def task_states(flow_state) -> dict[str, str]:
 
 # --- the flow-run graph the Prefect UI draws (issue 16) ---------------------------------------------------------------
 
-UPSTREAM = {  # the default run (dpo): each stage's upstream stages, as data flows between them (registry: when enabled)
-    "data": set(),
-    "sft": {"data"},
-    "rm": {"data", "sft"},
-    "dpo": {"data", "sft", "rm"},
-    "eval": {"data", "sft", "rm", "dpo"},
-    "registry": {"data", "sft", "rm", "dpo", "eval"},
-}
+
+def upstream(policy: str = "dpo") -> dict[str, set[str]]:
+    """Each stage's upstream stages in a run of `policy`, as data flows between them (registry: when enabled)."""
+    order = ["data", "sft", "rm", policy, "eval", "registry"]
+    return {stage: set(order[:position]) for position, stage in enumerate(order)}
 
 
 def graph_of(flow_run_id) -> dict:
@@ -86,15 +83,14 @@ def data_running_before_the_next_submission(monkeypatch) -> None:
     monkeypatch.setattr(flow_module, "retrying", retrying)
 
 
-def assert_a_flat_graph(flow_run_id, stages: list[str]) -> None:
-    """Every stage a top-level node of the flow-run graph (none inside another's collapsed group), with its upstream
-    edges; `data` the only root. Each stage also waits for the one before it (one on the device at a time): among these."""
-    graph = graph_of(flow_run_id)
+def assert_a_flat_graph(graph: dict, stages: list[str], policy: str = "dpo") -> None:
+    """Every stage a top-level node of the flow-run graph (`graph_of`; none inside another's collapsed group), with its
+    upstream edges; `data` the only root. Each stage also waits for the one before it (one on the device at a time): among these."""
     nodes = {node["id"]: node for _, node in graph["nodes"]}
     label = {node_id: node["label"] for node_id, node in nodes.items()}
     assert sorted(label.values()) == sorted(stages)
     for node in nodes.values():
         # `encapsulating` puts a node inside another's group: Prefect infers it from a parameter that is a running task's future
         assert node["encapsulating"] == [], (node["label"], [label[e["id"]] for e in node["encapsulating"]])
-        assert {label[edge["id"]] for edge in node["parents"]} == UPSTREAM[node["label"]] & set(stages), node["label"]
+        assert {label[edge["id"]] for edge in node["parents"]} == upstream(policy)[node["label"]] & set(stages), node["label"]
     assert {label[node_id] for node_id in graph["root_node_ids"]} == {"data"}

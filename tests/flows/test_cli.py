@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sqlite3
 import subprocess
 import sys
+from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -38,6 +42,7 @@ def assert_a_clean_console(stdout: str, stderr: str, trained: list[str]) -> None
     assert "it/s]" not in terminal and "examples/s]" not in terminal, "a library's tqdm bar"  # ours count steps
     assert not [line for line in shown if line.lstrip().startswith("{'")], "a printed log dict"
     assert "FutureWarning" not in terminal and "rlhf_pipeline.trainers.progress" not in terminal
+    assert "great_expectations" not in terminal and "MLflow database tables" not in terminal, "a library's INFO log"
     for stage in trained:  # one bar each: it starts once and ends full (in a pipe, tqdm writes each refresh as a line)
         bars = [line for line in shown if line.startswith(f"{stage}: ")]
         assert len([line for line in bars if " 0%|" in line]) == 1 and "100%" in bars[-1] and "step/s" in bars[-1], (stage, bars)
@@ -47,6 +52,13 @@ def assert_a_clean_console(stdout: str, stderr: str, trained: list[str]) -> None
     exact = next(line for line in table.splitlines() if line.startswith("exact match: policy"))
     assert "[" in exact and "]" in exact, exact  # with its 95% interval
     assert "MLflow run:" in table and "hacking warnings" in table
+
+
+def progress_in_the_prefect_ui(database: Path) -> dict[str, int]:
+    """The progress lines of each stage in the logs the Prefect UI shows: the temporary server's store, read after the run."""
+    with contextlib.closing(sqlite3.connect(database)) as store:
+        rows = store.execute("SELECT message FROM log WHERE name = 'rlhf_pipeline.trainers.progress'").fetchall()
+    return dict(Counter(message.split(":", 1)[0] for (message,) in rows if ": step " in message))
 
 
 @pytest.mark.e2e
@@ -70,4 +82,6 @@ def test_rlhf_run_creates_prefect_home_state_and_tracking_folders_that_do_not_ex
     assert (fresh / "mlflow" / "mlflow.db").is_file()
     assert {p.name for p in (fresh / "state" / "artifacts").iterdir()} >= {"data", "sft", "rm", "dpo", "eval"}
     assert any((fresh / "prefect").iterdir())
+    ui = progress_in_the_prefect_ui(fresh / "prefect" / "prefect.db")
+    assert all(ui.get(stage, 0) >= 2 for stage in ("sft", "rm", "dpo")), ui  # kept off the terminal, not off the UI
     assert not (elsewhere / "state").exists()  # RLHF_STATE_DIR wins over ./state

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.flows.helpers import STAGES, assert_a_flat_graph, data_running_before_the_next_submission, run, task_states
+from tests.flows.helpers import STAGES, assert_a_flat_graph, data_running_before_the_next_submission, graph_of, run, task_states
 
 pytestmark = pytest.mark.e2e  # a pipeline run end to end: the fast loop skips it (-m 'not e2e')
 
@@ -26,7 +26,7 @@ def test_pipeline_runs_caches_and_reruns_only_what_changed(prefect, state, monke
     assert first.is_completed(), first.message
     assert task_states(first) == {stage: "Completed" for stage in STAGES}
     # The Prefect UI's graph: every stage a top-level node with its upstream edges (issue 16).
-    assert_a_flat_graph(first.state_details.flow_run_id, STAGES)
+    assert_a_flat_graph(graph_of(first.state_details.flow_run_id), STAGES)
     summary = first.result()
     assert set(summary["artifacts"]) == set(STAGES)
     assert summary["metrics"]["eval/heldout/sft_exact_match"] >= 0
