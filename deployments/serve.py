@@ -25,14 +25,22 @@ if TYPE_CHECKING:
 RETRAIN_CRON = "0 3 * * 1"  # Mondays 03:00: weekly retraining on the newest data
 
 
-def deployments(preset: str = DEFAULT_PRESET, retrain_cron: str = RETRAIN_CRON, retrain_overrides: list[str] = ()) -> list[RunnerDeployment]:
-    """The deployments; `retrain_overrides` (`data.preference.path=/data/prefs/*.jsonl`...) point retraining at fresh data."""
+WORKER_ENV = {  # what a work pool's runs get (deployments/prefect.yaml says the same): `rlhf run` and `rlhf serve` set it
+    "PREFECT_LOGGING_EXTRA_LOGGERS": "transformers,trl,peft,accelerate,rlhf_pipeline",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+}
+
+
+def deployments(preset: str = DEFAULT_PRESET, retrain_cron: str = RETRAIN_CRON, retrain_overrides: list[str] = (), **where) -> list[RunnerDeployment]:
+    """The deployments; `retrain_overrides` (`data.preference.path=/data/prefs/*.jsonl`...) point retraining at fresh data;
+    `where` goes to every `Flow.to_deployment` (a work pool: `deploy`)."""
     from rlhf_pipeline.flows.evaluate import rlhf_eval
     from rlhf_pipeline.flows.rlhf import rlhf
 
     def pipeline(name: str, overrides: list[str] = (), algorithm: str = "ppo", **options) -> RunnerDeployment:
         params = load_params(preset, overrides, algorithm=algorithm)
-        return leading_form(rlhf.to_deployment(name=name, parameters=params.model_dump(mode="json"), **options), params)
+        return leading_form(rlhf.to_deployment(name=name, parameters=params.model_dump(mode="json"), **options, **where), params)
 
     return [
         pipeline("full", description="data -> sft -> rm -> ppo -> eval -> registry (the classic RLHF recipe)."),
@@ -48,6 +56,7 @@ def deployments(preset: str = DEFAULT_PRESET, retrain_cron: str = RETRAIN_CRON, 
             name="eval",
             parameters={"policy": "models:/rlhf-policy@candidate", "preset": preset},
             description="Evaluate a registered version (or a model folder) on demand.",
+            **where,
         ),
     ]
 
@@ -81,3 +90,28 @@ def serve(preset: str = DEFAULT_PRESET, retrain_cron: str = RETRAIN_CRON, retrai
     ensure_device_limit()
     # SIGTERM must not pause the deployments (and with them the retrain schedule).
     prefect_serve(*made, pause_on_shutdown=False)
+
+
+def deploy(pool: str, preset: str = DEFAULT_PRESET, retrain_cron: str = RETRAIN_CRON, retrain_overrides: list[str] = ()) -> list[str]:
+    """Register the deployments `serve` serves on a work pool, for its workers to run: the same names, parameters and
+    leading forms (`prefect deploy` with deployments/prefect.yaml builds each form from the flow's signature, in
+    signature order, and carries only `algorithm` and `preset`). Entrypoints are module paths of the installed package,
+    so a worker needs no checkout. Returns the names registered."""
+    from prefect.client.orchestration import get_client
+    from prefect.deployments.runner import EntrypointType
+    from prefect.exceptions import ObjectNotFound
+
+    from rlhf_pipeline.tasks.orchestration import ensure_device_limit
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_work_pool(pool)
+        except ObjectNotFound:
+            raise ValueError(f"no work pool {pool!r} on {client.api_url}: `prefect work-pool create {pool} --type process` first") from None
+    made = deployments(
+        preset, retrain_cron, retrain_overrides, work_pool_name=pool, job_variables={"env": WORKER_ENV}, entrypoint_type=EntrypointType.MODULE_PATH
+    )
+    ensure_device_limit()
+    for deployment in made:
+        deployment.apply()
+    return [f"{deployment.flow_name}/{deployment.name}" for deployment in made]

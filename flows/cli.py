@@ -7,6 +7,7 @@ rlhf params [--config ...] [--set ...]     # print the resolved parameters, run 
 rlhf check [--config ...] [--set ...]      # preflight: tokenizer, every data rule, token lengths, memory per stage; trains nothing
 rlhf eval models:/rlhf-policy@candidate    # evaluate a registered version (or a model folder) on demand
 rlhf serve                                 # serve the deployments (see deployments/serve.py)
+rlhf deploy --pool rlhf-process            # register the same deployments on a work pool, for its workers
 rlhf up                                    # a local Prefect server + MLflow UI + `rlhf serve`, until Ctrl-C
 """
 
@@ -73,16 +74,19 @@ def _parser() -> argparse.ArgumentParser:
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override an eval field, e.g. --set eval.max_prompts=200"
     )
     serve = commands.add_parser("serve", help="serve the deployments (rlhf/full, dpo, grpo, rloo, retrain, rlhf-eval/eval)")
-    serve.add_argument("--config", default="tiny", help="preset whose parameters the deployments carry")
-    serve.add_argument("--retrain-cron", default=None, help="cron of the retrain deployment (default: Mondays 03:00)")
-    serve.add_argument(
-        "--retrain-set",
-        dest="retrain_overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a field of the retrain deployment, e.g. --retrain-set 'data.preference.path=/data/prefs/*.jsonl'",
-    )
+    deploy = commands.add_parser("deploy", help="register the same deployments on a work pool, for its workers to run")
+    deploy.add_argument("--pool", required=True, help="the work pool (e.g. one made by `prefect work-pool create rlhf-process --type process`)")
+    for sub in (serve, deploy):
+        sub.add_argument("--config", default="tiny", help="preset whose parameters the deployments carry")
+        sub.add_argument("--retrain-cron", default=None, help="cron of the retrain deployment (default: Mondays 03:00)")
+        sub.add_argument(
+            "--retrain-set",
+            dest="retrain_overrides",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a field of the retrain deployment, e.g. --retrain-set 'data.preference.path=/data/prefs/*.jsonl'",
+        )
     up = commands.add_parser("up", help="start a local Prefect server, the MLflow UI and `rlhf serve` together (Ctrl-C stops all)")
     up.add_argument("--port", type=int, default=4200, help="Prefect server port on 127.0.0.1 (default 4200)")
     up.add_argument("--mlflow-port", type=int, default=5000, help="MLflow UI port on 127.0.0.1 (default 5000)")
@@ -106,6 +110,16 @@ def main(argv: list[str] | None = None) -> int:
         from rlhf_pipeline.deployments.serve import RETRAIN_CRON, serve
 
         serve(args.config, args.retrain_cron or RETRAIN_CRON, args.retrain_overrides)
+        return 0
+    if args.command == "deploy":
+        from rlhf_pipeline.deployments.serve import RETRAIN_CRON, deploy
+
+        try:
+            names = deploy(args.pool, args.config, args.retrain_cron or RETRAIN_CRON, args.retrain_overrides)
+        except (ValidationError, ValueError) as exc:
+            print(f"rlhf deploy: {exc}", file=sys.stderr)
+            return 2
+        print(f"registered on work pool {args.pool!r}: {', '.join(names)} (start a worker: prefect worker start --pool {args.pool})")
         return 0
     if args.command == "up":
         from rlhf_pipeline.deployments.local import up

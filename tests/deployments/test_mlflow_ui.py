@@ -19,12 +19,10 @@ pytestmark = pytest.mark.e2e  # a server and a browser: tens of seconds
 STAGES = ("data", "sft", "rm", "dpo", "eval")
 
 
-def test_our_experiment_opens_on_the_runs_table_with_the_stage_runs_nested_under_the_parent(tmp_path, monkeypatch):
+def test_our_experiment_opens_on_the_runs_table_with_the_stage_runs_nested_under_the_parent(tmp_path, monkeypatch, screenshots):
     from playwright.sync_api import expect, sync_playwright
 
     assert Path(CHROMIUM).is_file(), f"{CHROMIUM} is missing: `apt-get install -y chromium` (as .ci/run does)"
-    artifacts = Path(os.environ.get("RLHF_TEST_ARTIFACTS") or tmp_path)
-    artifacts.mkdir(parents=True, exist_ok=True)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     experiment = tracking.experiment_id("rlhf-ui")  # as a flow run makes it: a parent run, one child per stage
     parent = tracking.start_run(experiment, "rlhf-flow-run", {"rlhf.algorithm": "dpo"})
@@ -57,7 +55,7 @@ def test_our_experiment_opens_on_the_runs_table_with_the_stage_runs_nested_under
                 page.get_by_role("gridcell").filter(has_text="rlhf-flow-run").get_by_role("button").click()  # its expander
                 for stage in STAGES:
                     expect(page.get_by_role("link", name=stage, exact=True)).to_be_visible()
-                page.screenshot(path=artifacts / "mlflow_runs.png", full_page=True)
+                page.screenshot(path=screenshots / "mlflow_runs.png", full_page=True)
             finally:
                 browser.close()
     finally:

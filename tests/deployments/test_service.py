@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_pipeline.deployments.local import wait_until_up
+from rlhf_pipeline.deployments.serve import WORKER_ENV
 from rlhf_pipeline.tasks.stages import ALGORITHMS
 from tests.deployments.servers import ROOT, api_client, children, deployment, explain, free_port, running_service, wait_for
 from tests.flows.helpers import task_runs
@@ -132,7 +133,31 @@ def test_prefect_yaml_registers_the_same_deployments_on_a_process_pool(service):
     assert [s.schedule.cron for s in made["rlhf/retrain"].schedules] == ["0 3 * * 1"]
     assert made["rlhf/full"].parameters == {"algorithm": "ppo", "preset": "tiny"} and made["rlhf/full"].enforce_parameter_schema
     assert made["rlhf/full"].parameter_openapi_schema["definitions"]["PpoConfig"]["properties"]["kl_coef"]["description"]
-    assert made["rlhf/full"].job_variables["env"]["PREFECT_LOGGING_EXTRA_LOGGERS"].startswith("transformers,trl")
+    assert made["rlhf/full"].job_variables["env"] == WORKER_ENV
+
+
+def test_rlhf_deploy_registers_the_served_deployments_on_a_pool_with_forms_that_lead(service):
+    """`prefect deploy` builds each form in the flow's signature order; `rlhf deploy --pool` registers what `rlhf serve` serves
+    (whole parameter sets, leading forms) for a pool's workers. (A process worker ran its rlhf/full to Completed in 30 s: note.)"""
+    from rlhf_pipeline.flows.params import load_params
+
+    before = deployment(service, "rlhf/full")  # as served, then replaced by prefect.yaml's
+    rlhf_cli = [sys.executable, "-m", "rlhf_pipeline.flows.cli", "deploy"]
+    missing = subprocess.run([*rlhf_cli, "--pool", "no-such-pool"], env=service["env"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert missing.returncode == 2 and "no work pool 'no-such-pool'" in missing.stderr, missing.stderr
+    prefect_cli(service, "work-pool", "create", "rlhf-pool", "--type", "process")
+    done = subprocess.run([*rlhf_cli, "--pool", "rlhf-pool"], env=service["env"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    made = {name: deployment(service, name) for name in ("rlhf/full", *(f"rlhf/{a}" for a in ALGORITHMS if a != "ppo"), "rlhf/retrain", "rlhf-eval/eval")}
+    assert {d.work_pool_name for d in made.values()} == {"rlhf-pool"} and {d.job_variables["env"] == WORKER_ENV for d in made.values()} == {True}
+    full = made["rlhf/full"]
+    assert full.id == before.id and full.entrypoint == "rlhf_pipeline.flows.rlhf.rlhf" and full.enforce_parameter_schema
+    assert made["rlhf-eval/eval"].entrypoint == "rlhf_pipeline.flows.evaluate.rlhf_eval"
+    assert full.parameters == load_params("tiny", [], algorithm="ppo").model_dump(mode="json")  # the preset's whole set, as served
+    form = full.parameter_openapi_schema["properties"]
+    assert sorted(form, key=lambda name: form[name]["position"])[:2] == ["algorithm", "ppo"]
+    assert form["dpo"]["title"] == "dpo (unused: this deployment runs ppo)"
+    assert [s.schedule.cron for s in made["rlhf/retrain"].schedules] == ["0 3 * * 1"]
 
 
 def test_rlhf_up_starts_prefect_mlflow_and_serve_and_stops_them_all(tmp_path):

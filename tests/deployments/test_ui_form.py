@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -113,7 +112,6 @@ def submit_from_the_form(url: str, deployed: dict, artifacts: Path, service_pids
             height = page.locator(".app-router-view").evaluate("view => view.scrollHeight")
             page.set_viewport_size({"width": 1280, "height": height})
             page.screenshot(path=artifacts / "ui_form.png", full_page=True)
-            shutil.copyfile(artifacts / "ui_form.png", "/tmp/ui_form.png")
 
             page.get_by_role("button", name="Submit", exact=True).click()
             page.wait_for_url(lambda address: not address.rstrip("/").endswith("/run"))  # Submit leads to the deployment's page
@@ -171,11 +169,8 @@ def the_flow_run_graph(url: str, stages: int, artifacts: Path) -> tuple[dict, li
 
 
 @pytest.mark.e2e
-def test_a_run_submitted_from_the_ui_form_has_the_typed_parameters_and_completes(tmp_path):
+def test_a_run_submitted_from_the_ui_form_has_the_typed_parameters_and_completes(tmp_path, screenshots):
     assert Path(CHROMIUM).is_file(), f"{CHROMIUM} is missing: `apt-get install -y chromium` (as .ci/run does)"
-    artifacts = Path(os.environ.get("RLHF_TEST_ARTIFACTS") or tmp_path)
-    artifacts.mkdir(parents=True, exist_ok=True)
-    print(f"screenshots of the form: {artifacts}")
     (tmp_path / "service").mkdir()
     preset = tmp_path / "ui.yaml"
     preset.write_text(yaml.safe_dump({"extends": CI_PRESET, **SMALLER_BATCHES}))
@@ -187,7 +182,7 @@ def test_a_run_submitted_from_the_ui_form_has_the_typed_parameters_and_completes
         deployed = full.parameters
         assert deployed["algorithm"] != ALGORITHM and deployed["grpo"]["beta"] != BETA  # the form has to change both
         url = f"{service['env']['PREFECT_API_URL'].removesuffix('/api')}/deployments/deployment/{full.id}/run"
-        browser_pids = submit_from_the_form(url, deployed, artifacts, {p.pid for p in service["processes"]})
+        browser_pids = submit_from_the_form(url, deployed, screenshots, {p.pid for p in service["processes"]})
         assert browser_pids and still_alive(browser_pids) == []
 
         with service["client"]() as client:
@@ -207,7 +202,7 @@ def test_a_run_submitted_from_the_ui_form_has_the_typed_parameters_and_completes
 
         # The run's page opens on a graph of all six stages, none folded into another's group (issue 16).
         page = f"{service['env']['PREFECT_API_URL'].removesuffix('/api')}/runs/flow-run/{run.id}"
-        graph, boxes = the_flow_run_graph(page, len(stages), artifacts)
+        graph, boxes = the_flow_run_graph(page, len(stages), screenshots)
         assert_a_flat_graph(graph, stages, ALGORITHM)
         assert len(boxes) == len(stages), f"{len(boxes)} stage nodes drawn, not {len(stages)}: {boxes} (see flow_run_graph.png)"
 
