@@ -166,6 +166,7 @@ DIFFERENCES = [
     "advantage whitening: TRL's unbiased variance, ours the population variance (both over the real tokens)",
     "prompt order: both shuffle each pass over the prompts with seed 42, with different generators",
     "sample tables off on both (num_sample_generations=0: TRL's would generate on every held-out prompt 10 times)",
+    "KL: the same fixed kl_coef on both (the tiny preset's adaptive target_kl off: TRL 1.12 has none); ours without its held-out probes (eval_steps)",
     "checkpoints: TRL save_strategy='no'; ours one at the end (save_steps past the run); both then save the final policy",
     "logging: TRL logs every update, ours every logging_steps=10",
 ]
@@ -263,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
             "max_grad_norm": 1e9,
             "num_sample_generations": 0,
             "save_steps": 10**9,
+            "target_kl": None,  # the preset's adaptive KL (issue 15) off: TRL 1.12 keeps kl_coef fixed
+            "eval_steps": None,  # and its held-out probes: TRL's PPOTrainer has no such curves
+            "keep_best": False,
         }  # fmt: skip
     )
     ppo = type(ppo).model_validate(ppo.model_dump())  # validated as a preset would be: episodes fit the rollout batch

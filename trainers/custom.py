@@ -21,6 +21,7 @@ import inspect
 import json
 from collections.abc import Iterable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable
 
 OUTCOME = "training.json"
@@ -140,9 +141,13 @@ class Hooks:
     gives them, so one callback works in every stage. `control.should_training_stop` is the caller's to honour."""
 
     def __init__(self, callbacks: list, args, max_steps: int, global_step: int, **handles):
+        self.callbacks, self.args, self.handles = callbacks, args, handles
+        if not callbacks:  # nothing to call: the loop reads only these (transformers' trainer_callback imports training_args)
+            self.state = SimpleNamespace(max_steps=max_steps, global_step=global_step)
+            self.control = SimpleNamespace(should_training_stop=False, should_save=False)
+            return
         from transformers import TrainerControl, TrainerState
 
-        self.callbacks, self.args, self.handles = callbacks, args, handles
         self.state = TrainerState(max_steps=max_steps, global_step=global_step, logging_steps=args.logging_steps, save_steps=args.save_steps)
         self.control = TrainerControl()
 

@@ -529,7 +529,6 @@ def train(
     import numpy as np
     import torch
     from tqdm.auto import tqdm
-    from transformers import TrainingArguments
 
     from rlhf_pipeline.trainers.common import (
         device_precision,
@@ -609,12 +608,19 @@ def train(
         np.random.seed(cfg.seed + ranks.rank)
         torch.manual_seed(cfg.seed + ranks.rank)
     params = [p for m in (policy, value_model) for p in m.parameters() if p.requires_grad]
-    # The stage's TrainingArguments, as a TRL stage's: what an optimizer_factory and the callbacks receive (steps are updates).
-    args = TrainingArguments(
-        output_dir=str(work_dir), learning_rate=cfg.learning_rate, max_steps=num_updates, logging_steps=cfg.logging_steps, save_steps=cfg.save_steps,
-        seed=cfg.seed, max_grad_norm=cfg.max_grad_norm, lr_scheduler_type=cfg.lr_scheduler_type, adam_epsilon=1e-5, weight_decay=0.0,
-        use_cpu=device.type == "cpu", report_to="none", optim=cfg.optim,
-    )  # fmt: skip
+    # The stage's TrainingArguments, as a TRL stage's: what an optimizer_factory, a named optimizer and the callbacks receive
+    # (steps are updates). Built only for them: importing transformers' training_args (with peft and accelerate) takes
+    # ~2.4 s of a cold start on 2 cores, a launched rank's or a standalone run's, and the default loop needs none of it.
+    callbacks = cfg.user_callbacks()
+    args = None
+    if callbacks or cfg.optimizer_factory or cfg.optim != "adamw_torch":
+        from transformers import TrainingArguments
+
+        args = TrainingArguments(
+            output_dir=str(work_dir), learning_rate=cfg.learning_rate, max_steps=num_updates, logging_steps=cfg.logging_steps,
+            save_steps=cfg.save_steps, seed=cfg.seed, max_grad_norm=cfg.max_grad_norm, lr_scheduler_type=cfg.lr_scheduler_type,
+            adam_epsilon=1e-5, weight_decay=0.0, use_cpu=device.type == "cpu", report_to="none", optim=cfg.optim,
+        )  # fmt: skip
     scheduler = None  # None: the linear/constant schedule below, over the updates
     if cfg.optimizer_factory:
         # One optimizer for both trained models (as ours); a scheduler it returns is stepped once per update, as TRL's PPOTrainer did.
@@ -669,7 +675,7 @@ def train(
         disable=not ranks.main or bool(os.environ.get("TQDM_DISABLE")),
     )
     progress_log = Progress("ppo", num_updates, state["update"], main=ranks.main)
-    hooks = Hooks(cfg.user_callbacks(), args, num_updates, state["update"], model=policy, processing_class=tokenizer, optimizer=optimizer,
+    hooks = Hooks(callbacks, args, num_updates, state["update"], model=policy, processing_class=tokenizer, optimizer=optimizer,
                   lr_scheduler=scheduler, train_dataloader=None, eval_dataloader=None)  # fmt: skip
     hooks.state.is_world_process_zero, hooks.state.is_local_process_zero = ranks.main, ranks.local == 0
     if ranks.world > 1 and ranks.main:
