@@ -25,13 +25,6 @@ if TYPE_CHECKING:
 RETRAIN_CRON = "0 3 * * 1"  # Mondays 03:00: weekly retraining on the newest data
 
 
-WORKER_ENV = {  # what a work pool's runs get (deployments/prefect.yaml says the same): `rlhf run` and `rlhf serve` set it
-    "PREFECT_LOGGING_EXTRA_LOGGERS": "transformers,trl,peft,accelerate,rlhf_pipeline",
-    "HF_HUB_DISABLE_TELEMETRY": "1",
-    "MLFLOW_DISABLE_TELEMETRY": "true",
-}
-
-
 def deployments(preset: str = DEFAULT_PRESET, retrain_cron: str = RETRAIN_CRON, retrain_overrides: list[str] = (), **where) -> list[RunnerDeployment]:
     """The deployments; `retrain_overrides` (`data.preference.path=/data/prefs/*.jsonl`...) point retraining at fresh data;
     `where` goes to every `Flow.to_deployment` (a work pool: `deploy`)."""
@@ -101,6 +94,7 @@ def deploy(pool: str, preset: str = DEFAULT_PRESET, retrain_cron: str = RETRAIN_
     from prefect.deployments.runner import EntrypointType
     from prefect.exceptions import ObjectNotFound
 
+    from rlhf_pipeline.flows.cli import WORKER_ENV
     from rlhf_pipeline.tasks.orchestration import ensure_device_limit
 
     with get_client(sync_client=True) as client:

@@ -20,13 +20,18 @@ import sys
 
 from pydantic import ValidationError
 
-QUIET_ENV = {
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "MLFLOW_DISABLE_TELEMETRY": "true",
-    "HF_HUB_DISABLE_TELEMETRY": "1",
-    "DO_NOT_TRACK": "1",
+WORKER_ENV = {
     # Library logs (and our progress lines, logger `trainers`) reach the Prefect UI only when named here (DESIGN.md).
     "PREFECT_LOGGING_EXTRA_LOGGERS": "transformers,trl,peft,accelerate,rlhf_pipeline",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+}
+"""What every flow run's process needs: `rlhf run`, `rlhf serve` (QUIET_ENV) and a work pool's runs (`rlhf deploy`, prefect.yaml)."""
+
+QUIET_ENV = {
+    **WORKER_ENV,
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "1",
     # The temporary server's first start migrates a fresh database: 20 s (the default) is too
     # short on a busy 2-core machine.
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",

@@ -161,16 +161,14 @@ def _import_great_expectations():
     # fluent datasources import the deprecated sre_* modules: keep both out of
     # the pipeline's logs unless someone configured the GX logger on purpose.
     gx_logger = logging.getLogger("great_expectations")
-    if gx_logger.level == logging.NOTSET:
+    ours = gx_logger.level == logging.NOTSET
+    if ours:
         gx_logger.setLevel(logging.WARNING)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         import great_expectations
-    # One module sets its own logger to INFO at import: its "Created temporary directory ... for ephemeral docs site",
-    # once per dataset, would reach the console and the Prefect UI.
-    docs_logger = logging.getLogger("great_expectations.data_context.types.base")
-    if gx_logger.level == logging.WARNING and docs_logger.level == logging.INFO:
-        docs_logger.setLevel(logging.NOTSET)
+    if ours:  # one module sets its own logger to INFO at import: "Created temporary directory ... for ephemeral docs site"
+        logging.getLogger("great_expectations.data_context.types.base").setLevel(logging.NOTSET)
 
     return great_expectations
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_pipeline.deployments.local import wait_until_up
-from rlhf_pipeline.deployments.serve import WORKER_ENV
+from rlhf_pipeline.flows.cli import WORKER_ENV
 from rlhf_pipeline.tasks.stages import ALGORITHMS
 from tests.deployments.servers import ROOT, api_client, children, deployment, explain, free_port, running_service, wait_for
 from tests.flows.helpers import task_runs
