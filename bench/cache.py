@@ -37,7 +37,7 @@ def free_port() -> int:
 
 def rlhf_run(env: dict, overrides: list[str], log: Path) -> tuple[float, dict[str, Path]]:
     """One `rlhf run`: wall seconds, and the artifact folder of each stage it printed."""
-    command = [sys.executable, "-m", "rlhf_pipeline.flows.cli", "run", *[part for item in overrides for part in ("--set", item)]]
+    command = [sys.executable, "-m", "rlhf_pipeline.cli", "run", *[part for item in overrides for part in ("--set", item)]]
     seconds, printed = timed(command, env, log)
     text = printed.rsplit("== finished ==", 1)[-1]
     artifacts = {match[1]: Path(match[2]) for match in re.finditer(r"^  (\w+)\s+(\S+)$", text, re.M) if Path(match[2]).is_dir()}

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.gpu_launch import build_model
     from rlhf_pipeline.trainers import dpo, grpo, sft
-    from rlhf_pipeline.trainers.common import CallbackSpec, ModelConfig
+    from rlhf_pipeline.trainers.config import CallbackSpec, ModelConfig
     from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, RewardsConfig
     from tests.fixtures import chat_data
 

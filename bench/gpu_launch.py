@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         if importlib.util.find_spec("vllm") is not None:  # pip install '.[vllm]': grpo once more with vLLM rollouts
             runs["grpo-vllm"] = ["algorithm=grpo", "grpo.use_vllm=true"]
         for algorithm, extra in runs.items():
-            command = [sys.executable, "-m", "rlhf_pipeline.flows.cli", "run", *(f"--set={item}" for item in [*common, *extra])]
+            command = [sys.executable, "-m", "rlhf_pipeline.cli", "run", *(f"--set={item}" for item in [*common, *extra])]
             started = time.time()
             done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True)
             log.write(done.stdout + done.stderr)

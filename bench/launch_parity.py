@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def exact_match(model_dir: Path, prompts: list, answers: list) -> tuple[float, float, float]:
-    from rlhf_pipeline.trainers.common import load_causal_lm
     from rlhf_pipeline.trainers.metrics import bootstrap_mean
+    from rlhf_pipeline.trainers.models import load_causal_lm
     from rlhf_pipeline.trainers.sort_task import exact_match as score
     from rlhf_pipeline.trainers.text import generate
 
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from rlhf_pipeline.flows.params import load_params
     from rlhf_pipeline.tasks.launcher import LaunchConfig, run_launched
-    from rlhf_pipeline.trainers.common import load_split
+    from rlhf_pipeline.trainers.loop import load_split
     from tests.helpers import write_data_dir
 
     params = load_params("tiny")

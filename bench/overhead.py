@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     for round_ in range(args.rounds):
         state = root / f"round-{round_}"
         env = {**base, "RLHF_STATE_DIR": str(state / "state"), "PREFECT_HOME": str(prefect_home)}
-        seconds, printed = timed([sys.executable, "-m", "rlhf_pipeline.flows.cli", "run", *sets], env, log)
+        seconds, printed = timed([sys.executable, "-m", "rlhf_pipeline.cli", "run", *sets], env, log)
         walls["pipeline"].append(seconds)
         for stage, value in pipeline_breakdown(printed).items():
             parts["pipeline"].setdefault(stage, []).append(value)

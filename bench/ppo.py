@@ -177,7 +177,7 @@ def held_out_scores(model_dir: Path, sft_model: Path, reward_model: Path, prompt
     Every policy is read with the SFT model's tokenizer, the reward model's too: TRL's side saves it with left padding."""
     import torch
 
-    from rlhf_pipeline.trainers.common import load_causal_lm, load_tokenizer
+    from rlhf_pipeline.trainers.models import load_causal_lm, load_tokenizer
     from rlhf_pipeline.trainers.ppo import truncate_at_stop
     from rlhf_pipeline.trainers.rewards import RewardsConfig, RewardScorer
     from rlhf_pipeline.trainers.sort_task import exact_match
@@ -250,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from rlhf_pipeline.flows.params import load_params
     from rlhf_pipeline.trainers import rm, sft
-    from rlhf_pipeline.trainers.common import load_split, load_tokenizer
+    from rlhf_pipeline.trainers.loop import load_split
+    from rlhf_pipeline.trainers.models import load_tokenizer
     from rlhf_pipeline.trainers.text import prompt_ids
     from tests.helpers import write_data_dir
 

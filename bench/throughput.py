@@ -62,7 +62,7 @@ class TrainClock(TrainerCallback):
 
 def bench_model():
     """The tiny Llama at 4.3M parameters (hidden 256, 4 layers): the vocabulary is 263 bytes and specials, so the blocks dominate."""
-    from rlhf_pipeline.trainers.common import ModelConfig, TinyModelConfig
+    from rlhf_pipeline.trainers.config import ModelConfig, TinyModelConfig
 
     return ModelConfig(tiny=TinyModelConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4))
 
@@ -92,7 +92,7 @@ def packed_rows(lengths: list[int], strategy: str) -> int:
 
 
 def sft_config(mode: str, steps: int, batch: int, seed: int):
-    from rlhf_pipeline.trainers.common import CallbackSpec
+    from rlhf_pipeline.trainers.config import CallbackSpec
     from rlhf_pipeline.trainers.sft import SftConfig
 
     overrides = {"train_sampling_strategy": "group_by_length"} if mode == "grouped" else {}
@@ -141,7 +141,7 @@ def heldout_loss(model_dir: Path, rows: list[dict], batch: int = 16) -> float:
     import torch
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-    from rlhf_pipeline.trainers.common import load_causal_lm
+    from rlhf_pipeline.trainers.models import load_causal_lm
 
     model, tokenizer = load_causal_lm(model_dir)
     model.eval()

@@ -17,7 +17,7 @@ from rlhf_pipeline.tasks.orchestration import RetryConfig, retrying
 from rlhf_pipeline.tasks.pipeline import pipeline_run
 from rlhf_pipeline.tasks.registry import RegistryConfig
 from rlhf_pipeline.tasks.resolve import check_model_source, resolve_model
-from rlhf_pipeline.trainers.common import ModelConfig, StrictModel
+from rlhf_pipeline.trainers.config import ModelConfig, StrictModel
 from rlhf_pipeline.trainers.data import DataConfig
 from rlhf_pipeline.trainers.eval import EvalConfig
 
@@ -50,7 +50,7 @@ class EvalParams(StrictModel):
         """Local folders are compared here; registered versions once downloaded, before any weights load (`tasks.stage.check_tokenizers`)."""
         from pathlib import Path
 
-        from rlhf_pipeline.trainers.common import tokenizer_digest
+        from rlhf_pipeline.trainers.models import tokenizer_digest
 
         digests = {}
         for role in ("policy", "sft_model", "reward_model"):

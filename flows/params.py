@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field, create_model, model_validator
 from rlhf_pipeline.tasks.launcher import LaunchConfig
 from rlhf_pipeline.tasks.orchestration import RetryConfig
 from rlhf_pipeline.tasks.stages import ALGORITHMS, BY_NAME, POLICY, STAGES, reads
-from rlhf_pipeline.trainers.common import TINY, ModelConfig, StrictModel
+from rlhf_pipeline.trainers.config import TINY, ModelConfig, StrictModel
 from rlhf_pipeline.trainers.feedback import FeedbackConfig
 from rlhf_pipeline.trainers.rewards import RewardsConfig
 

@@ -12,7 +12,6 @@ draws one typed section per stage.
 from __future__ import annotations
 
 import inspect
-import sys
 
 from prefect import flow
 
@@ -86,8 +85,3 @@ def _signature() -> inspect.Signature:
 _rlhf.__signature__ = _signature()
 _rlhf.__name__ = "rlhf"
 rlhf = flow(name="rlhf", persist_result=False, validate_parameters=True, log_prints=False)(described_by(PipelineParams)(_rlhf))
-
-if __name__ == "__main__":
-    from rlhf_pipeline.flows.cli import main
-
-    sys.exit(main(["run", *sys.argv[1:]]))

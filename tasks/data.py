@@ -7,7 +7,7 @@ from pathlib import Path
 from rlhf_pipeline.tasks.orchestration import prefect_log, stage_task
 from rlhf_pipeline.tasks.stage import RunContext, StageOutcome, run_stage
 from rlhf_pipeline.tasks.stages import BY_NAME, pair_readers
-from rlhf_pipeline.trainers.common import ModelConfig
+from rlhf_pipeline.trainers.config import ModelConfig
 from rlhf_pipeline.trainers.data import DataConfig, fingerprint
 
 

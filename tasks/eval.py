@@ -11,7 +11,7 @@ from rlhf_pipeline.tasks.orchestration import prefect_log, stage_task
 from rlhf_pipeline.tasks.registry import RegistryConfig, current_champion
 from rlhf_pipeline.tasks.stage import ArtifactRef, RunContext, StageOutcome, read_history, run_stage
 from rlhf_pipeline.tasks.stages import BY_NAME
-from rlhf_pipeline.trainers.common import ModelConfig
+from rlhf_pipeline.trainers.config import ModelConfig
 from rlhf_pipeline.trainers.custom import fingerprint
 from rlhf_pipeline.trainers.eval import EvalConfig
 

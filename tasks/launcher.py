@@ -29,7 +29,8 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from rlhf_pipeline.trainers.launch import ERROR_FILE, METRICS_MARK, PERMANENT, RESULT_FILE, die_with_parent, write_spec
+from rlhf_pipeline.trainers.launch import ERROR_FILE, METRICS_MARK, PERMANENT, PROGRESS_MARK, RESULT_FILE, die_with_parent, write_spec
+from rlhf_pipeline.trainers.progress import emit
 
 Launcher = Literal["inprocess", "accelerate"]
 ENGINES = ("ddp", "zero2", "zero3", "fsdp2")
@@ -201,6 +202,9 @@ def _stream(process: subprocess.Popen, ranks: Tree, log, log_metrics, tail: dequ
         if line.startswith(METRICS_MARK):
             row = json.loads(line[len(METRICS_MARK) :])
             log_metrics(row["values"], row["step"])
+        elif line.startswith(PROGRESS_MARK):
+            row = json.loads(line[len(PROGRESS_MARK) :])
+            emit(row["progress"], row["message"])
         elif line.strip():
             tail.append(line)
             log(line)

@@ -15,7 +15,7 @@ from pydantic import Field
 from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.orchestration import prefect_log
 from rlhf_pipeline.tasks.stage import ArtifactRef, RunContext
-from rlhf_pipeline.trainers.common import StrictModel
+from rlhf_pipeline.trainers.config import StrictModel
 
 CHAMPION, CANDIDATE = "champion", "candidate"
 HELDOUT = "eval/heldout/"  # trainers.eval.HELDOUT, the prefix of the metrics the gates read

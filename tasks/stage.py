@@ -33,8 +33,9 @@ from pydantic import BaseModel, ConfigDict
 from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.launcher import LaunchConfig
 from rlhf_pipeline.tasks.secrets import redact
-from rlhf_pipeline.trainers.common import LogMetrics, last_checkpoint, tokenizer_digest
-from rlhf_pipeline.trainers.custom import OUTCOME, PEAK_GPU
+from rlhf_pipeline.trainers.config import LogMetrics
+from rlhf_pipeline.trainers.loop import OUTCOME, PEAK_GPU, last_checkpoint
+from rlhf_pipeline.trainers.models import tokenizer_digest
 
 MANIFEST = "manifest.json"
 HISTORY = "history.jsonl"

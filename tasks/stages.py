@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlhf_pipeline.tasks.registry import RegistryConfig
-from rlhf_pipeline.trainers.common import StrictModel
+from rlhf_pipeline.trainers.config import StrictModel
 from rlhf_pipeline.trainers.data import DataConfig
 from rlhf_pipeline.trainers.dpo import DpoConfig
 from rlhf_pipeline.trainers.eval import EvalConfig

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rlhf_pipeline.trainers.common import ModelConfig, TinyModelConfig
+from rlhf_pipeline.trainers.config import ModelConfig, TinyModelConfig
 from rlhf_pipeline.trainers.data import DataConfig, load_source
 
 # A smaller tiny model than the default, so trainer tests take seconds.

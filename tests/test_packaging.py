@@ -51,7 +51,7 @@ def test_the_installed_wheel_runs_the_pipeline_from_an_unrelated_folder(wheel, t
     preset = tmp_path / "fast.yaml"  # the tests' preset, outside any checkout
     preset.write_text((ROOT / "tests" / "ci.yaml").read_text())
     done = subprocess.run(
-        [sys.executable, "-m", "rlhf_pipeline.flows.cli", "run", "--config", str(preset), "--set", "registry.enabled=false"],
+        [sys.executable, "-m", "rlhf_pipeline.cli", "run", "--config", str(preset), "--set", "registry.enabled=false"],
         env=env, cwd=elsewhere, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rlhf_pipeline.trainers.common import TINY, ModelConfig, load_tokenizer
+from rlhf_pipeline.trainers.config import TINY, ModelConfig
+from rlhf_pipeline.trainers.models import load_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -41,7 +42,7 @@ def load_base_model(model: ModelConfig, bnb_config=None) -> tuple[PreTrainedMode
             raise ValueError("lora.quantization (QLoRA) loads a pretrained checkpoint in 4 bits: the tiny model is built in memory, not loaded")
         import peft
 
-        from rlhf_pipeline.trainers.common import quantized_loading
+        from rlhf_pipeline.trainers.handoff import quantized_loading
 
         tokenizer = load_base_tokenizer(model)
         policy = AutoModelForCausalLM.from_pretrained(

@@ -9,7 +9,7 @@ Every stage block may name code of the user's by `package.module:name`:
 Each path is imported and its signature checked when the parameters are checked (a misspelt path fails in
 `rlhf params`, naming it), and the source of its module is part of the key of the stage that uses it
 (`fingerprint`): editing a callback re-runs that stage and nothing else. The fields are declared in
-`trainers.common` (`Customisation`, `EvalDuringTraining`); this module has no pydantic models.
+`trainers.config` (`Customisation`, `EvalDuringTraining`); this module has no pydantic models.
 """
 
 from __future__ import annotations
@@ -18,14 +18,10 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
-import json
 from collections.abc import Iterable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
-
-OUTCOME = "training.json"
-"""Written beside the model by every training stage: steps trained of the planned, stopped early or not, the checkpoint published."""
 
 
 def import_object(path: str, what: str) -> Any:
@@ -108,32 +104,6 @@ def install(trainer, cfg) -> None:
     its state like its own."""
     if cfg.optimizer_factory:
         trainer.optimizer, trainer.lr_scheduler = make_optimizer(cfg.optimizer_factory, trainer.model, trainer.args)
-
-
-PEAK_GPU = "peak_gpu_bytes"
-"""In `training.json` on a GPU: the most memory torch allocated in the writing process (rank 0 under a launch)."""
-
-
-def write_outcome(out_dir: Path, global_step: int, max_steps: int, best_checkpoint: str | None = None, best_metric: float | None = None) -> dict:
-    """`training.json`: how the training ended, for the manifest and the MLflow tags (`tasks.stage`)."""
-    import torch
-
-    outcome = {"global_step": global_step, "max_steps": max_steps, "stopped_early": global_step < max_steps}
-    if best_checkpoint:
-        outcome |= {"best_checkpoint": Path(best_checkpoint).name, "best_metric": best_metric}
-    if torch.cuda.is_available():
-        outcome[PEAK_GPU] = torch.cuda.max_memory_allocated()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / OUTCOME).write_text(json.dumps(outcome, indent=2) + "\n")
-    return outcome
-
-
-def add_outcome(out_dir: Path, values: dict) -> dict:
-    """`training.json` with `values` added (e.g. which held-out probe's policy was published)."""
-    path = out_dir / OUTCOME
-    outcome = (json.loads(path.read_text()) if path.is_file() else {}) | values
-    path.write_text(json.dumps(outcome, indent=2) + "\n")
-    return outcome
 
 
 class Hooks:

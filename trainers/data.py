@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
-from rlhf_pipeline.trainers.common import ModelConfig, StrictModel
+from rlhf_pipeline.trainers.config import ModelConfig, StrictModel
 
 if TYPE_CHECKING:
     from datasets import Dataset

@@ -10,7 +10,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from rlhf_pipeline.trainers.common import EvalDuringTraining, LogMetrics, TrainingConfig
+from rlhf_pipeline.trainers.config import EvalDuringTraining, LogMetrics, TrainingConfig
 
 DpoLoss = Literal[
     "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
@@ -71,7 +71,8 @@ def train(
 ) -> dict[str, float]:
     import trl
 
-    from rlhf_pipeline.trainers.common import load_split, stage_callbacks, train_and_save, upstream_policy
+    from rlhf_pipeline.trainers.handoff import upstream_policy
+    from rlhf_pipeline.trainers.loop import load_split, stage_callbacks, train_and_save
 
     # The TRL config first: a combination TRL refuses fails before any weights load.
     args = trl.DPOConfig(

@@ -64,7 +64,7 @@ def aggregate(member_scores: list[list[float]], how: Aggregate, std_coef: float 
 
 def load_members(dirs: list[Path], device: str | torch.device = "cpu") -> list:
     """Each folder's sequence classifier, in eval mode without gradients, its pad id set (it pools at the last real token)."""
-    from rlhf_pipeline.trainers.common import load_sequence_classifier, load_tokenizer
+    from rlhf_pipeline.trainers.models import load_sequence_classifier, load_tokenizer
 
     models = []
     for folder in dirs:
@@ -81,7 +81,7 @@ def average_weights(dirs: list[Path], out_dir: Path) -> None:
     saved to `out_dir` with member 0's tokenizer and config."""
     import torch
 
-    from rlhf_pipeline.trainers.common import load_sequence_classifier, load_tokenizer
+    from rlhf_pipeline.trainers.models import load_sequence_classifier, load_tokenizer
 
     models = [load_sequence_classifier(folder) for folder in dirs]
     average = models[0]
@@ -101,7 +101,7 @@ class TextEnsemble:
     __name__ = "reward_model"
 
     def __init__(self, dirs: list[Path], how: Aggregate = "mean", std_coef: float = 1.0, device: str | torch.device = "cpu", batch_size: int = 64):
-        from rlhf_pipeline.trainers.common import load_tokenizer
+        from rlhf_pipeline.trainers.models import load_tokenizer
 
         self.models, self.tokenizer = load_members(dirs, device), load_tokenizer(dirs[0])
         self.how, self.std_coef, self.batch_size = how, std_coef, batch_size

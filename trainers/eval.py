@@ -20,7 +20,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from rlhf_pipeline.trainers.common import ModelConfig, StrictModel
+from rlhf_pipeline.trainers.config import ModelConfig, StrictModel
 from rlhf_pipeline.trainers.judges import JudgeConfig
 from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, as_completions
 from rlhf_pipeline.trainers.text import generate, reward_scores
@@ -118,7 +118,8 @@ def evaluate(
 
     from rlhf_pipeline.trainers import metrics as stats
     from rlhf_pipeline.trainers.base import load_base_model
-    from rlhf_pipeline.trainers.common import load_causal_lm, load_sequence_classifier, load_split, load_tokenizer
+    from rlhf_pipeline.trainers.loop import load_split
+    from rlhf_pipeline.trainers.models import load_causal_lm, load_sequence_classifier, load_tokenizer
 
     prompts_ds = load_split(data_dir, "prompts_eval")
     if cfg.max_prompts:
@@ -258,7 +259,7 @@ def _overoptimisation_plot(policy_model: Path, out_dir: Path, stage: str) -> Non
     if not path.is_file():
         return
     from rlhf_pipeline.trainers import plots
-    from rlhf_pipeline.trainers.custom import OUTCOME
+    from rlhf_pipeline.trainers.loop import OUTCOME
 
     curves = [json.loads(line) for line in path.read_text().splitlines()]
     outcome = policy_model.parent / OUTCOME

@@ -24,7 +24,7 @@ from typing import Callable
 
 from pydantic import Field, field_validator, model_validator
 
-from rlhf_pipeline.trainers.common import StrictModel
+from rlhf_pipeline.trainers.config import StrictModel
 
 PAIRS = "feedback_pairs.jsonl"
 
@@ -80,7 +80,8 @@ def collect_pairs(cfg: FeedbackConfig, policy_model: Path, data_dir: Path, round
     all of them are written to `out_dir/feedback_pairs.jsonl` and returned."""
     import torch
 
-    from rlhf_pipeline.trainers.common import load_causal_lm, load_split
+    from rlhf_pipeline.trainers.loop import load_split
+    from rlhf_pipeline.trainers.models import load_causal_lm
     from rlhf_pipeline.trainers.rewards import as_completions, import_function
     from rlhf_pipeline.trainers.text import generate
 
@@ -124,7 +125,7 @@ def wait_for_labels(folder: Path, prompts: list, first: list, second: list, time
     import os
     import time
 
-    from rlhf_pipeline.trainers.common import PROGRESS
+    from rlhf_pipeline.trainers.progress import PROGRESS
 
     folder.mkdir(parents=True, exist_ok=True)
     pairs = folder / "pairs.jsonl"

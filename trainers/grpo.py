@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field
 
 from rlhf_pipeline.trainers import online
-from rlhf_pipeline.trainers.common import LogMetrics
+from rlhf_pipeline.trainers.config import LogMetrics
 from rlhf_pipeline.trainers.rewards import RewardsConfig
 
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field
 
-from rlhf_pipeline.trainers.common import StrictModel
+from rlhf_pipeline.trainers.config import StrictModel
 
 if TYPE_CHECKING:
     from rlhf_pipeline.trainers.rewards import RewardsConfig
@@ -53,8 +53,9 @@ class Probe:
 
     def __init__(self, stage: str, data_dir: Path, sft_model: Path, reward_model: Path | None, rewards: RewardsConfig, cfg: HeldOutFields,
                  max_new_tokens: int, device, reference=None):  # fmt: skip
-        from rlhf_pipeline.trainers.common import load_causal_lm, load_split, load_tokenizer
         from rlhf_pipeline.trainers.ensemble import TextEnsemble, member_dirs, scoring_dirs
+        from rlhf_pipeline.trainers.loop import load_split
+        from rlhf_pipeline.trainers.models import load_causal_lm, load_tokenizer
 
         rows = load_split(data_dir, "prompts_eval")
         rows = rows.select(range(min(cfg.eval_prompts, len(rows))))

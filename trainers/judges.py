@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from pydantic import Field, field_validator, model_validator
 
-from rlhf_pipeline.trainers.common import StrictModel, load_tokenizer
+from rlhf_pipeline.trainers.config import StrictModel
 from rlhf_pipeline.trainers.metrics import WinRate, bootstrap_mean
+from rlhf_pipeline.trainers.models import load_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

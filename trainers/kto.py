@@ -14,7 +14,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from rlhf_pipeline.trainers.common import LogMetrics, TrainingConfig
+from rlhf_pipeline.trainers.config import LogMetrics, TrainingConfig
 
 KtoLoss = Literal["kto", "apo_zero_unpaired"]  # TRL 1.16 KTOConfig.loss_type choices
 
@@ -63,7 +63,8 @@ def train(
     import trl
     from trl.data_utils import maybe_extract_prompt, unpair_preference_dataset
 
-    from rlhf_pipeline.trainers.common import load_split, stage_callbacks, train_and_save, upstream_policy
+    from rlhf_pipeline.trainers.handoff import upstream_policy
+    from rlhf_pipeline.trainers.loop import load_split, stage_callbacks, train_and_save
 
     rows = load_split(data_dir, "preference")
     if "chosen" in rows.column_names and "rejected" in rows.column_names:

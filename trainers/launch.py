@@ -4,7 +4,8 @@
 
 `launch.json` (written by `tasks.launcher`) names the trainer module and its arguments: configs by class and
 JSON, paths as strings. Every rank calls `train(**arguments)`. Rank 0's metrics are printed as
-`@@rlhf-metrics {"step", "values"}` lines for the parent to forward, its final metrics are written to
+`@@rlhf-metrics {"step", "values"}` lines and its progress records as `@@rlhf-progress {...}` lines for the
+parent to forward, its final metrics are written to
 `<work_dir>/result.json`, and an error that no retry can fix (bad config or data) to `<work_dir>/launch-error.json`.
 No Prefect here: trainers never import it.
 """
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 METRICS_MARK = "@@rlhf-metrics "
+PROGRESS_MARK = "@@rlhf-progress "
 RESULT_FILE = "result.json"
 ERROR_FILE = "launch-error.json"
 PERMANENT = (ValueError, TypeError, KeyError, ImportError, NotImplementedError)
@@ -64,6 +66,7 @@ def main(argv: list[str]) -> int:
     die_with_parent()
     logging.basicConfig(stream=sys.stdout, level=logging.WARNING, format="%(message)s")
     logging.getLogger("rlhf_pipeline").setLevel(logging.INFO)
+    _forward_progress()
     spec = Path(argv[0])
     work_dir = spec.parent
 
@@ -81,6 +84,20 @@ def main(argv: list[str]) -> int:
     if rank() == 0:
         (work_dir / RESULT_FILE).write_text(json.dumps(metrics))
     return 0
+
+
+class _ProgressLines(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        print(PROGRESS_MARK + json.dumps({"message": record.getMessage(), "progress": record.progress}), flush=True)
+
+
+def _forward_progress() -> None:
+    """The progress records (`trainers.progress`, rank 0's) as lines the parent turns back into records."""
+    from rlhf_pipeline.trainers.progress import PROGRESS, TICKS
+
+    PROGRESS.propagate = False  # the parent logs the line once, from the record it rebuilds
+    for logger in (PROGRESS, TICKS):
+        logger.addHandler(_ProgressLines())
 
 
 def die_with_parent() -> None:

@@ -100,7 +100,7 @@ def empty_model_builder(params, tokenizer):
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from rlhf_pipeline.trainers.common import TINY
+    from rlhf_pipeline.trainers.config import TINY
 
     model = params.model
     if model.name_or_path == TINY:

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from rlhf_pipeline.trainers.common import LogMetrics, TrainingConfig
+from rlhf_pipeline.trainers.config import LogMetrics, TrainingConfig
 from rlhf_pipeline.trainers.heldout import HeldOutFields
 from rlhf_pipeline.trainers.rewards import RewardsConfig
 
@@ -86,8 +86,8 @@ def train(
     """Train with TRL's GRPOTrainer (`stage="grpo"`) or RLOOTrainer (`stage="rloo"`) on `prompts`."""
     import trl
 
-    from rlhf_pipeline.trainers.common import load_split, stage_callbacks, train_and_save, upstream_policy
-    from rlhf_pipeline.trainers.custom import add_outcome
+    from rlhf_pipeline.trainers.handoff import upstream_policy
+    from rlhf_pipeline.trainers.loop import add_outcome, load_split, stage_callbacks, train_and_save
     from rlhf_pipeline.trainers.rewards import trl_reward_funcs
     from rlhf_pipeline.trainers.text import blank_generation_config
 

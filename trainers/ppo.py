@@ -27,8 +27,10 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, model_validator
 
-from rlhf_pipeline.trainers.common import COMPLETE, PROGRESS, Customisation, LogMetrics, LoraConfig, Progress, StrictModel
+from rlhf_pipeline.trainers.config import Customisation, LogMetrics, LoraConfig, StrictModel
 from rlhf_pipeline.trainers.heldout import HeldOutFields
+from rlhf_pipeline.trainers.loop import COMPLETE
+from rlhf_pipeline.trainers.progress import PROGRESS, Progress
 from rlhf_pipeline.trainers.rewards import RewardsConfig
 
 if TYPE_CHECKING:
@@ -110,7 +112,7 @@ class PpoFields(StrictModel):
 
     @model_validator(mode="after")
     def _fields_agree(self):
-        from rlhf_pipeline.trainers.common import check_optimizer_name, check_precision_fields
+        from rlhf_pipeline.trainers.config import check_optimizer_name, check_precision_fields
 
         check_precision_fields(self.bf16, self.fp16)
         check_optimizer_name(self.optim, "adamw_torch")
@@ -528,21 +530,13 @@ def train(
     """
     import numpy as np
     import torch
-    from tqdm.auto import tqdm
 
-    from rlhf_pipeline.trainers.common import (
-        device_precision,
-        has_adapter,
-        last_checkpoint,
-        load_causal_lm,
-        load_sequence_classifier,
-        load_split,
-        load_tokenizer,
-        save_model,
-        upstream_policy,
-    )  # fmt: skip
-    from rlhf_pipeline.trainers.custom import Hooks, add_outcome, make_optimizer, write_outcome
+    from rlhf_pipeline.trainers.config import device_precision
+    from rlhf_pipeline.trainers.custom import Hooks, make_optimizer
+    from rlhf_pipeline.trainers.handoff import upstream_policy
     from rlhf_pipeline.trainers.heldout import Keeper, Probe
+    from rlhf_pipeline.trainers.loop import add_outcome, last_checkpoint, load_split, write_outcome
+    from rlhf_pipeline.trainers.models import has_adapter, load_causal_lm, load_sequence_classifier, load_tokenizer, save_model
     from rlhf_pipeline.trainers.rewards import RewardScorer, as_completions
     from rlhf_pipeline.trainers.text import prompt_ids as render_prompt
 
@@ -666,15 +660,7 @@ def train(
 
     window: dict[str, list[float]] = {}
     metrics: dict[str, float] = state["metrics"]
-    progress = tqdm(
-        range(state["update"] + 1, num_updates + 1),
-        initial=state["update"],
-        total=num_updates,
-        desc="ppo",
-        unit="update",
-        disable=not ranks.main or bool(os.environ.get("TQDM_DISABLE")),
-    )
-    progress_log = Progress("ppo", num_updates, state["update"], main=ranks.main)
+    progress = Progress("ppo", num_updates, state["update"], main=ranks.main)
     hooks = Hooks(callbacks, args, num_updates, state["update"], model=policy, processing_class=tokenizer, optimizer=optimizer,
                   lr_scheduler=scheduler, train_dataloader=None, eval_dataloader=None)  # fmt: skip
     hooks.state.is_world_process_zero, hooks.state.is_local_process_zero = ranks.main, ranks.local == 0
@@ -685,8 +671,8 @@ def train(
     hooks("on_train_begin")
     started, first = time.monotonic(), state["update"]
     update = first
-    with _cpu_threads(cfg.num_threads), _tf32(cfg.tf32), progress:
-        for update in progress:
+    with _cpu_threads(cfg.num_threads), _tf32(cfg.tf32):
+        for update in range(state["update"] + 1, num_updates + 1):
             if scheduler is None:
                 factor = 1 - (update - 1) / num_updates if cfg.lr_scheduler_type == "linear" else 1.0
                 for group, base in zip(optimizer.param_groups, base_lrs):
@@ -764,12 +750,11 @@ def train(
             }
             for name, value in current.items():
                 window.setdefault(name, []).append(value)
-            progress.set_postfix(reward=f"{current['reward']:.3f}", kl=f"{current['kl']:.3f}")
-            progress_log.step(update)
+            progress.step(update)
             if update % cfg.logging_steps == 0 or update == num_updates:
                 metrics, window = ranks.mean({f"ppo/train/{name}": sum(v) / len(v) for name, v in window.items()}), {}
                 if ranks.main:
-                    progress_log.log(update, {k: metrics[k] for k in ("ppo/train/reward", "ppo/train/kl")})
+                    progress.log(update, {k: metrics[k] for k in ("ppo/train/reward", "ppo/train/kl")})
                     if log_metrics is not None:
                         log_metrics(metrics, update)
                 hooks("on_log", logs={name.removeprefix("ppo/train/"): value for name, value in metrics.items()})
@@ -787,7 +772,7 @@ def train(
             if probe is not None and (update % cfg.eval_steps == 0 or update == num_updates):
                 heldout = probe(policy, seed=cfg.seed)
                 keeper.record(update, heldout, policy)
-                progress_log.log(update, {f"ppo/heldout/{k}": heldout[k] for k in ("exact_match", "proxy_reward", "kl") if k in heldout})
+                progress.log(update, {f"ppo/heldout/{k}": heldout[k] for k in ("exact_match", "proxy_reward", "kl") if k in heldout})
                 if log_metrics is not None:
                     log_metrics({f"ppo/heldout/{name}": value for name, value in heldout.items()}, update)
             stop = ranks.any(hooks.control.should_training_stop)  # a callback ended training: publish what we have, as the Trainer does
@@ -799,7 +784,7 @@ def train(
             if stop:
                 break
 
-    progress_log.close()
+    progress.close()
     # The closing summary the Trainer logs too, then the end of training.
     hooks("on_log", logs={"train_runtime": time.monotonic() - started, "train_updates": update - first})
     hooks("on_train_end")

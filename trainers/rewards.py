@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from rlhf_pipeline.trainers.common import StrictModel
+from rlhf_pipeline.trainers.config import StrictModel
 
 if TYPE_CHECKING:
     import torch
@@ -122,8 +122,8 @@ def trl_reward_funcs(cfg: RewardsConfig, reward_model: Path | None, sample: dict
             raise ValueError("rewards.reward_model_weight > 0 but no reward model was trained")
         import torch
 
-        from rlhf_pipeline.trainers.common import has_adapter, load_sequence_classifier, load_tokenizer
         from rlhf_pipeline.trainers.ensemble import TextEnsemble, scoring_dirs
+        from rlhf_pipeline.trainers.models import has_adapter, load_sequence_classifier, load_tokenizer
 
         dirs = scoring_dirs(reward_model)
         if len(dirs) > 1:  # an ensemble: one reward function over its members, aggregated
@@ -141,7 +141,7 @@ def trl_reward_funcs(cfg: RewardsConfig, reward_model: Path | None, sample: dict
 def check_shared_tokenizer(policy_model: Path, reward_model: Path) -> None:
     """A reward (or value) model that reads the policy's token ids as they are must turn text into the same ids:
     both folders' tokenizer files must match (a folder without them, e.g. a hub id, is not checked)."""
-    from rlhf_pipeline.trainers.common import tokenizer_digest
+    from rlhf_pipeline.trainers.models import tokenizer_digest
 
     policy, reward = tokenizer_digest(policy_model), tokenizer_digest(reward_model)
     if policy and reward and policy != reward:

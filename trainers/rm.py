@@ -11,7 +11,7 @@ from typing import ClassVar
 
 from pydantic import Field, model_validator
 
-from rlhf_pipeline.trainers.common import EvalDuringTraining, LogMetrics, TrainingConfig
+from rlhf_pipeline.trainers.config import EvalDuringTraining, LogMetrics, TrainingConfig
 from rlhf_pipeline.trainers.feedback import FeedbackConfig
 
 
@@ -123,17 +123,9 @@ def _train_one(
     import torch
     import trl
 
-    from rlhf_pipeline.trainers.common import (
-        final_train_metrics,
-        fit,
-        has_adapter,
-        load_sequence_classifier,
-        load_split,
-        load_tokenizer,
-        save_on_main,
-        stage_callbacks,
-    )
     from rlhf_pipeline.trainers.feedback import with_pairs
+    from rlhf_pipeline.trainers.loop import final_train_metrics, fit, load_split, save_on_main, stage_callbacks
+    from rlhf_pipeline.trainers.models import has_adapter, load_sequence_classifier, load_tokenizer
 
     # The TRL config first: a combination TRL refuses fails before any weights load.
     args = trl.RewardConfig(

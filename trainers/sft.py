@@ -11,7 +11,7 @@ from typing import ClassVar
 
 from pydantic import Field, model_validator
 
-from rlhf_pipeline.trainers.common import EvalDuringTraining, LogMetrics, ModelConfig, TrainingConfig
+from rlhf_pipeline.trainers.config import EvalDuringTraining, LogMetrics, ModelConfig, TrainingConfig
 
 
 class SftConfig(EvalDuringTraining, TrainingConfig):
@@ -58,7 +58,8 @@ def train(
     import trl
 
     from rlhf_pipeline.trainers.base import added_token_ids, load_base_model, trainable_tokens
-    from rlhf_pipeline.trainers.common import head_bias_through_trainable_tokens, load_split, stage_callbacks, train_and_save
+    from rlhf_pipeline.trainers.loop import load_split, stage_callbacks, train_and_save
+    from rlhf_pipeline.trainers.models import head_bias_through_trainable_tokens
 
     # The TRL config first: a combination TRL refuses fails before any weights load.
     args = trl.SFTConfig(

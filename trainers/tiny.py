@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-    from rlhf_pipeline.trainers.common import TinyModelConfig
+    from rlhf_pipeline.trainers.config import TinyModelConfig
 
 EOS, PAD = "<|endoftext|>", "<|pad|>"
 ROLES = ("system", "user", "assistant", "tool")

@@ -50,7 +50,7 @@ def running_service(tmp: Path, serve_args: list[str] = ()) -> Iterator[dict]:
         processes.append(server)
         wait_until_up(f"{env['PREFECT_API_URL']}/health", server, timeout=180)
         serve = subprocess.Popen(
-            [sys.executable, "-m", "rlhf_pipeline.flows.cli", "serve", *serve_args],
+            [sys.executable, "-m", "rlhf_pipeline.cli", "serve", *serve_args],
             env=env, stdout=logs["serve"], stderr=subprocess.STDOUT, cwd=ROOT,
         )  # fmt: skip
         processes.append(serve)

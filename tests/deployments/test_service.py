@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from rlhf_pipeline.deployments.env import WORKER_ENV
 from rlhf_pipeline.deployments.local import wait_until_up
-from rlhf_pipeline.flows.cli import WORKER_ENV
 from rlhf_pipeline.tasks.stages import ALGORITHMS
 from tests.deployments.servers import ROOT, api_client, children, deployment, explain, free_port, running_service, wait_for
 from tests.flows.helpers import task_runs
@@ -142,7 +142,7 @@ def test_rlhf_deploy_registers_the_served_deployments_on_a_pool_with_forms_that_
     from rlhf_pipeline.flows.params import load_params
 
     before = deployment(service, "rlhf/full")  # as served, then replaced by prefect.yaml's
-    rlhf_cli = [sys.executable, "-m", "rlhf_pipeline.flows.cli", "deploy"]
+    rlhf_cli = [sys.executable, "-m", "rlhf_pipeline.cli", "deploy"]
     missing = subprocess.run([*rlhf_cli, "--pool", "no-such-pool"], env=service["env"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert missing.returncode == 2 and "no work pool 'no-such-pool'" in missing.stderr, missing.stderr
     prefect_cli(service, "work-pool", "create", "rlhf-pool", "--type", "process")
@@ -168,7 +168,7 @@ def test_rlhf_up_starts_prefect_mlflow_and_serve_and_stops_them_all(tmp_path):
     env.pop("MLFLOW_TRACKING_URI")  # the default: SQLite under the state folder, shown by the MLflow UI
     with open(tmp_path / "up.log", "w") as log:
         up = subprocess.Popen(
-            [sys.executable, "-m", "rlhf_pipeline.flows.cli", "up", "--port", str(port), "--mlflow-port", str(mlflow_port)],
+            [sys.executable, "-m", "rlhf_pipeline.cli", "up", "--port", str(port), "--mlflow-port", str(mlflow_port)],
             env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
         )  # fmt: skip
         try:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_pipeline.flows.cli import main
+from rlhf_pipeline.cli import main
 from tests.flows.helpers import CI_PRESET
 
 
@@ -74,7 +74,7 @@ def test_rlhf_run_creates_prefect_home_state_and_tracking_folders_that_do_not_ex
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     done = subprocess.run(
-        [sys.executable, "-m", "rlhf_pipeline.flows.cli", "run", "--config", CI_PRESET, "--set", "registry.enabled=false"],
+        [sys.executable, "-m", "rlhf_pipeline.cli", "run", "--config", CI_PRESET, "--set", "registry.enabled=false"],
         env=env, cwd=elsewhere, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from rlhf_pipeline.flows.cli import main
+from rlhf_pipeline.cli import main
 from rlhf_pipeline.flows.params import PipelineParams, load_params
 
 

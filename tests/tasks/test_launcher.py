@@ -12,7 +12,7 @@ from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.launcher import LaunchConfig
 from rlhf_pipeline.tasks.stage import ArtifactRef, RunContext, read_history
 from rlhf_pipeline.tasks.training import train_stage
-from rlhf_pipeline.trainers.common import CallbackSpec
+from rlhf_pipeline.trainers.config import CallbackSpec
 from rlhf_pipeline.trainers.sft import SftConfig
 from tests.helpers import FAST, SMALL_MODEL, write_data_dir
 
@@ -89,8 +89,8 @@ def test_a_rank_killed_mid_stage_fails_the_stage_leaves_no_process_and_the_retry
 
 def test_a_config_a_rank_refuses_fails_at_once_with_the_same_error(ctx, data, tmp_path):
     from rlhf_pipeline.trainers.base import load_base_model
-    from rlhf_pipeline.trainers.common import save_model
     from rlhf_pipeline.trainers.dpo import DpoConfig
+    from rlhf_pipeline.trainers.models import save_model
 
     policy, tokenizer = load_base_model(SMALL_MODEL)
     save_model(policy, tokenizer, tmp_path / "sft" / "model")
@@ -105,7 +105,7 @@ def test_ppo_on_two_ranks_resumes_a_killed_rank_to_the_same_weights_as_an_unbrok
     from safetensors.torch import load_file
 
     from rlhf_pipeline.trainers.base import load_base_model
-    from rlhf_pipeline.trainers.common import save_model
+    from rlhf_pipeline.trainers.models import save_model
     from rlhf_pipeline.trainers.ppo import PpoConfig
     from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, RewardsConfig
 
@@ -162,7 +162,8 @@ def test_sft_dpo_and_ppo_on_two_ranks_reach_the_held_out_exact_match_of_one_proc
     Then dpo and ppo from the in-process sft, on shorter budgets than the preset's (so each is still moving), in both ways.
     (The preset's full budgets side by side: `python -m bench.launch_parity`.)"""
     from rlhf_pipeline.flows.params import load_params
-    from rlhf_pipeline.trainers.common import load_causal_lm, load_split
+    from rlhf_pipeline.trainers.loop import load_split
+    from rlhf_pipeline.trainers.models import load_causal_lm
     from rlhf_pipeline.trainers.sort_task import exact_match
     from rlhf_pipeline.trainers.text import generate
 

@@ -9,7 +9,7 @@ from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.registry import CANDIDATE, CHAMPION, RegistryConfig, current_champion, gate, hacking, register_policy
 from rlhf_pipeline.tasks.stage import RunContext, run_stage
 from rlhf_pipeline.trainers.base import load_base_model
-from rlhf_pipeline.trainers.common import save_model
+from rlhf_pipeline.trainers.models import save_model
 from rlhf_pipeline.trainers.tiny import build_tokenizer
 from tests.helpers import SMALL_MODEL
 
@@ -133,7 +133,7 @@ def test_gate_on_measured_exact_match_refuses_the_untrained_base_and_promotes_a_
     """Every number the gate sees here is measured by the eval stage's code, on purpose-built models."""
     from rlhf_pipeline.trainers import eval as evaluation
     from rlhf_pipeline.trainers import sft
-    from rlhf_pipeline.trainers.common import ModelConfig
+    from rlhf_pipeline.trainers.config import ModelConfig
     from rlhf_pipeline.trainers.eval import EvalConfig
     from tests.helpers import write_data_dir
 

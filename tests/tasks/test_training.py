@@ -9,8 +9,9 @@ from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.stage import ArtifactRef, RunContext
 from rlhf_pipeline.tasks.training import train_stage
 from rlhf_pipeline.trainers.base import load_base_model
-from rlhf_pipeline.trainers.common import CallbackSpec, save_model
+from rlhf_pipeline.trainers.config import CallbackSpec
 from rlhf_pipeline.trainers.dpo import DpoConfig
+from rlhf_pipeline.trainers.models import save_model
 from rlhf_pipeline.trainers.sft import SftConfig
 from tests.helpers import FAST, SMALL_MODEL, write_data_dir
 

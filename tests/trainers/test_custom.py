@@ -15,8 +15,9 @@ from safetensors.torch import load_file
 
 from rlhf_pipeline.trainers import dpo, ppo, sft
 from rlhf_pipeline.trainers.base import load_base_model
-from rlhf_pipeline.trainers.common import CallbackSpec, load_causal_lm, save_model
-from rlhf_pipeline.trainers.custom import OUTCOME
+from rlhf_pipeline.trainers.config import CallbackSpec
+from rlhf_pipeline.trainers.loop import OUTCOME
+from rlhf_pipeline.trainers.models import load_causal_lm, save_model
 from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, RewardsConfig
 from tests.helpers import FAST, SMALL_MODEL, trainable, unchanged, write_data_dir
 

@@ -7,8 +7,8 @@ import torch
 
 from rlhf_pipeline.trainers import dpo, rm, sft
 from rlhf_pipeline.trainers.base import load_base_model
-from rlhf_pipeline.trainers.common import load_causal_lm
 from rlhf_pipeline.trainers.data import DatasetSpec, fingerprint, load_source
+from rlhf_pipeline.trainers.models import load_causal_lm
 from rlhf_pipeline.validators import detect_format, validate_dataset
 from tests.helpers import FAST, SMALL_MODEL, trainable, unchanged, write_jsonl
 

@@ -5,7 +5,8 @@ import pytest
 from rlhf_pipeline.trainers import eval as evaluation
 from rlhf_pipeline.trainers import sft
 from rlhf_pipeline.trainers.base import load_base_model
-from rlhf_pipeline.trainers.common import load_split, save_model
+from rlhf_pipeline.trainers.loop import load_split
+from rlhf_pipeline.trainers.models import save_model
 from rlhf_pipeline.trainers.text import generate, reward_scores
 from tests.helpers import FAST, SMALL_MODEL, write_data_dir
 

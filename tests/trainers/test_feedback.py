@@ -7,8 +7,9 @@ from pydantic import ValidationError
 
 from rlhf_pipeline.trainers import rm
 from rlhf_pipeline.trainers.base import load_base_model
-from rlhf_pipeline.trainers.common import load_split, save_model
 from rlhf_pipeline.trainers.feedback import PAIRS, FeedbackConfig, collect_pairs, with_pairs
+from rlhf_pipeline.trainers.loop import load_split
+from rlhf_pipeline.trainers.models import save_model
 from rlhf_pipeline.trainers.sort_task import reference_labeller
 from tests.helpers import FAST, SMALL_MODEL, write_data_dir
 

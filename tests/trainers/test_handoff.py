@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from rlhf_pipeline.trainers import dpo, ppo, rm, sft
-from rlhf_pipeline.trainers.common import LoraConfig, load_causal_lm, load_sequence_classifier, load_tokenizer
+from rlhf_pipeline.trainers.config import LoraConfig
+from rlhf_pipeline.trainers.models import load_causal_lm, load_sequence_classifier, load_tokenizer
 from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, RewardsConfig
 from tests.helpers import FAST, SMALL_MODEL, write_data_dir
 
@@ -136,7 +137,8 @@ def test_a_sharded_lora_model_is_saved_from_its_gathered_state_dict(adapter, tmp
     from peft import LoraConfig as PeftLora
     from peft import get_peft_model
 
-    from rlhf_pipeline.trainers.common import save_model, unsharded_copy
+    from rlhf_pipeline.trainers.handoff import unsharded_copy
+    from rlhf_pipeline.trainers.models import save_model
 
     def gather_and_empty(model) -> dict:
         gathered = {key: value.clone() for key, value in model.state_dict().items()}
@@ -171,7 +173,7 @@ def test_lora_trains_the_rows_of_the_tokens_a_chat_template_added_and_later_stag
     from datasets import Dataset
     from transformers import GPT2LMHeadModel
 
-    from rlhf_pipeline.trainers.common import ModelConfig
+    from rlhf_pipeline.trainers.config import ModelConfig
     from tests.fixtures import chat_data, gpt2_folder
 
     folder = gpt2_folder(tmp_path / "gpt2")

@@ -4,8 +4,8 @@ from pydantic import ValidationError
 
 from rlhf_pipeline.trainers import kto
 from rlhf_pipeline.trainers.base import load_base_model
-from rlhf_pipeline.trainers.common import load_causal_lm, save_model
 from rlhf_pipeline.trainers.metrics import sequence_logprobs
+from rlhf_pipeline.trainers.models import load_causal_lm, save_model
 from tests.helpers import FAST, SMALL_MODEL, trainable, unchanged, write_data_dir
 
 CONFIG = dict(FAST, max_steps=8, per_device_train_batch_size=8)

@@ -6,7 +6,7 @@ from transformers import AutoModelForSequenceClassification
 
 from rlhf_pipeline.trainers import grpo, rloo
 from rlhf_pipeline.trainers.base import load_base_model
-from rlhf_pipeline.trainers.common import load_causal_lm, save_model
+from rlhf_pipeline.trainers.models import load_causal_lm, save_model
 from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, RewardsConfig
 from tests.helpers import FAST, SMALL_MODEL, trainable, unchanged, write_data_dir
 

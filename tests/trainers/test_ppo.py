@@ -10,7 +10,9 @@ from transformers import AutoModelForSequenceClassification
 
 from rlhf_pipeline.trainers import ppo
 from rlhf_pipeline.trainers.base import load_base_model
-from rlhf_pipeline.trainers.common import COMPLETE, LoraConfig, load_causal_lm, save_model
+from rlhf_pipeline.trainers.config import LoraConfig
+from rlhf_pipeline.trainers.loop import COMPLETE
+from rlhf_pipeline.trainers.models import load_causal_lm, save_model
 from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, RewardsConfig, RewardScorer
 from rlhf_pipeline.trainers.text import prompt_ids as text_prompt_ids
 from tests.helpers import SMALL_MODEL, trainable, unchanged, write_data_dir

@@ -14,7 +14,8 @@ from transformers import AutoModelForSequenceClassification
 
 from rlhf_pipeline.trainers import ppo, rewards, text
 from rlhf_pipeline.trainers.base import load_base_model
-from rlhf_pipeline.trainers.common import ModelConfig, load_causal_lm, save_model
+from rlhf_pipeline.trainers.config import ModelConfig
+from rlhf_pipeline.trainers.models import load_causal_lm, save_model
 from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, RewardsConfig, RewardScorer
 from rlhf_pipeline.trainers.tiny import build_tokenizer
 from tests.fixtures import chat_data, gpt2_folder, qwen2_folder

@@ -4,7 +4,8 @@ from transformers import AutoModelForSequenceClassification
 
 from rlhf_pipeline.trainers import rm
 from rlhf_pipeline.trainers.base import load_base_model
-from rlhf_pipeline.trainers.common import load_split, save_model
+from rlhf_pipeline.trainers.loop import load_split
+from rlhf_pipeline.trainers.models import save_model
 from rlhf_pipeline.trainers.text import reward_scores
 from tests.helpers import FAST, SMALL_MODEL, trainable, unchanged, write_data_dir
 

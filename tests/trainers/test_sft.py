@@ -6,7 +6,8 @@ from safetensors.torch import load_file
 
 from rlhf_pipeline.trainers import sft
 from rlhf_pipeline.trainers.base import load_base_model
-from rlhf_pipeline.trainers.common import COMPLETE, last_checkpoint, load_causal_lm, load_split, metric_name
+from rlhf_pipeline.trainers.loop import COMPLETE, last_checkpoint, load_split, metric_name
+from rlhf_pipeline.trainers.models import load_causal_lm
 from tests.helpers import FAST, SMALL_MODEL, trainable, unchanged, write_data_dir
 
 
@@ -83,7 +84,7 @@ def test_metric_names_follow_stage_split_name():
 
 
 def test_lora_trains_adapters_and_saves_a_merged_loadable_model(tmp_path):
-    from rlhf_pipeline.trainers.common import LoraConfig
+    from rlhf_pipeline.trainers.config import LoraConfig
 
     data = write_data_dir(tmp_path / "data")
     # save_steps=1: the work dir keeps the adapters of steps 2 and 3 (TRL keeps the two newest checkpoints).
@@ -124,7 +125,7 @@ def test_an_optimizer_and_schedule_by_transformers_name_train_and_are_checkpoint
 def test_padding_free_batches_train_the_same_losses_as_padded_ones(tmp_path):
     """padding_free concatenates each batch's rows (no pad tokens; transformers masks the rows apart by their position_ids):
     the same rows, steps and seed log the same losses as padded batches, step by step."""
-    from rlhf_pipeline.trainers.common import CallbackSpec
+    from rlhf_pipeline.trainers.config import CallbackSpec
 
     data = write_data_dir(tmp_path / "data")
     losses, batches = {}, {}

@@ -1,5 +1,5 @@
 from rlhf_pipeline.trainers.base import load_base_model
-from rlhf_pipeline.trainers.common import ModelConfig
+from rlhf_pipeline.trainers.config import ModelConfig
 from rlhf_pipeline.trainers.tiny import EOS, build_tokenizer
 from tests.helpers import trainable, unchanged
 

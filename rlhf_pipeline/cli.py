@@ -20,33 +20,7 @@ import sys
 
 from pydantic import ValidationError
 
-WORKER_ENV = {
-    # Library logs (and our progress lines, logger `trainers`) reach the Prefect UI only when named here (DESIGN.md).
-    "PREFECT_LOGGING_EXTRA_LOGGERS": "transformers,trl,peft,accelerate,rlhf_pipeline",
-    "HF_HUB_DISABLE_TELEMETRY": "1",
-    "MLFLOW_DISABLE_TELEMETRY": "true",
-}
-"""What every flow run's process needs: `rlhf run`, `rlhf serve` (QUIET_ENV) and a work pool's runs (`rlhf deploy`, prefect.yaml)."""
-
-QUIET_ENV = {
-    **WORKER_ENV,
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "DO_NOT_TRACK": "1",
-    # The temporary server's first start migrates a fresh database: 20 s (the default) is too
-    # short on a busy 2-core machine.
-    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
-}
-
-
-CONSOLE_ENV = {
-    "RLHF_CONSOLE": "1",  # trainers.common.CONSOLE_ENV: one bar per stage, from our own progress callback
-    "TQDM_DISABLE": "1",  # every library's tqdm bar (transformers, datasets, hub, Great Expectations); ours draws regardless
-    "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
-    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-    "TRANSFORMERS_VERBOSITY": "error",  # load reports and advisories; --verbose brings them back
-    "MLFLOW_LOGGING_LEVEL": "WARNING",  # "Creating initial MLflow database tables...", the migrations of a fresh store
-}
-"""What `rlhf run` and `rlhf eval` set unless --verbose: a terminal a person reads."""
+from rlhf_pipeline.deployments.env import CONSOLE_SETTINGS, QUIET_ENV
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -106,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     _make_state_folders()
 
     if args.command == "check":
-        from rlhf_pipeline.flows.check import check
+        from rlhf_pipeline.check import check
 
         return check(args.config, args.overrides, args.report_dir)
     if args.command == "eval":
@@ -155,10 +129,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _console(args) -> None:
-    """The terminal a person reads (CONSOLE_ENV), set once the parameters are valid and a run starts: not for a command that
+    """The terminal a person reads (CONSOLE_SETTINGS, and the console's bars), set once the parameters are valid and a run starts: not for a command that
     only checks or prints, nor with --verbose."""
     if not getattr(args, "verbose", False):
-        os.environ.update(CONSOLE_ENV)
+        os.environ.update(CONSOLE_SETTINGS)
+        from rlhf_pipeline import console
+
+        console.install()
 
 
 def _make_state_folders() -> None:
@@ -324,7 +301,3 @@ def closing_table(summary: dict) -> str:
             f"Registry: {r['model_name']} v{r['version']} is candidate; champion {'-> v' + str(r['version']) if r['promoted'] else 'unchanged'} ({r['reason']})"
         )
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
