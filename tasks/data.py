@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlhf_pipeline.tasks.orchestration import prefect_log, stage_task
-from rlhf_pipeline.tasks.stage import RunContext, StageOutcome, run_stage
+from rlhf_pipeline.tasks.artifacts import RunContext, StageOutcome
+from rlhf_pipeline.tasks.orchestration import device_hold, prefect_log, stage_task
 from rlhf_pipeline.tasks.stages import BY_NAME, pair_readers
+from rlhf_pipeline.tasks.store import run_stage
 from rlhf_pipeline.trainers.config import ModelConfig
 from rlhf_pipeline.trainers.data import DataConfig, fingerprint
 
@@ -62,7 +63,7 @@ def validate_data(
     # and each on the datasets it reads (`parts`): a new preference file does not re-run sft.
     return run_stage(
         "data", keyed, {}, ctx, build, fingerprints, log_files=("report",), log=prefect_log, digest_of=("datasets",),
-        parts={name: f"datasets/{name}.parquet" for name in sources}, trainer=row.trainer, device=row.device,
+        parts={name: f"datasets/{name}.parquet" for name in sources}, trainer=row.trainer, hold=device_hold(row.name, row.device, prefect_log),
     )  # fmt: skip
 
 

@@ -7,10 +7,11 @@ import tempfile
 from pathlib import Path
 
 from rlhf_pipeline.tasks import tracking
-from rlhf_pipeline.tasks.orchestration import prefect_log, stage_task
+from rlhf_pipeline.tasks.artifacts import ArtifactRef, RunContext, StageOutcome, read_history
+from rlhf_pipeline.tasks.orchestration import device_hold, prefect_log, stage_task
 from rlhf_pipeline.tasks.registry import RegistryConfig, current_champion
-from rlhf_pipeline.tasks.stage import ArtifactRef, RunContext, StageOutcome, read_history, run_stage
 from rlhf_pipeline.tasks.stages import BY_NAME
+from rlhf_pipeline.tasks.store import run_stage
 from rlhf_pipeline.trainers.config import ModelConfig
 from rlhf_pipeline.trainers.custom import fingerprint
 from rlhf_pipeline.trainers.eval import EvalConfig
@@ -60,7 +61,7 @@ def evaluate(
     settings = {"eval": config.model_dump(mode="json"), "model": model.model_dump(mode="json")}
     fingerprints = fingerprint(config.code_paths())  # editing the gold metric or a judge function re-runs eval alone
     outcome = run_stage(
-        "eval", settings, upstream, ctx, build, fingerprints=fingerprints, log_files=REPORT_FILES, log=prefect_log, trainer=row.trainer, device=row.device
+        "eval", settings, upstream, ctx, build, fingerprints=fingerprints, log_files=REPORT_FILES, log=prefect_log, trainer=row.trainer, hold=device_hold("eval", row.device, prefect_log)
     )  # fmt: skip
     publish_report(outcome.ref, [data, sft_model, reward_model, policy], ctx)
     return outcome

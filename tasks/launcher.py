@@ -7,7 +7,7 @@ The parent (this module, in the Prefect task) writes the stage's resolved argume
 launcher in the flow run's process group, streams every line into the task's log, forwards rank 0's metrics to
 `log_metrics`, and kills every process of the launch on timeout, cancellation, a failed rank or any error of its own. Rank 0
 saves the model into the stage's temporary directory; the parent then publishes it and writes the manifest
-exactly as for an in-process build (`tasks.stage.run_stage`). A retry resumes from the newest complete checkpoint
+exactly as for an in-process build (`tasks.store.run_stage`). A retry resumes from the newest complete checkpoint
 in the work directory, which every attempt shares.
 """
 

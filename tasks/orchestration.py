@@ -7,17 +7,18 @@ it builds and shows up in the Prefect UI with a link to its MLflow run.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlhf_pipeline.tasks import tracking
+from rlhf_pipeline.tasks.artifacts import ArtifactRef, StageOutcome
 from rlhf_pipeline.tasks.secrets import redact_text
-from rlhf_pipeline.tasks.stage import ArtifactRef, StageOutcome
 from rlhf_pipeline.trainers.launch import PERMANENT
 
 
@@ -84,7 +85,9 @@ def device_slot(stage: str, log: Callable[[str], None] = print) -> Iterator[None
         yield
 
 
-PERMANENT_ERRORS = PERMANENT  # one list for a stage in this process and for a rank of a launched one
+def device_hold(stage: str, device: bool, log: Callable[[str], None] = print) -> Callable[[], ContextManager[None]]:
+    """What `tasks.store.run_stage` holds while the stage builds: a device slot where the table says it uses the device."""
+    return (lambda: device_slot(stage, log)) if device else contextlib.nullcontext
 
 
 class RetryConfig(BaseModel):
@@ -120,7 +123,7 @@ def is_transient(task, task_run, state) -> bool:
 
 
 def is_permanent(exc: BaseException) -> bool:
-    return isinstance(exc, PERMANENT_ERRORS) or getattr(exc, "error_code", None) in PERMANENT_MLFLOW_CODES
+    return isinstance(exc, PERMANENT) or getattr(exc, "error_code", None) in PERMANENT_MLFLOW_CODES
 
 
 def stage_task(stage: str):

@@ -11,10 +11,10 @@ import yaml
 from pydantic import BaseModel
 
 from rlhf_pipeline.tasks import tracking
+from rlhf_pipeline.tasks.artifacts import ArtifactRef, RunContext
 from rlhf_pipeline.tasks.launcher import LaunchConfig
 from rlhf_pipeline.tasks.orchestration import coordinated, ensure_device_limit, prefect_log
 from rlhf_pipeline.tasks.secrets import install_log_filter, redact
-from rlhf_pipeline.tasks.stage import ArtifactRef, RunContext
 
 
 @dataclass
@@ -86,4 +86,4 @@ def pipeline_run(params: BaseModel) -> Iterator[PipelineRun]:
 def _build_seconds(ref: ArtifactRef) -> float | None:
     """How long the stage's build took, from its manifest (a registry model folder or a hub model has none)."""
     manifest = ref.path / "manifest.json"
-    return json.loads(manifest.read_text()).get("timings", {}).get("seconds") if manifest.is_file() else None
+    return json.loads(manifest.read_text()).get("resources", {}).get("seconds") if manifest.is_file() else None

@@ -13,8 +13,8 @@ import math
 from pydantic import Field
 
 from rlhf_pipeline.tasks import tracking
+from rlhf_pipeline.tasks.artifacts import ArtifactRef, RunContext
 from rlhf_pipeline.tasks.orchestration import prefect_log
-from rlhf_pipeline.tasks.stage import ArtifactRef, RunContext
 from rlhf_pipeline.trainers.config import StrictModel
 
 CHAMPION, CANDIDATE = "champion", "candidate"

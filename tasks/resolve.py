@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from rlhf_pipeline.tasks import tracking
-from rlhf_pipeline.tasks.stage import MANIFEST, ArtifactRef, content_digest
+from rlhf_pipeline.tasks.artifacts import MANIFEST, ArtifactRef, content_digest
 
 
 def resolve_model(source: str | None, role: str) -> tuple[ArtifactRef, dict[str, str]]:

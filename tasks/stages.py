@@ -7,7 +7,7 @@ the `algorithm` choices (the rows with `algorithm=True`), `PipelineParams` and
 the flow's parameters (one block per row), the flow's wiring, the served
 deployments, the device slots, the token limits the data stage checks, and
 each stage's code version (the project modules its trainer imports,
-`tasks.stage.code_version`).
+`tasks.code_version.code_version`).
 
 A trainer is a module with `train(cfg, ...)`; its parameters are filled by
 name (`tasks.training`): `sft_model` / `reward_model` are the upstream `sft` /

@@ -8,7 +8,7 @@ plumbing:
     data_dir      the data artifact (it keys on the datasets the row `reads`, not on all of them)
     sft_model     the `sft` artifact's model folder      reward_model  the `rm` artifact's (or None)
     model         the run's base model block              rewards       the run's rewards block
-    out_dir, work_dir, log_metrics                        as in `tasks.stage.run_stage`
+    out_dir, work_dir, log_metrics                        as in `tasks.store.run_stage`
 
 The blocks a trainer takes besides its own (`model`, `rewards`) are keyed with
 its config: changing the rewards re-runs the online stages only.
@@ -22,10 +22,11 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from rlhf_pipeline.tasks.artifacts import ArtifactRef, RunContext, StageOutcome
 from rlhf_pipeline.tasks.launcher import run_launched
-from rlhf_pipeline.tasks.orchestration import prefect_log, stage_task
-from rlhf_pipeline.tasks.stage import ArtifactRef, RunContext, StageOutcome, run_stage
+from rlhf_pipeline.tasks.orchestration import device_hold, prefect_log, stage_task
 from rlhf_pipeline.tasks.stages import BY_NAME, STAGES, Stage, reads
+from rlhf_pipeline.tasks.store import run_stage
 
 MODEL_INPUTS = {"sft_model": "sft", "reward_model": "rm", "policy_model": "policy"}
 """Trainer parameter -> the upstream stage whose `model/` folder it receives (`policy`: the previous round's, in a feedback round)."""
@@ -82,7 +83,7 @@ def train_stage(
     datasets = (*reads(stage, config), *(("prompts",) if "policy" in upstream and "prompts" not in reads(stage, config) else ()))
     inputs = {**{name: ref for name, ref in upstream.items() if name != "data"}, "data": data.select(datasets)}
     return run_stage(
-        stage, keyed, inputs, ctx, build, fingerprints=fingerprints, log_files=LOGGED, log=prefect_log, trainer=row.trainer, device=row.device,
+        stage, keyed, inputs, ctx, build, fingerprints=fingerprints, log_files=LOGGED, log=prefect_log, trainer=row.trainer, hold=device_hold(stage, row.device, prefect_log),
         extra_tags={"rlhf.round": str(round_)} if round_ else None,
     )  # fmt: skip
 

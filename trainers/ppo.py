@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import random
 import shutil
 import time
@@ -29,7 +28,18 @@ from pydantic import Field, model_validator
 
 from rlhf_pipeline.trainers.config import Customisation, LogMetrics, LoraConfig, StrictModel
 from rlhf_pipeline.trainers.heldout import HeldOutFields
-from rlhf_pipeline.trainers.loop import COMPLETE
+from rlhf_pipeline.trainers.ppo_math import (
+    adapted_kl_coef,
+    compute_gae,
+    explained_variance,
+    kl_shaped_rewards,
+    masked_mean,
+    policy_loss,
+    truncate_at_stop,
+    value_loss,
+    whiten,
+)
+from rlhf_pipeline.trainers.ppo_parallel import Ranks, cpu_threads, load_checkpoint, save_checkpoint, tf32
 from rlhf_pipeline.trainers.progress import PROGRESS, Progress
 from rlhf_pipeline.trainers.rewards import RewardsConfig
 
@@ -150,118 +160,6 @@ SAMPLE_ROWS = 8
 """Rollouts per sample table (the first of the batch)."""
 
 
-# --- the math: pure functions on [batch, response tokens] tensors -----------------
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask).sum() / mask.sum().clamp(min=1)
-
-
-def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """Mean 0, (population) std 1 over the real tokens, padding 0; shift_mean=False only rescales (reward whitening, N+ §7)."""
-    import torch
-
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)
-    out = (x - mean) * torch.rsqrt(var + 1e-8)
-    if not shift_mean:
-        out = out + mean
-    return out * mask
-
-
-def kl_per_token(logprobs, ref_logprobs, mask, kl_estimator: str = "k1") -> torch.Tensor:
-    """KL(pi_RL || pi_SFT) estimated on each sampled token (Schulman 2020, as TRL's PPOTrainer): with log r = ref_logp - logp,
-    k1 = -log r, k3 = (r - 1) - log r. Padding is 0."""
-    import torch
-
-    log_r = ref_logprobs - logprobs
-    kl = -log_r if kl_estimator == "k1" else torch.expm1(log_r) - log_r
-    return kl * mask
-
-
-def adapted_kl_coef(kl_coef: float, kl: float, target: float, batch_size: int, horizon: int) -> float:
-    """Ziegler et al. 2019 (section 2.2): e = clip(KL / target - 1, -0.2, 0.2); beta <- beta * (1 + e * batch_size / horizon)."""
-    error = min(max(kl / target - 1.0, -0.2), 0.2)
-    return kl_coef * (1.0 + error * batch_size / horizon)
-
-
-def kl_shaped_rewards(scores, logprobs, ref_logprobs, mask, kl_coef: float, kl_estimator: str = "k1") -> tuple[torch.Tensor, torch.Tensor]:
-    """InstructGPT eq. 2, r(x, y) - beta * log(pi_RL / pi_SFT), spread over tokens as in N+ §7:
-    -kl_coef * kl on every real token (the non-score reward), plus the score on the last one (the stop token,
-    or the last sampled token of a cut-off completion). Returns (rewards, kl)."""
-    import torch
-
-    kl = kl_per_token(logprobs, ref_logprobs, mask, kl_estimator)
-    rewards = -kl_coef * kl
-    last = (mask.sum(1).long() - 1).clamp(min=0)  # mask is a prefix: the response up to and including the stop token
-    rewards[torch.arange(len(scores), device=rewards.device), last] += scores
-    return rewards, kl
-
-
-def explained_variance(values, returns, mask) -> float:
-    """1 - Var[R - V] / Var[R] over the real tokens, as CleanRL logs it: 1 when the value predictions match the
-    returns, 0 when they do no better than the returns' mean, negative when worse; nan when the returns are constant."""
-    var_returns = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask).item()
-    errors = returns - values
-    var_errors = masked_mean((errors - masked_mean(errors, mask)) ** 2, mask).item()
-    return float("nan") if var_returns == 0 else 1 - var_errors / var_returns
-
-
-def truncate_at_stop(responses, stop_ids: list[int], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """N+ §4: a response ends at its first stop token (kept); everything after it becomes padding.
-    Returns (responses, mask of the real tokens, whether each reached a stop token)."""
-    import torch
-
-    is_stop = torch.isin(responses, torch.tensor(stop_ids, dtype=responses.dtype, device=responses.device))
-    ended = is_stop.any(1)
-    first_stop = torch.where(ended, is_stop.int().argmax(1), responses.shape[1])
-    mask = torch.arange(responses.shape[1], device=responses.device)[None, :] <= first_stop[:, None]
-    return responses.masked_fill(~mask, pad_id), mask, ended
-
-
-def compute_gae(rewards, values, mask, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE, Schulman et al. 2016 eq. 16: A_t = sum_l (gamma lam)^l delta_{t+l}, delta_t = r_t + gamma V_{t+1} - V_t.
-    The episode ends at the last real token (V = r = 0 after it). Returns (advantages, returns = A + V)."""
-    import torch
-
-    rewards, values = rewards * mask, values * mask
-    advantages = torch.zeros_like(rewards)
-    running = torch.zeros_like(rewards[:, 0])
-    for t in reversed(range(rewards.shape[1])):
-        next_value = values[:, t + 1] if t + 1 < rewards.shape[1] else 0.0
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        running = delta + gamma * lam * running
-        advantages[:, t] = running
-    advantages = advantages * mask
-    return advantages, (advantages + values) * mask
-
-
-def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Schulman et al. 2017 eq. 7 (negated, mean over real tokens). Returns (loss, clipfrac: share of tokens
-    where the clipped term binds, approx_kl: 0.5 E[(log ratio)^2], Schulman's k2 as CleanRL and TRL report it)."""
-    import torch
-
-    log_ratio = logprobs - old_logprobs
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange)
-    loss = masked_mean(torch.max(unclipped, clipped), mask)
-    clipfrac = masked_mean((clipped > unclipped).float(), mask)
-    approx_kl = 0.5 * masked_mean(log_ratio**2, mask)
-    return loss, clipfrac.detach(), approx_kl.detach()
-
-
-def value_loss(values, old_values, returns, mask, cliprange_value: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """0.5 max((V - R)^2, (clip(V, V_old +- c) - R)^2), mean over real tokens (N+ §7, as OpenAI's PPO2).
-    Returns (loss, clipfrac: share of tokens where the clipped error is the larger)."""
-    import torch
-
-    clipped_values = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
-    unclipped_error, clipped_error = (values - returns) ** 2, (clipped_values - returns) ** 2
-    loss = 0.5 * masked_mean(torch.max(unclipped_error, clipped_error), mask)
-    return loss, masked_mean((clipped_error > unclipped_error).float(), mask).detach()
-
-
 # --- model plumbing ------------------------------------------------------------------
 
 
@@ -320,192 +218,6 @@ def _response_values(value_model, inputs: dict, width: int):
     return value_model.score(hidden[:, -width - 1 : -1]).squeeze(-1).float()
 
 
-@contextlib.contextmanager
-def _cpu_threads(num_threads: int | None):
-    import torch
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(num_threads or previous)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
-@contextlib.contextmanager
-def _tf32(enabled: bool | None):
-    """TensorFloat-32 matmuls while training (`tf32`; None: torch's setting), restored after."""
-    import torch
-
-    previous = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    if enabled is not None:
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
-
-
-class Ranks:
-    """This process's place among the ranks of `accelerate launch` (torchrun's RANK / WORLD_SIZE; one rank in-process).
-
-    Our PPO is data-parallel by hand: each rank rolls out its share of every rollout batch, gradients are all-reduced
-    (averaged) before clipping, so the weights stay identical on every rank, logged statistics are averaged over the
-    ranks, and rank 0 writes checkpoints and the artifact. Engines that shard the model (DeepSpeed, FSDP) are refused."""
-
-    def __init__(self, cpu: bool):
-        import torch.distributed as dist
-
-        self.world, self.rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-        self.local = int(os.environ.get("LOCAL_RANK", "0"))
-        self.started = False
-        if self.world > 1:
-            sharded = [name for name in ("DEEPSPEED", "FSDP") if os.environ.get(f"ACCELERATE_USE_{name}", "").lower() == "true"]
-            if sharded:
-                raise ValueError(f"ppo is data-parallel (launch.engine=ddp); it does not shard the model with {sharded[0].lower()}")
-            if not dist.is_initialized():
-                dist.init_process_group("gloo" if cpu else "nccl")
-                self.started = True
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            import torch.distributed as dist
-
-            dist.barrier()
-
-    def average_gradients(self, params: list) -> None:
-        """Every rank's gradients replaced by their mean over the ranks (one flat all-reduce)."""
-        if self.world == 1:
-            return
-        import torch
-        import torch.distributed as dist
-
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
-        flat /= self.world
-        offset = 0
-        for p, g in zip(params, grads):
-            p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
-            offset += g.numel()
-
-    def broadcast(self, models: list) -> None:
-        """Rank 0's parameters and buffers into every rank's models."""
-        import torch.distributed as dist
-
-        for model in models:
-            for tensor in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(tensor.data, src=0)
-
-    def mean(self, values: dict[str, float]) -> dict[str, float]:
-        """Each value averaged over the ranks (every rank has the same names)."""
-        if self.world == 1:
-            return values
-        import torch
-        import torch.distributed as dist
-
-        names = sorted(values)
-        stacked = torch.tensor([values[n] for n in names], dtype=torch.float64)
-        dist.all_reduce(stacked)
-        return {name: value / self.world for name, value in zip(names, stacked.tolist())}
-
-    def any(self, flag: bool) -> bool:
-        """True on every rank when any rank says so (a callback's stop must stop them all)."""
-        if self.world == 1:
-            return flag
-        import torch
-        import torch.distributed as dist
-
-        found = torch.tensor([int(flag)])
-        dist.all_reduce(found, op=dist.ReduceOp.MAX)
-        return bool(found.item())
-
-    def close(self) -> None:
-        if self.started:
-            import torch.distributed as dist
-
-            dist.barrier()
-            dist.destroy_process_group()
-
-
-# --- checkpoints -------------------------------------------------------------------------
-
-
-def _rng_file(rank: int) -> str:
-    return "rng.pt" if rank == 0 else f"rng-{rank}.pt"
-
-
-def _save_checkpoint(work_dir: Path, update: int, policy, value_model, optimizer, scheduler, state: dict, ranks: Ranks) -> None:
-    """Written into a hidden sibling and renamed into place when complete (with the COMPLETE marker
-    `last_checkpoint` wants), so a half-written one is never used. Keeps the two newest. Every rank writes its
-    RNG state; rank 0 the weights and optimizer (identical on every rank) and the marker."""
-    import numpy as np
-    import torch
-
-    final, tmp = work_dir / f"checkpoint-{update}", work_dir / f".checkpoint-{update}.tmp"
-    ranks.barrier()
-    if ranks.main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    ranks.barrier()
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    torch.save(rng, tmp / _rng_file(ranks.rank))
-    ranks.barrier()
-    if ranks.main:
-        _write_checkpoint(work_dir, tmp, final, update, policy, value_model, optimizer, scheduler, state)
-    ranks.barrier()
-
-
-def _write_checkpoint(work_dir: Path, tmp: Path, final: Path, update: int, policy, value_model, optimizer, scheduler, state: dict) -> None:
-    import torch
-    from safetensors.torch import save_file
-
-    from rlhf_pipeline.trainers.heldout import trainable
-
-    save_file(trainable(policy), tmp / "policy.safetensors")
-    save_file(trainable(value_model), tmp / "value_model.safetensors")
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    if scheduler is not None:  # an optimizer_factory's scheduler
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
-    (tmp / COMPLETE).write_text(f"{update}\n")
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    done = sorted((p for p in work_dir.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()), key=lambda p: int(p.name.split("-")[-1]))
-    for old in done[:-2]:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _load_checkpoint(checkpoint: Path, policy, value_model, optimizer, scheduler, rank: int = 0) -> dict:
-    import numpy as np
-    import torch
-    from safetensors.torch import load_file
-
-    for model, name in ((policy, "policy"), (value_model, "value_model")):
-        weights = load_file(checkpoint / f"{name}.safetensors")
-        if set(weights) != {n for n, p in model.named_parameters() if p.requires_grad}:
-            raise ValueError(f"{checkpoint / name}.safetensors does not hold this model's trained weights (was the config, e.g. lora, changed?)")
-        model.load_state_dict(weights, strict=False)
-    optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=True))
-    if scheduler is not None:
-        scheduler.load_state_dict(torch.load(checkpoint / "scheduler.pt", weights_only=True))
-    if not (checkpoint / _rng_file(rank)).is_file():
-        raise ValueError(f"{checkpoint} has no RNG state of rank {rank}: it was written by fewer ranks; resume with the same launch.num_processes")
-    rng = torch.load(checkpoint / _rng_file(rank), weights_only=False)  # our own file; python/numpy states are tuples
-    torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    return json.loads((checkpoint / "trainer_state.json").read_text())
-
-
 # --- training ------------------------------------------------------------------------
 
 
@@ -528,15 +240,13 @@ def train(
     clipfrac, approx_kl, ratio (new / old policy over real tokens), value_clipfrac, explained_variance (of the rollout
     values vs the returns), response_length, missing_eos (share that reached no stop token), learning_rate.
     """
-    import numpy as np
     import torch
 
     from rlhf_pipeline.trainers.config import device_precision
-    from rlhf_pipeline.trainers.custom import Hooks, make_optimizer
-    from rlhf_pipeline.trainers.handoff import upstream_policy
+    from rlhf_pipeline.trainers.custom import Hooks
     from rlhf_pipeline.trainers.heldout import Keeper, Probe
     from rlhf_pipeline.trainers.loop import add_outcome, last_checkpoint, load_split, write_outcome
-    from rlhf_pipeline.trainers.models import has_adapter, load_causal_lm, load_sequence_classifier, load_tokenizer, save_model
+    from rlhf_pipeline.trainers.models import load_tokenizer, save_model
     from rlhf_pipeline.trainers.rewards import RewardScorer, as_completions
     from rlhf_pipeline.trainers.text import prompt_ids as render_prompt
 
@@ -572,59 +282,10 @@ def train(
     sample = list(range(min(4, len(dataset))))
     scorer.check([prompts[i] for i in sample], completions(["0"] * len(sample), sample), {k: [v[i] for i in sample] for k, v in columns.items()})
 
-    random.seed(cfg.seed)  # the same on every rank: the value head's fresh init must not differ between ranks
-    np.random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-    # In the dtype its folder was saved in (float32 unless model.dtype says otherwise); an sft adapter merged or stacked (lora.handoff).
-    policy, _, peft_config = upstream_policy(sft_model, cfg.lora)
-    reference = None  # under LoRA the reference is the policy with its adapters disabled, or with the frozen copy of a stacked one
-    if peft_config is None and has_adapter(sft_model):  # stacked: the sft adapter trains on; a frozen copy of it is the reference
-        policy.add_adapter("ref", policy.peft_config["default"])
-        for name, param in policy.named_parameters():
-            if ".default." in name:
-                policy.get_parameter(name.replace(".default.", ".ref.")).data.copy_(param.data)
-        policy.set_adapter("default")
-    elif cfg.lora.enabled:
-        import peft
-
-        policy = peft.get_peft_model(policy, peft_config)
-    else:
-        reference = load_causal_lm(sft_model, cfg.lora.handoff)[0].requires_grad_(False)
-    # Value model: the reward model, trained on (InstructGPT §3.5, N+ §7); else the SFT model with a fresh scalar head.
-    value_model = load_sequence_classifier(reward_model or sft_model)
-    value_model.config.pad_token_id = tokenizer.pad_token_id
-    for model in (policy, reference, value_model):  # eval(): dropout off (N+ §4), so rollout and update log-probs agree
-        if model is not None:
-            model.to(device).eval()
-    if ranks.world > 1:  # each rank then samples rollouts of its own; rank 0's weights are every rank's (as DDP starts)
-        ranks.broadcast([policy, value_model])
-        random.seed(cfg.seed + ranks.rank)
-        np.random.seed(cfg.seed + ranks.rank)
-        torch.manual_seed(cfg.seed + ranks.rank)
+    policy, reference, value_model = _models(cfg, sft_model, reward_model, tokenizer, device, ranks)
     params = [p for m in (policy, value_model) for p in m.parameters() if p.requires_grad]
-    # The stage's TrainingArguments, as a TRL stage's: what an optimizer_factory, a named optimizer and the callbacks receive
-    # (steps are updates). Built only for them: importing transformers' training_args (with peft and accelerate) takes
-    # ~2.4 s of a cold start on 2 cores, a launched rank's or a standalone run's, and the default loop needs none of it.
     callbacks = cfg.user_callbacks()
-    args = None
-    if callbacks or cfg.optimizer_factory or cfg.optim != "adamw_torch":
-        from transformers import TrainingArguments
-
-        args = TrainingArguments(
-            output_dir=str(work_dir), learning_rate=cfg.learning_rate, max_steps=num_updates, logging_steps=cfg.logging_steps,
-            save_steps=cfg.save_steps, seed=cfg.seed, max_grad_norm=cfg.max_grad_norm, lr_scheduler_type=cfg.lr_scheduler_type,
-            adam_epsilon=1e-5, weight_decay=0.0, use_cpu=device.type == "cpu", report_to="none", optim=cfg.optim,
-        )  # fmt: skip
-    scheduler = None  # None: the linear/constant schedule below, over the updates
-    if cfg.optimizer_factory:
-        # One optimizer for both trained models (as ours); a scheduler it returns is stepped once per update, as TRL's PPOTrainer did.
-        optimizer, scheduler = make_optimizer(cfg.optimizer_factory, torch.nn.ModuleDict({"policy": policy, "value_model": value_model}), args)
-    elif cfg.optim != "adamw_torch":
-        optimizer = named_optimizer(args, params, policy)
-    else:
-        # eps 1e-5 as in CleanRL / N+ code; fused: one kernel over all parameters (3x faster steps on CPU than torch's default there)
-        fused = device.type in ("cpu", "cuda") and all(p.dtype in (torch.float32, torch.float16, torch.bfloat16) for p in params)
-        optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, eps=1e-5, weight_decay=0.0, fused=fused or None)
+    optimizer, scheduler, args = _optimizer(cfg, params, policy, value_model, num_updates, device, work_dir, bool(callbacks))
     base_lrs = [group["lr"] for group in optimizer.param_groups]  # before a checkpoint overwrites them with scheduled values
     dtype = torch.float16 if cfg.fp16 else torch.bfloat16
     autocast = lambda: torch.autocast(device.type, dtype=dtype, enabled=bf16 or cfg.fp16)  # noqa: E731
@@ -632,7 +293,7 @@ def train(
 
     state = {"update": 0, "data_epoch": 0, "data_index": 0, "metrics": {}, "kl_coef": cfg.kl_coef}
     if checkpoint := last_checkpoint(work_dir):
-        state = {"kl_coef": cfg.kl_coef} | _load_checkpoint(Path(checkpoint), policy, value_model, optimizer, scheduler, ranks.rank)
+        state = {"kl_coef": cfg.kl_coef} | load_checkpoint(Path(checkpoint), policy, value_model, optimizer, scheduler, ranks.rank)
     keeper = Keeper(work_dir, cfg.keep_best, reward_model if rewards.uses_reward_model else None)
     probe = None
     if cfg.eval_steps and ranks.main:  # the held-out curves (rank 0 alone: every rank holds the same weights)
@@ -671,7 +332,7 @@ def train(
     hooks("on_train_begin")
     started, first = time.monotonic(), state["update"]
     update = first
-    with _cpu_threads(cfg.num_threads), _tf32(cfg.tf32):
+    with cpu_threads(cfg.num_threads), tf32(cfg.tf32):
         for update in range(state["update"] + 1, num_updates + 1):
             if scheduler is None:
                 factor = 1 - (update - 1) / num_updates if cfg.lr_scheduler_type == "linear" else 1.0
@@ -778,7 +439,7 @@ def train(
             stop = ranks.any(hooks.control.should_training_stop)  # a callback ended training: publish what we have, as the Trainer does
             if update % cfg.save_steps == 0 or update == num_updates or hooks.control.should_save:
                 state.update(update=update, metrics=metrics)
-                _save_checkpoint(work_dir, update, policy, value_model, optimizer, scheduler, state, ranks)
+                save_checkpoint(work_dir, update, policy, value_model, optimizer, scheduler, state, ranks)
                 hooks.control.should_save = False
                 hooks("on_save")
             if stop:
@@ -803,6 +464,79 @@ def train(
             shutil.copyfile(samples, out_dir / "samples.jsonl")
     ranks.close()
     return metrics
+
+
+def _models(cfg: PpoConfig, sft_model: Path, reward_model: Path | None, tokenizer, device, ranks: Ranks):
+    """The policy (from SFT, with LoRA as configured), the frozen reference (None under LoRA: the policy with its adapters
+    off, or the frozen copy of a stacked adapter) and the value model, on `device` and identical on every rank."""
+    import numpy as np
+    import torch
+
+    from rlhf_pipeline.trainers.handoff import upstream_policy
+    from rlhf_pipeline.trainers.models import has_adapter, load_causal_lm, load_sequence_classifier
+
+    random.seed(cfg.seed)  # the same on every rank: the value head's fresh init must not differ between ranks
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    # In the dtype its folder was saved in (float32 unless model.dtype says otherwise); an sft adapter merged or stacked (lora.handoff).
+    policy, _, peft_config = upstream_policy(sft_model, cfg.lora)
+    reference = None  # under LoRA the reference is the policy with its adapters disabled, or with the frozen copy of a stacked one
+    if peft_config is None and has_adapter(sft_model):  # stacked: the sft adapter trains on; a frozen copy of it is the reference
+        policy.add_adapter("ref", policy.peft_config["default"])
+        for name, param in policy.named_parameters():
+            if ".default." in name:
+                policy.get_parameter(name.replace(".default.", ".ref.")).data.copy_(param.data)
+        policy.set_adapter("default")
+    elif cfg.lora.enabled:
+        import peft
+
+        policy = peft.get_peft_model(policy, peft_config)
+    else:
+        reference = load_causal_lm(sft_model, cfg.lora.handoff)[0].requires_grad_(False)
+    # Value model: the reward model, trained on (InstructGPT §3.5, N+ §7); else the SFT model with a fresh scalar head.
+    value_model = load_sequence_classifier(reward_model or sft_model)
+    value_model.config.pad_token_id = tokenizer.pad_token_id
+    for model in (policy, reference, value_model):  # eval(): dropout off (N+ §4), so rollout and update log-probs agree
+        if model is not None:
+            model.to(device).eval()
+    if ranks.world > 1:  # each rank then samples rollouts of its own; rank 0's weights are every rank's (as DDP starts)
+        ranks.broadcast([policy, value_model])
+        random.seed(cfg.seed + ranks.rank)
+        np.random.seed(cfg.seed + ranks.rank)
+        torch.manual_seed(cfg.seed + ranks.rank)
+    return policy, reference, value_model
+
+
+def _optimizer(cfg: PpoConfig, params: list, policy, value_model, num_updates: int, device, work_dir: Path, callbacks: bool):
+    """The optimizer of both trained models, its scheduler (None: the loop's linear/constant schedule) and the stage's
+    TrainingArguments (None unless something reads them)."""
+    import torch
+
+    from rlhf_pipeline.trainers.custom import make_optimizer
+
+    # The stage's TrainingArguments, as a TRL stage's: what an optimizer_factory, a named optimizer and the callbacks receive
+    # (steps are updates). Built only for them: importing transformers' training_args (with peft and accelerate) takes
+    # ~2.4 s of a cold start on 2 cores, a launched rank's or a standalone run's, and the default loop needs none of it.
+    args = None
+    if callbacks or cfg.optimizer_factory or cfg.optim != "adamw_torch":
+        from transformers import TrainingArguments
+
+        args = TrainingArguments(
+            output_dir=str(work_dir), learning_rate=cfg.learning_rate, max_steps=num_updates, logging_steps=cfg.logging_steps,
+            save_steps=cfg.save_steps, seed=cfg.seed, max_grad_norm=cfg.max_grad_norm, lr_scheduler_type=cfg.lr_scheduler_type,
+            adam_epsilon=1e-5, weight_decay=0.0, use_cpu=device.type == "cpu", report_to="none", optim=cfg.optim,
+        )  # fmt: skip
+    scheduler = None  # None: the linear/constant schedule below, over the updates
+    if cfg.optimizer_factory:
+        # One optimizer for both trained models (as ours); a scheduler it returns is stepped once per update, as TRL's PPOTrainer did.
+        optimizer, scheduler = make_optimizer(cfg.optimizer_factory, torch.nn.ModuleDict({"policy": policy, "value_model": value_model}), args)
+    elif cfg.optim != "adamw_torch":
+        optimizer = named_optimizer(args, params, policy)
+    else:
+        # eps 1e-5 as in CleanRL / N+ code; fused: one kernel over all parameters (3x faster steps on CPU than torch's default there)
+        fused = device.type in ("cpu", "cuda") and all(p.dtype in (torch.float32, torch.float16, torch.bfloat16) for p in params)
+        optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, eps=1e-5, weight_decay=0.0, fused=fused or None)
+    return optimizer, scheduler, args
 
 
 def _reference_of(policy):

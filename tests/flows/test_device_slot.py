@@ -7,9 +7,10 @@ import time
 import pytest
 
 from rlhf_pipeline.tasks import tracking
-from rlhf_pipeline.tasks.orchestration import device_limit, ensure_device_limit
-from rlhf_pipeline.tasks.stage import RunContext, run_stage
+from rlhf_pipeline.tasks.artifacts import RunContext
+from rlhf_pipeline.tasks.orchestration import device_hold, device_limit, ensure_device_limit
 from rlhf_pipeline.tasks.stages import BY_NAME
+from rlhf_pipeline.tasks.store import run_stage
 
 pytestmark = pytest.mark.e2e  # a pipeline run end to end: the fast loop skips it (-m 'not e2e')
 
@@ -41,7 +42,7 @@ def test_device_stages_wait_for_each_other_and_data_stages_do_not(prefect, tmp_p
 
     @task
     def stage(name: str, run: int):
-        return run_stage(name, {"run": run}, {}, ctx, build(name), device=BY_NAME[name].device).ref
+        return run_stage(name, {"run": run}, {}, ctx, build(name), hold=device_hold(name, BY_NAME[name].device)).ref
 
     @flow
     def two_runs_at_once():

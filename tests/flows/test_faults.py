@@ -73,8 +73,9 @@ def test_a_stage_that_times_out_fails_and_kills_its_child_processes(prefect, tmp
     from prefect import flow, task
 
     from rlhf_pipeline.tasks import tracking
+    from rlhf_pipeline.tasks.artifacts import RunContext
     from rlhf_pipeline.tasks.orchestration import RetryConfig, retrying
-    from rlhf_pipeline.tasks.stage import RunContext, run_stage
+    from rlhf_pipeline.tasks.store import run_stage
 
     experiment = tracking.experiment_id("timeout-test")
     ctx = RunContext(artifact_root=str(tmp_path), experiment_id=experiment, parent_run_id=tracking.start_run(experiment, "parent", {}))

@@ -38,14 +38,14 @@ def test_a_new_file_in_the_preference_glob_re_runs_what_reads_preferences_and_no
 
 
 def test_editing_a_module_re_runs_the_stages_that_import_it(prefect, state, monkeypatch):
-    from rlhf_pipeline.tasks import stage as stage_module
+    from rlhf_pipeline.tasks import code_version as code_version_module
 
     first = run(NO_REGISTRY)
     assert set(task_states(first).values()) == {"Completed"}
-    original = stage_module.source
+    original = code_version_module.read_source
 
     def edit(suffix: str) -> None:
-        monkeypatch.setattr(stage_module, "source", lambda file: original(file) + (b"\n# edited\n" if file.as_posix().endswith(suffix) else b""))
+        monkeypatch.setattr(code_version_module, "read_source", lambda file: original(file) + (b"\n# edited\n" if file.as_posix().endswith(suffix) else b""))
 
     edit("trainers/eval.py")
     assert task_states(run(NO_REGISTRY)) == {"data": "Cached", "sft": "Cached", "rm": "Cached", "dpo": "Cached", "eval": "Completed"}

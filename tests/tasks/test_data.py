@@ -7,8 +7,8 @@ import json
 import pytest
 
 from rlhf_pipeline.tasks import tracking
+from rlhf_pipeline.tasks.artifacts import RunContext
 from rlhf_pipeline.tasks.data import validate_data
-from rlhf_pipeline.tasks.stage import RunContext
 from rlhf_pipeline.trainers.config import ModelConfig
 from rlhf_pipeline.trainers.data import DataConfig, DatasetSpec
 from tests.helpers import write_data_dir

@@ -9,8 +9,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from rlhf_pipeline.tasks import tracking
+from rlhf_pipeline.tasks.artifacts import ArtifactRef, RunContext, read_history
 from rlhf_pipeline.tasks.launcher import LaunchConfig
-from rlhf_pipeline.tasks.stage import ArtifactRef, RunContext, read_history
 from rlhf_pipeline.tasks.training import train_stage
 from rlhf_pipeline.trainers.config import CallbackSpec
 from rlhf_pipeline.trainers.sft import SftConfig

@@ -6,7 +6,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from rlhf_pipeline.tasks import tracking
-from rlhf_pipeline.tasks.stage import MANIFEST, ArtifactRef, RunContext, run_stage, stage_key
+from rlhf_pipeline.tasks.artifacts import MANIFEST, ArtifactRef, RunContext
+from rlhf_pipeline.tasks.store import run_stage, stage_key
 from rlhf_pipeline.trainers.dpo import DpoConfig
 
 

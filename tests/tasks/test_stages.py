@@ -8,7 +8,7 @@ import inspect
 import pytest
 
 from rlhf_pipeline.flows.params import PipelineParams, load_params
-from rlhf_pipeline.tasks.stage import code_version, project_imports
+from rlhf_pipeline.tasks.code_version import code_version, project_imports
 from rlhf_pipeline.tasks.stages import ALGORITHMS, BY_NAME, DEVICE_STAGES, STAGES
 from rlhf_pipeline.tasks.training import MODEL_INPUTS, trainer_parameters
 
@@ -43,7 +43,7 @@ def test_code_versions_follow_the_imports_not_a_list():
 
 
 def test_imports_inside_functions_count_and_imports_for_annotations_do_not(tmp_path):
-    from rlhf_pipeline.tasks.stage import _imported_modules
+    from rlhf_pipeline.tasks.code_version import _imported_modules
 
     module = tmp_path / "trainer.py"
     module.write_text(
@@ -57,12 +57,12 @@ def test_imports_inside_functions_count_and_imports_for_annotations_do_not(tmp_p
 
 
 def test_a_source_edit_changes_exactly_the_versions_of_the_stages_that_import_it(monkeypatch):
-    from rlhf_pipeline.tasks import stage as stage_module
+    from rlhf_pipeline.tasks import code_version as code_version_module
 
     before = {s.name: code_version(s.trainer) for s in STAGES}
     edited = BY_NAME["eval"].trainer.replace(".", "/").removeprefix("rlhf_pipeline/")
-    original = stage_module.source
-    monkeypatch.setattr(stage_module, "source", lambda file: original(file) + (b"# edit" if file.as_posix().endswith(edited + ".py") else b""))
+    original = code_version_module.read_source
+    monkeypatch.setattr(code_version_module, "read_source", lambda file: original(file) + (b"# edit" if file.as_posix().endswith(edited + ".py") else b""))
     after = {s.name: code_version(s.trainer) for s in STAGES}
     assert {name for name in before if before[name] != after[name]} == {"eval"}
 

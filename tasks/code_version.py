@@ -1,0 +1,80 @@
+"""A stage's code version: the digest of its trainer's source and of every project module it imports (docs/ARCHITECTURE.md,
+"Artifacts and the cache key"). Derived from the imports, never listed by hand.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib.util
+from pathlib import Path
+
+PACKAGE = "rlhf_pipeline"
+
+
+def code_version(trainer: str | None) -> str:
+    """sha256 of the read_source of `trainer` and of every project module it imports, directly or not
+    (imports inside functions count; those under `if TYPE_CHECKING:` do not). Derived, never listed
+    by hand: editing `trainers/eval.py` re-keys eval alone, the tiny tokenizer re-keys data and sft."""
+    digest = hashlib.sha256()
+    for name, file in sorted(project_imports(trainer).items()) if trainer else ():
+        digest.update(name.encode() + b"\0" + read_source(file))
+    return digest.hexdigest()[:16]
+
+
+def read_source(file: Path) -> bytes:
+    return file.read_bytes()
+
+
+def project_imports(module: str) -> dict[str, Path]:
+    """`module` and the project modules it imports, transitively: name -> read_source file."""
+    found: dict[str, Path] = {}
+    pending = [module]
+    while pending:
+        name = pending.pop()
+        if name in found:
+            continue
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+            raise ValueError(f"code version: {name!r} is not a project module with Python read_source")
+        found[name] = Path(spec.origin)
+        pending += [imported for imported in _imported_modules(found[name], name) if imported not in found]
+    return found
+
+
+def _imported_modules(file: Path, module: str) -> list[str]:
+    names: list[str] = []
+    package = module if file.name == "__init__.py" else module.rpartition(".")[0]
+    for node in _runtime_nodes(ast.parse(file.read_text(), str(file))):
+        if isinstance(node, ast.Import):
+            candidates = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from . import x
+                base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], *([base] if base else [])])
+            candidates = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+        else:
+            continue
+        for candidate in candidates:
+            if candidate == PACKAGE or candidate.startswith(PACKAGE + "."):
+                parts = candidate.split(".")
+                # `import a.b.c` imports a and a.b too; `from a.b import name` names a module or an attribute
+                names += [".".join(parts[:i]) for i in range(1, len(parts) + 1) if _is_module(".".join(parts[:i]))]
+    return names
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node, less the bodies of `if TYPE_CHECKING:` (imports for annotations only)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            yield from (n for child in node.orelse for n in [child, *_runtime_nodes(child)])
+            continue
+        yield node
+        yield from _runtime_nodes(node)
+
+
+def _is_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
