@@ -1,4 +1,4 @@
-"""The `data` stage at scale: seconds, rows/s and peak RSS of `trainers.data.train` on preference files of 10k to 5M rows.
+"""The `data` stage at scale: seconds, rows/s and peak RSS of `validators.stage.train` on preference files of 10k to 5M rows.
 
     python -m bench.data                              # 10k, 100k, 1M and 5M rows; ~4 minutes on 2 cores
     python -m bench.data --sizes 1M --repeats 5
@@ -61,7 +61,8 @@ def write_preferences(path: Path, num_rows: int, broken: dict[int, str]) -> Path
 
 def child(path: Path, scratch: Path, result: Path) -> None:
     """One stage run in this process; writes seconds and, for a failing run, the rows its report names."""
-    from rlhf_pipeline.trainers.data import DataConfig, DatasetSpec, train
+    from rlhf_pipeline.trainers.data import DataConfig, DatasetSpec
+    from rlhf_pipeline.validators.stage import train
 
     config = DataConfig(preference=DatasetSpec(path=str(path)))
     started = time.perf_counter()

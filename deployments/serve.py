@@ -94,7 +94,7 @@ def deploy(pool: str, preset: str = DEFAULT_PRESET, retrain_cron: str = RETRAIN_
     from prefect.deployments.runner import EntrypointType
     from prefect.exceptions import ObjectNotFound
 
-    from rlhf_pipeline.cli import WORKER_ENV
+    from rlhf_pipeline.deployments.env import WORKER_ENV
     from rlhf_pipeline.tasks.orchestration import ensure_device_limit
 
     with get_client(sync_client=True) as client:

@@ -86,7 +86,7 @@ class RunSettings(StrictModel):
         """The most tokens a row of each dataset may take in the stages of this run that read it (the data stage's `fits_max_length`)."""
         limits: dict[str, int] = {}
         for stage in self.plan():
-            limit = getattr(self.config(stage), "row_token_limit", lambda: None)()
+            limit = self.config(stage).row_token_limit()
             for dataset in reads(stage, self.config(stage)) if limit is not None else ():
                 limits[dataset] = min(limit, limits.get(dataset, limit))
         return limits
@@ -133,7 +133,7 @@ class RunSettings(StrictModel):
         """A stage that evaluates while it trains needs its held-out dataset in the data block."""
         given = self.config("data").sources()
         for stage in self.plan():
-            for dataset in getattr(self.config(stage), "held_out", tuple)() if getattr(self.config(stage), "evaluates", False) else ():
+            for dataset in self.config(stage).held_out() if self.config(stage).evaluates else ():
                 if dataset not in given:
                     hint = f"set data.{dataset}" + (" or sft.eval_split (e.g. 0.05) to hold out a share of the demonstrations" if stage == "sft" else "")
                     setting = (

@@ -1,7 +1,7 @@
 """`rlhf check`: a preflight of a preset that trains nothing and loads no weights.
 
 It resolves the parameters as `rlhf run` does, loads the base tokenizer, checks every dataset with it
-exactly as the data stage will (`trainers.data.check_datasets`), prints the token lengths each stage
+exactly as the data stage will (`validators.stage.check_datasets`), prints the token lengths each stage
 will see against its limit, and estimates the memory each stage holds with accelerate's estimator on
 a model built on the meta device. It exits 2 on invalid parameters, 1 on anything else the run would
 fail on (a data rule, an unreadable dataset, a tokenizer or model config that cannot be loaded, a
@@ -72,7 +72,7 @@ def _check_data(params, tokenizer, report_dir: Path | None, problems: list[str])
     import datasets
 
     from rlhf_pipeline.tasks.stages import pair_readers
-    from rlhf_pipeline.trainers.data import check_datasets
+    from rlhf_pipeline.validators.stage import check_datasets
 
     datasets.disable_progress_bars()  # one "Generating train split" bar per file would drown the report
     sources = params.data.sources()

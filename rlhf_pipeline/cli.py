@@ -274,7 +274,8 @@ def closing_table(summary: dict) -> str:
         info = stages.get(stage, {})
         seconds = f"{info['seconds']:.1f}" if info.get("seconds") is not None else "-"
         lines.append(f"{stage:16} {info.get('state', '-'):10} {seconds:>8}  {uri}")
-    held = "eval/heldout/"
+    from rlhf_pipeline.trainers.eval import HELDOUT as held
+
     rows = [
         (label, name)
         for label, name in (

@@ -22,7 +22,7 @@ def validate_data(
     assistant_only_loss: bool = False,
     required_columns: dict[str, tuple[str, ...]] | None = None,
 ) -> StageOutcome:
-    """Validate every dataset of `config`; publish nothing unless all pass (`trainers.data.train`).
+    """Validate every dataset of `config`; publish nothing unless all pass (`validators.stage.train`).
 
     `max_tokens` maps a dataset name ("sft", "preference", ...) to the most
     tokens one of its rows may take (rule `fits_max_length`), counted with the
@@ -44,7 +44,7 @@ def validate_data(
         keyed = {**keyed, "required_columns": {name: list(columns) for name, columns in sorted(required_columns.items())}}
 
     def build(out_dir: Path, work_dir: Path, log_metrics) -> dict[str, float]:
-        from rlhf_pipeline.trainers import data
+        from rlhf_pipeline.validators import stage as data
 
         return data.train(
             config,

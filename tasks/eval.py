@@ -8,8 +8,9 @@ from pathlib import Path
 
 from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.artifacts import ArtifactRef, RunContext, StageOutcome, read_history
+from rlhf_pipeline.tasks.gate import RegistryConfig
 from rlhf_pipeline.tasks.orchestration import device_hold, prefect_log, stage_task
-from rlhf_pipeline.tasks.registry import RegistryConfig, current_champion
+from rlhf_pipeline.tasks.registry import current_champion
 from rlhf_pipeline.tasks.stages import BY_NAME
 from rlhf_pipeline.tasks.store import run_stage
 from rlhf_pipeline.trainers.config import ModelConfig

@@ -8,103 +8,10 @@ becomes champion. `models:/<name>@champion` then loads with `from_pretrained`.
 
 from __future__ import annotations
 
-import math
-
-from pydantic import Field
-
 from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.artifacts import ArtifactRef, RunContext
+from rlhf_pipeline.tasks.gate import CANDIDATE, CHAMPION, RegistryConfig, gate, hacking
 from rlhf_pipeline.tasks.orchestration import prefect_log
-from rlhf_pipeline.trainers.config import StrictModel
-
-CHAMPION, CANDIDATE = "champion", "candidate"
-HELDOUT = "eval/heldout/"  # trainers.eval.HELDOUT, the prefix of the metrics the gates read
-
-
-GATE_ORDER = ("eval/heldout/win_rate_vs_champion", "eval/heldout/judge_win_rate_vs_champion", "eval/heldout/gold_gain_vs_champion",
-              "eval/heldout/exact_match_gain_vs_champion")  # fmt: skip
-"""The default gate metric: the first of these the run's eval reports (reward model, judge, gold function, reference answers)."""
-
-
-class RegistryConfig(StrictModel):
-    enabled: bool = Field(True, description="Register the policy and run the promotion gate.")
-    model_name: str = Field("rlhf-policy", min_length=1, description="Registered model name in MLflow.")
-    gate_metric: str | None = Field(
-        None,
-        description="Eval metric the new policy must beat `min_value` on to become champion (its CI bounds are `<metric>_low`/`_high`). "
-        "None: the first the run measures of the reward-model win rate against the champion, the judge's win rate, the gold "
-        "metric's gain, the exact-match gain (with or without reference answers, a run has a gate).",
-    )
-    min_value: float | None = Field(None, description="The gate metric must be strictly above this. None: 0.5 for a win rate, 0 for a gain.")
-    min_lower_bound: float | None = Field(
-        None, description="The metric's lower 95% bound must be above this. None: 0.45 for a win rate, -0.05 for a gain; -.inf: not checked."
-    )
-
-    hacking_gate: bool = Field(
-        True,
-        description="Refuse to promote a policy whose held-out reward-model score rose over SFT's while the gold metric (exact match or "
-        "eval.gold_metric) fell, or, without one, while the reward-model ensemble's disagreement rose; or whose reward-model win rate against "
-        "the champion is above 0.5 while its gold metric is below the champion's: it games its reward.",
-    )
-    hacking_tolerance: float = Field(0.0, ge=0, description="How far the gold metric may fall (or the disagreement rise) before the hacking gate refuses.")
-
-    def resolved(self, planned: set[str]) -> RegistryConfig:
-        """This gate with its defaults made concrete for a run whose eval reports `planned` metrics."""
-        metric = self.gate_metric or next((name for name in GATE_ORDER if name in planned), GATE_ORDER[0])
-        rate = "win_rate" in metric
-        return self.model_copy(
-            update={
-                "gate_metric": metric,
-                "min_value": self.min_value if self.min_value is not None else 0.5 if rate else 0.0,
-                "min_lower_bound": self.min_lower_bound if self.min_lower_bound is not None else 0.45 if rate else -0.05,
-            }
-        )
-
-
-def hacking(cfg: RegistryConfig, metrics: dict[str, float]) -> str | None:
-    """Why the policy looks like it games its reward model (with the numbers), or None."""
-    if not cfg.hacking_gate:
-        return None
-    win, gold_gain = metrics.get(f"{HELDOUT}win_rate_vs_champion"), None
-    for gold in ("gold", "exact_match"):
-        gold_gain = metrics.get(f"{HELDOUT}{gold}_gain_vs_champion")
-        if gold_gain is not None:
-            break
-    if win is not None and gold_gain is not None and win > 0.5 and gold_gain < -cfg.hacking_tolerance:
-        return (f"reward hacking: the reward model prefers the policy to the champion (win rate {win:.4f}) while {gold.replace('_', ' ')} "
-                f"is {gold_gain:+.4f} against the champion's (tolerance {cfg.hacking_tolerance})")  # fmt: skip
-    reward, sft_reward = metrics.get(f"{HELDOUT}policy_mean_reward"), metrics.get(f"{HELDOUT}sft_mean_reward")
-    if reward is None or sft_reward is None or reward <= sft_reward:
-        return None
-    rose = f"the held-out reward-model score rose from {sft_reward:.4f} (sft) to {reward:.4f} (policy)"
-    for gold in ("gold", "exact_match"):
-        policy, sft = metrics.get(f"{HELDOUT}policy_{gold}"), metrics.get(f"{HELDOUT}sft_{gold}")
-        if policy is not None and sft is not None:
-            if policy < sft - cfg.hacking_tolerance:
-                return f"reward hacking: {rose} while {gold.replace('_', ' ')} fell from {sft:.4f} to {policy:.4f} (tolerance {cfg.hacking_tolerance})"
-            return None
-    policy, sft = metrics.get(f"{HELDOUT}policy_rm_disagreement"), metrics.get(f"{HELDOUT}sft_rm_disagreement")
-    if policy is not None and sft is not None and policy > sft + cfg.hacking_tolerance:
-        return (f"reward hacking: {rose} while the reward-model ensemble's disagreement rose from {sft:.4f} to {policy:.4f} "
-                f"(no gold metric; tolerance {cfg.hacking_tolerance})")  # fmt: skip
-    return None
-
-
-def gate(cfg: RegistryConfig, metrics: dict[str, float]) -> tuple[bool, str]:
-    """Whether the candidate beats the champion, and why (with the numbers)."""
-    cfg = cfg.resolved(set(metrics))
-    value = metrics.get(cfg.gate_metric)
-    if value is None:
-        return False, f"gate metric {cfg.gate_metric!r} missing from eval metrics"
-    if value <= cfg.min_value:
-        return False, f"{cfg.gate_metric}={value:.4f} is not above {cfg.min_value}"
-    reason = f"{cfg.gate_metric}={value:.4f} > {cfg.min_value}"
-    if math.isfinite(cfg.min_lower_bound):
-        low = metrics.get(f"{cfg.gate_metric}_low")
-        if low is None or low <= cfg.min_lower_bound:
-            return False, f"{cfg.gate_metric} lower bound {low} is not above {cfg.min_lower_bound}"
-        reason += f", lower bound {low:.4f} > {cfg.min_lower_bound}"
-    return True, reason
 
 
 def current_champion(cfg: RegistryConfig) -> ArtifactRef | None:

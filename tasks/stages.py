@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlhf_pipeline.tasks.registry import RegistryConfig
+from rlhf_pipeline.tasks.gate import RegistryConfig
 from rlhf_pipeline.trainers.config import StrictModel
 from rlhf_pipeline.trainers.data import DataConfig
 from rlhf_pipeline.trainers.dpo import DpoConfig
@@ -58,7 +58,7 @@ class Stage:
 
 PREFERENCES = ("preference",)
 STAGES: tuple[Stage, ...] = (
-    Stage("data", DataConfig, "rlhf_pipeline.trainers.data", (), (), False, "Datasets, checked and frozen by the `data` stage."),
+    Stage("data", DataConfig, "rlhf_pipeline.validators.stage", (), (), False, "Datasets, checked and frozen by the `data` stage."),
     Stage("sft", SftConfig, "rlhf_pipeline.trainers.sft", ("sft",), ("data",), True, "Supervised fine-tuning (TRL SFTTrainer)."),
     Stage(
         "rm",
@@ -104,7 +104,7 @@ DEVICE_STAGES = frozenset(stage.name for stage in STAGES if stage.device)
 
 def reads(stage: str, config: StrictModel) -> tuple[str, ...]:
     """The datasets `stage` reads with this config: the row's, and the held-out ones it evaluates on while training (`held_out`)."""
-    return (*BY_NAME[stage].reads, *(name for name in getattr(config, "held_out", tuple)() if name not in BY_NAME[stage].reads))
+    return (*BY_NAME[stage].reads, *(name for name in config.held_out() if name not in BY_NAME[stage].reads))
 
 
 def pair_readers(stages: list[str] | None = None) -> dict[str, tuple[str, ...]]:

@@ -57,7 +57,7 @@ def code_fingerprints(config: BaseModel, settings: dict[str, BaseModel]) -> dict
     functions of `rewards`): editing one re-runs the stages that use it and nothing else."""
     from rlhf_pipeline.trainers.custom import fingerprint
 
-    paths = [*getattr(config, "code_paths", list)(), *(path for block in settings.values() for path in getattr(block, "code_paths", list)())]
+    paths = [*config.code_paths(), *(path for block in settings.values() for path in block.code_paths())]
     return fingerprint(paths)
 
 

@@ -27,6 +27,31 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+class Block(StrictModel):
+    """A block of the run's parameters whose user code keys the stages that read it."""
+
+    def code_paths(self) -> list[str]:
+        """Import paths of the user's code it runs (their source is part of the key)."""
+        return []
+
+
+class StageConfig(Block):
+    """What every stage's config answers (docs/ARCHITECTURE.md, "The trainer contract"); a stage overrides what applies."""
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether it evaluates on a held-out dataset while it trains."""
+        return False
+
+    def held_out(self) -> tuple[str, ...]:
+        """Datasets of the `data` stage it reads only to evaluate."""
+        return ()
+
+    def row_token_limit(self) -> int | None:
+        """The most tokens one row of the datasets it reads may take (the data stage's `fits_max_length`); None: no limit."""
+        return None
+
+
 class TinyModelConfig(StrictModel):
     """The embedded default: a small Llama built from a config, no download."""
 
@@ -37,7 +62,7 @@ class TinyModelConfig(StrictModel):
     max_position_embeddings: int = Field(2048, ge=16, description="Longest sequence the model accepts (RoPE: costs no parameters).")
 
 
-class ModelConfig(StrictModel):
+class ModelConfig(Block):
     name_or_path: str = Field(
         TINY,
         description="Base model: 'tiny' (built locally from `tiny`), a hub id such as 'Qwen/Qwen2.5-0.5B', or a local folder.",
@@ -152,7 +177,7 @@ class CallbackSpec(StrictModel):
         return import_object(self.path, "callback")(**self.kwargs)
 
 
-class Customisation(StrictModel):
+class Customisation(StageConfig):
     """Code of the user's that a stage runs beside ours: its own optimizer and callbacks."""
 
     optimizer_factory: str | None = Field(
@@ -185,7 +210,7 @@ class Customisation(StrictModel):
         return [spec.build() for spec in self.callbacks]
 
 
-class EvalDuringTraining(StrictModel):
+class EvalDuringTraining(StageConfig):
     """Evaluation on the stage's held-out split while it trains (sft, rm, dpo), as transformers' Trainer does it."""
 
     eval_strategy: Literal["no", "steps", "epoch"] = Field(
@@ -234,10 +259,6 @@ class EvalDuringTraining(StrictModel):
     def evaluates(self) -> bool:
         return self.eval_strategy != "no"
 
-    def held_out(self) -> tuple[str, ...]:
-        """Datasets of the `data` stage it reads only to evaluate (each stage names its own)."""
-        return ()
-
     def eval_arguments(self) -> dict[str, Any]:
         """The TrainingArguments of evaluation during training."""
         if not self.evaluates:
@@ -259,7 +280,7 @@ class EvalDuringTraining(StrictModel):
         return import_callable(self.compute_metrics, "compute_metrics", positional=1)
 
     def code_paths(self) -> list[str]:
-        return [*super().code_paths(), *([self.compute_metrics] if self.compute_metrics else [])]  # type: ignore[misc]
+        return [*super().code_paths(), *([self.compute_metrics] if self.compute_metrics else [])]
 
 
 MANAGED_ARGUMENTS = frozenset({"output_dir", "report_to", "use_cpu", "save_only_model", "activation_checkpointing"})
@@ -313,7 +334,7 @@ def trl_config_fields(name: str) -> set[str]:
     return {field.name for field in dataclasses.fields(getattr(trl, name))}
 
 
-class TrainingFields(StrictModel):
+class TrainingFields(StageConfig):
     """Fields shared by the TRL-backed stages; names follow transformers' TrainingArguments."""
 
     learning_rate: float = Field(2e-5, gt=0, description="Peak learning rate (AdamW).")

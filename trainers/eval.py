@@ -20,7 +20,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from rlhf_pipeline.trainers.config import ModelConfig, StrictModel
+from rlhf_pipeline.trainers.config import ModelConfig, StageConfig
 from rlhf_pipeline.trainers.judges import JudgeConfig
 from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, as_completions
 from rlhf_pipeline.trainers.text import generate, reward_scores
@@ -29,7 +29,7 @@ MODELS = ("base", "sft", "policy", "champion")
 HELDOUT = "eval/heldout/"
 
 
-class EvalConfig(StrictModel):
+class EvalConfig(StageConfig):
     max_new_tokens: int = Field(64, ge=1, description="Longest generated answer.")
     batch_size: int = Field(64, ge=1, description="Prompts per generation batch.")
     max_prompts: int | None = Field(None, ge=1, description="Evaluate only the first N held-out prompts; None: all.")

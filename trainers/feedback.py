@@ -24,12 +24,12 @@ from typing import Callable
 
 from pydantic import Field, field_validator, model_validator
 
-from rlhf_pipeline.trainers.config import StrictModel
+from rlhf_pipeline.trainers.config import Block
 
 PAIRS = "feedback_pairs.jsonl"
 
 
-class FeedbackConfig(StrictModel):
+class FeedbackConfig(Block):
     rounds: int = Field(
         0, ge=0, le=10, description="Rounds of feedback after the first policy: sample it, label pairs, retrain rm, train the policy again. 0: none."
     )

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field
 
-from rlhf_pipeline.trainers.config import StrictModel
+from rlhf_pipeline.trainers.config import StageConfig
 
 if TYPE_CHECKING:
     from rlhf_pipeline.trainers.rewards import RewardsConfig
@@ -27,7 +27,7 @@ CURVES = "heldout.jsonl"
 BEST = "best-policy"
 
 
-class HeldOutFields(StrictModel):
+class HeldOutFields(StageConfig):
     eval_steps: int | None = Field(
         None, ge=1, description="Steps (ppo: updates) between held-out probes: proxy reward, ensemble disagreement, exact match, KL to SFT, "
         "logged as <stage>/heldout/* curves. None: no probes.",

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, model_validator
 
-from rlhf_pipeline.trainers.config import Customisation, LogMetrics, LoraConfig, StrictModel
+from rlhf_pipeline.trainers.config import Customisation, LogMetrics, LoraConfig, StageConfig
 from rlhf_pipeline.trainers.heldout import HeldOutFields
 from rlhf_pipeline.trainers.ppo_math import (
     adapted_kl_coef,
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     import torch
 
 
-class PpoFields(StrictModel):
+class PpoFields(StageConfig):
     """Field names follow TRL's old PPOConfig, so scripts written for it carry over."""
 
     learning_rate: float = Field(3e-6, gt=0, description="Peak AdamW learning rate, shared by policy and value model (TRL PPOConfig default 3e-6).")

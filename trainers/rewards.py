@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from rlhf_pipeline.trainers.config import StrictModel
+from rlhf_pipeline.trainers.config import Block, StrictModel
 
 if TYPE_CHECKING:
     import torch
@@ -38,7 +38,7 @@ class RewardFunctionSpec(StrictModel):
         return path
 
 
-class RewardsConfig(StrictModel):
+class RewardsConfig(Block):
     """Which rewards score the policy's samples, and how they are weighted."""
 
     reward_model_weight: float = Field(1.0, ge=0, description="Weight of the `rm` stage's reward model; 0 leaves it out (and skips training it).")

@@ -7,7 +7,8 @@ from mlflow.tracking import MlflowClient
 
 from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.artifacts import RunContext
-from rlhf_pipeline.tasks.registry import CANDIDATE, CHAMPION, RegistryConfig, current_champion, gate, hacking, register_policy
+from rlhf_pipeline.tasks.gate import CANDIDATE, CHAMPION, RegistryConfig, gate, hacking
+from rlhf_pipeline.tasks.registry import current_champion, register_policy
 from rlhf_pipeline.tasks.store import run_stage
 from rlhf_pipeline.trainers.base import load_base_model
 from rlhf_pipeline.trainers.models import save_model

@@ -129,8 +129,8 @@ def test_conversational_data_trains_through_sft_rm_and_dpo(tmp_path):
 
 
 def test_unpaired_feedback_passes_for_kto_and_is_refused_where_rm_or_dpo_read_pairs(tmp_path):
-    from rlhf_pipeline.trainers import data
     from rlhf_pipeline.trainers.data import DataConfig
+    from rlhf_pipeline.validators import stage as data
 
     rows = [{"prompt": f"sort {n}1 -> ", "completion": f"1{n}", "label": n % 2 == 0} for n in range(2, 10)]
     unpaired = DatasetSpec(path=str(write_jsonl(tmp_path / "feedback.jsonl", rows)))
@@ -144,7 +144,7 @@ def test_unpaired_feedback_passes_for_kto_and_is_refused_where_rm_or_dpo_read_pa
 
 def test_a_gate_on_exact_match_needs_the_reference_column_which_data_checks_where_the_parameters_could_not(tmp_path):
     from rlhf_pipeline.flows.params import load_params
-    from rlhf_pipeline.trainers.data import check_datasets
+    from rlhf_pipeline.validators.stage import check_datasets
     from tests.fixtures import chat_data
 
     # A hub id's columns are unknown to the parameters: the gate on exact match is allowed there, and data checks it.
