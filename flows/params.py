@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field, create_model, model_validator
 
 from rlhf_pipeline.tasks.launcher import LaunchConfig
 from rlhf_pipeline.tasks.orchestration import RetryConfig
-from rlhf_pipeline.tasks.stages import ALGORITHMS, BY_NAME, POLICY, STAGES, reads
+from rlhf_pipeline.tasks.stages import ALGORITHMS, BY_NAME, POLICY_STAGE, STAGES, reads
 from rlhf_pipeline.trainers.config import TINY, ModelConfig, StrictModel
 from rlhf_pipeline.trainers.feedback import FeedbackConfig
 from rlhf_pipeline.trainers.rewards import RewardsConfig
@@ -79,7 +79,7 @@ class RunSettings(StrictModel):
         reward model only where the stage uses it (the online stages' rewards, eval's `use_reward_model`)."""
         row = BY_NAME[stage]
         uses_reward_model = self.config("eval").use_reward_model if stage == "eval" else row.online and self.rewards.uses_reward_model
-        names = [self.algorithm if name == POLICY else name for name in row.upstream]
+        names = [self.algorithm if name == POLICY_STAGE else name for name in row.upstream]
         return tuple(name for name in names if name != "rm" or uses_reward_model)
 
     def token_limits(self) -> dict[str, int]:

@@ -28,45 +28,46 @@ DEFAULTS = load_params()  # the embedded preset: what the form and `rlhf run` st
 
 
 def _rlhf(**blocks) -> dict:
-    """Post-train a model with RLHF: validate data, SFT, reward model, DPO/KTO/GRPO/RLOO/PPO, evaluate, register."""
+    """Post-train a model with RLHF: validate data, SFT, reward model, DPO/KTO/ORPO/GRPO/RLOO/PPO, evaluate, register."""
     params = from_flow_parameters(PipelineParams, blocks)
+    plan = params.plan()
     with pipeline_run(params) as run:
-        stage = retrying(params.retry)
-        # Futures wire the DAG (the Prefect UI draws it). Each stage also waits for the one
-        # before it, so that only one stage trains on the device at a time.
-        futures: dict = {}
-        previous = []
-        for name in params.plan():
-            upstream = {other: futures[other] for other in params.upstream(name)}
-            if name == "data":
-                data_checks = (params.model, params.token_limits(), pair_readers(params.plan()), params.sft.assistant_only_loss, params.required_columns())
-                future = stage(validate_data).submit(params.data, run.ctx, *data_checks)
-            elif name == "eval":
-                inputs = {"data": upstream["data"], "sft": upstream["sft"], "policy": upstream[params.algorithm], "rm": upstream.get("rm")}
-                future = stage(evaluate).submit(params.eval, params.model, inputs, params.registry, run.ctx, wait_for=previous)
-            elif name == "registry":
-                outputs = [futures[n] for n in params.plan() if n != "registry"]
-                future = stage(register_task()).submit(params.gate(), upstream[params.algorithm], upstream["eval"], outputs, run.ctx)
-            else:
-                settings = {block: getattr(params, block) for block in settings_of(BY_NAME[name]) if block != "feedback"}
-                future = stage(TASKS[name]).submit(name, params.config(name), settings, upstream, run.ctx, wait_for=previous)
-            futures[name], previous = future, [future]
-            if name == params.algorithm:  # feedback rounds: rm samples the last policy and learns its labelled pairs, the policy trains again
-                for round_ in range(1, params.feedback.rounds + 1):
-                    for again in ("rm", name):
-                        if again == "rm":
-                            inputs = {"data": futures["data"], "sft": futures["sft"], "policy": futures[name], "rm": futures["rm"]}
-                        else:  # from the last round's policy, which is also its KL reference (iterated RLHF), or from SFT again
-                            start = futures["sft"] if params.feedback.from_sft else futures[name]
-                            inputs = {"data": futures["data"], "sft": start, "rm": futures["rm"]}
-                        settings = {block: getattr(params, block) for block in settings_of(BY_NAME[again])}
-                        task = stage(TASKS[again]).with_options(task_run_name=f"{again} (round {round_})")
-                        future = task.submit(again, params.config(again), settings, inputs, run.ctx, round_, wait_for=previous)
-                        futures[again], previous = future, [future]
-        built = [futures[n].result() for n in params.plan() if n != "registry"]
-        registered = futures["registry"].result() if "registry" in futures else None
-        states = {name: future.state.name for name, future in futures.items()}  # Completed, or Cached where the manifest was there
-        return run.finish(policy=futures[params.algorithm].result(), report=futures["eval"].result(), stages=built, registered=registered, states=states)
+        task = retrying(params.retry)
+        built: dict = {}  # stage -> its future: the arguments wire the DAG the Prefect UI draws
+
+        def train(stage: str, after, inputs: dict | None = None, round_: int = 0):
+            """Submit one training stage; it waits for the stage before it, so one stage trains on the device at a time."""
+            inputs = inputs or {name: built[name] for name in params.upstream(stage)}
+            settings = {block: getattr(params, block) for block in settings_of(BY_NAME[stage]) if round_ or block != "feedback"}
+            stage_task = task(TASKS[stage])
+            if round_:
+                stage_task = stage_task.with_options(task_run_name=f"{stage} (round {round_})")
+            built[stage] = stage_task.submit(stage, params.config(stage), settings, inputs, run.ctx, *([round_] if round_ else []), wait_for=[after])
+            return built[stage]
+
+        data = built["data"] = task(validate_data).submit(
+            params.data, run.ctx, params.model, params.token_limits(), pair_readers(plan), params.sft.assistant_only_loss,
+            params.required_columns(),
+        )
+        sft = train("sft", after=data)
+        rm = train("rm", after=sft) if "rm" in plan else None
+        policy = train(params.algorithm, after=rm or sft)
+        # Feedback rounds: rm samples the last policy and learns its labelled pairs, then the policy trains again, from SFT
+        # or from the last round's policy (which is then also its KL reference: iterated RLHF).
+        for round_ in range(1, params.feedback.rounds + 1):
+            rm = train("rm", after=policy, inputs={"data": data, "sft": sft, "policy": policy, "rm": rm}, round_=round_)
+            start = sft if params.feedback.from_sft else policy
+            policy = train(params.algorithm, after=rm, inputs={"data": data, "sft": start, "rm": rm}, round_=round_)
+        evaluated = {"data": data, "sft": sft, "policy": policy, "rm": rm if "rm" in params.upstream("eval") else None}
+        report = built["eval"] = task(evaluate).submit(params.eval, params.model, evaluated, params.registry, run.ctx, wait_for=[policy])
+        outputs = [built[name] for name in plan if name in built]
+        registered = task(register_task()).submit(params.gate(), policy, report, outputs, run.ctx) if "registry" in plan else None
+        if registered is not None:
+            built["registry"] = registered
+        stages = [future.result() for name, future in built.items() if name != "registry"]
+        decision = registered.result() if registered is not None else None
+        states = {name: future.state.name for name, future in built.items()}  # Completed, or Cached where the manifest was there
+        return run.finish(policy=policy.result(), report=report.result(), stages=stages, registered=decision, states=states)
 
 
 def _signature() -> inspect.Signature:

@@ -143,6 +143,28 @@ def _print_lengths(params, counted: dict[str, list[int] | None]) -> None:
 # --- memory ---------------------------------------------------------------------------------
 
 
+def held_models(params, stage: str) -> list:
+    """What the stage keeps in memory at its peak in this run: the table's `holds`, less the reference under LoRA (the
+    policy with its adapters off is the reference) or at beta=0 (GRPO keeps none), and less the reward model where the
+    rewards do not use it; the stage's LoRA on what its adapters train."""
+    from dataclasses import replace
+
+    from rlhf_pipeline.tasks.stages import BY_NAME
+    from rlhf_pipeline.trainers.memory import REFERENCE, REWARD_MODEL
+
+    cfg = params.config(stage)
+    lora = getattr(cfg, "lora", None)
+    lora = lora if lora is not None and lora.enabled else None
+    held = []
+    for model in BY_NAME[stage].holds:
+        if model == REFERENCE and (lora is not None or getattr(cfg, "beta", None) == 0):
+            continue
+        if model == REWARD_MODEL and not params.rewards.uses_reward_model:
+            continue
+        held.append(replace(model, lora=lora) if model.adapted and lora is not None else model)
+    return held
+
+
 def _empty_model_builder(params, tokenizer, problems: list[str]):
     from rlhf_pipeline.trainers.memory import empty_model_builder
 
@@ -166,7 +188,7 @@ def _print_memory(params, build, problems: list[str]) -> None:
     )
     rows = []
     for stage in params.plan():
-        estimate = stage_memory(params, stage, build)
+        estimate = stage_memory(held_models(params, stage), params.model.dtype, getattr(params.config(stage), "bf16", None), build)
         if not estimate.total:
             rows.append([stage, estimate.holds, "-", "-", "-", "-"] + ([""] if free is not None else []))
             continue

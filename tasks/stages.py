@@ -1,18 +1,11 @@
-"""Every stage of the pipeline, in one table: the page to open first.
+"""Every stage of the pipeline, in one table: the page to open first (docs/ARCHITECTURE.md, "Stages and the table").
 
-Each row says what a stage is configured by, which code builds it, which of the
-`data` stage's datasets it reads, which stages' artifacts it takes and whether
-it holds the accelerator while it builds. Everything else is derived from it:
-the `algorithm` choices (the rows with `algorithm=True`), `PipelineParams` and
-the flow's parameters (one block per row), the flow's wiring, the served
-deployments, the device slots, the token limits the data stage checks, and
-each stage's code version (the project modules its trainer imports,
-`tasks.code_version.code_version`).
-
-A trainer is a module with `train(cfg, ...)`; its parameters are filled by
-name (`tasks.training`): `sft_model` / `reward_model` are the upstream `sft` /
-`rm` artifacts' model folders, `model` / `rewards` the run's base model and
-reward blocks, `data_dir` the data artifact.
+Each row says what a stage is configured by, which code builds it and which task runs it, which of the `data`
+stage's datasets it reads, which stages' artifacts it takes, whether it holds the accelerator while it builds and
+which models it holds there. Everything else is derived from it: the `algorithm` choices, `PipelineParams` and the
+flow's parameters (one block per row), the served deployments, the device slots, the token limits the data stage
+checks, the memory `rlhf check` estimates, and each stage's code version (the project modules its `trainer` imports,
+`tasks.code_version`). The trainer contract (what `train(cfg, ...)` is given) is in `tasks.training`.
 """
 
 from __future__ import annotations
@@ -20,34 +13,42 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlhf_pipeline.tasks.gate import RegistryConfig
-from rlhf_pipeline.trainers.config import StrictModel
+from rlhf_pipeline.trainers.config import StageConfig
 from rlhf_pipeline.trainers.data import DataConfig
 from rlhf_pipeline.trainers.dpo import DpoConfig
 from rlhf_pipeline.trainers.eval import EvalConfig
 from rlhf_pipeline.trainers.grpo import GrpoConfig
 from rlhf_pipeline.trainers.kto import KtoConfig
+from rlhf_pipeline.trainers.memory import EVALUATED, POLICY, REFERENCE, REWARD_MODEL, TRAINED_REWARD_MODEL, VALUE_MODEL, Held
 from rlhf_pipeline.trainers.ppo import PpoConfig
 from rlhf_pipeline.trainers.rloo import RlooConfig
 from rlhf_pipeline.trainers.rm import RewardModelConfig
 from rlhf_pipeline.trainers.sft import SftConfig
 
-POLICY = "policy"
+POLICY_STAGE = "policy"
 """In `upstream`: the run's policy-optimisation stage, whichever `algorithm` names."""
+TRAIN_STAGE = "rlhf_pipeline.tasks.training:train_stage"
+"""The one task of every stage whose trainer has the contract's `train` (`tasks.training`)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Stage:
     name: str
-    config: type[StrictModel]
+    config: type[StageConfig]
     trainer: str | None
-    """Module whose `train` builds the stage (None: the stage's task does it all, e.g. registry)."""
-    reads: tuple[str, ...]
-    """Datasets of the `data` stage it reads; it keys on their digests alone."""
-    upstream: tuple[str, ...]
-    """Stages whose artifacts it takes (`rm` only where the run's rewards or eval use it)."""
-    device: bool
-    """Holds a slot of the device limit (a GPU) while it builds."""
+    """Module whose source and imports are the stage's code version; under `TRAIN_STAGE` its `train` builds the stage
+    (None: the stage is not keyed, e.g. registry)."""
+    task: str
+    """The Prefect task that builds it (`module:function`)."""
     description: str
+    reads: tuple[str, ...] = ()
+    """Datasets of the `data` stage it reads; it keys on their digests alone."""
+    upstream: tuple[str, ...] = ()
+    """Stages whose artifacts it takes (`rm` only where the run's rewards or eval use it)."""
+    device: bool = False
+    """Holds a slot of the device limit (a GPU) while it builds."""
+    holds: tuple[Held, ...] = ()
+    """The models in memory at its peak (`trainers.memory`; `rlhf check` adds LoRA, beta and the rewards' choices)."""
     algorithm: bool = False
     """One of the policy-optimisation choices (`algorithm=<name>`)."""
     online: bool = False
@@ -57,53 +58,68 @@ class Stage:
 
 
 PREFERENCES = ("preference",)
+ONLINE_UPSTREAM = ("data", "sft", "rm")
 STAGES: tuple[Stage, ...] = (
-    Stage("data", DataConfig, "rlhf_pipeline.validators.stage", (), (), False, "Datasets, checked and frozen by the `data` stage."),
-    Stage("sft", SftConfig, "rlhf_pipeline.trainers.sft", ("sft",), ("data",), True, "Supervised fine-tuning (TRL SFTTrainer)."),
     Stage(
-        "rm",
-        RewardModelConfig,
-        "rlhf_pipeline.trainers.rm",
-        ("preference", "preference_eval"),
-        ("data", "sft"),
-        True,
-        "Reward model (TRL RewardTrainer).",
-        pairs=True,
-    ),
-    Stage("dpo", DpoConfig, "rlhf_pipeline.trainers.dpo", PREFERENCES, ("data", "sft"), True, "DPO (TRL DPOTrainer).", algorithm=True, pairs=True),
-    Stage(
-        "kto",
-        KtoConfig,
-        "rlhf_pipeline.trainers.kto",
-        PREFERENCES,
-        ("data", "sft"),
-        True,
-        "KTO (TRL KTOTrainer): unpaired binary feedback; pairs are unpaired.",
-        algorithm=True,
-    ),
-    Stage("grpo", GrpoConfig, "rlhf_pipeline.trainers.grpo", ("prompts",), ("data", "sft", "rm"), True, "GRPO (TRL GRPOTrainer).", algorithm=True, online=True),
-    Stage("rloo", RlooConfig, "rlhf_pipeline.trainers.rloo", ("prompts",), ("data", "sft", "rm"), True, "RLOO (TRL RLOOTrainer).", algorithm=True, online=True),
-    Stage(
-        "ppo", PpoConfig, "rlhf_pipeline.trainers.ppo", ("prompts",), ("data", "sft", "rm"), True, "PPO (ours: trainers/ppo.py).", algorithm=True, online=True
+        name="data", config=DataConfig, trainer="rlhf_pipeline.validators.stage", task="rlhf_pipeline.tasks.data:validate_data",
+        description="Datasets, checked and frozen by the `data` stage.",
     ),
     Stage(
-        "eval",
-        EvalConfig,
-        "rlhf_pipeline.trainers.eval",
-        ("prompts_eval", "preference_eval", "sft"),
-        ("data", "sft", POLICY, "rm"),
-        True,
-        "Held-out evaluation of the policy against SFT, the base model and the champion.",
-    ),  # fmt: skip
-    Stage("registry", RegistryConfig, None, (), (POLICY, "eval"), False, "MLflow model registry and promotion gate."),
-)
+        name="sft", config=SftConfig, trainer="rlhf_pipeline.trainers.sft", task=TRAIN_STAGE,
+        description="Supervised fine-tuning (TRL SFTTrainer).",
+        reads=("sft",), upstream=("data",), device=True, holds=(POLICY,),
+    ),
+    Stage(
+        name="rm", config=RewardModelConfig, trainer="rlhf_pipeline.trainers.rm", task=TRAIN_STAGE,
+        description="Reward model (TRL RewardTrainer).",
+        reads=("preference", "preference_eval"), upstream=("data", "sft"), device=True, holds=(TRAINED_REWARD_MODEL,), pairs=True,
+    ),
+    Stage(
+        name="dpo", config=DpoConfig, trainer="rlhf_pipeline.trainers.dpo", task=TRAIN_STAGE,
+        description="DPO (TRL DPOTrainer).",
+        reads=PREFERENCES, upstream=("data", "sft"), device=True, holds=(POLICY, REFERENCE), algorithm=True, pairs=True,
+    ),
+    Stage(
+        name="kto", config=KtoConfig, trainer="rlhf_pipeline.trainers.kto", task=TRAIN_STAGE,
+        description="KTO (TRL KTOTrainer): unpaired binary feedback; pairs are unpaired.",
+        reads=PREFERENCES, upstream=("data", "sft"), device=True, holds=(POLICY, REFERENCE), algorithm=True,
+    ),
+    Stage(
+        name="grpo", config=GrpoConfig, trainer="rlhf_pipeline.trainers.grpo", task=TRAIN_STAGE,
+        description="GRPO (TRL GRPOTrainer).",
+        reads=("prompts",), upstream=ONLINE_UPSTREAM, device=True, holds=(POLICY, REFERENCE, REWARD_MODEL), algorithm=True,
+        online=True,
+    ),
+    Stage(
+        name="rloo", config=RlooConfig, trainer="rlhf_pipeline.trainers.rloo", task=TRAIN_STAGE,
+        description="RLOO (TRL RLOOTrainer).",
+        reads=("prompts",), upstream=ONLINE_UPSTREAM, device=True, holds=(POLICY, REFERENCE, REWARD_MODEL), algorithm=True,
+        online=True,
+    ),
+    Stage(
+        name="ppo", config=PpoConfig, trainer="rlhf_pipeline.trainers.ppo", task=TRAIN_STAGE,
+        description="PPO (ours: trainers/ppo.py).",
+        reads=("prompts",), upstream=ONLINE_UPSTREAM, device=True, holds=(POLICY, REFERENCE, VALUE_MODEL, REWARD_MODEL),
+        algorithm=True, online=True,
+    ),
+    Stage(
+        name="eval", config=EvalConfig, trainer="rlhf_pipeline.trainers.eval", task="rlhf_pipeline.tasks.eval:evaluate",
+        description="Held-out evaluation of the policy against SFT, the base model and the champion.",
+        reads=("prompts_eval", "preference_eval", "sft"), upstream=("data", "sft", POLICY_STAGE, "rm"), device=True,
+        holds=EVALUATED,
+    ),
+    Stage(
+        name="registry", config=RegistryConfig, trainer=None, task="rlhf_pipeline.tasks.registry:register_policy",
+        description="MLflow model registry and promotion gate.",
+        upstream=(POLICY_STAGE, "eval"),
+    ),
+)  # fmt: skip
 BY_NAME = {stage.name: stage for stage in STAGES}
 ALGORITHMS: tuple[str, ...] = tuple(stage.name for stage in STAGES if stage.algorithm)
-DEVICE_STAGES = frozenset(stage.name for stage in STAGES if stage.device)
 
 
-def reads(stage: str, config: StrictModel) -> tuple[str, ...]:
-    """The datasets `stage` reads with this config: the row's, and the held-out ones it evaluates on while training (`held_out`)."""
+def reads(stage: str, config: StageConfig) -> tuple[str, ...]:
+    """The datasets `stage` reads with this config: the row's, and the held-out ones it evaluates on while training."""
     return (*BY_NAME[stage].reads, *(name for name in config.held_out() if name not in BY_NAME[stage].reads))
 
 

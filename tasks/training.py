@@ -25,7 +25,7 @@ from pydantic import BaseModel
 from rlhf_pipeline.tasks.artifacts import ArtifactRef, RunContext, StageOutcome
 from rlhf_pipeline.tasks.launcher import run_launched
 from rlhf_pipeline.tasks.orchestration import device_hold, prefect_log, stage_task
-from rlhf_pipeline.tasks.stages import BY_NAME, STAGES, Stage, reads
+from rlhf_pipeline.tasks.stages import BY_NAME, STAGES, TRAIN_STAGE, Stage, reads
 from rlhf_pipeline.tasks.store import run_stage
 
 MODEL_INPUTS = {"sft_model": "sft", "reward_model": "rm", "policy_model": "policy"}
@@ -88,5 +88,5 @@ def train_stage(
     )  # fmt: skip
 
 
-TASKS = {row.name: stage_task(row.name)(train_stage) for row in STAGES if row.trainer and row.name not in ("data", "eval")}
+TASKS = {row.name: stage_task(row.name)(train_stage) for row in STAGES if row.task == TRAIN_STAGE}
 """The Prefect task of every training stage, named after it."""

@@ -12,40 +12,31 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from rlhf_pipeline.tasks.stages import BY_NAME
-
 
 @dataclass(frozen=True)
 class Held:
-    """One model a stage holds while it builds."""
+    """One model a stage holds while it builds (the table's `holds`)."""
 
     role: str
     classifier: bool
     """A scalar head (AutoModelForSequenceClassification, num_labels=1) instead of the LM head."""
     trained: bool
+    adapted: bool = False
+    """Under the stage's LoRA its adapters are what trains (`lora` is then set for an estimate)."""
     lora: Any = None
     """The stage's LoraConfig when its adapters are what is trained."""
 
 
-def held_models(params, stage: str) -> list[Held]:
-    """What each stage keeps in memory at its peak, as its trainer loads it."""
-    row, cfg = BY_NAME[stage], params.config(stage)
-    if not row.device:
-        return []
-    if stage == "eval":  # one model at a time for generation; policy and sft together for the KL
-        return [Held("policy", False, False), Held("sft", False, False)]
-    lora = cfg.lora if cfg.lora.enabled else None
-    if stage == "rm":
-        return [Held("reward model", True, True, lora)]
-    held = [Held("policy", False, True, lora)]
-    # TRL (and our PPO) take the reference as the policy with its adapters off under LoRA; GRPO keeps none at beta=0.
-    if row.algorithm and lora is None and getattr(cfg, "beta", None) != 0:
-        held.append(Held("reference", False, False))
-    if stage == "ppo":  # trained beside the policy, from the reward model or the sft model (trainers/ppo.py)
-        held.append(Held("value model", True, True))
-    if row.online and params.rewards.uses_reward_model:
-        held.append(Held("reward model", True, False))
-    return held
+POLICY = Held("policy", classifier=False, trained=True, adapted=True)
+REFERENCE = Held("reference", classifier=False, trained=False)
+"""Frozen; none under LoRA (the policy with its adapters off is the reference) and none at beta=0 (GRPO)."""
+REWARD_MODEL = Held("reward model", classifier=True, trained=False)
+"""An online stage's scorer: held only when `rewards` uses the reward model."""
+TRAINED_REWARD_MODEL = Held("reward model", classifier=True, trained=True, adapted=True)
+VALUE_MODEL = Held("value model", classifier=True, trained=True)
+"""PPO's, trained whole beside the policy, from the reward model or the sft model (trainers/ppo.py)."""
+EVALUATED = (Held("policy", False, False), Held("sft", False, False))
+"""Eval: one model at a time for generation; the policy and sft together for the KL."""
 
 
 @dataclass(frozen=True)
@@ -61,36 +52,35 @@ class StageMemory:
         return self.weights + self.training
 
 
-def stage_memory(params, stage: str, build) -> StageMemory:
-    """Weights of every model the stage holds in `model.dtype` (LoRA adapters in float32, as peft keeps them), plus
-    accelerate's `estimate_training_usage` gradients and optimizer states of the trained ones. No activations."""
+def stage_memory(held: list[Held], dtype: str, bf16: bool | None, build) -> StageMemory:
+    """Weights of every model the stage holds (`held`) in `dtype` (LoRA adapters in float32, as peft keeps them), plus
+    accelerate's `estimate_training_usage` gradients and optimizer states of the trained ones (mixed precision: `bf16`,
+    the stage's; None where the device has it). No activations."""
     import peft
     from accelerate import init_empty_weights
     from accelerate.commands.estimate import estimate_training_usage
     from accelerate.utils import compute_module_sizes, is_bf16_available, is_cuda_available
 
-    cfg = params.config(stage)
-    bf16 = getattr(cfg, "bf16", None)
     autocast = bf16 if bf16 is not None else is_cuda_available() and is_bf16_available()  # trl_arguments' rule
     names, trained_params, weights, training = [], 0, 0, 0
-    for held in held_models(params, stage):
-        model = build(held.classifier)
-        if held.lora is not None:
+    for one in held:
+        model = build(one.classifier)
+        if one.lora is not None:
             with init_empty_weights(), warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)  # peft asks transformers a deprecated question
-                model = peft.get_peft_model(model, held.lora.peft_config("SEQ_CLS" if held.classifier else "CAUSAL_LM"))
-        trainable = {name: p.numel() for name, p in model.named_parameters() if p.requires_grad} if held.trained else {}
-        adapters = {name: "float32" for name in trainable} if held.lora is not None else None
-        sizes = compute_module_sizes(model, dtype=params.model.dtype, special_dtypes=adapters)
+                model = peft.get_peft_model(model, one.lora.peft_config("SEQ_CLS" if one.classifier else "CAUSAL_LM"))
+        trainable = {name: p.numel() for name, p in model.named_parameters() if p.requires_grad} if one.trained else {}
+        adapters = {name: "float32" for name in trainable} if one.lora is not None else None
+        sizes = compute_module_sizes(model, dtype=dtype, special_dtypes=adapters)
         weights += sizes[""]
         if trainable:
             trained_bytes = sum(sizes[name] for name in trainable)
             # accelerate's mixed-precision case adds the bf16 copies autocast makes of float32 weights.
-            float32 = held.lora is not None or params.model.dtype == "float32"
+            float32 = one.lora is not None or dtype == "float32"
             usage = estimate_training_usage(trained_bytes, "bfloat16" if autocast and float32 else "float32")
             training += usage["gradients"] + usage["optimizer"]
             trained_params += sum(trainable.values())
-        names.append(held.role + (" (LoRA)" if held.lora is not None else " (trained)" if held.trained else ""))
+        names.append(one.role + (" (LoRA)" if one.lora is not None else " (trained)" if one.trained else ""))
     return StageMemory(" + ".join(names) or "no model", trained_params, weights, training)
 
 

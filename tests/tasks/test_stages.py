@@ -9,7 +9,7 @@ import pytest
 
 from rlhf_pipeline.flows.params import PipelineParams, load_params
 from rlhf_pipeline.tasks.code_version import code_version, project_imports
-from rlhf_pipeline.tasks.stages import ALGORITHMS, BY_NAME, DEVICE_STAGES, STAGES
+from rlhf_pipeline.tasks.stages import ALGORITHMS, BY_NAME, STAGES
 from rlhf_pipeline.tasks.training import MODEL_INPUTS, trainer_parameters
 
 TINY = "rlhf_pipeline.trainers.tiny"
@@ -70,7 +70,6 @@ def test_a_source_edit_changes_exactly_the_versions_of_the_stages_that_import_it
 def test_the_algorithm_choices_device_stages_and_blocks_come_from_the_table():
     assert set(ALGORITHMS) >= {"dpo", "grpo", "rloo", "ppo"}
     assert PipelineParams.model_fields["algorithm"].annotation.__args__ == ALGORITHMS
-    assert DEVICE_STAGES == {s.name for s in STAGES if s.device} and "data" not in DEVICE_STAGES
     assert {s.name for s in STAGES} <= set(PipelineParams.model_fields)
     params = load_params("tiny", ["algorithm=grpo", "rewards.reward_model_weight=0", "eval.use_reward_model=false"])
     assert params.plan() == ["data", "sft", "grpo", "eval", "registry"]
