@@ -184,7 +184,7 @@ def isolation_check(rows: list[dict]) -> dict[tuple[str, str], float]:
     from trl import pack_dataset
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-    from rlhf_pipeline.trainers.base import load_base_model
+    from rlhf_pipeline.trainers.base_model import load_base_model
 
     worst: dict[tuple[str, str], float] = {}
     model, tokenizer = load_base_model(bench_model())

@@ -15,7 +15,7 @@ from rlhf_pipeline.tasks.data import validate_data
 from rlhf_pipeline.tasks.eval import evaluate
 from rlhf_pipeline.tasks.gate import RegistryConfig
 from rlhf_pipeline.tasks.orchestration import RetryConfig, retrying
-from rlhf_pipeline.tasks.pipeline import pipeline_run
+from rlhf_pipeline.tasks.parent_run import pipeline_run
 from rlhf_pipeline.tasks.resolve import check_model_source, resolve_model
 from rlhf_pipeline.trainers.config import ModelConfig, StrictModel
 from rlhf_pipeline.trainers.data import DataConfig

@@ -19,7 +19,7 @@ from rlhf_pipeline.flows.params import PipelineParams, described_by, from_flow_p
 from rlhf_pipeline.tasks.data import validate_data
 from rlhf_pipeline.tasks.eval import evaluate
 from rlhf_pipeline.tasks.orchestration import retrying
-from rlhf_pipeline.tasks.pipeline import pipeline_run
+from rlhf_pipeline.tasks.parent_run import pipeline_run
 from rlhf_pipeline.tasks.registry import register_task
 from rlhf_pipeline.tasks.stages import BY_NAME, pair_readers
 from rlhf_pipeline.tasks.training import TASKS, settings_of

@@ -54,7 +54,7 @@ def check(preset: str, overrides: list[str], report_dir: Path | None = None) -> 
 
 
 def _tokenizer(params, problems: list[str]):
-    from rlhf_pipeline.trainers.base import load_base_tokenizer
+    from rlhf_pipeline.trainers.base_model import load_base_tokenizer
 
     try:
         tokenizer = load_base_tokenizer(params.model)

@@ -174,7 +174,7 @@ def _start_temporary_server() -> None:
     env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
     command = [sys.executable, "-m", "uvicorn", "--app-dir", os.path.dirname(prefect_dir), "--factory", "prefect.server.api.server:create_app",
                "--host", "127.0.0.1", "--port", str(port), "--log-level", "error", "--lifespan", "on"]  # fmt: skip
-    from rlhf_pipeline.trainers.launch import die_with_parent  # stdlib only; a killed `rlhf run` leaves no server behind
+    from rlhf_pipeline.trainers.rank import die_with_parent  # stdlib only; a killed `rlhf run` leaves no server behind
 
     process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
     _TEMPORARY.update(process=process, url=f"http://127.0.0.1:{port}/api")

@@ -9,7 +9,7 @@ from rlhf_pipeline.tasks.orchestration import device_hold, prefect_log, stage_ta
 from rlhf_pipeline.tasks.stages import BY_NAME, pair_readers
 from rlhf_pipeline.tasks.store import run_stage
 from rlhf_pipeline.trainers.config import ModelConfig
-from rlhf_pipeline.trainers.data import DataConfig, fingerprint
+from rlhf_pipeline.trainers.data import DataConfig, dataset_fingerprint
 
 
 @stage_task("data")
@@ -33,7 +33,7 @@ def validate_data(
     pairs_for = pair_readers() if pairs_for is None else pairs_for
     limits = _token_limits(config, model, max_tokens)
     sources = config.sources()
-    fingerprints = {name: fingerprint(spec) for name, (_, spec) in sources.items()}
+    fingerprints = {name: dataset_fingerprint(spec) for name, (_, spec) in sources.items()}
     keyed = config.model_dump(mode="json")
     if model is not None:
         # The tokenizer (and its chat template) decides the template and length rules.

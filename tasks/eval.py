@@ -14,7 +14,7 @@ from rlhf_pipeline.tasks.registry import current_champion
 from rlhf_pipeline.tasks.stages import BY_NAME
 from rlhf_pipeline.tasks.store import run_stage
 from rlhf_pipeline.trainers.config import ModelConfig
-from rlhf_pipeline.trainers.custom import fingerprint
+from rlhf_pipeline.trainers.custom import source_digests
 from rlhf_pipeline.trainers.eval import EvalConfig
 
 REPORT_FILES = ("summary.json", "summary.md", "samples.jsonl", "plots")
@@ -60,7 +60,7 @@ def evaluate(
     if champion:
         upstream["champion"] = champion
     settings = {"eval": config.model_dump(mode="json"), "model": model.model_dump(mode="json")}
-    fingerprints = fingerprint(config.code_paths())  # editing the gold metric or a judge function re-runs eval alone
+    fingerprints = source_digests(config.code_paths())  # editing the gold metric or a judge function re-runs eval alone
     outcome = run_stage(
         "eval", settings, upstream, ctx, build, fingerprints=fingerprints, log_files=REPORT_FILES, log=prefect_log, trainer=row.trainer, hold=device_hold("eval", row.device, prefect_log)
     )  # fmt: skip

@@ -1,7 +1,7 @@
 """Where a training stage runs: in the flow run's own process, or in processes of its own under `accelerate launch`.
 
     accelerate launch [--config_file deployments/accelerate/<engine>.yaml | --multi_gpu (CPU: gloo)] --num_processes N \
-        -m rlhf_pipeline.trainers.launch <work_dir>/launch.json
+        -m rlhf_pipeline.trainers.rank <work_dir>/launch.json
 
 The parent (this module, in the Prefect task) writes the stage's resolved arguments to `launch.json`, starts the
 launcher in the flow run's process group, streams every line into the task's log, forwards rank 0's metrics to
@@ -29,8 +29,8 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from rlhf_pipeline.trainers.launch import ERROR_FILE, METRICS_MARK, PERMANENT, PROGRESS_MARK, RESULT_FILE, die_with_parent, write_spec
 from rlhf_pipeline.trainers.progress import emit
+from rlhf_pipeline.trainers.rank import ERROR_FILE, METRICS_MARK, PERMANENT, PROGRESS_MARK, RESULT_FILE, die_with_parent, write_spec
 
 Launcher = Literal["inprocess", "accelerate"]
 ENGINES = ("ddp", "zero2", "zero3", "fsdp2")
@@ -93,7 +93,7 @@ class LaunchConfig(BaseModel):
         if machines > 1:
             command += ["--machine_rank", os.environ["RLHF_MACHINE_RANK"], "--main_process_ip", os.environ["RLHF_MAIN_PROCESS_IP"]]
         command += ["--main_process_port", os.environ.get("RLHF_MAIN_PROCESS_PORT") or str(_free_port())]
-        return [*command, "-m", "rlhf_pipeline.trainers.launch", str(spec)]
+        return [*command, "-m", "rlhf_pipeline.trainers.rank", str(spec)]
 
 
 def _free_port() -> int:
@@ -124,7 +124,7 @@ def run_launched(
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env, preexec_fn=die_with_parent
     )  # fmt: skip
-    ranks = Tree(process.pid)
+    ranks = ProcessTree(process.pid)
     tail: deque[str] = deque(maxlen=30)
     try:
         _stream(process, ranks, log, log_metrics, tail)
@@ -146,7 +146,7 @@ def run_launched(
     return json.loads((work_dir / RESULT_FILE).read_text())
 
 
-class Tree:
+class ProcessTree:
     """The launcher and every process under it, remembered as they appear: a rank whose parent died is still found."""
 
     def __init__(self, pid: int):
@@ -179,7 +179,7 @@ class Tree:
         psutil.wait_procs(left, timeout=5)
 
 
-def _stream(process: subprocess.Popen, ranks: Tree, log, log_metrics, tail: deque) -> None:
+def _stream(process: subprocess.Popen, ranks: ProcessTree, log, log_metrics, tail: deque) -> None:
     """Every line of the ranks into the log, metrics lines into `log_metrics`. Polls, so that a Prefect timeout or
     cancellation raised into this thread is seen between lines, and ends when the flow run's main thread has ended."""
     selector = selectors.DefaultSelector()

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.artifacts import ArtifactRef, StageOutcome
 from rlhf_pipeline.tasks.secrets import redact_text
-from rlhf_pipeline.trainers.launch import PERMANENT
+from rlhf_pipeline.trainers.rank import PERMANENT
 
 
 def retrying(config: RetryConfig) -> Callable:
@@ -174,6 +174,13 @@ def _link_mlflow_run(stage: str, run_id: str) -> None:
         from prefect.artifacts import create_link_artifact
 
         create_link_artifact(link, link_text=f"{stage} in MLflow", description=f"MLflow run of the `{stage}` stage")
+
+
+def current_flow_run() -> tuple[str, str]:
+    """The id and name of the flow run this code runs in ("", "rlhf" outside one)."""
+    from prefect.runtime import flow_run
+
+    return flow_run.get_id() or "", flow_run.get_name() or "rlhf"
 
 
 def prefect_log(message: str) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.artifacts import ArtifactRef, RunContext
 from rlhf_pipeline.tasks.gate import CANDIDATE, CHAMPION, RegistryConfig, gate, hacking
-from rlhf_pipeline.tasks.orchestration import prefect_log
+from rlhf_pipeline.tasks.orchestration import current_flow_run, prefect_log
 
 
 def current_champion(cfg: RegistryConfig) -> ArtifactRef | None:
@@ -37,7 +37,7 @@ def register_policy(cfg: RegistryConfig, policy: ArtifactRef, report: ArtifactRe
         tags = {
             "rlhf.policy_digest": policy.digest,
             "rlhf.policy_stage": policy.stage,
-            "rlhf.flow_run_id": _flow_run_id(),
+            "rlhf.flow_run_id": current_flow_run()[0],
             "rlhf.mlflow_run_id": ctx.parent_run_id,
             **{f"rlhf.key.{ref.stage}": ref.key for ref in stages},
             **{f"rlhf.data.{name}": value for name, value in fingerprints.items()},
@@ -66,12 +66,6 @@ def register_policy(cfg: RegistryConfig, policy: ArtifactRef, report: ArtifactRe
     tracking.end_run(run_id)
     prefect_log(f"registry: {cfg.model_name} v{version} is candidate; champion {'moved' if promoted and champion != version else 'stays'} ({reason})")
     return outcome
-
-
-def _flow_run_id() -> str:
-    from prefect.runtime import flow_run
-
-    return flow_run.get_id() or ""
 
 
 def register_task():

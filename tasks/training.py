@@ -55,10 +55,10 @@ def settings_of(stage: Stage) -> tuple[str, ...]:
 def code_fingerprints(config: BaseModel, settings: dict[str, BaseModel]) -> dict[str, str]:
     """The source digest of every import path the stage runs (its optimizer factory, callbacks, compute_metrics; the reward
     functions of `rewards`): editing one re-runs the stages that use it and nothing else."""
-    from rlhf_pipeline.trainers.custom import fingerprint
+    from rlhf_pipeline.trainers.custom import source_digests
 
     paths = [*config.code_paths(), *(path for block in settings.values() for path in block.code_paths())]
-    return fingerprint(paths)
+    return source_digests(paths)
 
 
 def train_stage(

@@ -8,7 +8,7 @@ Every stage block may name code of the user's by `package.module:name`:
 
 Each path is imported and its signature checked when the parameters are checked (a misspelt path fails in
 `rlhf params`, naming it), and the source of its module is part of the key of the stage that uses it
-(`fingerprint`): editing a callback re-runs that stage and nothing else. The fields are declared in
+(`source_digests`): editing a callback re-runs that stage and nothing else. The fields are declared in
 `trainers.config` (`Customisation`, `EvalDuringTraining`); this module has no pydantic models.
 """
 
@@ -65,7 +65,7 @@ def check_signature(fn: Callable, path: str, what: str, positional: int = 0, key
         raise ValueError(f"{what} {path!r} has the signature {name}{signature}, which cannot be called as ({wanted}): {exc}") from exc
 
 
-def fingerprint(paths: Iterable[str], what: str = "import path") -> dict[str, str]:
+def source_digests(paths: Iterable[str], what: str = "import path") -> dict[str, str]:
     """`{"code:<path>": sha256 of its module's source}` for every path, found without importing the module."""
     found: dict[str, str] = {}
     for path in paths:

@@ -92,7 +92,7 @@ def local_files(spec: DatasetSpec) -> list[Path] | None:
     return None
 
 
-def fingerprint(spec: DatasetSpec) -> str:
+def dataset_fingerprint(spec: DatasetSpec) -> str:
     """Content hash of the local files (a new file in a glob changes it, a renamed one does not); for a hub
     dataset its id, config, split and revision, the revision resolved to a commit when the hub answers."""
     paths = local_files(spec)

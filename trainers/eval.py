@@ -117,7 +117,7 @@ def evaluate(
     """
 
     from rlhf_pipeline.trainers import metrics as stats
-    from rlhf_pipeline.trainers.base import load_base_model
+    from rlhf_pipeline.trainers.base_model import load_base_model
     from rlhf_pipeline.trainers.loop import load_split
     from rlhf_pipeline.trainers.models import load_causal_lm, load_sequence_classifier, load_tokenizer
 
@@ -253,7 +253,7 @@ def _overoptimisation_plot(policy_model: Path, out_dir: Path, stage: str) -> Non
     """The online stage's held-out probes (its `heldout.jsonl`, beside the policy), on Gao et al.'s axes."""
     import json
 
-    from rlhf_pipeline.trainers.heldout import CURVES
+    from rlhf_pipeline.trainers.probes import CURVES
 
     path = policy_model.parent / CURVES
     if not path.is_file():

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
 
 def load_tokenizer(source: str | Path, revision: str | None = None, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-    """The tokenizer of a model folder or hub id (the base model's: `trainers.base.load_base_tokenizer`)."""
+    """The tokenizer of a model folder or hub id (the base model's: `trainers.base_model.load_base_tokenizer`)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(source), revision=revision, trust_remote_code=trust_remote_code)

@@ -13,11 +13,11 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from rlhf_pipeline.trainers.config import LogMetrics, TrainingConfig
-from rlhf_pipeline.trainers.heldout import HeldOutFields
+from rlhf_pipeline.trainers.probes import ProbeFields
 from rlhf_pipeline.trainers.rewards import RewardsConfig
 
 
-class OnlineConfig(HeldOutFields, TrainingConfig):
+class OnlineConfig(ProbeFields, TrainingConfig):
     learning_rate: float = Field(1e-6, gt=0, description="Peak learning rate (TRL GRPO/RLOO default 1e-6).")
     per_device_train_batch_size: int = Field(8, ge=1, description="Completions (not prompts) per device per step.")
     num_generations: int = Field(8, ge=2, description="Completions sampled per prompt (the group).")
@@ -117,7 +117,7 @@ def train(
     callbacks = stage_callbacks(stage, log_metrics, cfg)
     probe = None
     if cfg.eval_steps:
-        from rlhf_pipeline.trainers.heldout import probe_callback
+        from rlhf_pipeline.trainers.probes import probe_callback
 
         probe_args = {
             "data_dir": data_dir,

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field, model_validator
 
 from rlhf_pipeline.trainers.config import Customisation, LogMetrics, LoraConfig, StageConfig
-from rlhf_pipeline.trainers.heldout import HeldOutFields
 from rlhf_pipeline.trainers.ppo_math import (
     adapted_kl_coef,
     compute_gae,
@@ -40,6 +39,7 @@ from rlhf_pipeline.trainers.ppo_math import (
     whiten,
 )
 from rlhf_pipeline.trainers.ppo_parallel import Ranks, cpu_threads, load_checkpoint, save_checkpoint, tf32
+from rlhf_pipeline.trainers.probes import ProbeFields
 from rlhf_pipeline.trainers.progress import PROGRESS, Progress
 from rlhf_pipeline.trainers.rewards import RewardsConfig
 
@@ -152,7 +152,7 @@ class PpoFields(StageConfig):
         return max(1, num_updates // self.num_sample_generations) if self.num_sample_generations else None
 
 
-class PpoConfig(Customisation, HeldOutFields, PpoFields):
+class PpoConfig(Customisation, ProbeFields, PpoFields):
     """Our PPO's fields (`PpoFields`), then the user's own optimizer and callbacks, as in every stage."""
 
 
@@ -244,9 +244,9 @@ def train(
 
     from rlhf_pipeline.trainers.config import device_precision
     from rlhf_pipeline.trainers.custom import Hooks
-    from rlhf_pipeline.trainers.heldout import Keeper, Probe
     from rlhf_pipeline.trainers.loop import add_outcome, last_checkpoint, load_split, write_outcome
     from rlhf_pipeline.trainers.models import load_tokenizer, save_model
+    from rlhf_pipeline.trainers.probes import Keeper, Probe
     from rlhf_pipeline.trainers.rewards import RewardScorer, as_completions
     from rlhf_pipeline.trainers.text import prompt_ids as render_prompt
 

@@ -157,7 +157,7 @@ def write_checkpoint(work_dir: Path, tmp: Path, final: Path, update: int, policy
     import torch
     from safetensors.torch import save_file
 
-    from rlhf_pipeline.trainers.heldout import trainable
+    from rlhf_pipeline.trainers.probes import trainable
 
     save_file(trainable(policy), tmp / "policy.safetensors")
     save_file(trainable(value_model), tmp / "value_model.safetensors")

@@ -8,7 +8,7 @@
 
 Every record carries `record.progress = {"stage", "event", "step", "total", "start", "values"}`. Nothing here draws:
 `rlhf_pipeline.console` (the CLI's) turns the records into one bar per stage, so a change to the display re-keys no
-stage. Ranks launched by accelerate forward them to the parent as `@@rlhf-progress` lines (`trainers.launch`).
+stage. Ranks launched by accelerate forward them to the parent as `@@rlhf-progress` lines (`trainers.rank`).
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ def train(
     training, the held-out split is `eval_split` of it (seeded) or `sft_eval.parquet`."""
     import trl
 
-    from rlhf_pipeline.trainers.base import added_token_ids, load_base_model, trainable_tokens
+    from rlhf_pipeline.trainers.base_model import added_token_ids, load_base_model, trainable_tokens
     from rlhf_pipeline.trainers.loop import load_split, stage_callbacks, train_and_save
     from rlhf_pipeline.trainers.models import head_bias_through_trainable_tokens
 

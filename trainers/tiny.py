@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 EOS, PAD = "<|endoftext|>", "<|pad|>"
 ROLES = ("system", "user", "assistant", "tool")
+"""The roles of a conversation (TRL's conversational formats), each a special token of the tiny template; the data rules accept these."""
 
 # Assistant turns end with EOS: TRL adds no EOS to conversational rows (DESIGN.md),
 # and generation must stop there. {% generation %} marks the tokens that

@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Literal
 
+from rlhf_pipeline.trainers.data import Kind
 from rlhf_pipeline.validators.report import DataValidationError, RuleResult, ValidationReport
 
 if TYPE_CHECKING:
     import datasets
     import pyarrow as pa
 
-Kind = Literal["sft", "preference", "prompt"]
 KINDS: tuple[str, ...] = ("sft", "preference", "prompt")
 STRING = "a string"
 MESSAGES = "a list of {role, content} messages"

@@ -16,10 +16,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
+from rlhf_pipeline.trainers.tiny import ROLES
 from rlhf_pipeline.validators.formats import LABEL, DatasetFormat, value_type
 from rlhf_pipeline.validators.report import short_repr
 
-ROLES = ("system", "user", "assistant", "tool")
 PROMPT_END_ROLES = ("user", "tool")
 
 Row = dict[str, Any]  # the format's columns (an unpaired row's `label` included) -> this row's values

@@ -79,7 +79,7 @@ def check_datasets(
     sources = cfg.sources()
     limits = {name: limit for name, limit in max_tokens.items() if name in sources}
     if tokenizer is None and model is not None:
-        from rlhf_pipeline.trainers.base import load_base_tokenizer
+        from rlhf_pipeline.trainers.base_model import load_base_tokenizer
 
         tokenizer = load_base_tokenizer(model)
     model_name = repr(model.name_or_path) if model is not None else "the model"

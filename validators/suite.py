@@ -142,20 +142,6 @@ class Suite:
         return docs_dir / "index.html"
 
 
-def run_suite(
-    kind: str,
-    frame: pd.DataFrame,
-    rules: list[Rule],
-    *,
-    source: str,
-    docs_dir: pathlib.Path | None = None,
-) -> SuiteRun:
-    """Validate one `frame` (the whole dataset) with one expectation per rule; render Data Docs into `docs_dir` if given."""
-    suite = Suite(kind, rules, source=source, docs_dir=docs_dir)
-    suite.validate(frame)
-    return suite.finish()
-
-
 def _import_great_expectations():
     # GX logs ~200 INFO lines while registering its classes at import, and its
     # fluent datasources import the deprecated sre_* modules: keep both out of

@@ -11,7 +11,7 @@ from rlhf_pipeline.validators.report import MAX_EXAMPLES, DataValidationError, R
 from rlhf_pipeline.validators.rules import CHECKS, Rule, label_checks, rules_for
 from rlhf_pipeline.validators.screen import derive_batch
 from rlhf_pipeline.validators.suite import Suite, derived_frame
-from rlhf_pipeline.validators.template import chat_template_rule, end_of_turn_rule, template_column, template_problem, untrained_end_of_turns
+from rlhf_pipeline.validators.template_rules import chat_template_rule, end_of_turn_rule, template_column, template_problem, untrained_end_of_turns
 
 if TYPE_CHECKING:
     import datasets
@@ -41,7 +41,7 @@ def validate_dataset(
     with `tokenizer` (see validators.lengths). Conversational rows with a
     `tokenizer` also get rule `chat_template` (it has one that can train them, with
     {% generation %} marks when `assistant_only`) and, with `assistant_only`, rule
-    `end_of_turn_trained` (see validators.template).
+    `end_of_turn_trained` (see validators.template_rules).
     The rows are read `batch_rows` at a time, so memory does not grow with the dataset; the report
     names offending rows by their 0-based dataset index whatever the batch.
     Writes report_dir/validation.json and report_dir/data_docs/ (GX Data Docs)

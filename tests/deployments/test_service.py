@@ -198,7 +198,7 @@ def test_cancelling_a_flow_run_stops_every_rank_of_a_launched_stage(service):
         found = []
         for process in psutil.process_iter(["cmdline"]):
             with contextlib.suppress(psutil.Error):
-                if "rlhf_pipeline.trainers.launch" in " ".join(process.info["cmdline"] or []):
+                if "rlhf_pipeline.trainers.rank" in " ".join(process.info["cmdline"] or []):
                     found.append(process)
         return found
 

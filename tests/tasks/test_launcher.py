@@ -88,7 +88,7 @@ def test_a_rank_killed_mid_stage_fails_the_stage_leaves_no_process_and_the_retry
 
 
 def test_a_config_a_rank_refuses_fails_at_once_with_the_same_error(ctx, data, tmp_path):
-    from rlhf_pipeline.trainers.base import load_base_model
+    from rlhf_pipeline.trainers.base_model import load_base_model
     from rlhf_pipeline.trainers.dpo import DpoConfig
     from rlhf_pipeline.trainers.models import save_model
 
@@ -104,7 +104,7 @@ def test_a_config_a_rank_refuses_fails_at_once_with_the_same_error(ctx, data, tm
 def test_ppo_on_two_ranks_resumes_a_killed_rank_to_the_same_weights_as_an_unbroken_run(ctx, data, tmp_path, caplog):
     from safetensors.torch import load_file
 
-    from rlhf_pipeline.trainers.base import load_base_model
+    from rlhf_pipeline.trainers.base_model import load_base_model
     from rlhf_pipeline.trainers.models import save_model
     from rlhf_pipeline.trainers.ppo import PpoConfig
     from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, RewardsConfig

@@ -10,7 +10,7 @@ from rlhf_pipeline.tasks.artifacts import RunContext
 from rlhf_pipeline.tasks.gate import CANDIDATE, CHAMPION, RegistryConfig, gate, hacking
 from rlhf_pipeline.tasks.registry import current_champion, register_policy
 from rlhf_pipeline.tasks.store import run_stage
-from rlhf_pipeline.trainers.base import load_base_model
+from rlhf_pipeline.trainers.base_model import load_base_model
 from rlhf_pipeline.trainers.models import save_model
 from rlhf_pipeline.trainers.tiny import build_tokenizer
 from tests.helpers import SMALL_MODEL

@@ -111,7 +111,7 @@ def test_two_runs_with_the_same_inputs_at_once_build_once_and_share_the_result(c
 
 def test_models_with_different_tokenizers_are_refused_at_the_edge_before_the_stage_builds(ctx, tmp_path):
     from rlhf_pipeline.flows.evaluate import EvalParams
-    from rlhf_pipeline.trainers.base import load_base_model
+    from rlhf_pipeline.trainers.base_model import load_base_model
     from rlhf_pipeline.trainers.config import ModelConfig
     from rlhf_pipeline.trainers.models import save_model
     from tests.fixtures import gpt2_folder

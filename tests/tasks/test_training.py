@@ -8,7 +8,7 @@ from mlflow.tracking import MlflowClient
 from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.artifacts import ArtifactRef, RunContext
 from rlhf_pipeline.tasks.training import train_stage
-from rlhf_pipeline.trainers.base import load_base_model
+from rlhf_pipeline.trainers.base_model import load_base_model
 from rlhf_pipeline.trainers.config import CallbackSpec
 from rlhf_pipeline.trainers.dpo import DpoConfig
 from rlhf_pipeline.trainers.models import save_model

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from safetensors.torch import load_file
 
 from rlhf_pipeline.trainers import dpo, ppo, sft
-from rlhf_pipeline.trainers.base import load_base_model
+from rlhf_pipeline.trainers.base_model import load_base_model
 from rlhf_pipeline.trainers.config import CallbackSpec
 from rlhf_pipeline.trainers.loop import OUTCOME
 from rlhf_pipeline.trainers.models import load_causal_lm, save_model

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from rlhf_pipeline.trainers import dpo, rm, sft
-from rlhf_pipeline.trainers.base import load_base_model
-from rlhf_pipeline.trainers.data import DatasetSpec, fingerprint, load_source
+from rlhf_pipeline.trainers.base_model import load_base_model
+from rlhf_pipeline.trainers.data import DatasetSpec, dataset_fingerprint, load_source
 from rlhf_pipeline.trainers.models import load_causal_lm
 from rlhf_pipeline.validators import detect_format, validate_dataset
 from tests.helpers import FAST, SMALL_MODEL, trainable, unchanged, write_jsonl
@@ -75,7 +75,7 @@ def test_fingerprint_follows_content_not_name(tmp_path):
     a = write_jsonl(tmp_path / "a.jsonl", [{"text": "x"}])
     b = write_jsonl(tmp_path / "b.jsonl", [{"text": "x"}])
     c = write_jsonl(tmp_path / "c.jsonl", [{"text": "y"}])
-    fa, fb, fc = (fingerprint(DatasetSpec(path=str(p))) for p in (a, b, c))
+    fa, fb, fc = (dataset_fingerprint(DatasetSpec(path=str(p))) for p in (a, b, c))
     assert fa == fb != fc
 
 
@@ -83,14 +83,14 @@ def test_a_glob_reads_every_matching_file_and_a_new_file_changes_the_fingerprint
     write_jsonl(tmp_path / "2026-11-01.jsonl", [{"text": "a"}, {"text": "b"}])
     write_jsonl(tmp_path / "2026-11-08.jsonl", [{"text": "c"}])
     spec = DatasetSpec(path=str(tmp_path / "2026-*.jsonl"))
-    before = fingerprint(spec)
+    before = dataset_fingerprint(spec)
     assert sorted(load_source(spec)["text"]) == ["a", "b", "c"]
-    assert fingerprint(spec) == before
+    assert dataset_fingerprint(spec) == before
     write_jsonl(tmp_path / "2026-11-15.jsonl", [{"text": "d"}])  # this week's data lands
-    assert fingerprint(spec) != before
+    assert dataset_fingerprint(spec) != before
     assert len(load_source(spec)) == 4
     with pytest.raises(ValueError, match=r"2025-\*.jsonl: the pattern matches no file"):
-        fingerprint(DatasetSpec(path=str(tmp_path / "2025-*.jsonl")))
+        dataset_fingerprint(DatasetSpec(path=str(tmp_path / "2025-*.jsonl")))
 
 
 def _frozen(tmp_path, name: str, kind: str, shape: str) -> None:

@@ -2,7 +2,7 @@ import pytest
 from pydantic import ValidationError
 
 from rlhf_pipeline.trainers import dpo
-from rlhf_pipeline.trainers.base import load_base_model
+from rlhf_pipeline.trainers.base_model import load_base_model
 from rlhf_pipeline.trainers.models import load_causal_lm, save_model
 from tests.helpers import FAST, SMALL_MODEL, trainable, unchanged, write_data_dir
 

@@ -9,11 +9,11 @@ from pydantic import ValidationError
 from transformers import AutoModelForSequenceClassification
 
 from rlhf_pipeline.trainers import ppo, rm
-from rlhf_pipeline.trainers.base import load_base_model
+from rlhf_pipeline.trainers.base_model import load_base_model
 from rlhf_pipeline.trainers.ensemble import TextEnsemble, aggregate, member_dirs, scoring_dirs
-from rlhf_pipeline.trainers.heldout import CURVES
 from rlhf_pipeline.trainers.loop import load_split
 from rlhf_pipeline.trainers.models import load_causal_lm, save_model
+from rlhf_pipeline.trainers.probes import CURVES
 from rlhf_pipeline.trainers.rewards import RewardsConfig, RewardScorer
 from rlhf_pipeline.trainers.text import prompt_ids
 from tests.helpers import FAST, SMALL_MODEL, trainable, unchanged, write_data_dir

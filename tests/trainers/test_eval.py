@@ -4,7 +4,7 @@ import pytest
 
 from rlhf_pipeline.trainers import eval as evaluation
 from rlhf_pipeline.trainers import sft
-from rlhf_pipeline.trainers.base import load_base_model
+from rlhf_pipeline.trainers.base_model import load_base_model
 from rlhf_pipeline.trainers.loop import load_split
 from rlhf_pipeline.trainers.models import save_model
 from rlhf_pipeline.trainers.text import generate, reward_scores

@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from rlhf_pipeline.trainers import rm
-from rlhf_pipeline.trainers.base import load_base_model
+from rlhf_pipeline.trainers.base_model import load_base_model
 from rlhf_pipeline.trainers.feedback import PAIRS, FeedbackConfig, collect_pairs, with_pairs
 from rlhf_pipeline.trainers.loop import load_split
 from rlhf_pipeline.trainers.models import save_model

@@ -3,7 +3,7 @@ from datasets import Dataset
 from pydantic import ValidationError
 
 from rlhf_pipeline.trainers import kto
-from rlhf_pipeline.trainers.base import load_base_model
+from rlhf_pipeline.trainers.base_model import load_base_model
 from rlhf_pipeline.trainers.metrics import sequence_logprobs
 from rlhf_pipeline.trainers.models import load_causal_lm, save_model
 from tests.helpers import FAST, SMALL_MODEL, trainable, unchanged, write_data_dir

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from rlhf_pipeline.trainers.base import load_base_model
+from rlhf_pipeline.trainers.base_model import load_base_model
 from rlhf_pipeline.trainers.config import ModelConfig, TinyModelConfig
 from rlhf_pipeline.trainers.metrics import (
     Interval,

@@ -5,7 +5,7 @@ from pydantic import ValidationError
 from transformers import AutoModelForSequenceClassification
 
 from rlhf_pipeline.trainers import grpo, rloo
-from rlhf_pipeline.trainers.base import load_base_model
+from rlhf_pipeline.trainers.base_model import load_base_model
 from rlhf_pipeline.trainers.models import load_causal_lm, save_model
 from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, RewardsConfig
 from tests.helpers import FAST, SMALL_MODEL, trainable, unchanged, write_data_dir
@@ -91,7 +91,7 @@ def test_online_stages_probe_the_held_out_prompts_with_an_ensemble_and_publish_t
     import torch
 
     from rlhf_pipeline.trainers import rm
-    from rlhf_pipeline.trainers.heldout import CURVES
+    from rlhf_pipeline.trainers.probes import CURVES
 
     data = write_data_dir(tmp_path / "data", rows=16)
     rm.train(rm.RewardModelConfig(max_steps=2, ensemble_size=2, **FAST), sft_dir, data, tmp_path / "rm", tmp_path / "rm-work")

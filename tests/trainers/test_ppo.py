@@ -8,7 +8,7 @@ from pydantic import ValidationError
 from transformers import AutoModelForSequenceClassification
 
 from rlhf_pipeline.trainers import ppo
-from rlhf_pipeline.trainers.base import load_base_model
+from rlhf_pipeline.trainers.base_model import load_base_model
 from rlhf_pipeline.trainers.config import LoraConfig
 from rlhf_pipeline.trainers.loop import COMPLETE
 from rlhf_pipeline.trainers.models import load_causal_lm, save_model

@@ -13,7 +13,7 @@ from datasets import Dataset
 from transformers import AutoModelForSequenceClassification
 
 from rlhf_pipeline.trainers import ppo, rewards, text
-from rlhf_pipeline.trainers.base import load_base_model
+from rlhf_pipeline.trainers.base_model import load_base_model
 from rlhf_pipeline.trainers.config import ModelConfig
 from rlhf_pipeline.trainers.models import load_causal_lm, save_model
 from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, RewardsConfig, RewardScorer

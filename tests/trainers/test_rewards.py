@@ -4,7 +4,7 @@ import pytest
 from pydantic import ValidationError
 
 from rlhf_pipeline.trainers import sort_task
-from rlhf_pipeline.trainers.custom import fingerprint
+from rlhf_pipeline.trainers.custom import source_digests
 from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, RewardsConfig, load_functions, trl_reward_funcs
 
 PROMPTS = ["sort 21 -> ", "sort 312 -> "]
@@ -68,8 +68,8 @@ def test_fingerprint_follows_the_reward_module_source(tmp_path, monkeypatch):
     module.write_text("def f(prompts, completions, **kw):\n    return [0.0] * len(completions)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg = RewardsConfig(reward_model_weight=0, functions=[RewardFunctionSpec(path="edited_rewards:f")])
-    before = fingerprint(cfg.code_paths())
+    before = source_digests(cfg.code_paths())
     module.write_text("def f(prompts, completions, **kw):\n    return [1.0] * len(completions)\n")
-    assert fingerprint(cfg.code_paths()) != before
+    assert source_digests(cfg.code_paths()) != before
     with pytest.raises(ValueError, match="not found|does not import"):
-        fingerprint(["nowhere_module:f"])
+        source_digests(["nowhere_module:f"])

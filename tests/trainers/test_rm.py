@@ -3,7 +3,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification
 
 from rlhf_pipeline.trainers import rm
-from rlhf_pipeline.trainers.base import load_base_model
+from rlhf_pipeline.trainers.base_model import load_base_model
 from rlhf_pipeline.trainers.loop import load_split
 from rlhf_pipeline.trainers.models import save_model
 from rlhf_pipeline.trainers.text import reward_scores

@@ -5,7 +5,7 @@ import pytest
 from safetensors.torch import load_file
 
 from rlhf_pipeline.trainers import sft
-from rlhf_pipeline.trainers.base import load_base_model
+from rlhf_pipeline.trainers.base_model import load_base_model
 from rlhf_pipeline.trainers.loop import COMPLETE, last_checkpoint, load_split, metric_name
 from rlhf_pipeline.trainers.models import load_causal_lm
 from tests.helpers import FAST, SMALL_MODEL, trainable, unchanged, write_data_dir

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from rlhf_pipeline.trainers import templates, text
-from rlhf_pipeline.trainers.base import load_base_model, load_base_tokenizer
+from rlhf_pipeline.trainers.base_model import load_base_model, load_base_tokenizer
 from rlhf_pipeline.trainers.config import ModelConfig
 from rlhf_pipeline.trainers.models import load_causal_lm, save_model
 from tests.fixtures import gpt2_folder, qwen2_folder

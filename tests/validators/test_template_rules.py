@@ -9,7 +9,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 
-from rlhf_pipeline.trainers.base import load_base_tokenizer
+from rlhf_pipeline.trainers.base_model import load_base_tokenizer
 from rlhf_pipeline.trainers.config import ModelConfig
 from rlhf_pipeline.trainers.data import DatasetSpec, load_source
 from rlhf_pipeline.validators import DataValidationError, validate_dataset

@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.artifacts import ArtifactRef, RunContext
 from rlhf_pipeline.tasks.launcher import LaunchConfig
-from rlhf_pipeline.tasks.orchestration import coordinated, ensure_device_limit, prefect_log
+from rlhf_pipeline.tasks.orchestration import coordinated, current_flow_run, ensure_device_limit, prefect_log
 from rlhf_pipeline.tasks.secrets import install_log_filter, redact
 
 
@@ -47,16 +47,10 @@ class PipelineRun:
         return self.summary
 
 
-def _flow_run() -> tuple[str, str]:
-    from prefect.runtime import flow_run
-
-    return flow_run.get_id() or "", flow_run.get_name() or "rlhf"
-
-
 @contextlib.contextmanager
 def pipeline_run(params: BaseModel) -> Iterator[PipelineRun]:
     tracking.check_reachable()
-    flow_run_id, flow_run_name = _flow_run()
+    flow_run_id, flow_run_name = current_flow_run()
     if flow_run_id and coordinated():
         ensure_device_limit()
     experiment = tracking.experiment_id(params.experiment_name)

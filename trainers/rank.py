@@ -1,6 +1,6 @@
 """A stage's trainer as a process of its own: the entry point every rank of `accelerate launch` runs.
 
-    accelerate launch ... -m rlhf_pipeline.trainers.launch <work_dir>/launch.json
+    accelerate launch ... -m rlhf_pipeline.trainers.rank <work_dir>/launch.json
 
 `launch.json` (written by `tasks.launcher`) names the trainer module and its arguments: configs by class and
 JSON, paths as strings. Every rank calls `train(**arguments)`. Rank 0's metrics are printed as

@@ -27,7 +27,7 @@ CURVES = "heldout.jsonl"
 BEST = "best-policy"
 
 
-class HeldOutFields(StageConfig):
+class ProbeFields(StageConfig):
     eval_steps: int | None = Field(
         None, ge=1, description="Steps (ppo: updates) between held-out probes: proxy reward, ensemble disagreement, exact match, KL to SFT, "
         "logged as <stage>/heldout/* curves. None: no probes.",
@@ -51,7 +51,7 @@ class HeldOutFields(StageConfig):
 class Probe:
     """The held-out sample, the reward model(s) and the reference (SFT) model, loaded once; `probe(policy)` measures."""
 
-    def __init__(self, stage: str, data_dir: Path, sft_model: Path, reward_model: Path | None, rewards: RewardsConfig, cfg: HeldOutFields,
+    def __init__(self, stage: str, data_dir: Path, sft_model: Path, reward_model: Path | None, rewards: RewardsConfig, cfg: ProbeFields,
                  max_new_tokens: int, device, reference=None):  # fmt: skip
         from rlhf_pipeline.trainers.ensemble import TextEnsemble, member_dirs, scoring_dirs
         from rlhf_pipeline.trainers.loop import load_split
@@ -177,7 +177,7 @@ def trainable(model) -> dict:
     return {name: p.detach().contiguous() for name, p in model.named_parameters() if p.requires_grad}
 
 
-def probe_callback(stage: str, cfg: HeldOutFields, probe_args: dict, work_dir: Path, log_metrics):
+def probe_callback(stage: str, cfg: ProbeFields, probe_args: dict, work_dir: Path, log_metrics):
     """GRPO's and RLOO's probes: a TrainerCallback probing every `eval_steps` steps on rank 0, and at the end of training
     putting the best probe's weights back into the model the stage then saves (`kept`: what was kept, for training.json)."""
     from transformers import TrainerCallback
