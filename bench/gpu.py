@@ -5,7 +5,7 @@
 
 Each stage runs through its own trainer (`trainers.sft.train`, `dpo.train`, `grpo.train`), in this process, with the
 settings below and nothing downloaded: the model folder comes from `bench.gpu_launch.build_model` (Qwen2.5-0.5B's
-configuration, a ChatML tokenizer trained here) and the data is the tests' conversational set (`tests.fixtures`).
+configuration, a ChatML tokenizer trained here) and the data is the tests' conversational set (`tests.foreign_models`).
 A callback (`Throughput`, passed as a stage callback like a user's) counts every sequence the model trains on: a forward
 pre-hook reads each batch's attention mask while gradients are on (generation and reference passes do not count).
 - tokens/s: the real (unpadded) tokens of those training forwards over the seconds of `train()`.
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     from rlhf_pipeline.trainers import dpo, grpo, sft
     from rlhf_pipeline.trainers.config import CallbackSpec, ModelConfig
     from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, RewardsConfig
-    from tests.fixtures import chat_data
+    from tests.foreign_models import chat_data
 
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -37,7 +37,7 @@ def build_model(folder: Path, tiny: bool) -> Path:
     import torch
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-    from tests.fixtures import QWEN_TEMPLATE, train_tokenizer
+    from tests.foreign_models import QWEN_TEMPLATE, train_tokenizer
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tokenizer = PreTrainedTokenizerFast(
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model on 2 CPU processes: check the script without a GPU")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    from tests.fixtures import chat_data
+    from tests.foreign_models import chat_data
 
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)

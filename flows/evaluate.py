@@ -88,7 +88,7 @@ def rlhf_eval(
         reward_source = params.reward_model or lineage.get("rm")
         reward_model = resolve_model(reward_source, "rm")[0] if reward_source else None
         stage = retrying(params.retry)
-        data = stage(validate_data).submit(params.data, run.ctx)  # held-out sets only need their own rules
-        inputs = {"data": data, "sft": sft_model, "policy": policy, "rm": reward_model}
+        checked = stage(validate_data).submit(params.data, run.ctx)  # held-out sets only need their own rules
+        inputs = {"data": checked, "sft": sft_model, "policy": policy, "rm": reward_model}
         report = stage(evaluate).submit(params.eval, params.model, inputs, params.registry, run.ctx)
-        return run.finish(policy=policy, report=report.result(), stages=[data.result(), sft_model, policy, report.result()])
+        return run.finish(policy=policy, report=report.result(), stages=[checked.result(), sft_model, policy, report.result()])

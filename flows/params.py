@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, Field, create_model, model_validator
@@ -51,7 +51,8 @@ class RunSettings(StrictModel):
         default_factory=LaunchConfig, description="Where training stages run: in the flow run's process or under accelerate (DDP, DeepSpeed, FSDP2)."
     )
 
-    def config(self, stage: str) -> StrictModel:
+    def config(self, stage: str) -> Any:
+        """The block of `stage`: an instance of its row's config class (`tasks.stages`)."""
         return getattr(self, stage)
 
     @model_validator(mode="after")
@@ -222,12 +223,19 @@ def _stage_blocks() -> dict[str, Any]:
     return fields
 
 
-PipelineParams = create_model(
-    "PipelineParams",
-    __base__=RunSettings,
-    __doc__="Everything one run of the `rlhf` flow depends on: the run's settings and one block per stage (`tasks.stages.STAGES`).",
-    **_stage_blocks(),
-)
+if TYPE_CHECKING:  # a type checker cannot run create_model: to it, a stage block is any attribute
+
+    class PipelineParams(RunSettings):
+        def __getattr__(self, stage: str) -> Any: ...
+
+else:
+    PipelineParams = create_model(
+        "PipelineParams",
+        __base__=RunSettings,
+        __doc__="Everything one run of the `rlhf` flow depends on: the run's settings and one block per stage "
+        "(`tasks.stages.STAGES`).",
+        **_stage_blocks(),
+    )
 
 
 def parameter_order() -> list[str]:

@@ -83,6 +83,6 @@ def _signature() -> inspect.Signature:
     )
 
 
-_rlhf.__signature__ = _signature()
+_rlhf.__signature__ = _signature()  # type: ignore[attr-defined]  # what inspect (and Prefect) read
 _rlhf.__name__ = "rlhf"
 rlhf = flow(name="rlhf", persist_result=False, validate_parameters=True, log_prints=False)(described_by(PipelineParams)(_rlhf))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import sys
 import warnings
+from typing import Any
 
 from rlhf_pipeline.trainers.progress import PROGRESS, TICKS
 
@@ -25,7 +26,7 @@ class ConsoleBars(logging.Handler):
     def __init__(self, stream=None):
         super().__init__()
         self.stream = stream or sys.stderr
-        self.bars: dict[str, object] = {}
+        self.bars: dict[str, Any] = {}
 
     def emit(self, record: logging.LogRecord) -> None:
         progress = getattr(record, "progress", None)

@@ -5,10 +5,9 @@ from __future__ import annotations
 import contextlib
 import json
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Iterator
 
 import yaml
-from pydantic import BaseModel
 
 from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.artifacts import ArtifactRef, RunContext
@@ -48,7 +47,8 @@ class PipelineRun:
 
 
 @contextlib.contextmanager
-def pipeline_run(params: BaseModel) -> Iterator[PipelineRun]:
+def pipeline_run(params: Any) -> Iterator[PipelineRun]:
+    """`params`: the run's `PipelineParams` (or `EvalParams`)."""
     tracking.check_reachable()
     flow_run_id, flow_run_name = current_flow_run()
     if flow_run_id and coordinated():

@@ -20,13 +20,12 @@ import importlib
 import inspect
 from typing import Any
 
-from pydantic import BaseModel
-
 from rlhf_pipeline.tasks.artifacts import ArtifactRef, RunContext, StageOutcome
 from rlhf_pipeline.tasks.launcher import run_launched
 from rlhf_pipeline.tasks.orchestration import device_hold, prefect_log, stage_task
 from rlhf_pipeline.tasks.stages import BY_NAME, STAGES, TRAIN_STAGE, Stage, reads
 from rlhf_pipeline.tasks.store import run_stage
+from rlhf_pipeline.trainers.config import Block, StageConfig
 
 MODEL_INPUTS = {"sft_model": "sft", "reward_model": "rm", "policy_model": "policy"}
 """Trainer parameter -> the upstream stage whose `model/` folder it receives (`policy`: the previous round's, in a feedback round)."""
@@ -52,7 +51,7 @@ def settings_of(stage: Stage) -> tuple[str, ...]:
     return tuple(name for name in trainer_parameters(stage) if name in SETTINGS)
 
 
-def code_fingerprints(config: BaseModel, settings: dict[str, BaseModel]) -> dict[str, str]:
+def code_fingerprints(config: StageConfig, settings: dict[str, Block]) -> dict[str, str]:
     """The source digest of every import path the stage runs (its optimizer factory, callbacks, compute_metrics; the reward
     functions of `rewards`): editing one re-runs the stages that use it and nothing else."""
     from rlhf_pipeline.trainers.custom import source_digests
@@ -62,7 +61,7 @@ def code_fingerprints(config: BaseModel, settings: dict[str, BaseModel]) -> dict
 
 
 def train_stage(
-    stage: str, config: BaseModel, settings: dict[str, BaseModel], upstream: dict[str, ArtifactRef], ctx: RunContext, round_: int = 0
+    stage: str, config: StageConfig, settings: dict[str, Block], upstream: dict[str, ArtifactRef], ctx: RunContext, round_: int = 0
 ) -> StageOutcome:
     """Build (or reuse) one training stage of the table from its config, the blocks it takes and its upstream artifacts;
     `round_` > 0: a feedback round's (its rm samples the previous round's `policy` upstream, reading the training prompts)."""

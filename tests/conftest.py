@@ -40,3 +40,10 @@ def screenshots() -> Path:
     folder = Path(os.environ.get("RLHF_TEST_ARTIFACTS") or Path(__file__).resolve().parents[1] / "test-artifacts")
     folder.mkdir(parents=True, exist_ok=True)
     return folder
+
+
+def pytest_collection_modifyitems(config, items: list) -> None:
+    """The modules without an end-to-end test first, so a CI run that breaks something basic fails in minutes; each
+    module's tests stay together and in their order (its module fixtures are built once)."""
+    slow = {item.module for item in items if item.get_closest_marker("e2e")}
+    items.sort(key=lambda item: item.module in slow)

@@ -88,7 +88,7 @@ def main(argv: list[str]) -> int:
 
 class _ProgressLines(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
-        print(PROGRESS_MARK + json.dumps({"message": record.getMessage(), "progress": record.progress}), flush=True)
+        print(PROGRESS_MARK + json.dumps({"message": record.getMessage(), "progress": getattr(record, "progress")}), flush=True)
 
 
 def _forward_progress() -> None:

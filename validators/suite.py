@@ -134,6 +134,7 @@ class Suite:
         store = self.context.validation_results_store
         for key in store.list_keys():  # each batch stored its own result; the docs show the dataset's
             store.remove_key(key)
+        assert self.result is not None, "finish() renders the docs of a validated suite"
         suite_id = ExpectationSuiteIdentifier(name=self.kind)
         key = ValidationResultIdentifier(expectation_suite_identifier=suite_id, run_id=self.run_id, batch_identifier=self.result.batch_id)
         store.set(key, self.result)

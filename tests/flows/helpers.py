@@ -7,7 +7,7 @@ from pathlib import Path
 from rlhf_pipeline.flows.params import load_params
 
 CI_PRESET = str(Path(__file__).resolve().parents[1] / "ci.yaml")  # the tiny default, shrunk to seconds
-STAGES = ["data", "sft", "rm", "dpo", "eval"]
+DPO_RUN_STAGES = ["data", "sft", "rm", "dpo", "eval"]
 
 
 def run(*overrides: str):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from rlhf_pipeline.cli import main
-from tests.fixtures import chat_data, gpt2_folder, qwen2_folder
+from tests.foreign_models import chat_data, gpt2_folder, qwen2_folder
 
 UNITS = {"bytes": 1, "KB": 1024, "MB": 1024**2, "GB": 1024**3, "TB": 1024**4}
 

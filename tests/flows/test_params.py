@@ -93,7 +93,7 @@ def test_a_preset_extends_another_and_lists_only_what_it_changes(tmp_path):
 
 
 def test_the_gate_works_with_or_without_references_and_an_unmeasurable_gate_fails_with_the_parameters(tmp_path):
-    from tests.fixtures import chat_data
+    from tests.foreign_models import chat_data
 
     no_references = [*chat_data(tmp_path), "rewards.reward_model_weight=1", "rewards.functions=[]"]
     # The default gate is the reward model's win rate against the champion, with or without reference answers ...

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.flows.helpers import STAGES, assert_a_flat_graph, data_running_before_the_next_submission, graph_of, run, task_states
+from tests.flows.helpers import DPO_RUN_STAGES, assert_a_flat_graph, data_running_before_the_next_submission, graph_of, run, task_states
 
 pytestmark = pytest.mark.e2e  # a pipeline run end to end: the fast loop skips it (-m 'not e2e')
 
@@ -24,18 +24,19 @@ def test_pipeline_runs_caches_and_reruns_only_what_changed(prefect, state, monke
         data_running_before_the_next_submission(patched)  # as under a real server, so the graph below is what users see
         first = run_without_registry()
     assert first.is_completed(), first.message
-    assert task_states(first) == {stage: "Completed" for stage in STAGES}
+    assert task_states(first) == {stage: "Completed" for stage in DPO_RUN_STAGES}
     # The Prefect UI's graph: every stage a top-level node with its upstream edges (issue 16).
-    assert_a_flat_graph(graph_of(first.state_details.flow_run_id), STAGES)
+    assert_a_flat_graph(graph_of(first.state_details.flow_run_id), DPO_RUN_STAGES)
     summary = first.result()
-    assert set(summary["artifacts"]) == set(STAGES)
-    assert summary["metrics"]["eval/heldout/sft_exact_match"] >= 0
+    assert set(summary["artifacts"]) == set(DPO_RUN_STAGES)
+    eval_manifest = json.loads((Path(summary["artifacts"]["eval"]) / "manifest.json").read_text())
+    assert summary["metrics"]["eval/heldout/sft_exact_match"] == eval_manifest["metrics"]["eval/heldout/sft_exact_match"]
 
     # MLflow: one parent, five children with params and metrics, and the artifacts.
     client = MlflowClient()
     parent = client.get_run(summary["mlflow_run_id"])
     children = client.search_runs([parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
-    assert sorted(r.info.run_name for r in children) == sorted(STAGES)
+    assert sorted(r.info.run_name for r in children) == sorted(DPO_RUN_STAGES)
     by_stage = {r.info.run_name: r for r in children}
     assert by_stage["dpo"].data.params["dpo.beta"] == "0.1"
     assert len(client.get_metric_history(by_stage["sft"].info.run_id, "sft/train/loss")) >= 4
@@ -49,7 +50,7 @@ def test_pipeline_runs_caches_and_reruns_only_what_changed(prefect, state, monke
 
     # Identical second run: nothing trains.
     second = run_without_registry()
-    assert task_states(second) == {stage: "Cached" for stage in STAGES}
+    assert task_states(second) == {stage: "Cached" for stage in DPO_RUN_STAGES}
     assert second.result()["artifacts"] == summary["artifacts"]
     cached = client.search_runs([parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{second.result()['mlflow_run_id']}'")
     assert len(cached) == 5 and all(r.data.tags["rlhf.cached"] == "true" for r in cached)
@@ -78,7 +79,7 @@ def test_pipeline_runs_caches_and_reruns_only_what_changed(prefect, state, monke
 
     # --no-cache re-runs everything.
     sixth = run_without_registry("no_cache=true")
-    assert task_states(sixth) == {stage: "Completed" for stage in STAGES}
+    assert task_states(sixth) == {stage: "Completed" for stage in DPO_RUN_STAGES}
 
 
 def test_corrupted_preferences_stop_the_flow_in_data(prefect, state, tmp_path):
@@ -92,7 +93,7 @@ def test_corrupted_preferences_stop_the_flow_in_data(prefect, state, tmp_path):
     assert result.is_failed()
     states = task_states(result)
     assert states["data"] == "Failed"
-    assert all(states.get(stage) in (None, "NotReady") for stage in [*STAGES[1:], "registry"])
+    assert all(states.get(stage) in (None, "NotReady") for stage in [*DPO_RUN_STAGES[1:], "registry"])
     message = str(result.result(raise_on_failure=False))
     assert "bad_preference.jsonl" in message
     assert "text_not_blank" in message and "row 3" in message

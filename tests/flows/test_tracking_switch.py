@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.flows.helpers import STAGES, run, task_states
+from tests.flows.helpers import DPO_RUN_STAGES, run, task_states
 
 pytestmark = pytest.mark.e2e
 
@@ -22,15 +22,15 @@ def test_a_new_empty_tracking_store_gets_every_run_from_the_artifacts(prefect, s
     monkeypatch.setenv("MLFLOW_TRACKING_URI", new_store)
     second = run()
     assert second.is_completed(), second.message
-    assert task_states(second) == {**dict.fromkeys(STAGES, "Cached"), "registry": "Completed"}
+    assert task_states(second) == {**dict.fromkeys(DPO_RUN_STAGES, "Cached"), "registry": "Completed"}
 
     client = MlflowClient(tracking_uri=new_store)
     summary = second.result()
     parent = client.get_run(summary["mlflow_run_id"])
     children = client.search_runs([parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
     by_stage = {r.info.run_name: r for r in children}
-    assert set(by_stage) == {*STAGES, "registry"}
-    for stage in STAGES:
+    assert set(by_stage) == {*DPO_RUN_STAGES, "registry"}
+    for stage in DPO_RUN_STAGES:
         tags = by_stage[stage].data.tags
         assert tags["rlhf.cached"] == "true"
         assert tags["rlhf.produced_by_missing"].startswith(f"run {tags['rlhf.produced_by']} is not in {new_store}")

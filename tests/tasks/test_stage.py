@@ -114,7 +114,7 @@ def test_models_with_different_tokenizers_are_refused_at_the_edge_before_the_sta
     from rlhf_pipeline.trainers.base_model import load_base_model
     from rlhf_pipeline.trainers.config import ModelConfig
     from rlhf_pipeline.trainers.models import save_model
-    from tests.fixtures import gpt2_folder
+    from tests.foreign_models import gpt2_folder
     from tests.helpers import SMALL_MODEL
 
     save_model(*load_base_model(SMALL_MODEL), tmp_path / "sft" / "model")

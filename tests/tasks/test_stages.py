@@ -7,9 +7,9 @@ import inspect
 
 import pytest
 
-from rlhf_pipeline.flows.params import PipelineParams, load_params
+from rlhf_pipeline.flows.params import load_params
 from rlhf_pipeline.tasks.code_version import code_version, project_imports
-from rlhf_pipeline.tasks.stages import ALGORITHMS, BY_NAME, STAGES
+from rlhf_pipeline.tasks.stages import BY_NAME, STAGES
 from rlhf_pipeline.tasks.training import MODEL_INPUTS, trainer_parameters
 
 TINY = "rlhf_pipeline.trainers.tiny"
@@ -67,10 +67,31 @@ def test_a_source_edit_changes_exactly_the_versions_of_the_stages_that_import_it
     assert {name for name in before if before[name] != after[name]} == {"eval"}
 
 
-def test_the_algorithm_choices_device_stages_and_blocks_come_from_the_table():
-    assert set(ALGORITHMS) >= {"dpo", "grpo", "rloo", "ppo"}
-    assert PipelineParams.model_fields["algorithm"].annotation.__args__ == ALGORITHMS
-    assert {s.name for s in STAGES} <= set(PipelineParams.model_fields)
+def test_editing_the_console_re_keys_no_stage(monkeypatch):
+    """The bars are drawn by the CLI's console from the trainers' progress records: a cosmetic edit retrains nothing."""
+    from rlhf_pipeline.tasks import code_version as code_version_module
+    from rlhf_pipeline.tasks.code_version import project_imports
+
+    before = {s.name: code_version(s.trainer) for s in STAGES}
+    original = code_version_module.read_source
+
+    def edit(suffix: str) -> None:
+        edited = lambda file: original(file) + (b"\nREFRESH = 1.0\n" if file.as_posix().endswith(suffix) else b"")  # noqa: E731
+        monkeypatch.setattr(code_version_module, "read_source", edited)
+
+    edit("rlhf_pipeline/console.py")
+    assert {s.name: code_version(s.trainer) for s in STAGES} == before
+    # The control: the console is code the CLI runs, and an edit of what the trainers emit re-keys every stage that trains or evaluates.
+    assert "rlhf_pipeline.console" in project_imports("rlhf_pipeline.cli")
+    edit("trainers/progress.py")
+    after = {s.name: code_version(s.trainer) for s in STAGES}
+    assert {name for name in before if before[name] != after[name]} == {"sft", "rm", "dpo", "kto", "grpo", "rloo", "ppo", "eval"}
+
+
+def test_the_algorithm_choices_and_the_plan_come_from_the_table():
+    with pytest.raises(ValueError, match="algorithm"):
+        load_params("tiny", ["algorithm=ppo2"])
+    assert load_params("tiny", ["algorithm=kto", "eval.use_reward_model=false"]).plan() == ["data", "sft", "kto", "eval", "registry"]
     params = load_params("tiny", ["algorithm=grpo", "rewards.reward_model_weight=0", "eval.use_reward_model=false"])
     assert params.plan() == ["data", "sft", "grpo", "eval", "registry"]
     assert params.upstream("eval") == ("data", "sft", "grpo")

@@ -127,7 +127,6 @@ def test_sft_evaluates_during_training_and_publishes_the_best_checkpoint(tmp_pat
     sft.train(cfg, SMALL_MODEL, data, tmp_path / "out", tmp_path / "work", lambda values, step: logged.append((step, values)))
     curve = {step: values["sft/eval/loss"] for step, values in logged if "sft/eval/loss" in values}
     assert sorted(curve)[:4] == [2, 4, 6, 8] and len(curve) >= 3
-    assert all(0 <= values["sft/eval/token_accuracy"] <= 1 for _, values in logged if "sft/eval/token_accuracy" in values)
     assert steps_logged(logged, "sft/eval/token_accuracy")[:4] == [2, 4, 6, 8]
     worst = max((s for s in curve if s in (2, 4, 6, 8)), key=lambda s: curve[s])
     outcome = json.loads((tmp_path / "out" / OUTCOME).read_text())

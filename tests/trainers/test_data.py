@@ -145,7 +145,7 @@ def test_unpaired_feedback_passes_for_kto_and_is_refused_where_rm_or_dpo_read_pa
 def test_a_gate_on_exact_match_needs_the_reference_column_which_data_checks_where_the_parameters_could_not(tmp_path):
     from rlhf_pipeline.flows.params import load_params
     from rlhf_pipeline.validators.stage import check_datasets
-    from tests.fixtures import chat_data
+    from tests.foreign_models import chat_data
 
     # A hub id's columns are unknown to the parameters: the gate on exact match is allowed there, and data checks it.
     hub = load_params("tiny", ["algorithm=kto", "eval.use_reward_model=false", "data.prompts_eval.path=org/heldout-prompts"])

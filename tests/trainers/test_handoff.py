@@ -174,7 +174,7 @@ def test_lora_trains_the_rows_of_the_tokens_a_chat_template_added_and_later_stag
     from transformers import GPT2LMHeadModel
 
     from rlhf_pipeline.trainers.config import ModelConfig
-    from tests.fixtures import chat_data, gpt2_folder
+    from tests.foreign_models import chat_data, gpt2_folder
 
     folder = gpt2_folder(tmp_path / "gpt2")
     if not tied:

@@ -9,7 +9,7 @@ from rlhf_pipeline.trainers.base_model import load_base_model
 from rlhf_pipeline.trainers.config import ModelConfig, TinyModelConfig
 from rlhf_pipeline.trainers.judges import DEFAULT_TEMPLATE, JudgeConfig, judged_win_rate, load_judge, render_prompt
 from rlhf_pipeline.trainers.models import save_model
-from tests.fixtures import gpt2_folder
+from tests.foreign_models import gpt2_folder
 
 SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2))
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name an animal."}]

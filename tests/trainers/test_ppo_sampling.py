@@ -1,6 +1,6 @@
 """PPO on what users bring: where rollouts stop, what the reward model reads, and that sampling follows the stage alone.
 
-The models are the GPT-2 and Qwen2 fixtures (tests/fixtures.py) turned into SFT folders the way the pipeline builds them.
+The models are the GPT-2 and Qwen2 fixtures (tests/foreign_models.py) turned into SFT folders the way the pipeline builds them.
 """
 
 import contextlib
@@ -18,7 +18,7 @@ from rlhf_pipeline.trainers.config import ModelConfig
 from rlhf_pipeline.trainers.models import load_causal_lm, save_model
 from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, RewardsConfig, RewardScorer
 from rlhf_pipeline.trainers.tiny import build_tokenizer
-from tests.fixtures import chat_data, gpt2_folder, qwen2_folder
+from tests.foreign_models import chat_data, gpt2_folder, qwen2_folder
 
 P_END_OF_TURN = 0.3
 """The GPT-2 policy's probability of `<|im_end|>` at every position."""

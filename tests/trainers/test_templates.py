@@ -12,7 +12,7 @@ from rlhf_pipeline.trainers import templates, text
 from rlhf_pipeline.trainers.base_model import load_base_model, load_base_tokenizer
 from rlhf_pipeline.trainers.config import ModelConfig
 from rlhf_pipeline.trainers.models import load_causal_lm, save_model
-from tests.fixtures import gpt2_folder, qwen2_folder
+from tests.foreign_models import gpt2_folder, qwen2_folder
 
 TURNS = [{"role": "user", "content": "Describe the red cat."}, {"role": "assistant", "content": "The red cat is calm."}]
 
