@@ -47,3 +47,14 @@ def pytest_collection_modifyitems(config, items: list) -> None:
     module's tests stay together and in their order (its module fixtures are built once)."""
     slow = {item.module for item in items if item.get_closest_marker("e2e")}
     items.sort(key=lambda item: item.module in slow)
+
+
+@pytest.fixture(scope="session")
+def untrained_sft(tmp_path_factory) -> Path:
+    """The tests' small tiny model, untrained, saved as the `sft` stage saves its model (weights, tokenizer, chat
+    template): the folder a trainer under test starts from. Shared by the session: read it, never write into it."""
+    from rlhf_pipeline.trainers.base_model import load_base_model
+    from rlhf_pipeline.trainers.models import save_model
+    from tests.helpers import SMALL_MODEL
+
+    return save_model(*load_base_model(SMALL_MODEL), tmp_path_factory.mktemp("untrained-sft") / "model")

@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rlhf_pipeline.trainers.config import ModelConfig, TinyModelConfig
+from rlhf_pipeline.flows.params import load_params
 from rlhf_pipeline.trainers.data import DataConfig, load_source
 
-# A smaller tiny model than the default, so trainer tests take seconds.
-SMALL_MODEL = ModelConfig(tiny=TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2))
+CI_PRESET = str(Path(__file__).resolve().parent / "ci.yaml")
+"""The tests' preset: the embedded default shrunk to seconds per stage."""
+SMALL_MODEL = load_params(CI_PRESET).model
+"""The tests' preset's model: a smaller tiny model than the default, so trainer tests take seconds."""
 FAST = dict(per_device_train_batch_size=16, max_length=64, logging_steps=1, save_steps=1000, learning_rate=3e-3)
+"""Trainer arguments of the unit tests that call a stage's `train` directly: a step on every log, no checkpoints."""
 
 
 def write_data_dir(root: Path, rows: int = 64) -> Path:

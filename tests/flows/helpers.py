@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from rlhf_pipeline.flows.params import load_params
+from tests.helpers import CI_PRESET
 
-CI_PRESET = str(Path(__file__).resolve().parents[1] / "ci.yaml")  # the tiny default, shrunk to seconds
 DPO_RUN_STAGES = ["data", "sft", "rm", "dpo", "eval"]
 
 

@@ -8,10 +8,8 @@ from mlflow.tracking import MlflowClient
 from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.artifacts import ArtifactRef, RunContext
 from rlhf_pipeline.tasks.training import train_stage
-from rlhf_pipeline.trainers.base_model import load_base_model
 from rlhf_pipeline.trainers.config import CallbackSpec
 from rlhf_pipeline.trainers.dpo import DpoConfig
-from rlhf_pipeline.trainers.models import save_model
 from rlhf_pipeline.trainers.sft import SftConfig
 from tests.helpers import FAST, SMALL_MODEL, write_data_dir
 
@@ -24,12 +22,11 @@ def ctx(tmp_path) -> RunContext:
 
 
 @pytest.fixture
-def inputs(tmp_path) -> dict[str, ArtifactRef]:
+def inputs(tmp_path, untrained_sft) -> dict[str, ArtifactRef]:
     """A data artifact and an sft artifact, as the upstream stages publish them."""
     data = write_data_dir(tmp_path / "data", rows=32)
-    policy, tokenizer = load_base_model(SMALL_MODEL)
-    save_model(policy, tokenizer, tmp_path / "sft" / "model")
-    return {"data": ArtifactRef(stage="data", key="d", uri=str(data)), "sft": ArtifactRef(stage="sft", key="s", uri=str(tmp_path / "sft"))}
+    sft = ArtifactRef(stage="sft", key="s", uri=str(untrained_sft.parent))
+    return {"data": ArtifactRef(stage="data", key="d", uri=str(data)), "sft": sft}
 
 
 def test_a_stage_stopped_early_by_a_callback_publishes_its_model_tagged(ctx, inputs):

@@ -2,20 +2,17 @@ import pytest
 from pydantic import ValidationError
 
 from rlhf_pipeline.trainers import dpo
-from rlhf_pipeline.trainers.base_model import load_base_model
-from rlhf_pipeline.trainers.models import load_causal_lm, save_model
-from tests.helpers import FAST, SMALL_MODEL, trainable, unchanged, write_data_dir
+from rlhf_pipeline.trainers.models import load_causal_lm
+from tests.helpers import FAST, trainable, unchanged, write_data_dir
 
 
-def test_dpo_moves_the_policy_towards_chosen(tmp_path):
+def test_dpo_moves_the_policy_towards_chosen(tmp_path, untrained_sft):
     data = write_data_dir(tmp_path / "data")
-    policy, tokenizer = load_base_model(SMALL_MODEL)
-    save_model(policy, tokenizer, tmp_path / "sft")
-    before = trainable(policy)
+    before = trainable(load_causal_lm(untrained_sft)[0])
     logged: list[dict] = []
     metrics = dpo.train(
         dpo.DpoConfig(max_steps=10, beta=0.1, loss_type=["sigmoid", "sft"], **FAST),
-        tmp_path / "sft",
+        untrained_sft,
         data,
         tmp_path / "out",
         tmp_path / "work",

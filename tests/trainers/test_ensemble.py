@@ -9,14 +9,13 @@ from pydantic import ValidationError
 from transformers import AutoModelForSequenceClassification
 
 from rlhf_pipeline.trainers import ppo, rm
-from rlhf_pipeline.trainers.base_model import load_base_model
 from rlhf_pipeline.trainers.ensemble import TextEnsemble, aggregate, member_dirs, scoring_dirs
 from rlhf_pipeline.trainers.loop import load_split
-from rlhf_pipeline.trainers.models import load_causal_lm, save_model
+from rlhf_pipeline.trainers.models import load_causal_lm
 from rlhf_pipeline.trainers.probes import CURVES
 from rlhf_pipeline.trainers.rewards import RewardsConfig, RewardScorer
 from rlhf_pipeline.trainers.text import prompt_ids
-from tests.helpers import FAST, SMALL_MODEL, trainable, unchanged, write_data_dir
+from tests.helpers import FAST, trainable, unchanged, write_data_dir
 
 
 def test_aggregates_by_hand():
@@ -46,11 +45,12 @@ def test_ensemble_fields_are_checked():
 
 
 @pytest.fixture(scope="module")
-def sft(tmp_path_factory):
+def sft(tmp_path_factory, untrained_sft):
+    from rlhf_pipeline.trainers.models import load_tokenizer
+
     root = tmp_path_factory.mktemp("ensemble")
-    policy, tokenizer = load_base_model(SMALL_MODEL)
-    save_model(policy, tokenizer, root / "sft")
-    return {"root": root, "sft": root / "sft", "data": write_data_dir(root / "data", rows=64), "tokenizer": tokenizer}
+    data = write_data_dir(root / "data", rows=64)
+    return {"root": root, "sft": untrained_sft, "data": data, "tokenizer": load_tokenizer(untrained_sft)}
 
 
 @pytest.fixture(scope="module")

@@ -6,12 +6,10 @@ import pytest
 from pydantic import ValidationError
 
 from rlhf_pipeline.trainers import rm
-from rlhf_pipeline.trainers.base_model import load_base_model
 from rlhf_pipeline.trainers.feedback import PAIRS, FeedbackConfig, collect_pairs, with_pairs
 from rlhf_pipeline.trainers.loop import load_split
-from rlhf_pipeline.trainers.models import save_model
 from rlhf_pipeline.trainers.sort_task import reference_labeller
-from tests.helpers import FAST, SMALL_MODEL, write_data_dir
+from tests.helpers import FAST, write_data_dir
 
 LABELLER = "rlhf_pipeline.trainers.sort_task:reference_labeller"
 
@@ -37,11 +35,9 @@ def test_rounds_need_a_labeller_that_imports():
 
 
 @pytest.fixture(scope="module")
-def policy(tmp_path_factory):
+def policy(tmp_path_factory, untrained_sft):
     root = tmp_path_factory.mktemp("feedback")
-    model, tokenizer = load_base_model(SMALL_MODEL)
-    save_model(model, tokenizer, root / "policy")
-    return {"root": root, "policy": root / "policy", "data": write_data_dir(root / "data", rows=32)}
+    return {"root": root, "policy": untrained_sft, "data": write_data_dir(root / "data", rows=32)}
 
 
 def test_a_round_collects_labelled_pairs_and_keeps_the_earlier_rounds(policy, tmp_path):

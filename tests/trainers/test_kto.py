@@ -3,23 +3,21 @@ from datasets import Dataset
 from pydantic import ValidationError
 
 from rlhf_pipeline.trainers import kto
-from rlhf_pipeline.trainers.base_model import load_base_model
 from rlhf_pipeline.trainers.metrics import sequence_logprobs
-from rlhf_pipeline.trainers.models import load_causal_lm, save_model
-from tests.helpers import FAST, SMALL_MODEL, trainable, unchanged, write_data_dir
+from rlhf_pipeline.trainers.models import load_causal_lm
+from tests.helpers import FAST, trainable, unchanged, write_data_dir
 
 CONFIG = dict(FAST, max_steps=8, per_device_train_batch_size=8)
 
 
-def kto_from_base(tmp_path, data_dir):
+def kto_from_base(tmp_path, data_dir, untrained_sft):
     """Train KTO from the untrained small model; check that every trainable tensor moved; return (metrics, logged, before, after)."""
-    policy, tokenizer = load_base_model(SMALL_MODEL)
-    save_model(policy, tokenizer, tmp_path / "sft")
+    policy, tokenizer = load_causal_lm(untrained_sft)
     weights_before = trainable(policy)
     logged: list[dict[str, float]] = []
     metrics = kto.train(
         kto.KtoConfig(**CONFIG),
-        tmp_path / "sft",
+        untrained_sft,
         data_dir,
         tmp_path / "out",
         tmp_path / "work",
@@ -39,9 +37,9 @@ def mean(values) -> float:
     return sum(values) / len(values)
 
 
-def test_kto_trains_every_tensor_on_paired_rows(tmp_path):
+def test_kto_trains_every_tensor_on_paired_rows(tmp_path, untrained_sft):
     data = write_data_dir(tmp_path / "data")
-    metrics, logged, before, after = kto_from_base(tmp_path, data)
+    metrics, logged, before, after = kto_from_base(tmp_path, data, untrained_sft)
     keys = set(metrics) | {key for values in logged for key in values}
     assert {"kto/train/loss", "kto/train/kl", "kto/train/rewards_chosen", "kto/train/rewards_rejected"} <= keys
     assert [key for key in keys if not key.startswith("kto/train/")] == []
@@ -51,7 +49,7 @@ def test_kto_trains_every_tensor_on_paired_rows(tmp_path):
     assert mean(chosen) - mean(rejected) > 0.1
 
 
-def test_kto_trains_on_unpaired_rows(tmp_path):
+def test_kto_trains_on_unpaired_rows(tmp_path, untrained_sft):
     data = tmp_path / "data"
     write_data_dir(data)
     # Unbalanced, as real thumbs-up/down data is: 48 desirable, 16 undesirable rows.
@@ -59,7 +57,7 @@ def test_kto_trains_on_unpaired_rows(tmp_path):
     rows = [{"prompt": r["prompt"], "completion": r["chosen"], "label": True} for r in pairs.select(range(48))]
     rows += [{"prompt": r["prompt"], "completion": r["rejected"], "label": False} for r in pairs.select(range(48, 64))]
     Dataset.from_list(rows).to_parquet(str(data / "datasets" / "preference.parquet"))
-    metrics, _, before, after = kto_from_base(tmp_path, data)
+    metrics, _, before, after = kto_from_base(tmp_path, data, untrained_sft)
     assert {"kto/train/rewards_chosen", "kto/train/rewards_rejected"} <= set(metrics)
     desirable, undesirable = rows[:48], rows[48:]
     up = gain(before, after, [r["prompt"] for r in desirable], [r["completion"] for r in desirable])
