@@ -37,10 +37,18 @@ def free_port() -> int:
 
 def rlhf_run(env: dict, overrides: list[str], log: Path) -> tuple[float, dict[str, Path]]:
     """One `rlhf run`: wall seconds, and the artifact folder of each stage it printed."""
-    command = [sys.executable, "-m", "rlhf_pipeline.cli", "run", *[part for item in overrides for part in ("--set", item)]]
+    command = [
+        sys.executable,
+        "-m",
+        "rlhf_pipeline.cli",
+        "run",
+        *[part for item in overrides for part in ("--set", item)],
+    ]
     seconds, printed = timed(command, env, log)
     text = printed.rsplit("== finished ==", 1)[-1]
-    artifacts = {match[1]: Path(match[2]) for match in re.finditer(r"^  (\w+)\s+(\S+)$", text, re.M) if Path(match[2]).is_dir()}
+    artifacts = {
+        match[1]: Path(match[2]) for match in re.finditer(r"^  (\w+)\s+(\S+)$", text, re.M) if Path(match[2]).is_dir()
+    }
     return seconds, artifacts
 
 
@@ -55,7 +63,9 @@ def spread(values: list[float]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--keep", type=Path, default=None, help="keep the state folder and logs here (default: a temporary folder)")
+    parser.add_argument(
+        "--keep", type=Path, default=None, help="keep the state folder and logs here (default: a temporary folder)"
+    )
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from bench.runs import clean_env
@@ -71,13 +81,22 @@ def main(argv: list[str] | None = None) -> int:
     Path(running["PREFECT_HOME"]).mkdir(parents=True)
     server = subprocess.Popen(
         [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=running, stdout=open(root / "server.log", "w"), stderr=subprocess.STDOUT, cwd=ROOT,
-    )  # fmt: skip
+        env=running,
+        stdout=open(root / "server.log", "w"),
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+    )
     try:
         wait_until_up(f"{running['PREFECT_API_URL']}/health", server, timeout=180)
         first, artifacts = rlhf_run(temporary, [], log)
-        stage_seconds = {stage: own_seconds(path) for stage, path in artifacts.items() if (path / "manifest.json").is_file()}
-        print(f"first run {first:.1f}s; its stages (build alone): " + ", ".join(f"{s} {t:.1f}s" for s, t in stage_seconds.items()), flush=True)
+        stage_seconds = {
+            stage: own_seconds(path) for stage, path in artifacts.items() if (path / "manifest.json").is_file()
+        }
+        print(
+            f"first run {first:.1f}s; its stages (build alone): "
+            + ", ".join(f"{s} {t:.1f}s" for s, t in stage_seconds.items()),
+            flush=True,
+        )
         rows: dict[str, list[float]] = {}
         eval_own: dict[str, list[float]] = {"temporary": [], "running": []}
         tokens = 12
@@ -96,10 +115,15 @@ def main(argv: list[str] | None = None) -> int:
                     raise SystemExit(f"changing eval rebuilt {rebuilt}, not eval alone")
                 rows.setdefault(f"eval changed, {where} server", []).append(seconds)
                 eval_own[where].append(own_seconds(changed["eval"]))
-                print(f"round {round_ + 1}: eval changed ({where} server) {seconds:.1f}s, eval's own build {eval_own[where][-1]:.1f}s", flush=True)
+                print(
+                    f"round {round_ + 1}: eval changed ({where} server) {seconds:.1f}s, eval's own build {eval_own[where][-1]:.1f}s",
+                    flush=True,
+                )
     finally:
         stop([server])
-    print(f"\nthe embedded default, `rlhf run` wall to wall; first run once, then {args.rounds} rounds interleaved (median [min, max])")
+    print(
+        f"\nthe embedded default, `rlhf run` wall to wall; first run once, then {args.rounds} rounds interleaved (median [min, max])"
+    )
     print(f"{'run':38} {'seconds':>22}  against the target")
     print(f"{'first run (every stage built)':38} {first:7.1f}s")
     for name, values in rows.items():

@@ -72,7 +72,11 @@ def child(path: Path, scratch: Path, result: Path) -> None:
     except ValueError:
         metrics = {}
         report = json.loads((scratch / "work" / "report" / "preference" / "validation.json").read_text())
-        named = {rule["rule"]: [example["row"] for example in rule["examples"]] for rule in report["rules"] if not rule["success"]}
+        named = {
+            rule["rule"]: [example["row"] for example in rule["examples"]]
+            for rule in report["rules"]
+            if not rule["success"]
+        }
     seconds = time.perf_counter() - started
     result.write_text(json.dumps({"seconds": seconds, "rows": metrics.get("data/preference/rows"), "named": named}))
 
@@ -81,7 +85,12 @@ def run_once(path: Path, root: Path) -> dict:
     """The stage in a fresh process; its own peak RSS comes from wait4's rusage (KiB on Linux)."""
     scratch = Path(tempfile.mkdtemp(prefix="run-", dir=root))
     result = scratch / "result.json"
-    env = {**os.environ, "HF_DATASETS_CACHE": str(scratch / "hf-cache"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+    env = {
+        **os.environ,
+        "HF_DATASETS_CACHE": str(scratch / "hf-cache"),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+    }
     command = [sys.executable, "-m", "bench.data", "--child", str(path), str(scratch), str(result)]
     anon = 0
     with open(scratch / "log.txt", "wb") as log:
@@ -94,7 +103,9 @@ def run_once(path: Path, root: Path) -> dict:
             time.sleep(0.02)
         process.returncode = os.waitstatus_to_exitcode(status)
     if process.returncode != 0:
-        raise RuntimeError(f"the stage run on {path} exited {process.returncode}:\n{(scratch / 'log.txt').read_text()[-3000:]}")
+        raise RuntimeError(
+            f"the stage run on {path} exited {process.returncode}:\n{(scratch / 'log.txt').read_text()[-3000:]}"
+        )
     outcome = {**json.loads(result.read_text()), "peak_rss_mb": usage.ru_maxrss / 1024, "peak_anon_mb": anon / 1024}
     shutil.rmtree(scratch, ignore_errors=True)
     return outcome
@@ -110,8 +121,15 @@ def _anon_kib(pid: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, of {', '.join(SIZES)} (or a row count)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per size under 1M rows (1M and more run min(repeats, 3) and 1 times)")
+    parser.add_argument(
+        "--sizes", default=",".join(SIZES), help=f"comma-separated, of {', '.join(SIZES)} (or a row count)"
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="runs per size under 1M rows (1M and more run min(repeats, 3) and 1 times)",
+    )
     parser.add_argument("--no-broken", action="store_true", help="skip the run on the file with broken rows")
     parser.add_argument("--child", nargs=3, type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -131,7 +149,14 @@ def main(argv: list[str] | None = None) -> int:
             assert all(run["rows"] == num_rows for run in runs), runs
             seconds = [run["seconds"] for run in runs]
             median = statistics.median(seconds)
-            line = {"rows": num_rows, "variant": "clean", "runs": repeats, "median_s": median, "min_s": min(seconds), "max_s": max(seconds)}
+            line = {
+                "rows": num_rows,
+                "variant": "clean",
+                "runs": repeats,
+                "median_s": median,
+                "min_s": min(seconds),
+                "max_s": max(seconds),
+            }
             peaks = {key: max(run[key] for run in runs) for key in ("peak_rss_mb", "peak_anon_mb")}
             table.append({**line, "rows_per_s": num_rows / median, **peaks, "named": "-"})
             print(_format(table[-1]), flush=True)
@@ -142,14 +167,29 @@ def main(argv: list[str] | None = None) -> int:
             (root / f"broken-{num_rows}.jsonl").unlink()
             expected = {"text_not_blank": [min(broken)], "chosen_differs_from_rejected": sorted(broken)[1:]}
             named = "ok" if run["named"] == expected else f"WRONG: {run['named']} (expected {expected})"
-            line = {"rows": num_rows, "variant": "broken", "runs": 1, "median_s": run["seconds"], "min_s": run["seconds"], "max_s": run["seconds"]}
+            line = {
+                "rows": num_rows,
+                "variant": "broken",
+                "runs": 1,
+                "median_s": run["seconds"],
+                "min_s": run["seconds"],
+                "max_s": run["seconds"],
+            }
             table.append(
-                {**line, "rows_per_s": num_rows / run["seconds"], "peak_rss_mb": run["peak_rss_mb"], "peak_anon_mb": run["peak_anon_mb"], "named": named}
+                {
+                    **line,
+                    "rows_per_s": num_rows / run["seconds"],
+                    "peak_rss_mb": run["peak_rss_mb"],
+                    "peak_anon_mb": run["peak_anon_mb"],
+                    "named": named,
+                }
             )
             print(_format(table[-1]), flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"\n{'rows':>9}  {'variant':7}  {'runs':>4}  {'median s':>8}  {'min-max s':>13}  {'rows/s':>9}  {'peak RSS MB':>11}  {'anon MB':>7}  rows named")
+    print(
+        f"\n{'rows':>9}  {'variant':7}  {'runs':>4}  {'median s':>8}  {'min-max s':>13}  {'rows/s':>9}  {'peak RSS MB':>11}  {'anon MB':>7}  rows named"
+    )
     for line in table:
         print(_format(line))
     return 0 if all(line["named"] in ("-", "ok") for line in table) else 1

@@ -55,7 +55,9 @@ class Throughput(TrainerCallback):
             mask, positions = keyword.get("attention_mask"), keyword.get("position_ids")
             if mask is not None and mask.dim() == 2:
                 lengths = mask.sum(dim=1).tolist()
-            elif positions is not None:  # padding-free or packed rows: a sequence starts where its positions restart at 0
+            elif (
+                positions is not None
+            ):  # padding-free or packed rows: a sequence starts where its positions restart at 0
                 starts = (positions.flatten() == 0).nonzero().flatten().tolist() + [positions.numel()]
                 lengths = [end - start for start, end in zip(starts, starts[1:])]
             else:
@@ -70,7 +72,13 @@ class Throughput(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         seconds = time.perf_counter() - self.started
         self.hook.remove()
-        figures = {"seconds": seconds, "tokens": self.tokens, "sequences": self.sequences, "flops": self.flops, "steps": state.global_step}
+        figures = {
+            "seconds": seconds,
+            "tokens": self.tokens,
+            "sequences": self.sequences,
+            "flops": self.flops,
+            "steps": state.global_step,
+        }
         self.out.write_text(json.dumps(figures))
 
 
@@ -85,8 +93,12 @@ def device_peak() -> tuple[str, float | None]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("state-gpu-bench"), help="folder for the model, data and artifacts")
-    parser.add_argument("--tiny", action="store_true", help="a 2-layer model in float32 on the CPU: check the script without a GPU")
+    parser.add_argument(
+        "--out", type=Path, default=Path("state-gpu-bench"), help="folder for the model, data and artifacts"
+    )
+    parser.add_argument(
+        "--tiny", action="store_true", help="a 2-layer model in float32 on the CPU: check the script without a GPU"
+    )
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from datasets import Dataset
@@ -109,27 +121,52 @@ def main(argv: list[str] | None = None) -> int:
     model = ModelConfig(name_or_path=str(folder), dtype="float32" if args.tiny else "bfloat16")
 
     def callback(stage: str) -> dict:
-        return {"callbacks": [CallbackSpec(path="bench.gpu:Throughput", kwargs={"out": str(out / f"{stage}-throughput.json")})]}
+        return {
+            "callbacks": [
+                CallbackSpec(path="bench.gpu:Throughput", kwargs={"out": str(out / f"{stage}-throughput.json")})
+            ]
+        }
 
     steps = 3 if args.tiny else 30
     common = {"logging_steps": 5, "save_steps": 10_000, "max_length": 256, **precision}
-    sft.train(sft.SftConfig(max_steps=steps, per_device_train_batch_size=16, learning_rate=1e-5, **common, **callback("sft")), model, data,
-              out / "sft", out / "sft-work")  # fmt: skip
-    dpo.train(dpo.DpoConfig(max_steps=steps, per_device_train_batch_size=8, learning_rate=1e-6, **common, **callback("dpo")), out / "sft" / "model",
-              data, out / "dpo", out / "dpo-work")  # fmt: skip
+    sft.train(
+        sft.SftConfig(max_steps=steps, per_device_train_batch_size=16, learning_rate=1e-5, **common, **callback("sft")),
+        model,
+        data,
+        out / "sft",
+        out / "sft-work",
+    )
+    dpo.train(
+        dpo.DpoConfig(max_steps=steps, per_device_train_batch_size=8, learning_rate=1e-6, **common, **callback("dpo")),
+        out / "sft" / "model",
+        data,
+        out / "dpo",
+        out / "dpo-work",
+    )
     rewards = RewardsConfig(reward_model_weight=0, functions=[RewardFunctionSpec(path="tests.helpers:length_reward")])
-    grpo_cfg = grpo.GrpoConfig(max_steps=max(2, steps // 3), per_device_train_batch_size=16, num_generations=8, max_completion_length=64,
-                               learning_rate=1e-6, **common, **callback("grpo"))  # fmt: skip
+    grpo_cfg = grpo.GrpoConfig(
+        max_steps=max(2, steps // 3),
+        per_device_train_batch_size=16,
+        num_generations=8,
+        max_completion_length=64,
+        learning_rate=1e-6,
+        **common,
+        **callback("grpo"),
+    )
     grpo.train(grpo_cfg, rewards, out / "sft" / "model", None, data, out / "grpo", out / "grpo-work")
 
     device, peak = device_peak()
-    print(f"\n{device}; dense bf16 peak {peak or 'unknown'} TFLOPS; Qwen2.5-0.5B architecture, random weights, {'float32' if args.tiny else 'bf16'}")
+    print(
+        f"\n{device}; dense bf16 peak {peak or 'unknown'} TFLOPS; Qwen2.5-0.5B architecture, random weights, {'float32' if args.tiny else 'bf16'}"
+    )
     print(f"{'stage':6} {'steps':>6} {'sequences':>10} {'tokens':>10} {'seconds':>8} {'tokens/s':>10} {'MFU':>7}")
     for stage in ("sft", "dpo", "grpo"):
         figures = json.loads((out / f"{stage}-throughput.json").read_text())
         rate = figures["tokens"] / figures["seconds"]
         mfu = f"{figures['flops'] / figures['seconds'] / (peak * 1e12):7.1%}" if peak else "      -"
-        print(f"{stage:6} {figures['steps']:6d} {figures['sequences']:10d} {figures['tokens']:10d} {figures['seconds']:8.1f} {rate:10.0f} {mfu}")
+        print(
+            f"{stage:6} {figures['steps']:6d} {figures['sequences']:10d} {figures['tokens']:10d} {figures['seconds']:8.1f} {rate:10.0f} {mfu}"
+        )
     return 0
 
 

@@ -26,10 +26,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 QWEN25_05B = dict(
-    hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-    vocab_size=151936, max_position_embeddings=32768, rope_theta=1_000_000.0, tie_word_embeddings=True, rms_norm_eps=1e-6,
-)  # fmt: skip
-TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    max_position_embeddings=32768,
+    rope_theta=1_000_000.0,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
+)
+TINY = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    tie_word_embeddings=True,
+)
 
 
 def build_model(folder: Path, tiny: bool) -> Path:
@@ -41,11 +56,17 @@ def build_model(folder: Path, tiny: bool) -> Path:
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=train_tokenizer(specials, vocab_size=2000), eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        additional_special_tokens=specials[1:], chat_template=QWEN_TEMPLATE, model_max_length=1024,
-    )  # fmt: skip
+        tokenizer_object=train_tokenizer(specials, vocab_size=2000),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=specials[1:],
+        chat_template=QWEN_TEMPLATE,
+        model_max_length=1024,
+    )
     shape = TINY | {"vocab_size": len(tokenizer), "max_position_embeddings": 1024} if tiny else QWEN25_05B
-    config = Qwen2Config(**shape, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    config = Qwen2Config(
+        **shape, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None
+    )
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
@@ -54,9 +75,13 @@ def build_model(folder: Path, tiny: bool) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("state-gpu-check"), help="folder for the model, data, state and log")
+    parser.add_argument(
+        "--out", type=Path, default=Path("state-gpu-check"), help="folder for the model, data, state and log"
+    )
     parser.add_argument("--engine", default="ddp", help="launch.engine: ddp, zero2, zero3, fsdp2")
-    parser.add_argument("--tiny", action="store_true", help="a 2-layer model on 2 CPU processes: check the script without a GPU")
+    parser.add_argument(
+        "--tiny", action="store_true", help="a 2-layer model on 2 CPU processes: check the script without a GPU"
+    )
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from tests.foreign_models import chat_data
@@ -65,15 +90,33 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     folder = build_model(out / "qwen2.5-0.5b-random", args.tiny)
     common = [
-        *chat_data(out / "data"), f"model.name_or_path={folder}", "model.dtype=" + ("float32" if args.tiny else "bfloat16"),
-        "launch.launcher=accelerate", f"launch.engine={args.engine}", *(["launch.num_processes=2"] if args.tiny else []),
-        "rewards.functions=[{path: 'tests.helpers:length_reward'}]", "rewards.reward_model_weight=0", "eval.use_reward_model=false",
-        "eval.max_prompts=16", "eval.max_new_tokens=16", "registry.enabled=false",
-        "sft.max_steps=30", "sft.max_length=256", "sft.logging_steps=5", "sft.learning_rate=1e-5",
-        "dpo.max_steps=20", "dpo.max_length=256", "dpo.logging_steps=5", "dpo.learning_rate=1e-6",
-        "grpo.max_steps=10", "grpo.max_length=256", "grpo.max_completion_length=32", "grpo.logging_steps=2",
-        "grpo.per_device_train_batch_size=8", "grpo.num_generations=4",
-    ]  # fmt: skip
+        *chat_data(out / "data"),
+        f"model.name_or_path={folder}",
+        "model.dtype=" + ("float32" if args.tiny else "bfloat16"),
+        "launch.launcher=accelerate",
+        f"launch.engine={args.engine}",
+        *(["launch.num_processes=2"] if args.tiny else []),
+        "rewards.functions=[{path: 'tests.helpers:length_reward'}]",
+        "rewards.reward_model_weight=0",
+        "eval.use_reward_model=false",
+        "eval.max_prompts=16",
+        "eval.max_new_tokens=16",
+        "registry.enabled=false",
+        "sft.max_steps=30",
+        "sft.max_length=256",
+        "sft.logging_steps=5",
+        "sft.learning_rate=1e-5",
+        "dpo.max_steps=20",
+        "dpo.max_length=256",
+        "dpo.logging_steps=5",
+        "dpo.learning_rate=1e-6",
+        "grpo.max_steps=10",
+        "grpo.max_length=256",
+        "grpo.max_completion_length=32",
+        "grpo.logging_steps=2",
+        "grpo.per_device_train_batch_size=8",
+        "grpo.num_generations=4",
+    ]
     env = {**os.environ, "RLHF_STATE_DIR": str(out / "state"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     env.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{out / 'mlflow.db'}")
     rows = []
@@ -84,13 +127,26 @@ def main(argv: list[str] | None = None) -> int:
         if importlib.util.find_spec("vllm") is not None:  # pip install '.[vllm]': grpo once more with vLLM rollouts
             runs["grpo-vllm"] = ["algorithm=grpo", "grpo.use_vllm=true"]
         for algorithm, extra in runs.items():
-            command = [sys.executable, "-m", "rlhf_pipeline.cli", "run", *(f"--set={item}" for item in [*common, *extra])]
+            command = [
+                sys.executable,
+                "-m",
+                "rlhf_pipeline.cli",
+                "run",
+                *(f"--set={item}" for item in [*common, *extra]),
+            ]
             started = time.time()
             done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True)
             log.write(done.stdout + done.stderr)
             text = done.stdout + done.stderr
             worlds = dict(re.findall(r"(\w+): world size (\d+)", text))
-            rows.append({"run": algorithm, "rc": done.returncode, "seconds": round(time.time() - started, 1), "world_sizes": worlds})
+            rows.append(
+                {
+                    "run": algorithm,
+                    "rc": done.returncode,
+                    "seconds": round(time.time() - started, 1),
+                    "world_sizes": worlds,
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
             if done.returncode != 0:
                 print(text[-4000:], file=sys.stderr)

@@ -63,24 +63,37 @@ def main(argv: list[str] | None = None) -> int:
 
     scratch = Path(tempfile.mkdtemp(prefix="inprocess-speed-"))
     base = scratch / "base"
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base), args.base], check=True, capture_output=True)
+    subprocess.run(
+        ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base), args.base], check=True, capture_output=True
+    )
     try:
         views = {"base": package_view(base, scratch / "view-base"), "head": package_view(ROOT, scratch / "view-head")}
         data = write_data_dir(scratch / "data", rows=10**9)
         sft = scratch / "sft"
         if {"dpo", "ppo"} & set(args.stages):  # one SFT model for both sides, trained by this checkout
-            once = subprocess.run([sys.executable, "-c", RUN, "sft", str(data), "", str(sft)], env={**os.environ, "PYTHONPATH": str(views["head"])},
-                                  capture_output=True, text=True, check=True, cwd=scratch)  # fmt: skip
+            once = subprocess.run(
+                [sys.executable, "-c", RUN, "sft", str(data), "", str(sft)],
+                env={**os.environ, "PYTHONPATH": str(views["head"])},
+                capture_output=True,
+                text=True,
+                check=True,
+                cwd=scratch,
+            )
             print(f"sft model for dpo/ppo: {json.loads(once.stdout.splitlines()[-1])['seconds']:.1f}s", flush=True)
         seconds: dict[tuple[str, str], list[float]] = {}
         for round_ in range(args.rounds):
             for stage in args.stages:
-                for side in ("base", "head") if round_ % 2 == 0 else ("head", "base"):  # interleaved, alternating who goes first
+                for side in (
+                    ("base", "head") if round_ % 2 == 0 else ("head", "base")
+                ):  # interleaved, alternating who goes first
                     out = scratch / f"{side}-{stage}-{round_}"
                     done = subprocess.run(
                         [sys.executable, "-c", RUN, stage, str(data), str(sft / "out" / "model"), str(out)],
-                        env={**os.environ, "PYTHONPATH": str(views[side])}, capture_output=True, text=True, cwd=scratch,
-                    )  # fmt: skip
+                        env={**os.environ, "PYTHONPATH": str(views[side])},
+                        capture_output=True,
+                        text=True,
+                        cwd=scratch,
+                    )
                     if done.returncode:
                         print(done.stderr[-3000:], file=sys.stderr)
                         return 1

@@ -52,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     prompts, answers = held_out["prompt"], held_out["answer"]
     launch = LaunchConfig(launcher="accelerate", num_processes=args.processes)
     per_device = {
-        stage: getattr(params, stage).model_copy(update={"per_device_train_batch_size": getattr(params, stage).per_device_train_batch_size // args.processes})
+        stage: getattr(params, stage).model_copy(
+            update={"per_device_train_batch_size": getattr(params, stage).per_device_train_batch_size // args.processes}
+        )
         for stage in ("sft", "dpo")
     }
     rows = []
@@ -67,7 +69,15 @@ def main(argv: list[str] | None = None) -> int:
         if mode == "inprocess":
             importlib.import_module(f"rlhf_pipeline.trainers.{stage}").train(**arguments)
         else:
-            run_launched(stage, f"rlhf_pipeline.trainers.{stage}", arguments, work, lambda values, step: None, lambda line: None, launch)
+            run_launched(
+                stage,
+                f"rlhf_pipeline.trainers.{stage}",
+                arguments,
+                work,
+                lambda values, step: None,
+                lambda line: None,
+                launch,
+            )
         seconds = time.perf_counter() - started
         value, low, high = exact_match(out / "model", prompts, answers)
         rows.append({"stage": stage, "mode": mode, "seconds": seconds, "exact_match": value, "low": low, "high": high})
@@ -83,10 +93,14 @@ def main(argv: list[str] | None = None) -> int:
     for mode in ("inprocess", "accelerate"):
         build("ppo", mode, {"cfg": params.ppo, "rewards": params.rewards, "sft_model": sft[mode], "reward_model": None})
 
-    print(f"\n{args.processes} processes (gloo on CPU) against 1, the same global batch; held-out exact match on {len(prompts)} prompts")
+    print(
+        f"\n{args.processes} processes (gloo on CPU) against 1, the same global batch; held-out exact match on {len(prompts)} prompts"
+    )
     print("stage  in-process        launched          difference  time ratio")
     for stage in ("sft", "dpo", "ppo"):
-        one, many = (next(r for r in rows if r["stage"] == stage and r["mode"] == mode) for mode in ("inprocess", "accelerate"))
+        one, many = (
+            next(r for r in rows if r["stage"] == stage and r["mode"] == mode) for mode in ("inprocess", "accelerate")
+        )
         points = 100 * (many["exact_match"] - one["exact_match"])
         print(
             f"{stage:5}  {one['exact_match']:.3f} ({one['seconds']:5.1f}s)  {many['exact_match']:.3f} ({many['seconds']:5.1f}s)"

@@ -69,9 +69,17 @@ def plain(out: Path, overrides: list[str]) -> None:
     tokenizer = build_tokenizer()
     model = build_model(params.model.tiny, tokenizer, seed=params.model.seed)
     args = trl.SFTConfig(
-        **cfg.trl_arguments(out / "sft-work"), max_length=cfg.max_length, completion_only_loss=cfg.completion_only_loss, packing=cfg.packing
-    )  # fmt: skip
-    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=Dataset.from_parquet(str(data / "datasets" / "sft.parquet")), processing_class=tokenizer)
+        **cfg.trl_arguments(out / "sft-work"),
+        max_length=cfg.max_length,
+        completion_only_loss=cfg.completion_only_loss,
+        packing=cfg.packing,
+    )
+    trainer = trl.SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_parquet(str(data / "datasets" / "sft.parquet")),
+        processing_class=tokenizer,
+    )
     trainer.train()
     trainer.save_model(str(out / "sft"))
     finished("sft")
@@ -79,12 +87,18 @@ def plain(out: Path, overrides: list[str]) -> None:
     cfg = params.rm
     model = AutoModelForSequenceClassification.from_pretrained(str(out / "sft"), num_labels=1)
     model.config.pad_token_id = tokenizer.pad_token_id
-    args = trl.RewardConfig(**cfg.trl_arguments(out / "rm-work"), max_length=cfg.max_length, center_rewards_coefficient=cfg.center_rewards_coefficient)
+    args = trl.RewardConfig(
+        **cfg.trl_arguments(out / "rm-work"),
+        max_length=cfg.max_length,
+        center_rewards_coefficient=cfg.center_rewards_coefficient,
+    )
     trainer = trl.RewardTrainer(
-        model=model, args=args, processing_class=tokenizer,
+        model=model,
+        args=args,
+        processing_class=tokenizer,
         train_dataset=Dataset.from_parquet(str(data / "datasets" / "preference.parquet")),
         eval_dataset=Dataset.from_parquet(str(data / "datasets" / "preference_eval.parquet")),
-    )  # fmt: skip
+    )
     trainer.train()
     trainer.evaluate()
     trainer.save_model(str(out / "rm"))
@@ -94,13 +108,20 @@ def plain(out: Path, overrides: list[str]) -> None:
     if policy == "dpo":  # the default
         cfg = params.dpo
         args = trl.DPOConfig(
-            **cfg.trl_arguments(out / "dpo-work"), max_length=cfg.max_length, beta=cfg.beta, loss_type=list(cfg.loss_type),
-            loss_weights=cfg.loss_weights, label_smoothing=cfg.label_smoothing,
-        )  # fmt: skip
+            **cfg.trl_arguments(out / "dpo-work"),
+            max_length=cfg.max_length,
+            beta=cfg.beta,
+            loss_type=list(cfg.loss_type),
+            loss_weights=cfg.loss_weights,
+            label_smoothing=cfg.label_smoothing,
+        )
         model = AutoModelForCausalLM.from_pretrained(str(out / "sft"))
         trainer = trl.DPOTrainer(
-            model=model, args=args, processing_class=tokenizer, train_dataset=Dataset.from_parquet(str(data / "datasets" / "preference.parquet"))
-        )  # fmt: skip
+            model=model,
+            args=args,
+            processing_class=tokenizer,
+            train_dataset=Dataset.from_parquet(str(data / "datasets" / "preference.parquet")),
+        )
         trainer.train()
         trainer.save_model(str(out / "dpo" / "model"))
     elif policy == "ppo":  # ours: TRL has no PPO since 1.0
@@ -109,7 +130,16 @@ def plain(out: Path, overrides: list[str]) -> None:
     else:
         raise SystemExit(f"bench.overhead compares algorithm=dpo or ppo, not {policy}")
     finished(policy)
-    evaluation.evaluate(params.eval, params.model, out / "sft", out / policy / "model", out / "rm", data, out / "eval", policy_stage=policy)
+    evaluation.evaluate(
+        params.eval,
+        params.model,
+        out / "sft",
+        out / policy / "model",
+        out / "rm",
+        data,
+        out / "eval",
+        policy_stage=policy,
+    )
     finished("eval")
     print("@@plain " + json.dumps(seconds), flush=True)
 
@@ -130,7 +160,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--full", action="store_true", help="the preset's own training steps (default: half of them)")
     parser.add_argument("--plain", type=Path, default=None, help=argparse.SUPPRESS)  # the child side
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="an override for both sides (repeatable)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an override for both sides (repeatable)",
+    )
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     if args.plain is not None:
@@ -147,7 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     # One Prefect home for every round, its database made before the first: a user's runs share theirs, and a fresh
     # database's migration (~10 s) is a one-time cost, not the pipeline's.
     prefect_home = root / "prefect"
-    timed([sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"], {**base, "PREFECT_HOME": str(prefect_home)}, log)
+    timed(
+        [sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"],
+        {**base, "PREFECT_HOME": str(prefect_home)},
+        log,
+    )
     for round_ in range(args.rounds):
         state = root / f"round-{round_}"
         env = {**base, "RLHF_STATE_DIR": str(state / "state"), "PREFECT_HOME": str(prefect_home)}
@@ -156,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
         for stage, value in pipeline_breakdown(printed).items():
             parts["pipeline"].setdefault(stage, []).append(value)
         print(f"round {round_ + 1}: pipeline {seconds:.1f}s", flush=True)
-        seconds, printed = timed([sys.executable, "-m", "bench.overhead", "--plain", str(state / "plain"), *sets], base, log)
+        seconds, printed = timed(
+            [sys.executable, "-m", "bench.overhead", "--plain", str(state / "plain"), *sets], base, log
+        )
         walls["plain"].append(seconds)
         for stage, value in json.loads(printed.rsplit("@@plain ", 1)[-1].splitlines()[0]).items():
             parts["plain"].setdefault(stage, []).append(value)
@@ -166,14 +209,23 @@ def main(argv: list[str] | None = None) -> int:
     def median(values: list[float]) -> float:
         return statistics.median(values) if values else float("nan")
 
-    print(f"\nthe embedded default{'' if args.full else ' at half its training steps (' + ', '.join(HALF) + ')'}; {args.rounds} rounds, median [min, max]")
+    print(
+        f"\nthe embedded default{'' if args.full else ' at half its training steps (' + ', '.join(HALF) + ')'}; {args.rounds} rounds, median [min, max]"
+    )
     print(f"{'part':34} {'pipeline':>10} {'plain':>10}")
     for stage in STAGES:
-        print(f"{stage + ' (build)':34} {median(parts['pipeline'].get(stage, [])):9.1f}s {median(parts['plain'].get(stage, [])):9.1f}s")
-    built = [sum(parts["pipeline"][s][i] for s in parts["pipeline"] if i < len(parts["pipeline"][s])) for i in range(args.rounds)]
+        print(
+            f"{stage + ' (build)':34} {median(parts['pipeline'].get(stage, [])):9.1f}s {median(parts['plain'].get(stage, [])):9.1f}s"
+        )
+    built = [
+        sum(parts["pipeline"][s][i] for s in parts["pipeline"] if i < len(parts["pipeline"][s]))
+        for i in range(args.rounds)
+    ]
     rest = [wall - inside for wall, inside in zip(walls["pipeline"], built)]
     print(f"{'registry (build)':34} {median(parts['pipeline'].get('registry', [])):9.1f}s {'-':>10}")
-    print(f"{'outside the builds':34} {median(rest):9.1f}s {median(parts['plain']['imports']):9.1f}s   (pipeline: Prefect, MLflow, start-up; plain: imports)")
+    print(
+        f"{'outside the builds':34} {median(rest):9.1f}s {median(parts['plain']['imports']):9.1f}s   (pipeline: Prefect, MLflow, start-up; plain: imports)"
+    )
     for side in ("pipeline", "plain"):
         values = walls[side]
         print(f"{side + ' wall to wall':34} {median(values):9.1f}s  [{min(values):.1f}, {max(values):.1f}]")

@@ -38,10 +38,22 @@ DEFAULT_VENV = ROOT / "state" / "bench" / "trl-1.12"
 # transformers stack (pyproject.toml), which TRL 1.12 accepts (transformers>=4.56.2), so only the trainer differs.
 TORCH_PIN = "torch==2.13.0"
 TRL_PINS = (
-    "trl==1.12.0", "transformers==5.24.0", "tokenizers==0.23.3", "safetensors==0.8.0", "accelerate==1.15.0",
-    "datasets==5.2.0", "pandas==3.1.1", "numpy==2.4.6",
-)  # fmt: skip
-ENV = {"HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore", "TRL_EXPERIMENTAL_SILENCE": "1"}
+    "trl==1.12.0",
+    "transformers==5.24.0",
+    "tokenizers==0.23.3",
+    "safetensors==0.8.0",
+    "accelerate==1.15.0",
+    "datasets==5.2.0",
+    "pandas==3.1.1",
+    "numpy==2.4.6",
+)
+ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TQDM_DISABLE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONWARNINGS": "ignore",
+    "TRL_EXPERIMENTAL_SILENCE": "1",
+}
 
 OURS = """
 import importlib, json, sys
@@ -84,7 +96,9 @@ def venv_trl_version(venv: Path) -> str | None:
     python = venv / "bin" / "python"
     if not python.is_file():
         return None
-    found = subprocess.run([str(python), "-c", "import importlib.metadata as m; print(m.version('trl'))"], capture_output=True, text=True)
+    found = subprocess.run(
+        [str(python), "-c", "import importlib.metadata as m; print(m.version('trl'))"], capture_output=True, text=True
+    )
     return found.stdout.strip() if found.returncode == 0 else None
 
 
@@ -94,7 +108,9 @@ def ensure_venv(venv: Path) -> float:
     if version and version.startswith("1.12."):
         return 0.0
     if venv.exists():
-        raise SystemExit(f"error: {venv} exists but holds {'trl ' + version if version else 'no usable trl'}, not trl 1.12.*: remove it or pass --venv")
+        raise SystemExit(
+            f"error: {venv} exists but holds {'trl ' + version if version else 'no usable trl'}, not trl 1.12.*: remove it or pass --venv"
+        )
     started = time.perf_counter()
     partial = venv.with_name(venv.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
@@ -123,7 +139,11 @@ def ensure_venv(venv: Path) -> float:
 
 def venv_pins(venv: Path) -> str:
     names = ["torch", *(pin.split("==")[0] for pin in TRL_PINS)]
-    listed = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "freeze", "--disable-pip-version-check"], capture_output=True, text=True).stdout
+    listed = subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "pip", "freeze", "--disable-pip-version-check"],
+        capture_output=True,
+        text=True,
+    ).stdout
     return " ".join(line for line in listed.splitlines() if line.split("==")[0].lower() in names)
 
 
@@ -133,10 +153,14 @@ def timed(command: list[str], log: Path) -> tuple[float, float]:
     cpu = lambda: (lambda u: u.ru_utime + u.ru_stime)(resource.getrusage(resource.RUSAGE_CHILDREN))  # noqa: E731
     started, cpu_before = time.perf_counter(), cpu()
     with log.open("w") as out:
-        done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, cwd=log.parent)  # main() set ENV and the threads
+        done = subprocess.run(
+            command, stdout=out, stderr=subprocess.STDOUT, cwd=log.parent
+        )  # main() set ENV and the threads
     seconds = time.perf_counter() - started
     if done.returncode:
-        raise SystemExit(f"error: `{' '.join(command[:3])} ...` exited {done.returncode}; the end of {log}:\n{log.read_text()[-4000:]}")
+        raise SystemExit(
+            f"error: `{' '.join(command[:3])} ...` exited {done.returncode}; the end of {log}:\n{log.read_text()[-4000:]}"
+        )
     return seconds, cpu() - cpu_before
 
 
@@ -144,16 +168,42 @@ def trl_arguments(ppo, rollout_batch: int) -> dict:
     """TRL 1.12 PPOConfig with our settings. Its per_device_train_batch_size is the micro-batch of one optimizer step and
     also sets the rollout batch (x gradient accumulation x processes): the whole rollout batch with no accumulation gives
     one rollout batch of `rollout_batch` and num_mini_batches optimizer steps per epoch, as ours."""
-    same = ("learning_rate", "lr_scheduler_type", "total_episodes", "num_mini_batches", "num_ppo_epochs", "gamma", "lam", "cliprange",
-            "cliprange_value", "vf_coef", "kl_coef", "whiten_rewards", "kl_estimator", "missing_eos_penalty", "response_length",
-            "stop_token", "temperature", "seed")  # fmt: skip
+    same = (
+        "learning_rate",
+        "lr_scheduler_type",
+        "total_episodes",
+        "num_mini_batches",
+        "num_ppo_epochs",
+        "gamma",
+        "lam",
+        "cliprange",
+        "cliprange_value",
+        "vf_coef",
+        "kl_coef",
+        "whiten_rewards",
+        "kl_estimator",
+        "missing_eos_penalty",
+        "response_length",
+        "stop_token",
+        "temperature",
+        "seed",
+    )
     return {
         **{name: getattr(ppo, name) for name in same},
-        "per_device_train_batch_size": rollout_batch, "gradient_accumulation_steps": 1, "local_rollout_forward_batch_size": rollout_batch,
-        "optim": "adamw_torch", "adam_epsilon": 1e-5, "weight_decay": 0.0, "warmup_steps": 0,  # our AdamW: eps 1e-5, no decay, no warm-up
-        "num_sample_generations": 0, "save_strategy": "no", "report_to": "none", "bf16": False, "gradient_checkpointing": False,
+        "per_device_train_batch_size": rollout_batch,
+        "gradient_accumulation_steps": 1,
+        "local_rollout_forward_batch_size": rollout_batch,
+        "optim": "adamw_torch",
+        "adam_epsilon": 1e-5,
+        "weight_decay": 0.0,
+        "warmup_steps": 0,  # our AdamW: eps 1e-5, no decay, no warm-up
+        "num_sample_generations": 0,
+        "save_strategy": "no",
+        "report_to": "none",
+        "bf16": False,
+        "gradient_checkpointing": False,
         "logging_steps": ppo.logging_steps,
-    }  # fmt: skip
+    }
 
 
 DIFFERENCES = [
@@ -172,7 +222,9 @@ DIFFERENCES = [
 ]
 
 
-def held_out_scores(model_dir: Path, sft_model: Path, reward_model: Path, prompts: list, answers: list, ppo, samples: int) -> tuple[float, float, float]:
+def held_out_scores(
+    model_dir: Path, sft_model: Path, reward_model: Path, prompts: list, answers: list, ppo, samples: int
+) -> tuple[float, float, float]:
     """(mean reward-model score of `samples` completions per prompt sampled as in training, missing-EOS share, greedy exact match).
     Every policy is read with the SFT model's tokenizer, the reward model's too: TRL's side saves it with left padding."""
     import torch
@@ -192,11 +244,20 @@ def held_out_scores(model_dir: Path, sft_model: Path, reward_model: Path, prompt
         for start in range(0, len(rows), 300):
             queries, attention = pad(rows[start : start + 300], tokenizer.pad_token_id, left=True)
             generated = policy.generate(
-                input_ids=queries, attention_mask=attention, do_sample=True, temperature=ppo.temperature, top_k=0, top_p=1.0,
-                max_new_tokens=ppo.response_length, pad_token_id=tokenizer.pad_token_id, eos_token_id=[eos],
-            )  # fmt: skip
+                input_ids=queries,
+                attention_mask=attention,
+                do_sample=True,
+                temperature=ppo.temperature,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=ppo.response_length,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=[eos],
+            )
             responses, mask, ended = truncate_at_stop(generated[:, queries.shape[1] :], [eos], tokenizer.pad_token_id)
-            ids = [row + r[:n].tolist() for row, r, n in zip(rows[start : start + 300], responses, mask.sum(1).tolist())]
+            ids = [
+                row + r[:n].tolist() for row, r, n in zip(rows[start : start + 300], responses, mask.sum(1).tolist())
+            ]
             scores.extend(scorer.model_scores(ids))
             ended_all.extend(ended.tolist())
     greedy = generate(policy, tokenizer, prompts, max_new_tokens=12, batch_size=200)
@@ -206,15 +267,22 @@ def held_out_scores(model_dir: Path, sft_model: Path, reward_model: Path, prompt
 
 def table(runs: list[dict], start_score: float) -> dict[str, dict[str, float]]:
     """Print one row per method (medians, [min, max] over its runs); return each method's median seconds, episodes/s and gain."""
-    print(f"{'method':16} {'runs':>4}  {'seconds [min, max]':>22}  {'CPU s':>6}  {'episodes/s [min, max]':>23}  {'held-out score':>14}  "
-          f"{'gain / 1k episodes [min, max]':>31}  {'missing EOS':>11}  {'exact match':>11}")  # fmt: skip
+    print(
+        f"{'method':16} {'runs':>4}  {'seconds [min, max]':>22}  {'CPU s':>6}  {'episodes/s [min, max]':>23}  {'held-out score':>14}  "
+        f"{'gain / 1k episodes [min, max]':>31}  {'missing EOS':>11}  {'exact match':>11}"
+    )
     summary = {}
     for method in dict.fromkeys(r["method"] for r in runs):
         mine = [r for r in runs if r["method"] == method]
         seconds, speed = [r["seconds"] for r in mine], [r["episodes"] / r["seconds"] for r in mine]
         gains = [1000 * (r["score"] - start_score) / r["episodes"] for r in mine]
         cpu = statistics.median(r["cpu"] for r in mine)
-        summary[method] = {"seconds": statistics.median(seconds), "cpu": cpu, "speed": statistics.median(speed), "gain": statistics.median(gains)}
+        summary[method] = {
+            "seconds": statistics.median(seconds),
+            "cpu": cpu,
+            "speed": statistics.median(speed),
+            "gain": statistics.median(gains),
+        }
         print(
             f"{method:16} {len(mine):4}  {statistics.median(seconds):7.1f}s [{min(seconds):5.1f}, {max(seconds):5.1f}]  {cpu:6.1f}"
             f"  {statistics.median(speed):8.1f} [{min(speed):5.1f}, {max(speed):5.1f}]  {statistics.median(r['score'] for r in mine):+14.3f}"
@@ -235,17 +303,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="runs of each PPO, interleaved")
     parser.add_argument("--skip-online", action="store_true", help="leave out GRPO and RLOO")
     parser.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="TRL 1.12's virtualenv, made here if missing")
-    parser.add_argument("--samples", type=int, default=2, help="sampled completions per held-out prompt when scoring a policy")
     parser.add_argument(
-        "--threads", type=int, default=1, help="torch CPU threads of every process, both sides alike (OMP_NUM_THREADS); 1: steadiest on a shared CPU"
+        "--samples", type=int, default=2, help="sampled completions per held-out prompt when scoring a policy"
     )
-    parser.add_argument("--keep", type=Path, default=None, help="keep models and logs here, and reuse its sft and rm models (default: a temporary folder)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads of every process, both sides alike (OMP_NUM_THREADS); 1: steadiest on a shared CPU",
+    )
+    parser.add_argument(
+        "--keep",
+        type=Path,
+        default=None,
+        help="keep models and logs here, and reuse its sft and rm models (default: a temporary folder)",
+    )
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    os.environ.update({**ENV, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)})  # before torch loads here
+    os.environ.update(
+        {**ENV, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
+    )  # before torch loads here
 
     made = ensure_venv(args.venv.resolve())
-    print(f"TRL 1.12 venv {args.venv}: {f'made in {made:.0f}s' if made else 'reused'}; {venv_pins(args.venv)}", flush=True)
+    print(
+        f"TRL 1.12 venv {args.venv}: {f'made in {made:.0f}s' if made else 'reused'}; {venv_pins(args.venv)}", flush=True
+    )
     started = time.perf_counter()
 
     from rlhf_pipeline.flows.params import load_params
@@ -268,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
             "target_kl": None,  # the preset's adaptive KL (issue 15) off: TRL 1.12 keeps kl_coef fixed
             "eval_steps": None,  # and its held-out probes: TRL's PPOTrainer has no such curves
             "keep_best": False,
-        }  # fmt: skip
+        }
     )
     ppo = type(ppo).model_validate(ppo.model_dump())  # validated as a preset would be: episodes fit the rollout batch
     rewards = {"reward_model_weight": 1.0, "functions": []}
@@ -277,20 +359,30 @@ def main(argv: list[str] | None = None) -> int:
     data = write_data_dir(root / "data", rows=10**9)
 
     # The starting policy and the reward, once for every run (in this process: they are not measured); a kept one is reused.
-    for stage, arguments in (("sft", {"cfg": params.sft, "model": params.model}), ("rm", {"cfg": params.rm, "sft_model": root / "sft" / "model"})):
+    for stage, arguments in (
+        ("sft", {"cfg": params.sft, "model": params.model}),
+        ("rm", {"cfg": params.rm, "sft_model": root / "sft" / "model"}),
+    ):
         if (root / stage / "model").is_dir():
             print(f"{stage} model: reused from {root / stage}", flush=True)
             continue
         begun = time.perf_counter()
-        (sft if stage == "sft" else rm).train(**arguments, data_dir=data, out_dir=root / stage, work_dir=root / f"{stage}-work")
+        (sft if stage == "sft" else rm).train(
+            **arguments, data_dir=data, out_dir=root / stage, work_dir=root / f"{stage}-work"
+        )
         print(f"{stage} model: {time.perf_counter() - begun:.0f}s", flush=True)
     sft_model, reward_model = root / "sft" / "model", root / "rm" / "model"
     tokenizer = load_tokenizer(sft_model)
     held_out = load_split(data, "prompts_eval")
-    prompt_file = root / "prompts.jsonl"  # our rendering of the prompts (text.prompt_ids), which TRL's side reads as they are
+    prompt_file = (
+        root / "prompts.jsonl"
+    )  # our rendering of the prompts (text.prompt_ids), which TRL's side reads as they are
     with prompt_file.open("w") as f:
         for split in ("prompts", "prompts_eval"):
-            f.writelines(json.dumps({"split": split, "input_ids": prompt_ids(tokenizer, p)}) + "\n" for p in load_split(data, split)["prompt"])
+            f.writelines(
+                json.dumps({"split": split, "input_ids": prompt_ids(tokenizer, p)}) + "\n"
+                for p in load_split(data, split)["prompt"]
+            )
     (root / "trl_ppo.py").write_text(TRL)
 
     def spec_file(name: str, spec: dict) -> Path:
@@ -298,7 +390,15 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(path.parent, ignore_errors=True)
         path.parent.mkdir(parents=True)
         path.write_text(
-            json.dumps({**spec, "sft": str(sft_model), "rm": str(reward_model), "out": str(path.parent / "out"), "work": str(path.parent / "work")})
+            json.dumps(
+                {
+                    **spec,
+                    "sft": str(sft_model),
+                    "rm": str(reward_model),
+                    "out": str(path.parent / "out"),
+                    "work": str(path.parent / "work"),
+                }
+            )
         )
         return path
 
@@ -307,10 +407,24 @@ def main(argv: list[str] | None = None) -> int:
     def record(method: str, name: str, times: tuple[float, float], episodes: int) -> None:
         seconds, cpu = times
         score, missing_eos, matched = held_out_scores(
-            root / name / "out" / "model", sft_model, reward_model, held_out["prompt"], held_out["answer"], ppo, args.samples
+            root / name / "out" / "model",
+            sft_model,
+            reward_model,
+            held_out["prompt"],
+            held_out["answer"],
+            ppo,
+            args.samples,
         )
         runs.append(
-            {"method": method, "seconds": seconds, "cpu": cpu, "episodes": episodes, "score": score, "missing_eos": missing_eos, "exact_match": matched}
+            {
+                "method": method,
+                "seconds": seconds,
+                "cpu": cpu,
+                "episodes": episodes,
+                "score": score,
+                "missing_eos": missing_eos,
+                "exact_match": matched,
+            }
         )
         print(
             f"{name:14} {seconds:6.1f}s ({cpu:6.1f} CPU s)  {episodes / seconds:6.1f} episodes/s  held-out score {score:+.3f}  exact match {matched:.3f}",
@@ -323,11 +437,19 @@ def main(argv: list[str] | None = None) -> int:
         for side in ("ours", "trl") if repeat % 2 == 0 else ("trl", "ours"):  # interleaved, alternating who goes first
             name = f"ppo-{side}-{repeat + 1}"
             if side == "ours":
-                spec = spec_file(name, {"config": "PpoConfig", "cfg": ppo.model_dump(mode="json"), "rewards": rewards, "data": str(data)})
+                spec = spec_file(
+                    name,
+                    {"config": "PpoConfig", "cfg": ppo.model_dump(mode="json"), "rewards": rewards, "data": str(data)},
+                )
                 times = timed([sys.executable, "-c", OURS, "ppo", str(spec)], spec.parent.parent / f"{name}.log")
             else:
-                spec = spec_file(name, {"args": trl_arguments(ppo, ppo.rollout_batch_size), "prompts": str(prompt_file)})
-                times = timed([str(args.venv / "bin" / "python"), str(root / "trl_ppo.py"), str(spec)], spec.parent.parent / f"{name}.log")
+                spec = spec_file(
+                    name, {"args": trl_arguments(ppo, ppo.rollout_batch_size), "prompts": str(prompt_file)}
+                )
+                times = timed(
+                    [str(args.venv / "bin" / "python"), str(root / "trl_ppo.py"), str(spec)],
+                    spec.parent.parent / f"{name}.log",
+                )
             record("PPO (ours)" if side == "ours" else "PPO (TRL 1.12)", name, times, episodes)
 
     tokens = episodes * ppo.response_length
@@ -335,10 +457,20 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_online:
         for stage in ("grpo", "rloo"):
             cfg = getattr(params, stage)
-            per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # completions per optimizer step (one process)
+            per_step = (
+                cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+            )  # completions per optimizer step (one process)
             steps = max(1, round(tokens / (per_step * cfg.max_completion_length)))
             online = cfg.model_copy(update={"max_steps": steps, "save_steps": 10**9})
-            spec = spec_file(stage, {"config": f"{stage.capitalize()}Config", "cfg": online.model_dump(mode="json"), "rewards": rewards, "data": str(data)})
+            spec = spec_file(
+                stage,
+                {
+                    "config": f"{stage.capitalize()}Config",
+                    "cfg": online.model_dump(mode="json"),
+                    "rewards": rewards,
+                    "data": str(data),
+                },
+            )
             times = timed([sys.executable, "-c", OURS, stage, str(spec)], root / f"{stage}.log")
             record(f"{stage.upper()} (TRL 1.16)", stage, times, steps * per_step)
         online_note = (
@@ -346,17 +478,27 @@ def main(argv: list[str] | None = None) -> int:
             f"= {steps * per_step * cfg.max_completion_length} tokens, as PPO's {episodes} x {ppo.response_length}"
         )
 
-    before = held_out_scores(sft_model, sft_model, reward_model, held_out["prompt"], held_out["answer"], ppo, args.samples)
-    print(f"\nheld-out ({len(held_out)} prompts, {args.samples} samples each at temperature {ppo.temperature}, <= {ppo.response_length} tokens), "
-          f"scored by the one reward model: SFT start {before[0]:+.3f} (missing EOS {before[1]:.2f}), greedy exact match {before[2]:.3f}")  # fmt: skip
-    print(f"PPO: {episodes} episodes, rollout batch {ppo.rollout_batch_size}, {ppo.num_mini_batches} mini-batches, {ppo.num_ppo_epochs} epochs, "
-          f"{args.repeats} runs per side, interleaved, {args.threads} torch thread(s) per process{online_note}")  # fmt: skip
+    before = held_out_scores(
+        sft_model, sft_model, reward_model, held_out["prompt"], held_out["answer"], ppo, args.samples
+    )
+    print(
+        f"\nheld-out ({len(held_out)} prompts, {args.samples} samples each at temperature {ppo.temperature}, <= {ppo.response_length} tokens), "
+        f"scored by the one reward model: SFT start {before[0]:+.3f} (missing EOS {before[1]:.2f}), greedy exact match {before[2]:.3f}"
+    )
+    print(
+        f"PPO: {episodes} episodes, rollout batch {ppo.rollout_batch_size}, {ppo.num_mini_batches} mini-batches, {ppo.num_ppo_epochs} epochs, "
+        f"{args.repeats} runs per side, interleaved, {args.threads} torch thread(s) per process{online_note}"
+    )
     summary = table(runs, before[0])
     ours, theirs = summary["PPO (ours)"], summary["PPO (TRL 1.12)"]
     ratio = ours["speed"] / theirs["speed"]
     faster, no_worse = ratio >= 1.5, ours["gain"] >= theirs["gain"]
-    print(f"\nspeed(ours) / speed(TRL 1.12) = {ratio:.2f}x (median episodes/s); gain / 1k episodes {ours['gain']:+.3f} (ours) vs {theirs['gain']:+.3f} (TRL)")
-    print(f"CPU seconds, TRL 1.12 / ours = {theirs['cpu'] / ours['cpu']:.2f}x (medians; the same ratio less the load of other work on the machine)")
+    print(
+        f"\nspeed(ours) / speed(TRL 1.12) = {ratio:.2f}x (median episodes/s); gain / 1k episodes {ours['gain']:+.3f} (ours) vs {theirs['gain']:+.3f} (TRL)"
+    )
+    print(
+        f"CPU seconds, TRL 1.12 / ours = {theirs['cpu'] / ours['cpu']:.2f}x (medians; the same ratio less the load of other work on the machine)"
+    )
     verdict = (
         "holds"
         if faster and no_worse

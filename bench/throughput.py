@@ -64,7 +64,9 @@ def bench_model():
     """The tiny Llama at 4.3M parameters (hidden 256, 4 layers): the vocabulary is 263 bytes and specials, so the blocks dominate."""
     from rlhf_pipeline.trainers.config import ModelConfig, TinyModelConfig
 
-    return ModelConfig(tiny=TinyModelConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4))
+    return ModelConfig(
+        tiny=TinyModelConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4)
+    )
 
 
 def make_rows(count: int, seed: int) -> list[dict]:
@@ -72,7 +74,9 @@ def make_rows(count: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     rows = []
     for _ in range(count):
-        tokens = min(MAX_LENGTH, max(16, round(rng.lognormvariate(math.log(64), 0.8))))  # median 64, mean ~90, a tail to 512
+        tokens = min(
+            MAX_LENGTH, max(16, round(rng.lognormvariate(math.log(64), 0.8)))
+        )  # median 64, mean ~90, a tail to 512
         digits = "".join(rng.choice("0123456789") for _ in range(max(1, (tokens - 10) // 2)))
         rows.append({"prompt": f"sort {digits} -> ", "completion": "".join(sorted(digits))})
     return rows
@@ -157,7 +161,9 @@ def heldout_loss(model_dir: Path, rows: list[dict], batch: int = 16) -> float:
         with torch.no_grad():
             logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
         labels = inputs["labels"][:, 1:]
-        losses = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+        losses = torch.nn.functional.cross_entropy(
+            logits[:, :-1].flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
+        )
         total, count = total + losses.item(), count + int((labels != -100).sum())
     return total / count
 
@@ -190,11 +196,19 @@ def isolation_check(rows: list[dict]) -> dict[tuple[str, str], float]:
     model, tokenizer = load_base_model(bench_model())
     model.eval()
     documents = [tokenizer(row["prompt"] + row["completion"])["input_ids"] + [tokenizer.eos_token_id] for row in rows]
-    padded, flat = (DataCollatorForLanguageModeling(pad_token_id=tokenizer.pad_token_id, padding_free=free) for free in (False, True))
+    padded, flat = (
+        DataCollatorForLanguageModeling(pad_token_id=tokenizer.pad_token_id, padding_free=free)
+        for free in (False, True)
+    )
     width = max(map(len, documents))
     for attention in ("sdpa", "eager"):
         model.set_attn_implementation(attention)
-        reference = document_losses(model, padded([{"input_ids": d} for d in documents]), [i * width for i in range(len(documents))], list(map(len, documents)))
+        reference = document_losses(
+            model,
+            padded([{"input_ids": d} for d in documents]),
+            [i * width for i in range(len(documents))],
+            list(map(len, documents)),
+        )
         by_ids = {tuple(d): loss for d, loss in zip(documents, reference)}
         # padding_free: the rows in order, one flattened row
         lengths = list(map(len, documents))
@@ -207,13 +221,19 @@ def isolation_check(rows: list[dict]) -> dict[tuple[str, str], float]:
         lengths = [n for _, n in segments]
         starts = [sum(lengths[:i]) for i in range(len(lengths))]
         mine = document_losses(model, flat([dict(row) for row in packed]), starts, lengths)
-        worst[("bfd", attention)] = max(float((loss - by_ids[tuple(ids)]).abs().max()) for (ids, _), loss in zip(segments, mine))
+        worst[("bfd", attention)] = max(
+            float((loss - by_ids[tuple(ids)]).abs().max()) for (ids, _), loss in zip(segments, mine)
+        )
         # wrapped: 512-token rows of the token stream, all-ones attention mask (the padded collator)
         wrapped = pack_dataset(Dataset.from_dict({"input_ids": documents}), MAX_LENGTH, "wrapped")
         inputs = padded([{"input_ids": row["input_ids"]} for row in wrapped])
         with torch.no_grad():
-            logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False).logits
-        token = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), inputs["input_ids"][:, 1:].flatten(), reduction="none").view(len(wrapped), -1)
+            logits = model(
+                input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False
+            ).logits
+        token = torch.nn.functional.cross_entropy(
+            logits[:, :-1].flatten(0, 1), inputs["input_ids"][:, 1:].flatten(), reduction="none"
+        ).view(len(wrapped), -1)
         gaps, offset = [], 0
         for doc, loss in zip(documents, reference):
             for position in range(len(doc) - 1):  # the token at stream index offset+position predicts the next one
@@ -229,7 +249,9 @@ def _offsets(seq_lengths: list[int]) -> tuple[list[int], list[int]]:
     return [sum(seq_lengths[:i]) for i in range(len(seq_lengths))], list(seq_lengths)
 
 
-def report(results: dict[str, list[dict]], plan: dict[str, tuple[int, int]], isolation: dict[tuple[str, str], float], real: int) -> None:
+def report(
+    results: dict[str, list[dict]], plan: dict[str, tuple[int, int]], isolation: dict[tuple[str, str], float], real: int
+) -> None:
     """The table, the ratios of medians against padded, and whether the fastest mode with equal results reaches TARGET."""
     import torch
 
@@ -237,7 +259,9 @@ def report(results: dict[str, list[dict]], plan: dict[str, tuple[int, int]], iso
     wall = {mode: [r["tokens"] / r["seconds"] for r in runs] for mode, runs in results.items()}
     cpu = {mode: [r["tokens"] / r["cpu_seconds"] for r in runs] for mode, runs in results.items()}
     heldout = {mode: [r["heldout"] for r in runs] for mode, runs in results.items()}
-    gap = {mode: max(isolation.get((mode, a), 0.0) for a in ("sdpa", "eager")) for mode in results}  # padded layouts: the reference itself
+    gap = {
+        mode: max(isolation.get((mode, a), 0.0) for a in ("sdpa", "eager")) for mode in results
+    }  # padded layouts: the reference itself
     repeats = len(next(iter(results.values())))
     print(
         f"\nSFT real (non-pad) tokens/s, {repeats} interleaved repetitions (data-order seeds 42..{41 + repeats}), CPU, sdpa, {torch.get_num_threads()} thread(s), {bench_model().tiny}"
@@ -247,7 +271,11 @@ def report(results: dict[str, list[dict]], plan: dict[str, tuple[int, int]], iso
     )
     for mode, runs in results.items():
         tokens = ",".join(f"{t:,}" for t in sorted({r["tokens"] for r in runs}))
-        ratios = (med(wall[mode]) / med(wall["padded"]), med(cpu[mode]) / med(cpu["padded"])) if "padded" in results else (math.nan, math.nan)
+        ratios = (
+            (med(wall[mode]) / med(wall["padded"]), med(cpu[mode]) / med(cpu["padded"]))
+            if "padded" in results
+            else (math.nan, math.nan)
+        )
         print(
             f"{mode:12}  {plan[mode][0]:4} x {plan[mode][1]:<5}  {tokens:>11}   {med(wall[mode]):7.0f} [{min(wall[mode]):5.0f}, {max(wall[mode]):5.0f}]"
             f"         {ratios[0]:5.2f}x   {med(cpu[mode]):11.0f}  {ratios[1]:5.2f}x   {med(r['train_loss'] for r in runs):10.4f}  "
@@ -261,22 +289,32 @@ def report(results: dict[str, list[dict]], plan: dict[str, tuple[int, int]], iso
     delta = {mode: med(heldout[mode]) - med(heldout["padded"]) for mode in results}
     for mode in results:
         if mode != "padded":
-            print(f"{mode}: held-out {delta[mode]:+.4f} vs padded (padded's own range over data-order seeds: {spread:.4f})")
+            print(
+                f"{mode}: held-out {delta[mode]:+.4f} vs padded (padded's own range over data-order seeds: {spread:.4f})"
+            )
     equal = [mode for mode in results if mode != "padded" and gap[mode] <= TOLERANCE and abs(delta[mode]) <= spread]
     if equal:
         best = max(equal, key=lambda mode: med(wall[mode]))
         ratio = med(wall[best]) / med(wall["padded"])
         verdict = "holds" if ratio >= TARGET else "does NOT hold"
-        print(f"fastest mode with isolated sequences and a held-out loss within padded's seed range: {best}, {ratio:.2f}x padded real tokens/s "
-              f"(wall; {med(cpu[best]) / med(cpu['padded']):.2f}x per CPU second): the {TARGET}x target {verdict}")  # fmt: skip
+        print(
+            f"fastest mode with isolated sequences and a held-out loss within padded's seed range: {best}, {ratio:.2f}x padded real tokens/s "
+            f"(wall; {med(cpu[best]) / med(cpu['padded']):.2f}x per CPU second): the {TARGET}x target {verdict}"
+        )
     else:
-        print(f"no mode has isolated sequences and a held-out loss within padded's seed range: the {TARGET}x target is not met with equal results")
+        print(
+            f"no mode has isolated sequences and a held-out loss within padded's seed range: the {TARGET}x target is not met with equal results"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per mode, interleaved (median and range shown)")
-    parser.add_argument("--steps", type=int, default=8, help="optimizer steps of the padded epoch (rows = steps * batch)")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed runs per mode, interleaved (median and range shown)"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=8, help="optimizer steps of the padded epoch (rows = steps * batch)"
+    )
     parser.add_argument(
         "--batch",
         type=int,
@@ -311,36 +349,51 @@ def main(argv: list[str] | None = None) -> int:
     rows, heldout = make_rows(args.steps * args.batch, seed=0), make_rows(64, seed=1)
     lengths = token_lengths(rows, build_tokenizer())
     real = sum(lengths)
-    padded_tokens = sum(max(lengths[i : i + args.batch]) * len(lengths[i : i + args.batch]) for i in range(0, len(lengths), args.batch))
-    print(f"{len(rows)} rows, {real:,} tokens (min {min(lengths)}, median {statistics.median(lengths):.0f}, max {max(lengths)}); a padded epoch of "
-          f"{args.steps} steps * {args.batch} rows; padding fills ~{1 - real / padded_tokens:.0%} of the padded tokens (in this order)")  # fmt: skip
+    padded_tokens = sum(
+        max(lengths[i : i + args.batch]) * len(lengths[i : i + args.batch]) for i in range(0, len(lengths), args.batch)
+    )
+    print(
+        f"{len(rows)} rows, {real:,} tokens (min {min(lengths)}, median {statistics.median(lengths):.0f}, max {max(lengths)}); a padded epoch of "
+        f"{args.steps} steps * {args.batch} rows; padding fills ~{1 - real / padded_tokens:.0%} of the padded tokens (in this order)"
+    )
     plan = {mode: (args.steps, args.batch) for mode in args.modes}
     for strategy in {"bfd", "wrapped"} & set(args.modes):
         packed = packed_rows(lengths, strategy)
         per_step = max(1, round(packed / args.steps))  # packed rows per step: about the padded epoch's tokens per step
         plan[strategy] = (math.ceil(packed / per_step), per_step)
-        print(f"{strategy}: {packed} rows of <= {MAX_LENGTH} tokens, {per_step} per step, {plan[strategy][0]} steps (one epoch)")
+        print(
+            f"{strategy}: {packed} rows of <= {MAX_LENGTH} tokens, {per_step} per step, {plan[strategy][0]} steps (one epoch)"
+        )
 
     isolation = isolation_check(rows[: args.batch])
     print("\nisolation check (max |per-token loss - padded|, untrained model, one batch):")
     for (mode, attention), gap in sorted(isolation.items()):
-        print(f"  {mode:12} {attention:5} {gap:.2e}  {'isolated' if gap <= TOLERANCE else 'ATTENDS ACROSS BOUNDARIES / DIFFERENT CONTEXT'}")
+        print(
+            f"  {mode:12} {attention:5} {gap:.2e}  {'isolated' if gap <= TOLERANCE else 'ATTENDS ACROSS BOUNDARIES / DIFFERENT CONTEXT'}"
+        )
 
     scratch = Path(tempfile.mkdtemp(prefix="throughput-"))
     results: dict[str, list[dict]] = {mode: [] for mode in args.modes}
     try:
         (scratch / "data" / "datasets").mkdir(parents=True)
         datasets.Dataset.from_list(rows).to_parquet(str(scratch / "data" / "datasets" / "sft.parquet"))
-        run_mode("padded", 2, args.batch, 0, scratch / "data", scratch / "warm-up")  # one-off costs (kernels, allocator) outside the timings
+        run_mode(
+            "padded", 2, args.batch, 0, scratch / "data", scratch / "warm-up"
+        )  # one-off costs (kernels, allocator) outside the timings
         for repeat in range(args.repeats):
-            order = args.modes[repeat % len(args.modes) :] + args.modes[: repeat % len(args.modes)]  # rotated: each mode goes first once
+            order = (
+                args.modes[repeat % len(args.modes) :] + args.modes[: repeat % len(args.modes)]
+            )  # rotated: each mode goes first once
             for mode in order:
                 steps, batch = plan[mode]
                 result = run_mode(mode, steps, batch, 42 + repeat, scratch / "data", scratch / f"{mode}-{repeat}")
                 result["heldout"] = heldout_loss(result.pop("model"), heldout)
                 results[mode].append(result)
-                print(f"repeat {repeat + 1} {mode:12} {result['seconds']:6.1f}s ({result['cpu_seconds']:5.1f} CPU-s) {result['tokens'] / result['seconds']:7.0f} tok/s "
-                      f"train loss {result['train_loss']:.4f} held-out {result['heldout']:.4f}", flush=True)  # fmt: skip
+                print(
+                    f"repeat {repeat + 1} {mode:12} {result['seconds']:6.1f}s ({result['cpu_seconds']:5.1f} CPU-s) {result['tokens'] / result['seconds']:7.0f} tok/s "
+                    f"train loss {result['train_loss']:.4f} held-out {result['heldout']:.4f}",
+                    flush=True,
+                )
                 shutil.rmtree(scratch / f"{mode}-{repeat}", ignore_errors=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

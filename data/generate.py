@@ -134,12 +134,20 @@ def build(seed: int = SEED) -> dict[str, list[dict]]:
     eval_prompts = unique_digits(rng, SIZES["prompts_eval"], held_out)
     eval_pairs = unique_digits(rng, SIZES["preference_eval"], held_out)
     return {
-        "sft": [{"prompt": prompt_for(d), "completion": demonstration(d, rng)} for d in training_digits(rng, SIZES["sft"], held_out)],
-        "preference": [
-            {"prompt": prompt_for(d), "chosen": correct(d), "rejected": rejected_for(d, rng)} for d in training_digits(rng, SIZES["preference"], held_out)
+        "sft": [
+            {"prompt": prompt_for(d), "completion": demonstration(d, rng)}
+            for d in training_digits(rng, SIZES["sft"], held_out)
         ],
-        "preference_eval": [{"prompt": prompt_for(d), "chosen": correct(d), "rejected": rejected_for(d, rng)} for d in eval_pairs],
-        "prompts": [{"prompt": prompt_for(d), "answer": correct(d)} for d in training_digits(rng, SIZES["prompts"], held_out)],
+        "preference": [
+            {"prompt": prompt_for(d), "chosen": correct(d), "rejected": rejected_for(d, rng)}
+            for d in training_digits(rng, SIZES["preference"], held_out)
+        ],
+        "preference_eval": [
+            {"prompt": prompt_for(d), "chosen": correct(d), "rejected": rejected_for(d, rng)} for d in eval_pairs
+        ],
+        "prompts": [
+            {"prompt": prompt_for(d), "answer": correct(d)} for d in training_digits(rng, SIZES["prompts"], held_out)
+        ],
         "prompts_eval": [{"prompt": prompt_for(d), "answer": correct(d)} for d in eval_prompts],
     }
 

@@ -60,15 +60,31 @@ def up(port: int = 4200, mlflow_port: int = 5000, serve_args: list[str] = ()) ->
     processes: list[subprocess.Popen] = []
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # run the `finally` below
     try:
-        server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(port)], env=env)
+        server = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(port)], env=env
+        )
         processes.append(server)
         if not tracking.tracking_uri().startswith("http"):
             tracking.state_dir().mkdir(parents=True, exist_ok=True)
-            processes.append(subprocess.Popen(
-                [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", tracking.tracking_uri(),
-                 "--artifacts-destination", (tracking.state_dir() / "mlartifacts").as_uri(),
-                 "--host", HOST, "--port", str(mlflow_port)], env=env,
-            ))  # fmt: skip
+            processes.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "mlflow",
+                        "server",
+                        "--backend-store-uri",
+                        tracking.tracking_uri(),
+                        "--artifacts-destination",
+                        (tracking.state_dir() / "mlartifacts").as_uri(),
+                        "--host",
+                        HOST,
+                        "--port",
+                        str(mlflow_port),
+                    ],
+                    env=env,
+                )
+            )
         wait_until_up(f"{api}/health", server)
         processes.append(subprocess.Popen([sys.executable, "-m", "rlhf_pipeline.cli", "serve", *serve_args], env=env))
         print(f"\nPrefect UI: http://{HOST}:{port}   MLflow UI: {env.get(tracking.UI_ENV, tracking.tracking_uri())}")
@@ -76,7 +92,10 @@ def up(port: int = 4200, mlflow_port: int = 5000, serve_args: list[str] = ()) ->
         while all(process.poll() is None for process in processes):
             time.sleep(1)
         dead = next(process for process in processes if process.poll() is not None)
-        print(f"{' '.join(map(str, dead.args[:4]))} exited with code {dead.returncode}; stopping the others", file=sys.stderr)
+        print(
+            f"{' '.join(map(str, dead.args[:4]))} exited with code {dead.returncode}; stopping the others",
+            file=sys.stderr,
+        )
         return 1
     except KeyboardInterrupt:
         return 0

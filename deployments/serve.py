@@ -25,7 +25,9 @@ if TYPE_CHECKING:
 RETRAIN_CRON = "0 3 * * 1"  # Mondays 03:00: weekly retraining on the newest data
 
 
-def deployments(preset: str = DEFAULT_PRESET, retrain_cron: str = RETRAIN_CRON, retrain_overrides: list[str] = (), **where) -> list[RunnerDeployment]:
+def deployments(
+    preset: str = DEFAULT_PRESET, retrain_cron: str = RETRAIN_CRON, retrain_overrides: list[str] = (), **where
+) -> list[RunnerDeployment]:
     """The deployments; `retrain_overrides` (`data.preference.path=/data/prefs/*.jsonl`...) point retraining at fresh data;
     `where` goes to every `Flow.to_deployment` (a work pool: `deploy`)."""
     from rlhf_pipeline.flows.evaluate import rlhf_eval
@@ -33,11 +35,17 @@ def deployments(preset: str = DEFAULT_PRESET, retrain_cron: str = RETRAIN_CRON, 
 
     def pipeline(name: str, overrides: list[str] = (), algorithm: str = "ppo", **options) -> RunnerDeployment:
         params = load_params(preset, overrides, algorithm=algorithm)
-        return leading_form(rlhf.to_deployment(name=name, parameters=params.model_dump(mode="json"), **options, **where), params)
+        return leading_form(
+            rlhf.to_deployment(name=name, parameters=params.model_dump(mode="json"), **options, **where), params
+        )
 
     return [
         pipeline("full", description="data -> sft -> rm -> ppo -> eval -> registry (the classic RLHF recipe)."),
-        *(pipeline(algorithm, algorithm=algorithm, description=f"The pipeline with {algorithm}.") for algorithm in ALGORITHMS if algorithm != "ppo"),
+        *(
+            pipeline(algorithm, algorithm=algorithm, description=f"The pipeline with {algorithm}.")
+            for algorithm in ALGORITHMS
+            if algorithm != "ppo"
+        ),
         pipeline(
             "retrain",
             retrain_overrides,
@@ -85,7 +93,9 @@ def serve(preset: str = DEFAULT_PRESET, retrain_cron: str = RETRAIN_CRON, retrai
     prefect_serve(*made, pause_on_shutdown=False)
 
 
-def deploy(pool: str, preset: str = DEFAULT_PRESET, retrain_cron: str = RETRAIN_CRON, retrain_overrides: list[str] = ()) -> list[str]:
+def deploy(
+    pool: str, preset: str = DEFAULT_PRESET, retrain_cron: str = RETRAIN_CRON, retrain_overrides: list[str] = ()
+) -> list[str]:
     """Register the deployments `serve` serves on a work pool, for its workers to run: the same names, parameters and
     leading forms (`prefect deploy` with deployments/prefect.yaml builds each form from the flow's signature, in
     signature order, and carries only `algorithm` and `preset`). Entrypoints are module paths of the installed package,
@@ -101,9 +111,16 @@ def deploy(pool: str, preset: str = DEFAULT_PRESET, retrain_cron: str = RETRAIN_
         try:
             client.read_work_pool(pool)
         except ObjectNotFound:
-            raise ValueError(f"no work pool {pool!r} on {client.api_url}: `prefect work-pool create {pool} --type process` first") from None
+            raise ValueError(
+                f"no work pool {pool!r} on {client.api_url}: `prefect work-pool create {pool} --type process` first"
+            ) from None
     made = deployments(
-        preset, retrain_cron, retrain_overrides, work_pool_name=pool, job_variables={"env": WORKER_ENV}, entrypoint_type=EntrypointType.MODULE_PATH
+        preset,
+        retrain_cron,
+        retrain_overrides,
+        work_pool_name=pool,
+        job_variables={"env": WORKER_ENV},
+        entrypoint_type=EntrypointType.MODULE_PATH,
     )
     ensure_device_limit()
     for deployment in made:

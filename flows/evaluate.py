@@ -28,17 +28,29 @@ class EvalParams(StrictModel):
     """What to evaluate, and against what."""
 
     policy: str = Field(description="'models:/<name>/<version>', 'models:/<name>@<alias>', or a local model folder.")
-    sft_model: str | None = Field(None, description="Reference SFT model (URI or folder); None: from the registered version's lineage.")
-    reward_model: str | None = Field(None, description="Reward model (URI or folder); None: from the lineage, or no reward metrics.")
-    preset: str | None = Field(DEFAULT_PRESET, description="Preset that the model, data, eval and registry fields not given fall back to.")
+    sft_model: str | None = Field(
+        None, description="Reference SFT model (URI or folder); None: from the registered version's lineage."
+    )
+    reward_model: str | None = Field(
+        None, description="Reward model (URI or folder); None: from the lineage, or no reward metrics."
+    )
+    preset: str | None = Field(
+        DEFAULT_PRESET, description="Preset that the model, data, eval and registry fields not given fall back to."
+    )
     experiment_name: str = Field("rlhf", description="MLflow experiment that holds the run.")
     algorithm: str = Field("eval", description="Recorded on the MLflow run.")
     no_cache: bool = Field(False, description="Re-evaluate even when the same report exists.")
-    model: ModelConfig = Field(default=_defaults.model, description="The base model (evaluated as the untrained baseline).")
+    model: ModelConfig = Field(
+        default=_defaults.model, description="The base model (evaluated as the untrained baseline)."
+    )
     data: DataConfig = Field(default=_defaults.data, description="Held-out datasets (checked by the `data` stage).")
     eval: EvalConfig = Field(default=_defaults.eval, description="Held-out evaluation.")
-    registry: RegistryConfig = Field(default=_defaults.registry, description="Where the champion to compare against lives.")
-    retry: RetryConfig = Field(default=_defaults.retry, description="Retries with backoff after transient errors, and a time limit per stage.")
+    registry: RegistryConfig = Field(
+        default=_defaults.registry, description="Where the champion to compare against lives."
+    )
+    retry: RetryConfig = Field(
+        default=_defaults.retry, description="Retries with backoff after transient errors, and a time limit per stage."
+    )
 
     @field_validator("policy", "sft_model", "reward_model")
     @classmethod
@@ -60,11 +72,15 @@ class EvalParams(StrictModel):
                 digests[role] = tokenizer_digest(folder / "model" if (folder / "model").is_dir() else folder)
         digests = {role: digest for role, digest in digests.items() if digest}
         if len(set(digests.values())) > 1:
-            raise ValueError(f"policy, sft_model and reward_model must share a tokenizer; their tokenizer files differ ({digests})")
+            raise ValueError(
+                f"policy, sft_model and reward_model must share a tokenizer; their tokenizer files differ ({digests})"
+            )
         return self
 
 
-@flow(name="rlhf-eval", persist_result=False, validate_parameters=True, log_prints=False)  # see tasks.orchestration.stage_task
+@flow(
+    name="rlhf-eval", persist_result=False, validate_parameters=True, log_prints=False
+)  # see tasks.orchestration.stage_task
 @described_by(EvalParams)
 def rlhf_eval(
     policy: str,
@@ -91,4 +107,6 @@ def rlhf_eval(
         checked = stage(validate_data).submit(params.data, run.ctx)  # held-out sets only need their own rules
         inputs = {"data": checked, "sft": sft_model, "policy": policy, "rm": reward_model}
         report = stage(evaluate).submit(params.eval, params.model, inputs, params.registry, run.ctx)
-        return run.finish(policy=policy, report=report.result(), stages=[checked.result(), sft_model, policy, report.result()])
+        return run.finish(
+            policy=policy, report=report.result(), stages=[checked.result(), sft_model, policy, report.result()]
+        )

@@ -31,7 +31,8 @@ class RunSettings(StrictModel):
     """The blocks of a run that are not stages; `PipelineParams` adds one block per stage of the table."""
 
     algorithm: Algorithm = Field(
-        "dpo", description="Policy-optimisation stage after SFT: offline on preferences (dpo, kto) or online RL against `rewards` (grpo, rloo, ppo)."
+        "dpo",
+        description="Policy-optimisation stage after SFT: offline on preferences (dpo, kto) or online RL against `rewards` (grpo, rloo, ppo).",
     )
     preset: str | None = Field(
         DEFAULT_PRESET,
@@ -41,14 +42,20 @@ class RunSettings(StrictModel):
     experiment_name: str = Field("rlhf", description="MLflow experiment that holds the runs.")
     no_cache: bool = Field(False, description="Re-run every stage even when its artifact already exists.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="The base model.")
-    rewards: RewardsConfig = Field(default_factory=RewardsConfig, description="Rewards of the online stages (grpo, rloo, ppo).")
+    rewards: RewardsConfig = Field(
+        default_factory=RewardsConfig, description="Rewards of the online stages (grpo, rloo, ppo)."
+    )
     feedback: FeedbackConfig = Field(
         default_factory=FeedbackConfig,
         description="Iterated feedback after the policy stage: sample the policy, label pairs, retrain rm, train the policy again (rounds).",
     )
-    retry: RetryConfig = Field(default_factory=RetryConfig, description="Retries with backoff after transient errors, and a time limit per stage.")
+    retry: RetryConfig = Field(
+        default_factory=RetryConfig,
+        description="Retries with backoff after transient errors, and a time limit per stage.",
+    )
     launch: LaunchConfig = Field(
-        default_factory=LaunchConfig, description="Where training stages run: in the flow run's process or under accelerate (DDP, DeepSpeed, FSDP2)."
+        default_factory=LaunchConfig,
+        description="Where training stages run: in the flow run's process or under accelerate (DDP, DeepSpeed, FSDP2).",
     )
 
     def config(self, stage: str) -> Any:
@@ -79,7 +86,9 @@ class RunSettings(StrictModel):
         """The stages whose artifacts `stage` takes in this run: the table's, the policy stage named, and the
         reward model only where the stage uses it (the online stages' rewards, eval's `use_reward_model`)."""
         row = BY_NAME[stage]
-        uses_reward_model = self.config("eval").use_reward_model if stage == "eval" else row.online and self.rewards.uses_reward_model
+        uses_reward_model = (
+            self.config("eval").use_reward_model if stage == "eval" else row.online and self.rewards.uses_reward_model
+        )
         names = [self.algorithm if name == POLICY_STAGE else name for name in row.upstream]
         return tuple(name for name in names if name != "rm" or uses_reward_model)
 
@@ -113,7 +122,9 @@ class RunSettings(StrictModel):
     def _adapter_handoff_chosen(self):
         """sft that keeps its LoRA adapter hands it on merged or stacked: each stage after it says which, before anything trains."""
         if self.sft.lora.handoff is not None:
-            raise ValueError("sft.lora.handoff: sft starts from the base model; handoff is chosen by the stages after it")
+            raise ValueError(
+                "sft.lora.handoff: sft starts from the base model; handoff is chosen by the stages after it"
+            )
         if not (self.sft.lora.enabled and self.sft.lora.keep_adapter):
             return self
         for stage in self.plan():
@@ -126,7 +137,9 @@ class RunSettings(StrictModel):
                     "(folded into the weights) or stack (the adapter trains on, a frozen copy is the reference)"
                 )
             if stage == "rm" and lora.handoff == "stack":
-                raise ValueError("rm.lora.handoff=stack: the reward model starts from sft's adapter merged (a score head is added): use merge")
+                raise ValueError(
+                    "rm.lora.handoff=stack: the reward model starts from sft's adapter merged (a score head is added): use merge"
+                )
         return self
 
     @model_validator(mode="after")
@@ -136,13 +149,19 @@ class RunSettings(StrictModel):
         for stage in self.plan():
             for dataset in self.config(stage).held_out() if self.config(stage).evaluates else ():
                 if dataset not in given:
-                    hint = f"set data.{dataset}" + (" or sft.eval_split (e.g. 0.05) to hold out a share of the demonstrations" if stage == "sft" else "")
+                    hint = f"set data.{dataset}" + (
+                        " or sft.eval_split (e.g. 0.05) to hold out a share of the demonstrations"
+                        if stage == "sft"
+                        else ""
+                    )
                     setting = (
                         f"eval_strategy={self.config(stage).eval_strategy!r}"
                         if hasattr(self.config(stage), "eval_strategy")
                         else f"eval_steps={self.config(stage).eval_steps}"
                     )
-                    raise ValueError(f"{stage}.{setting} evaluates on the {dataset} dataset, which data does not name: {hint}")
+                    raise ValueError(
+                        f"{stage}.{setting} evaluates on the {dataset} dataset, which data does not name: {hint}"
+                    )
         return self
 
     def eval_metrics(self) -> set[str]:
@@ -155,9 +174,12 @@ class RunSettings(StrictModel):
         columns = peek_columns(data.prompts_eval)
         has_reference = cfg.answer_column is not None and (columns is None or cfg.answer_column in columns)
         return planned_metrics(
-            cfg, has_reference=has_reference, reward_model=cfg.use_reward_model, preference_eval=data.preference_eval is not None,
+            cfg,
+            has_reference=has_reference,
+            reward_model=cfg.use_reward_model,
+            preference_eval=data.preference_eval is not None,
             ensemble=self.config("rm").ensemble_size,
-        )  # fmt: skip
+        )
 
     @model_validator(mode="after")
     def _gate_metric_measured(self):
@@ -168,12 +190,16 @@ class RunSettings(StrictModel):
 
         planned = self.eval_metrics()
         registry = self.config("registry").resolved(planned)
-        if registry.gate_metric in planned and (not math.isfinite(registry.min_lower_bound) or f"{registry.gate_metric}_low" in planned):
+        if registry.gate_metric in planned and (
+            not math.isfinite(registry.min_lower_bound) or f"{registry.gate_metric}_low" in planned
+        ):
             return self
         cfg, spec = self.config("eval"), self.config("data").prompts_eval
         why = []
         if "exact_match" in registry.gate_metric:
-            why.append(f"exact match needs reference answers, and {spec.path} has no column {cfg.answer_column!r} (eval.answer_column)")
+            why.append(
+                f"exact match needs reference answers, and {spec.path} has no column {cfg.answer_column!r} (eval.answer_column)"
+            )
         if "win_rate" in registry.gate_metric and not cfg.use_reward_model:
             why.append("win rates are judged by the reward model, and eval.use_reward_model is false")
         if "_gold" in registry.gate_metric and cfg.gold_metric is None:
@@ -181,7 +207,10 @@ class RunSettings(StrictModel):
         if registry.gate_metric in planned:
             why.append(f"it has no confidence bound {registry.gate_metric}_low: set registry.min_lower_bound=-.inf")
         candidates = sorted(
-            n for n in planned if not n.endswith(("_low", "_high")) and ("win_rate" in n or "gain" in n or n.endswith(("_exact_match", "_gold")))
+            n
+            for n in planned
+            if not n.endswith(("_low", "_high"))
+            and ("win_rate" in n or "gain" in n or n.endswith(("_exact_match", "_gold")))
         )
         raise ValueError(
             f"registry.gate_metric={registry.gate_metric!r} is not a metric this run's eval reports"
@@ -193,7 +222,12 @@ class RunSettings(StrictModel):
         """Columns the data stage must find because the gate reads a metric made from them (checked there for a hub dataset,
         whose columns the parameters cannot see)."""
         registry, cfg = self.config("registry"), self.config("eval")
-        if registry.enabled and cfg.answer_column and cfg.gold_metric is None and "exact_match" in self.gate().gate_metric:
+        if (
+            registry.enabled
+            and cfg.answer_column
+            and cfg.gold_metric is None
+            and "exact_match" in self.gate().gate_metric
+        ):
             return {"prompts_eval": (cfg.answer_column,)}
         return {}
 
@@ -273,7 +307,9 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 def deep_merge(base: dict, override: dict) -> dict:
     merged = dict(base)
     for key, value in override.items():
-        merged[key] = deep_merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+        merged[key] = (
+            deep_merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+        )
     return merged
 
 
@@ -303,7 +339,10 @@ def from_flow_parameters(model: type[Params], given: dict[str, Any]) -> Params:
     so `-p ppo='{"kl_coef": 0.1}'` arrives as a PpoConfig with one field set;
     the fields it leaves unset come from the preset, not from the code defaults.
     """
-    explicit = {name: value.model_dump(mode="json", exclude_unset=True) if isinstance(value, BaseModel) else value for name, value in given.items()}
+    explicit = {
+        name: value.model_dump(mode="json", exclude_unset=True) if isinstance(value, BaseModel) else value
+        for name, value in given.items()
+    }
     preset = preset_values(given.get("preset")) if "preset" in model.model_fields else {}
     base = {name: value for name, value in preset.items() if name in model.model_fields}
     return model.model_validate(deep_merge(base, explicit))

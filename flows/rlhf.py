@@ -38,15 +38,24 @@ def _rlhf(**blocks) -> dict:
         def train(stage: str, after, inputs: dict | None = None, round_: int = 0):
             """Submit one training stage; it waits for the stage before it, so one stage trains on the device at a time."""
             inputs = inputs or {name: built[name] for name in params.upstream(stage)}
-            settings = {block: getattr(params, block) for block in settings_of(BY_NAME[stage]) if round_ or block != "feedback"}
+            settings = {
+                block: getattr(params, block) for block in settings_of(BY_NAME[stage]) if round_ or block != "feedback"
+            }
             stage_task = task(TASKS[stage])
             if round_:
                 stage_task = stage_task.with_options(task_run_name=f"{stage} (round {round_})")
-            built[stage] = stage_task.submit(stage, params.config(stage), settings, inputs, run.ctx, *([round_] if round_ else []), wait_for=[after])
+            built[stage] = stage_task.submit(
+                stage, params.config(stage), settings, inputs, run.ctx, *([round_] if round_ else []), wait_for=[after]
+            )
             return built[stage]
 
         data = built["data"] = task(validate_data).submit(
-            params.data, run.ctx, params.model, params.token_limits(), pair_readers(plan), params.sft.assistant_only_loss,
+            params.data,
+            run.ctx,
+            params.model,
+            params.token_limits(),
+            pair_readers(plan),
+            params.sft.assistant_only_loss,
             params.required_columns(),
         )
         sft = train("sft", after=data)
@@ -59,15 +68,25 @@ def _rlhf(**blocks) -> dict:
             start = sft if params.feedback.from_sft else policy
             policy = train(params.algorithm, after=rm, inputs={"data": data, "sft": start, "rm": rm}, round_=round_)
         evaluated = {"data": data, "sft": sft, "policy": policy, "rm": rm if "rm" in params.upstream("eval") else None}
-        report = built["eval"] = task(evaluate).submit(params.eval, params.model, evaluated, params.registry, run.ctx, wait_for=[policy])
+        report = built["eval"] = task(evaluate).submit(
+            params.eval, params.model, evaluated, params.registry, run.ctx, wait_for=[policy]
+        )
         outputs = [built[name] for name in plan if name in built]
-        registered = task(register_task()).submit(params.gate(), policy, report, outputs, run.ctx) if "registry" in plan else None
+        registered = (
+            task(register_task()).submit(params.gate(), policy, report, outputs, run.ctx)
+            if "registry" in plan
+            else None
+        )
         if registered is not None:
             built["registry"] = registered
         stages = [future.result() for name, future in built.items() if name != "registry"]
         decision = registered.result() if registered is not None else None
-        states = {name: future.state.name for name, future in built.items()}  # Completed, or Cached where the manifest was there
-        return run.finish(policy=policy.result(), report=report.result(), stages=stages, registered=decision, states=states)
+        states = {
+            name: future.state.name for name, future in built.items()
+        }  # Completed, or Cached where the manifest was there
+        return run.finish(
+            policy=policy.result(), report=report.result(), stages=stages, registered=decision, states=states
+        )
 
 
 def _signature() -> inspect.Signature:
@@ -76,7 +95,12 @@ def _signature() -> inspect.Signature:
     fields = PipelineParams.model_fields
     return inspect.Signature(
         [
-            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=getattr(DEFAULTS, name), annotation=fields[name].annotation)
+            inspect.Parameter(
+                name,
+                inspect.Parameter.KEYWORD_ONLY,
+                default=getattr(DEFAULTS, name),
+                annotation=fields[name].annotation,
+            )
             for name in parameter_order()
         ],
         return_annotation=dict,
@@ -85,4 +109,6 @@ def _signature() -> inspect.Signature:
 
 _rlhf.__signature__ = _signature()  # type: ignore[attr-defined]  # what inspect (and Prefect) read
 _rlhf.__name__ = "rlhf"
-rlhf = flow(name="rlhf", persist_result=False, validate_parameters=True, log_prints=False)(described_by(PipelineParams)(_rlhf))
+rlhf = flow(name="rlhf", persist_result=False, validate_parameters=True, log_prints=False)(
+    described_by(PipelineParams)(_rlhf)
+)

@@ -32,7 +32,9 @@ def check(preset: str, overrides: list[str], report_dir: Path | None = None) -> 
         print(f"rlhf check: invalid parameters:\n{exc}\nnot ready: fix the parameters above")
         return 2
     plan = params.plan()
-    print(f"rlhf check: preset {params.preset}, model {params.model.name_or_path} ({params.model.dtype}), plan {' > '.join(plan)}")
+    print(
+        f"rlhf check: preset {params.preset}, model {params.model.name_or_path} ({params.model.dtype}), plan {' > '.join(plan)}"
+    )
     problems: list[str] = []
 
     tokenizer = _tokenizer(params, problems)
@@ -44,9 +46,13 @@ def check(preset: str, overrides: list[str], report_dir: Path | None = None) -> 
         _print_memory(params, build, problems)
 
     if problems:
-        print(f"\nnot ready: {len(problems)} problem{'s' if len(problems) > 1 else ''} the run would fail on: {'; '.join(problems)}")
+        print(
+            f"\nnot ready: {len(problems)} problem{'s' if len(problems) > 1 else ''} the run would fail on: {'; '.join(problems)}"
+        )
         return 1
-    print(f"\nready: parameters, tokenizer, {len(params.data.sources())} datasets and the memory of {len(plan)} stages checked")
+    print(
+        f"\nready: parameters, tokenizer, {len(params.data.sources())} datasets and the memory of {len(plan)} stages checked"
+    )
     return 0
 
 
@@ -81,9 +87,15 @@ def _check_data(params, tokenizer, report_dir: Path | None, problems: list[str])
     with tempfile.TemporaryDirectory(prefix="rlhf-check-") as scratch:
         reports = Path(report_dir) if report_dir is not None else Path(scratch)
         passed, failures = check_datasets(
-            params.data, params.model if tokenizer is not None else None, limits, reports, pair_readers(params.plan()),
-            params.sft.assistant_only_loss, tokenizer=tokenizer, required_columns=params.required_columns(),
-        )  # fmt: skip
+            params.data,
+            params.model if tokenizer is not None else None,
+            limits,
+            reports,
+            pair_readers(params.plan()),
+            params.sft.assistant_only_loss,
+            tokenizer=tokenizer,
+            required_columns=params.required_columns(),
+        )
         print(f"data: {len(sources)} datasets checked, {len(passed)} passed")
         dropped = False
         for failure in failures:
@@ -98,7 +110,10 @@ def _check_data(params, tokenizer, report_dir: Path | None, problems: list[str])
             print("  (rerun with --report-dir DIR to keep the validation reports and their Data Docs)")
         if tokenizer is None:
             return {}
-        return {name: _token_counts(kind, spec, passed.get(name), tokenizer, limits.get(name, math.inf)) for name, (kind, spec) in sources.items()}
+        return {
+            name: _token_counts(kind, spec, passed.get(name), tokenizer, limits.get(name, math.inf))
+            for name, (kind, spec) in sources.items()
+        }
 
 
 def _token_counts(kind: str, spec, passed: tuple | None, tokenizer, limit: float) -> list[int] | None:
@@ -135,7 +150,17 @@ def _print_lengths(params, counted: dict[str, list[int] | None]) -> None:
                 rows.append([name, stage, "-", "-", "-", "-", "-", _or_dash(limit), "-"])
                 continue
             over = sum(count > limit for count in ordered) if limit is not None else None
-            rows.append([name, stage, len(ordered), *(percentile(ordered, q) for q in PERCENTILES), ordered[-1], _or_dash(limit), _or_dash(over)])
+            rows.append(
+                [
+                    name,
+                    stage,
+                    len(ordered),
+                    *(percentile(ordered, q) for q in PERCENTILES),
+                    ordered[-1],
+                    _or_dash(limit),
+                    _or_dash(over),
+                ]
+            )
     print("\ntoken lengths (counted as the data stage counts them; limit: the stage's row_token_limit, '-': none)")
     _print_table(["dataset", "stage", "rows", *(f"p{q}" for q in PERCENTILES), "max", "limit", "over"], rows)
 
@@ -188,7 +213,9 @@ def _print_memory(params, build, problems: list[str]) -> None:
     )
     rows = []
     for stage in params.plan():
-        estimate = stage_memory(held_models(params, stage), params.model.dtype, getattr(params.config(stage), "bf16", None), build)
+        estimate = stage_memory(
+            held_models(params, stage), params.model.dtype, getattr(params.config(stage), "bf16", None), build
+        )
         if not estimate.total:
             rows.append([stage, estimate.holds, "-", "-", "-", "-"] + ([""] if free is not None else []))
             continue
@@ -199,13 +226,19 @@ def _print_memory(params, build, problems: list[str]) -> None:
             fits = estimate.total <= free
             row.append("yes" if fits else "NO")
             if not fits:
-                problems.append(f"{stage} needs more than {convert_bytes(estimate.total)} of {convert_bytes(free)} free on cuda:0")
+                problems.append(
+                    f"{stage} needs more than {convert_bytes(estimate.total)} of {convert_bytes(free)} free on cuda:0"
+                )
         rows.append(row)
-    _print_table(["stage", "holds", "trained", "weights", "grads+AdamW", "total"] + (["fits"] if free is not None else []), rows)
+    _print_table(
+        ["stage", "holds", "trained", "weights", "grads+AdamW", "total"] + (["fits"] if free is not None else []), rows
+    )
     if free is None:
         print("device: cpu (no CUDA): the estimate is not compared with any device memory")
     else:
-        print(f"device: cuda:0 with {convert_bytes(free)} free (a stage that fits may still run out of memory on activations)")
+        print(
+            f"device: cuda:0 with {convert_bytes(free)} free (a stage that fits may still run out of memory on activations)"
+        )
 
 
 # --- output ---------------------------------------------------------------------------------
@@ -216,7 +249,11 @@ def _print_table(headers: list[str], rows: list[list[Any]]) -> None:
     cells = [headers] + [[str(cell) for cell in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     for row in cells:
-        print(" | ".join(cell.ljust(width) if i < 2 else cell.rjust(width) for i, (cell, width) in enumerate(zip(row, widths))).rstrip())
+        print(
+            " | ".join(
+                cell.ljust(width) if i < 2 else cell.rjust(width) for i, (cell, width) in enumerate(zip(row, widths))
+            ).rstrip()
+        )
 
 
 def _count(n: int) -> str:

@@ -38,23 +38,49 @@ def _parser() -> argparse.ArgumentParser:
             help="override one field, e.g. --set sft.learning_rate=1e-4 (repeatable)",
         )
         sub.add_argument("--no-cache", action="store_true", help="re-run every stage even if its artifact exists")
-        sub.add_argument("--verbose", action="store_true", help="the libraries' own progress bars, log dicts and warnings, instead of one bar per stage")
-    check = commands.add_parser("check", help="check a preset without training: data rules, token lengths, memory per stage")
+        sub.add_argument(
+            "--verbose",
+            action="store_true",
+            help="the libraries' own progress bars, log dicts and warnings, instead of one bar per stage",
+        )
+    check = commands.add_parser(
+        "check", help="check a preset without training: data rules, token lengths, memory per stage"
+    )
     check.add_argument("--config", default="tiny", help="preset name in configs/ or a YAML file (default: tiny)")
     check.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override one field, e.g. --set sft.max_length=2048 (repeatable)"
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one field, e.g. --set sft.max_length=2048 (repeatable)",
     )
-    check.add_argument("--report-dir", default=None, help="keep the validation reports and Data Docs here (default: a temporary folder)")
+    check.add_argument(
+        "--report-dir",
+        default=None,
+        help="keep the validation reports and Data Docs here (default: a temporary folder)",
+    )
     evaluate = commands.add_parser("eval", help="evaluate a registered version or a model folder (the rlhf-eval flow)")
     evaluate.add_argument("policy", help="models:/<name>/<version>, models:/<name>@<alias>, or a model folder")
     evaluate.add_argument("--sft", default=None, help="reference SFT model (default: from the version's lineage)")
     evaluate.add_argument("--rm", default=None, help="reward model (default: from the version's lineage)")
     evaluate.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override an eval field, e.g. --set eval.max_prompts=200"
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override an eval field, e.g. --set eval.max_prompts=200",
     )
-    serve = commands.add_parser("serve", help="serve the deployments (rlhf/full, dpo, grpo, rloo, retrain, rlhf-eval/eval)")
+    serve = commands.add_parser(
+        "serve", help="serve the deployments (rlhf/full, dpo, grpo, rloo, retrain, rlhf-eval/eval)"
+    )
     deploy = commands.add_parser("deploy", help="register the same deployments on a work pool, for its workers to run")
-    deploy.add_argument("--pool", required=True, help="the work pool (e.g. one made by `prefect work-pool create rlhf-process --type process`)")
+    deploy.add_argument(
+        "--pool",
+        required=True,
+        help="the work pool (e.g. one made by `prefect work-pool create rlhf-process --type process`)",
+    )
     for sub in (serve, deploy):
         sub.add_argument("--config", default="tiny", help="preset whose parameters the deployments carry")
         sub.add_argument("--retrain-cron", default=None, help="cron of the retrain deployment (default: Mondays 03:00)")
@@ -66,7 +92,9 @@ def _parser() -> argparse.ArgumentParser:
             metavar="KEY=VALUE",
             help="override a field of the retrain deployment, e.g. --retrain-set 'data.preference.path=/data/prefs/*.jsonl'",
         )
-    up = commands.add_parser("up", help="start a local Prefect server, the MLflow UI and `rlhf serve` together (Ctrl-C stops all)")
+    up = commands.add_parser(
+        "up", help="start a local Prefect server, the MLflow UI and `rlhf serve` together (Ctrl-C stops all)"
+    )
     up.add_argument("--port", type=int, default=4200, help="Prefect server port on 127.0.0.1 (default 4200)")
     up.add_argument("--mlflow-port", type=int, default=5000, help="MLflow UI port on 127.0.0.1 (default 5000)")
     up.add_argument("serve_args", nargs=argparse.REMAINDER, help="arguments passed on to `rlhf serve`")
@@ -98,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         except (ValidationError, ValueError) as exc:
             print(f"rlhf deploy: {exc}", file=sys.stderr)
             return 2
-        print(f"registered on work pool {args.pool!r}: {', '.join(names)} (start a worker: prefect worker start --pool {args.pool})")
+        print(
+            f"registered on work pool {args.pool!r}: {', '.join(names)} (start a worker: prefect worker start --pool {args.pool})"
+        )
         return 0
     if args.command == "up":
         from rlhf_pipeline.deployments.local import up
@@ -172,8 +202,23 @@ def _start_temporary_server() -> None:
         port = probe.getsockname()[1]
     prefect_dir = os.path.dirname(importlib.util.find_spec("prefect").origin)
     env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
-    command = [sys.executable, "-m", "uvicorn", "--app-dir", os.path.dirname(prefect_dir), "--factory", "prefect.server.api.server:create_app",
-               "--host", "127.0.0.1", "--port", str(port), "--log-level", "error", "--lifespan", "on"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "--app-dir",
+        os.path.dirname(prefect_dir),
+        "--factory",
+        "prefect.server.api.server:create_app",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "error",
+        "--lifespan",
+        "on",
+    ]
     from rlhf_pipeline.trainers.rank import die_with_parent  # stdlib only; a killed `rlhf run` leaves no server behind
 
     process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
@@ -183,7 +228,10 @@ def _start_temporary_server() -> None:
     # written out here, since importing tasks.orchestration would import Prefect before the server starts.
     os.environ["RLHF_TEMPORARY_PREFECT_API_URL"] = _TEMPORARY["url"]
     atexit.register(_stop_temporary_server)  # registered before Prefect's handlers, so it runs after them
-    print(f"Starting temporary Prefect server on http://127.0.0.1:{port} (set PREFECT_API_URL to use a running one)", file=sys.stderr)
+    print(
+        f"Starting temporary Prefect server on http://127.0.0.1:{port} (set PREFECT_API_URL to use a running one)",
+        file=sys.stderr,
+    )
 
 
 def _wait_for_temporary_server() -> None:
@@ -198,7 +246,9 @@ def _wait_for_temporary_server() -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise SystemExit(f"rlhf: the temporary Prefect server exited with {process.returncode} before it answered (its output is above)")
+            raise SystemExit(
+                f"rlhf: the temporary Prefect server exited with {process.returncode} before it answered (its output is above)"
+            )
         try:
             with urllib.request.urlopen(f"{_TEMPORARY['url']}/health", timeout=2) as response:
                 if response.status == 200:
@@ -279,21 +329,33 @@ def closing_table(summary: dict) -> str:
     rows = [
         (label, name)
         for label, name in (
-            ("exact match: policy", "policy_exact_match"), ("exact match: sft", "sft_exact_match"), ("exact match: base", "base_exact_match"),
-            ("gold: policy", "policy_gold"), ("gold: sft", "sft_gold"), ("win rate vs sft (reward model)", "win_rate_vs_sft"),
-            ("win rate vs champion", "win_rate_vs_champion"), ("judge win rate vs sft", "judge_win_rate_vs_sft"),
-            ("reward: policy", "policy_mean_reward"), ("reward: sft", "sft_mean_reward"), ("KL(policy || sft), nats", "kl_to_sft"),
+            ("exact match: policy", "policy_exact_match"),
+            ("exact match: sft", "sft_exact_match"),
+            ("exact match: base", "base_exact_match"),
+            ("gold: policy", "policy_gold"),
+            ("gold: sft", "sft_gold"),
+            ("win rate vs sft (reward model)", "win_rate_vs_sft"),
+            ("win rate vs champion", "win_rate_vs_champion"),
+            ("judge win rate vs sft", "judge_win_rate_vs_sft"),
+            ("reward: policy", "policy_mean_reward"),
+            ("reward: sft", "sft_mean_reward"),
+            ("KL(policy || sft), nats", "kl_to_sft"),
         )
         if held + name in metrics
-    ]  # fmt: skip
+    ]
     if rows:
-        lines += ["", f"{'held-out (' + str(int(metrics.get(held + 'num_prompts', 0))) + ' prompts)':34} {'value':>8}  95% interval"]
+        lines += [
+            "",
+            f"{'held-out (' + str(int(metrics.get(held + 'num_prompts', 0))) + ' prompts)':34} {'value':>8}  95% interval",
+        ]
         for label, name in rows:
             low, high = metrics.get(f"{held}{name}_low"), metrics.get(f"{held}{name}_high")
             interval = f"[{low:.3f}, {high:.3f}]" if low is not None and high is not None else ""
             lines.append(f"{label:34} {metrics[held + name]:8.3f}  {interval}")
     warnings = summary.get("warnings") or []
-    lines.append(f"{'hacking warnings':34} {len(warnings) if warnings else int(metrics.get(held + 'hacking_warnings', 0)):8d}")
+    lines.append(
+        f"{'hacking warnings':34} {len(warnings) if warnings else int(metrics.get(held + 'hacking_warnings', 0)):8d}"
+    )
     lines += [f"  ! {w}" for w in warnings]
     lines += ["", f"MLflow run: {summary['mlflow']}"]
     if summary.get("registry"):

@@ -39,7 +39,9 @@ class ConsoleBars(logging.Handler):
                 bar.close()
             bar = self.bars[stage] = self._bar(stage, progress["total"], progress["start"])
         if event == "log":
-            shown = [(k.rsplit("/", 1)[-1], v) for k, v in progress["values"].items() if k.rsplit("/", 1)[-1] in KEY_METRICS]
+            shown = [
+                (k.rsplit("/", 1)[-1], v) for k, v in progress["values"].items() if k.rsplit("/", 1)[-1] in KEY_METRICS
+            ]
             bar.set_postfix_str(" ".join(f"{name}={value:.4g}" for name, value in shown[:3]), refresh=False)
         if step > bar.n:
             bar.update(step - bar.n)
@@ -52,7 +54,13 @@ class ConsoleBars(logging.Handler):
 
         every = TERMINAL_REFRESH_SECONDS if self.stream.isatty() else PIPE_REFRESH_SECONDS
         return tqdm(
-            total=total, initial=start, desc=stage, unit="step", file=self.stream, disable=False, dynamic_ncols=True,
+            total=total,
+            initial=start,
+            desc=stage,
+            unit="step",
+            file=self.stream,
+            disable=False,
+            dynamic_ncols=True,
             mininterval=every,
         )
 
@@ -83,6 +91,8 @@ class _FilterPrefectConsole(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         for handler in logging.getLogger("rlhf_pipeline").handlers + logging.getLogger().handlers:
-            if type(handler).__name__ == "PrefectConsoleHandler" and not any(isinstance(f, _NotProgress) for f in handler.filters):
+            if type(handler).__name__ == "PrefectConsoleHandler" and not any(
+                isinstance(f, _NotProgress) for f in handler.filters
+            ):
                 handler.addFilter(_NotProgress())
         return True

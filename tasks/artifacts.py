@@ -1,8 +1,8 @@
 """What stages hand each other and what a published artifact holds (docs/ARCHITECTURE.md, "Artifacts and the cache key").
 
-    <artifact_root>/<stage>/<key>/manifest.json   written last: its presence means "done"
-    <artifact_root>/<stage>/<key>/history.jsonl   the curves the stage logged while it built
-    <artifact_root>/<stage>/<key>/...             the stage's files (model/, report/, ...)
+<artifact_root>/<stage>/<key>/manifest.json   written last: its presence means "done"
+<artifact_root>/<stage>/<key>/history.jsonl   the curves the stage logged while it built
+<artifact_root>/<stage>/<key>/...             the stage's files (model/, report/, ...)
 """
 
 from __future__ import annotations
@@ -88,7 +88,12 @@ def content_digest(directory: Path, only: tuple[str, ...] = ()) -> str:
     """sha256 over every file's relative path and bytes (the manifest excluded), or over the files under `only`."""
     digest = hashlib.sha256()
     roots = [directory / part for part in only] or [directory]
-    files = {p for root in roots for p in ([root] if root.is_file() else root.rglob("*")) if p.is_file() and p.name not in (MANIFEST, HISTORY)}
+    files = {
+        p
+        for root in roots
+        for p in ([root] if root.is_file() else root.rglob("*"))
+        if p.is_file() and p.name not in (MANIFEST, HISTORY)
+    }
     for file in sorted(files):
         digest.update(file.relative_to(directory).as_posix().encode() + b"\0")
         with open(file, "rb") as f:

@@ -51,7 +51,9 @@ def _imported_modules(file: Path, module: str) -> list[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:  # relative: from . import x
-                base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], *([base] if base else [])])
+                base = ".".join(
+                    [*package.split(".")[: len(package.split(".")) - node.level + 1], *([base] if base else [])]
+                )
             candidates = [base, *(f"{base}.{alias.name}" for alias in node.names)]
         else:
             continue

@@ -37,11 +37,16 @@ def validate_data(
     keyed = config.model_dump(mode="json")
     if model is not None:
         # The tokenizer (and its chat template) decides the template and length rules.
-        tokenizer_id = model.model_dump(mode="json", include={"name_or_path", "revision", "trust_remote_code", "chat_template"})
+        tokenizer_id = model.model_dump(
+            mode="json", include={"name_or_path", "revision", "trust_remote_code", "chat_template"}
+        )
         keyed = {**keyed, "max_tokens": limits, "tokenizer": tokenizer_id, "assistant_only_loss": assistant_only_loss}
     keyed = {**keyed, "pairs_for": {name: list(stages) for name, stages in sorted(pairs_for.items())}}
     if required_columns:
-        keyed = {**keyed, "required_columns": {name: list(columns) for name, columns in sorted(required_columns.items())}}
+        keyed = {
+            **keyed,
+            "required_columns": {name: list(columns) for name, columns in sorted(required_columns.items())},
+        }
 
     def build(out_dir: Path, work_dir: Path, log_metrics) -> dict[str, float]:
         from rlhf_pipeline.validators import stage as data
@@ -62,9 +67,19 @@ def validate_data(
     # Dependents key on the frozen datasets alone (a stricter rule or a new report re-trains nothing),
     # and each on the datasets it reads (`parts`): a new preference file does not re-run sft.
     return run_stage(
-        "data", keyed, {}, ctx, build, fingerprints, log_files=("report",), log=prefect_log, digest_of=("datasets",),
-        parts={name: f"datasets/{name}.parquet" for name in sources}, trainer=row.trainer, hold=device_hold(row.name, row.device, prefect_log),
-    )  # fmt: skip
+        "data",
+        keyed,
+        {},
+        ctx,
+        build,
+        fingerprints,
+        log_files=("report",),
+        log=prefect_log,
+        digest_of=("datasets",),
+        parts={name: f"datasets/{name}.parquet" for name in sources},
+        trainer=row.trainer,
+        hold=device_hold(row.name, row.device, prefect_log),
+    )
 
 
 def _token_limits(config: DataConfig, model: ModelConfig | None, max_tokens: dict[str, int] | None) -> dict[str, int]:

@@ -18,7 +18,14 @@ from rlhf_pipeline.trainers.custom import source_digests
 from rlhf_pipeline.trainers.eval import EvalConfig
 
 REPORT_FILES = ("summary.json", "summary.md", "samples.jsonl", "plots")
-CURVES = ("/train/loss", "/eval/loss", "/train/accuracy", "/train/reward", "/train/kl", "/train/rewards_margins")  # plotted per stage
+CURVES = (
+    "/train/loss",
+    "/eval/loss",
+    "/train/accuracy",
+    "/train/reward",
+    "/train/kl",
+    "/train/rewards_margins",
+)  # plotted per stage
 
 
 @stage_task("eval")
@@ -62,8 +69,17 @@ def evaluate(
     settings = {"eval": config.model_dump(mode="json"), "model": model.model_dump(mode="json")}
     fingerprints = source_digests(config.code_paths())  # editing the gold metric or a judge function re-runs eval alone
     outcome = run_stage(
-        "eval", settings, upstream, ctx, build, fingerprints=fingerprints, log_files=REPORT_FILES, log=prefect_log, trainer=row.trainer, hold=device_hold("eval", row.device, prefect_log)
-    )  # fmt: skip
+        "eval",
+        settings,
+        upstream,
+        ctx,
+        build,
+        fingerprints=fingerprints,
+        log_files=REPORT_FILES,
+        log=prefect_log,
+        trainer=row.trainer,
+        hold=device_hold("eval", row.device, prefect_log),
+    )
     publish_report(outcome.ref, [data, sft_model, reward_model, policy], ctx)
     return outcome
 

@@ -14,8 +14,12 @@ from rlhf_pipeline.trainers.eval import HELDOUT
 CHAMPION, CANDIDATE = "champion", "candidate"
 
 
-GATE_ORDER = ("eval/heldout/win_rate_vs_champion", "eval/heldout/judge_win_rate_vs_champion", "eval/heldout/gold_gain_vs_champion",
-              "eval/heldout/exact_match_gain_vs_champion")  # fmt: skip
+GATE_ORDER = (
+    "eval/heldout/win_rate_vs_champion",
+    "eval/heldout/judge_win_rate_vs_champion",
+    "eval/heldout/gold_gain_vs_champion",
+    "eval/heldout/exact_match_gain_vs_champion",
+)
 """The default gate metric: the first of these the run's eval reports (reward model, judge, gold function, reference answers)."""
 
 
@@ -28,9 +32,12 @@ class RegistryConfig(StageConfig):
         "None: the first the run measures of the reward-model win rate against the champion, the judge's win rate, the gold "
         "metric's gain, the exact-match gain (with or without reference answers, a run has a gate).",
     )
-    min_value: float | None = Field(None, description="The gate metric must be strictly above this. None: 0.5 for a win rate, 0 for a gain.")
+    min_value: float | None = Field(
+        None, description="The gate metric must be strictly above this. None: 0.5 for a win rate, 0 for a gain."
+    )
     min_lower_bound: float | None = Field(
-        None, description="The metric's lower 95% bound must be above this. None: 0.45 for a win rate, -0.05 for a gain; -.inf: not checked."
+        None,
+        description="The metric's lower 95% bound must be above this. None: 0.45 for a win rate, -0.05 for a gain; -.inf: not checked.",
     )
 
     hacking_gate: bool = Field(
@@ -39,7 +46,11 @@ class RegistryConfig(StageConfig):
         "eval.gold_metric) fell, or, without one, while the reward-model ensemble's disagreement rose; or whose reward-model win rate against "
         "the champion is above 0.5 while its gold metric is below the champion's: it games its reward.",
     )
-    hacking_tolerance: float = Field(0.0, ge=0, description="How far the gold metric may fall (or the disagreement rise) before the hacking gate refuses.")
+    hacking_tolerance: float = Field(
+        0.0,
+        ge=0,
+        description="How far the gold metric may fall (or the disagreement rise) before the hacking gate refuses.",
+    )
 
     def resolved(self, planned: set[str]) -> RegistryConfig:
         """This gate with its defaults made concrete for a run whose eval reports `planned` metrics."""
@@ -49,7 +60,11 @@ class RegistryConfig(StageConfig):
             update={
                 "gate_metric": metric,
                 "min_value": self.min_value if self.min_value is not None else 0.5 if rate else 0.0,
-                "min_lower_bound": self.min_lower_bound if self.min_lower_bound is not None else 0.45 if rate else -0.05,
+                "min_lower_bound": self.min_lower_bound
+                if self.min_lower_bound is not None
+                else 0.45
+                if rate
+                else -0.05,
             }
         )
 
@@ -64,8 +79,10 @@ def hacking(cfg: RegistryConfig, metrics: dict[str, float]) -> str | None:
         if gold_gain is not None:
             break
     if win is not None and gold_gain is not None and win > 0.5 and gold_gain < -cfg.hacking_tolerance:
-        return (f"reward hacking: the reward model prefers the policy to the champion (win rate {win:.4f}) while {gold.replace('_', ' ')} "
-                f"is {gold_gain:+.4f} against the champion's (tolerance {cfg.hacking_tolerance})")  # fmt: skip
+        return (
+            f"reward hacking: the reward model prefers the policy to the champion (win rate {win:.4f}) while {gold.replace('_', ' ')} "
+            f"is {gold_gain:+.4f} against the champion's (tolerance {cfg.hacking_tolerance})"
+        )
     reward, sft_reward = metrics.get(f"{HELDOUT}policy_mean_reward"), metrics.get(f"{HELDOUT}sft_mean_reward")
     if reward is None or sft_reward is None or reward <= sft_reward:
         return None
@@ -78,8 +95,10 @@ def hacking(cfg: RegistryConfig, metrics: dict[str, float]) -> str | None:
             return None
     policy, sft = metrics.get(f"{HELDOUT}policy_rm_disagreement"), metrics.get(f"{HELDOUT}sft_rm_disagreement")
     if policy is not None and sft is not None and policy > sft + cfg.hacking_tolerance:
-        return (f"reward hacking: {rose} while the reward-model ensemble's disagreement rose from {sft:.4f} to {policy:.4f} "
-                f"(no gold metric; tolerance {cfg.hacking_tolerance})")  # fmt: skip
+        return (
+            f"reward hacking: {rose} while the reward-model ensemble's disagreement rose from {sft:.4f} to {policy:.4f} "
+            f"(no gold metric; tolerance {cfg.hacking_tolerance})"
+        )
     return None
 
 

@@ -30,7 +30,15 @@ from typing import Any, Callable, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rlhf_pipeline.trainers.progress import emit
-from rlhf_pipeline.trainers.rank import ERROR_FILE, METRICS_MARK, PERMANENT, PROGRESS_MARK, RESULT_FILE, die_with_parent, write_spec
+from rlhf_pipeline.trainers.rank import (
+    ERROR_FILE,
+    METRICS_MARK,
+    PERMANENT,
+    PROGRESS_MARK,
+    RESULT_FILE,
+    die_with_parent,
+    write_spec,
+)
 
 Launcher = Literal["inprocess", "accelerate"]
 ENGINES = ("ddp", "zero2", "zero3", "fsdp2")
@@ -44,27 +52,36 @@ class LaunchConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     launcher: Literal["auto", "inprocess", "accelerate"] = Field(
-        "auto", description="'auto': accelerate whenever a CUDA GPU is present, else in the flow run's process; or force one."
+        "auto",
+        description="'auto': accelerate whenever a CUDA GPU is present, else in the flow run's process; or force one.",
     )
     stages: dict[str, Launcher] = Field(default_factory=dict, description="Per-stage override, e.g. {ppo: inprocess}.")
-    num_processes: int | None = Field(None, ge=1, description="Processes per machine under accelerate. None: one per GPU (1 on a CPU).")
+    num_processes: int | None = Field(
+        None, ge=1, description="Processes per machine under accelerate. None: one per GPU (1 on a CPU)."
+    )
     engine: str = Field(
         "ddp",
         description="accelerate engine: ddp, zero2, zero3 (DeepSpeed ZeRO), fsdp2 (deployments/accelerate/<engine>.yaml), or the path of an "
         "accelerate config file. On a CPU: gloo DDP. Multi-node: RLHF_NUM_MACHINES, RLHF_MACHINE_RANK, RLHF_MAIN_PROCESS_IP, RLHF_MAIN_PROCESS_PORT.",
     )
-    kill_grace_seconds: float = Field(15, ge=0, description="After SIGTERM, how long the ranks get to exit before SIGKILL.")
+    kill_grace_seconds: float = Field(
+        15, ge=0, description="After SIGTERM, how long the ranks get to exit before SIGKILL."
+    )
 
     @field_validator("engine")
     @classmethod
     def _known_engine(cls, engine: str) -> str:
         if engine not in ENGINES and not Path(engine).expanduser().is_file():
-            raise ValueError(f"launch.engine={engine!r} is neither one of {', '.join(ENGINES)} nor an accelerate config file")
+            raise ValueError(
+                f"launch.engine={engine!r} is neither one of {', '.join(ENGINES)} nor an accelerate config file"
+            )
         if engine.startswith("zero"):
             import importlib.util
 
             if importlib.util.find_spec("deepspeed") is None:
-                raise ValueError(f"launch.engine={engine!r} runs DeepSpeed ZeRO, which is not installed: pip install 'rlhf-pipeline[deepspeed]' (CUDA)")
+                raise ValueError(
+                    f"launch.engine={engine!r} runs DeepSpeed ZeRO, which is not installed: pip install 'rlhf-pipeline[deepspeed]' (CUDA)"
+                )
         return engine
 
     def launcher_of(self, stage: str) -> Launcher:
@@ -91,7 +108,12 @@ class LaunchConfig(BaseModel):
             command += ["--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no"]
         command += ["--num_processes", str(processes * machines), "--num_machines", str(machines)]
         if machines > 1:
-            command += ["--machine_rank", os.environ["RLHF_MACHINE_RANK"], "--main_process_ip", os.environ["RLHF_MAIN_PROCESS_IP"]]
+            command += [
+                "--machine_rank",
+                os.environ["RLHF_MACHINE_RANK"],
+                "--main_process_ip",
+                os.environ["RLHF_MAIN_PROCESS_IP"],
+            ]
         command += ["--main_process_port", os.environ.get("RLHF_MAIN_PROCESS_PORT") or str(_free_port())]
         return [*command, "-m", "rlhf_pipeline.trainers.rank", str(spec)]
 
@@ -122,8 +144,14 @@ def run_launched(
     log(f"{stage}: {' '.join(command[2:])}")
     # In the flow run's process group, so that a runner cancelling the run (SIGTERM to the group) or Ctrl-C reaches every rank.
     process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env, preexec_fn=die_with_parent
-    )  # fmt: skip
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+        env=env,
+        preexec_fn=die_with_parent,
+    )
     ranks = ProcessTree(process.pid)
     tail: deque[str] = deque(maxlen=30)
     try:
@@ -139,10 +167,14 @@ def run_launched(
     error = work_dir / ERROR_FILE
     if error.is_file():
         reported = json.loads(error.read_text())
-        raise PERMANENT_BY_NAME.get(reported["type"], RuntimeError)(f"{stage} (rank {reported['rank']}): {reported['message']}")
+        raise PERMANENT_BY_NAME.get(reported["type"], RuntimeError)(
+            f"{stage} (rank {reported['rank']}): {reported['message']}"
+        )
     if returncode != 0:
         last = "\n".join(tail)
-        raise RuntimeError(f"{stage}: accelerate launch exited with {returncode} (a rank failed or was killed); its last lines:\n{last}")
+        raise RuntimeError(
+            f"{stage}: accelerate launch exited with {returncode} (a rank failed or was killed); its last lines:\n{last}"
+        )
     return json.loads((work_dir / RESULT_FILE).read_text())
 
 

@@ -95,11 +95,19 @@ class RetryConfig(BaseModel):
     bad config or data (ValueError, TypeError, KeyError, ImportError) fail at once."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    retries: int = Field(2, ge=0, le=20, description="Retries of a stage after a transient error; 0 fails at the first.")
-    delay_seconds: list[float] = Field([10, 60], min_length=1, description="Wait before each retry, in seconds (the last repeats).")
-    jitter_factor: float = Field(0.2, ge=0, le=1, description="Random extra share of each delay, so retries of parallel runs spread out.")
+    retries: int = Field(
+        2, ge=0, le=20, description="Retries of a stage after a transient error; 0 fails at the first."
+    )
+    delay_seconds: list[float] = Field(
+        [10, 60], min_length=1, description="Wait before each retry, in seconds (the last repeats)."
+    )
+    jitter_factor: float = Field(
+        0.2, ge=0, le=1, description="Random extra share of each delay, so retries of parallel runs spread out."
+    )
     timeout_seconds: float | None = Field(
-        None, gt=0, description="A stage running longer fails (its child processes are killed) and is retried; None: no limit."
+        None,
+        gt=0,
+        description="A stage running longer fails (its child processes are killed) and is retried; None: no limit.",
     )
 
     def task_options(self) -> dict[str, Any]:

@@ -22,7 +22,12 @@ class PipelineRun:
     summary: dict = field(default_factory=dict)
 
     def finish(
-        self, policy: ArtifactRef, report: ArtifactRef, stages: list[ArtifactRef], registered: dict | None = None, states: dict[str, str] | None = None
+        self,
+        policy: ArtifactRef,
+        report: ArtifactRef,
+        stages: list[ArtifactRef],
+        registered: dict | None = None,
+        states: dict[str, str] | None = None,
     ) -> dict:
         """Log the evaluation (and the final model, if the registry did not) to the parent run; return where everything is
         (`stages`: each one's state in this run, e.g. Cached, given in `states`, and the seconds its build took)."""
@@ -40,8 +45,12 @@ class PipelineRun:
             "artifacts": {ref.stage: ref.uri for ref in stages},
             "metrics": metrics,
             "registry": registered,
-            "stages": {ref.stage: {"state": (states or {}).get(ref.stage), "seconds": _build_seconds(ref)} for ref in stages},
-            "warnings": json.loads((report.path / "summary.json").read_text()).get("warnings", []) if (report.path / "summary.json").is_file() else [],
+            "stages": {
+                ref.stage: {"state": (states or {}).get(ref.stage), "seconds": _build_seconds(ref)} for ref in stages
+            },
+            "warnings": json.loads((report.path / "summary.json").read_text()).get("warnings", [])
+            if (report.path / "summary.json").is_file()
+            else [],
         }
         return self.summary
 
@@ -54,7 +63,9 @@ def pipeline_run(params: Any) -> Iterator[PipelineRun]:
     if flow_run_id and coordinated():
         ensure_device_limit()
     experiment = tracking.experiment_id(params.experiment_name)
-    run_id = tracking.start_run(experiment, flow_run_name, {"prefect.flow_run_id": flow_run_id, "rlhf.algorithm": params.algorithm})
+    run_id = tracking.start_run(
+        experiment, flow_run_name, {"prefect.flow_run_id": flow_run_id, "rlhf.algorithm": params.algorithm}
+    )
     install_log_filter()
     config = redact(params.model_dump(mode="json"))
     tracking.log_params(run_id, config)

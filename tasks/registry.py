@@ -27,7 +27,9 @@ def current_champion(cfg: RegistryConfig) -> ArtifactRef | None:
     return ArtifactRef(stage="champion", key=f"{cfg.model_name}/v{version}", uri=str(folder), digest=digest)
 
 
-def register_policy(cfg: RegistryConfig, policy: ArtifactRef, report: ArtifactRef, stages: list[ArtifactRef], ctx: RunContext) -> dict:
+def register_policy(
+    cfg: RegistryConfig, policy: ArtifactRef, report: ArtifactRef, stages: list[ArtifactRef], ctx: RunContext
+) -> dict:
     """Register (or reuse) the policy's version, set `candidate`, and promote it if the gate passes."""
     metrics = report.manifest()["metrics"]
     version = tracking.find_version(cfg.model_name, "rlhf.policy_digest", policy.digest)
@@ -43,7 +45,9 @@ def register_policy(cfg: RegistryConfig, policy: ArtifactRef, report: ArtifactRe
             **{f"rlhf.data.{name}": value for name, value in fingerprints.items()},
             **{k: f"{v:.6g}" for k, v in metrics.items()},
         }
-        version = tracking.register_version(cfg.model_name, tracking.artifact_uri(ctx.parent_run_id, "model"), ctx.parent_run_id, tags)
+        version = tracking.register_version(
+            cfg.model_name, tracking.artifact_uri(ctx.parent_run_id, "model"), ctx.parent_run_id, tags
+        )
     tracking.set_alias(cfg.model_name, CANDIDATE, version)
 
     champion = tracking.alias_version(cfg.model_name, CHAMPION)
@@ -57,14 +61,22 @@ def register_policy(cfg: RegistryConfig, policy: ArtifactRef, report: ArtifactRe
         promoted, reason = gate(cfg, metrics)
     if promoted:
         tracking.set_alias(cfg.model_name, CHAMPION, version)
-    outcome = {"model_name": cfg.model_name, "version": version, "promoted": promoted, "reason": reason, "previous_champion": champion}
+    outcome = {
+        "model_name": cfg.model_name,
+        "version": version,
+        "promoted": promoted,
+        "reason": reason,
+        "previous_champion": champion,
+    }
 
     run_id = tracking.start_run(ctx.experiment_id, "registry", {"rlhf.stage": "registry"}, ctx.parent_run_id)
     tracking.log_params(run_id, cfg.model_dump(mode="json"))
     tracking.set_tags(run_id, {f"rlhf.registry.{k}": str(v) for k, v in outcome.items()})
     tracking.log_metrics(run_id, {"registry/gate/promoted": float(promoted)})
     tracking.end_run(run_id)
-    prefect_log(f"registry: {cfg.model_name} v{version} is candidate; champion {'moved' if promoted and champion != version else 'stays'} ({reason})")
+    prefect_log(
+        f"registry: {cfg.model_name} v{version} is candidate; champion {'moved' if promoted and champion != version else 'stays'} ({reason})"
+    )
     return outcome
 
 
@@ -75,6 +87,11 @@ def register_task():
 
     from rlhf_pipeline.tasks.orchestration import is_transient
 
-    return task(name="registry", task_run_name="registry", retry_condition_fn=is_transient, cache_policy=NO_CACHE, persist_result=False, log_prints=False)(
-        register_policy
-    )
+    return task(
+        name="registry",
+        task_run_name="registry",
+        retry_condition_fn=is_transient,
+        cache_policy=NO_CACHE,
+        persist_result=False,
+        log_prints=False,
+    )(register_policy)

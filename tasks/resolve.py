@@ -26,9 +26,15 @@ def resolve_model(source: str | None, role: str) -> tuple[ArtifactRef, dict[str,
     elif (folder / "config.json").is_file() and folder.name == "model":
         ref_dir = folder.parent
     else:
-        raise ValueError(f"{role} model {source!r}: expected a model folder named 'model' (config.json inside) or a stage artifact directory holding one")
+        raise ValueError(
+            f"{role} model {source!r}: expected a model folder named 'model' (config.json inside) or a stage artifact directory holding one"
+        )
     manifest = ref_dir / MANIFEST
-    digest = ArtifactRef(stage=role, key="", uri=str(ref_dir)).manifest()["digest"] if manifest.is_file() else content_digest(ref_dir / "model")
+    digest = (
+        ArtifactRef(stage=role, key="", uri=str(ref_dir)).manifest()["digest"]
+        if manifest.is_file()
+        else content_digest(ref_dir / "model")
+    )
     key = hashlib.sha256(str(ref_dir).encode()).hexdigest()[:32]
     return ArtifactRef(stage=role, key=key, uri=str(ref_dir), digest=digest), {}
 
@@ -54,7 +60,10 @@ def _registered(uri: str) -> tuple[ArtifactRef, dict[str, str]]:
     tracking.download_version(name, version, folder / "model")
     tags = tracking.version_tags(name, version)
     root = Path(tracking.state_dir() / "artifacts")
-    lineage = {stage: str(root / stage / key) for stage, key in ((t.removeprefix("rlhf.key."), v) for t, v in tags.items() if t.startswith("rlhf.key."))}
+    lineage = {
+        stage: str(root / stage / key)
+        for stage, key in ((t.removeprefix("rlhf.key."), v) for t, v in tags.items() if t.startswith("rlhf.key."))
+    }
     stage = tags.get("rlhf.policy_stage", "policy")
     ref = ArtifactRef(stage=stage, key=f"{name}/v{version}", uri=str(folder), digest=tags.get("rlhf.policy_digest", ""))
     return ref, lineage

@@ -20,7 +20,10 @@ class PeakMemory:
         import threading
 
         self.interval, self.peak, self.before = interval, 0, 0
-        self._stop, self._thread = threading.Event(), threading.Thread(target=self._sample, name="rlhf-peak-memory", daemon=True)
+        self._stop, self._thread = (
+            threading.Event(),
+            threading.Thread(target=self._sample, name="rlhf-peak-memory", daemon=True),
+        )
 
     def __enter__(self) -> PeakMemory:
         import psutil
@@ -58,7 +61,10 @@ class PeakMemory:
         import psutil
 
         total = 0
-        for process in [self._process, *(child for child in self._process.children(recursive=True) if child.pid not in self._others)]:
+        for process in [
+            self._process,
+            *(child for child in self._process.children(recursive=True) if child.pid not in self._others),
+        ]:
             with contextlib.suppress(psutil.Error):
                 total += process.memory_info().rss
         self.peak = max(self.peak, total)

@@ -62,7 +62,9 @@ class RedactSecrets(logging.Filter):
 
 def install_log_filter() -> None:
     """Attach RedactSecrets to every handler of the `prefect` and library loggers (idempotent)."""
-    loggers = [logging.getLogger()] + [logger for logger in logging.root.manager.loggerDict.values() if isinstance(logger, logging.Logger)]
+    loggers = [logging.getLogger()] + [
+        logger for logger in logging.root.manager.loggerDict.values() if isinstance(logger, logging.Logger)
+    ]
     for logger in loggers:
         for handler in logger.handlers:
             if not any(isinstance(f, RedactSecrets) for f in handler.filters):

@@ -28,7 +28,16 @@ from typing import Callable, ContextManager
 from pydantic import BaseModel
 
 from rlhf_pipeline.tasks import tracking
-from rlhf_pipeline.tasks.artifacts import HISTORY, MANIFEST, ArtifactRef, Build, RunContext, StageOutcome, content_digest, read_history
+from rlhf_pipeline.tasks.artifacts import (
+    HISTORY,
+    MANIFEST,
+    ArtifactRef,
+    Build,
+    RunContext,
+    StageOutcome,
+    content_digest,
+    read_history,
+)
 from rlhf_pipeline.tasks.code_version import code_version
 from rlhf_pipeline.tasks.resources import PeakMemory, child_pids, kill_process
 from rlhf_pipeline.tasks.secrets import redact
@@ -38,7 +47,9 @@ from rlhf_pipeline.trainers.models import tokenizer_digest
 PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "great-expectations", "prefect", "mlflow")
 
 
-def stage_key(stage: str, config: BaseModel | dict, upstream: dict[str, ArtifactRef], fingerprints: dict[str, str], code: str = "") -> str:
+def stage_key(
+    stage: str, config: BaseModel | dict, upstream: dict[str, ArtifactRef], fingerprints: dict[str, str], code: str = ""
+) -> str:
     """sha256 of the canonical JSON of everything that determines the stage's output."""
     payload = {
         "stage": stage,
@@ -169,9 +180,13 @@ def run_stage(
                 "stage": stage,
                 "key": key,
                 "config": config_json,
-                "upstream": {name: {"stage": r.stage, "key": r.key, "digest": r.digest} for name, r in upstream.items()},
+                "upstream": {
+                    name: {"stage": r.stage, "key": r.key, "digest": r.digest} for name, r in upstream.items()
+                },
                 "digest": content_digest(tmp, digest_of),
-                "parts": {name: content_digest(tmp, (path,)) for name, path in (parts or {}).items() if (tmp / path).exists()},
+                "parts": {
+                    name: content_digest(tmp, (path,)) for name, path in (parts or {}).items() if (tmp / path).exists()
+                },
                 "fingerprints": fingerprints,
                 "code_version": code,
                 "tokenizer": tokenizer_digest(tmp / "model"),
@@ -218,10 +233,14 @@ def outcome_tags(stage: str, training: dict | None, log: Callable[[str], None]) 
     tags: dict[str, str] = {}
     if training and training.get("stopped_early"):
         tags["rlhf.stopped_early"] = f"step {training['global_step']} of {training['max_steps']}"
-        log(f"{stage}: stopped early by a callback at step {training['global_step']} of {training['max_steps']}; publishing what it has")
+        log(
+            f"{stage}: stopped early by a callback at step {training['global_step']} of {training['max_steps']}; publishing what it has"
+        )
     if training and training.get("best_checkpoint"):
         tags["rlhf.best_checkpoint"] = f"{training['best_checkpoint']} ({training['best_metric']:.6g})"
-        log(f"{stage}: publishing the best checkpoint, {training['best_checkpoint']} (metric {training['best_metric']:.6g}), not the last")
+        log(
+            f"{stage}: publishing the best checkpoint, {training['best_checkpoint']} (metric {training['best_metric']:.6g}), not the last"
+        )
     return tags
 
 
@@ -232,7 +251,9 @@ NOT_TOKENIZER_BOUND = ("data", "champion")
 def check_tokenizers(stage: str, upstream: dict[str, ArtifactRef]) -> dict[str, str]:
     """The tokenizer digest of every upstream model; they must be equal: a reward model reads the policy's token
     ids and KL compares two models' log-probabilities of the same ids. Raised before any weights load."""
-    digests = {name: tokenizer_digest(ref.path / "model") for name, ref in upstream.items() if name not in NOT_TOKENIZER_BOUND}
+    digests = {
+        name: tokenizer_digest(ref.path / "model") for name, ref in upstream.items() if name not in NOT_TOKENIZER_BOUND
+    }
     digests = {name: digest for name, digest in digests.items() if digest}
     if len(set(digests.values())) > 1:
         listed = "; ".join(f"{name} ({upstream[name].path / 'model'}): {digest}" for name, digest in digests.items())

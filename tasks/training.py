@@ -42,7 +42,9 @@ def trainer_parameters(stage: Stage) -> tuple[str, ...]:
     parameters = inspect.signature(importlib.import_module(stage.trainer).train).parameters
     unknown = [name for name, p in parameters.items() if name not in PROVIDED and p.default is inspect.Parameter.empty]
     if unknown:
-        raise TypeError(f"{stage.trainer}.train takes {unknown}, which no stage provides; it may take {sorted(PROVIDED)}")
+        raise TypeError(
+            f"{stage.trainer}.train takes {unknown}, which no stage provides; it may take {sorted(PROVIDED)}"
+        )
     return tuple(parameters)
 
 
@@ -61,7 +63,12 @@ def code_fingerprints(config: StageConfig, settings: dict[str, Block]) -> dict[s
 
 
 def train_stage(
-    stage: str, config: StageConfig, settings: dict[str, Block], upstream: dict[str, ArtifactRef], ctx: RunContext, round_: int = 0
+    stage: str,
+    config: StageConfig,
+    settings: dict[str, Block],
+    upstream: dict[str, ArtifactRef],
+    ctx: RunContext,
+    round_: int = 0,
 ) -> StageOutcome:
     """Build (or reuse) one training stage of the table from its config, the blocks it takes and its upstream artifacts;
     `round_` > 0: a feedback round's (its rm samples the previous round's `policy` upstream, reading the training prompts)."""
@@ -71,20 +78,44 @@ def train_stage(
     fingerprints = code_fingerprints(config, settings)
 
     def build(out_dir, work_dir, log_metrics) -> dict[str, float]:
-        given: dict[str, Any] = {"cfg": config, "data_dir": data.path, "out_dir": out_dir, "work_dir": work_dir, **settings}
-        given |= {param: upstream[source].path / "model" if source in upstream else None for param, source in MODEL_INPUTS.items()}
+        given: dict[str, Any] = {
+            "cfg": config,
+            "data_dir": data.path,
+            "out_dir": out_dir,
+            "work_dir": work_dir,
+            **settings,
+        }
+        given |= {
+            param: upstream[source].path / "model" if source in upstream else None
+            for param, source in MODEL_INPUTS.items()
+        }
         arguments = {name: value for name, value in given.items() if name in wanted}
         if ctx.launch.launcher_of(stage) == "accelerate":  # processes of its own; rank 0 writes into out_dir
             return run_launched(stage, row.trainer, arguments, work_dir, log_metrics, prefect_log, ctx.launch)
         return importlib.import_module(row.trainer).train(**arguments, log_metrics=log_metrics)
 
-    keyed = {stage: config.model_dump(mode="json"), **{name: block.model_dump(mode="json") for name, block in settings.items()}}
-    datasets = (*reads(stage, config), *(("prompts",) if "policy" in upstream and "prompts" not in reads(stage, config) else ()))
+    keyed = {
+        stage: config.model_dump(mode="json"),
+        **{name: block.model_dump(mode="json") for name, block in settings.items()},
+    }
+    datasets = (
+        *reads(stage, config),
+        *(("prompts",) if "policy" in upstream and "prompts" not in reads(stage, config) else ()),
+    )
     inputs = {**{name: ref for name, ref in upstream.items() if name != "data"}, "data": data.select(datasets)}
     return run_stage(
-        stage, keyed, inputs, ctx, build, fingerprints=fingerprints, log_files=LOGGED, log=prefect_log, trainer=row.trainer, hold=device_hold(stage, row.device, prefect_log),
+        stage,
+        keyed,
+        inputs,
+        ctx,
+        build,
+        fingerprints=fingerprints,
+        log_files=LOGGED,
+        log=prefect_log,
+        trainer=row.trainer,
+        hold=device_hold(stage, row.device, prefect_log),
         extra_tags={"rlhf.round": str(round_)} if round_ else None,
-    )  # fmt: skip
+    )
 
 
 TASKS = {row.name: stage_task(row.name)(train_stage) for row in STAGES if row.task == TRAIN_STAGE}

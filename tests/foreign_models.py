@@ -31,9 +31,16 @@ SYSTEM = "You are a friendly assistant who answers in one short sentence."
 
 
 def _corpus() -> list[str]:
-    words = COLOURS + ANIMALS + ["Describe", "the", "a", "is", "calm", "and", "kind", "no", "Tell", "me", "about", "friendly", "assistant"]
+    words = (
+        COLOURS
+        + ANIMALS
+        + ["Describe", "the", "a", "is", "calm", "and", "kind", "no", "Tell", "me", "about", "friendly", "assistant"]
+    )
     rng = random.Random(0)
-    return [" ".join(rng.choice(words) for _ in range(12)) for _ in range(400)] + [SYSTEM, "You are a helpful assistant."]
+    return [" ".join(rng.choice(words) for _ in range(12)) for _ in range(400)] + [
+        SYSTEM,
+        "You are a helpful assistant.",
+    ]
 
 
 def train_tokenizer(specials: list[str], vocab_size: int = 400):
@@ -43,7 +50,12 @@ def train_tokenizer(specials: list[str], vocab_size: int = 400):
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     core.train_from_iterator(_corpus(), trainer=trainer)
     return core
 
@@ -54,12 +66,19 @@ def gpt2_folder(path: Path) -> Path:
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
     eos = "<|endoftext|>"
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=train_tokenizer([eos]), bos_token=eos, eos_token=eos, unk_token=eos, model_max_length=256)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=train_tokenizer([eos]), bos_token=eos, eos_token=eos, unk_token=eos, model_max_length=256
+    )
     assert tokenizer.pad_token is None and tokenizer.chat_template is None
     config = GPT2Config(
-        vocab_size=len(tokenizer), n_positions=256, n_embd=32, n_layer=2, n_head=2,
-        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
+        vocab_size=len(tokenizer),
+        n_positions=256,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(0)
     GPT2LMHeadModel(config).save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
@@ -73,21 +92,38 @@ def qwen2_folder(path: Path) -> Path:
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=train_tokenizer(specials), eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        additional_special_tokens=specials[1:], chat_template=QWEN_TEMPLATE, model_max_length=256,
-    )  # fmt: skip
+        tokenizer_object=train_tokenizer(specials),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=specials[1:],
+        chat_template=QWEN_TEMPLATE,
+        model_max_length=256,
+    )
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=256, tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
-    )  # fmt: skip
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     end_of_text = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     model.generation_config = GenerationConfig(
-        do_sample=True, temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05,
-        eos_token_id=[tokenizer.eos_token_id, end_of_text], pad_token_id=end_of_text,
-    )  # fmt: skip
+        do_sample=True,
+        temperature=0.7,
+        top_p=0.8,
+        top_k=20,
+        repetition_penalty=1.05,
+        eos_token_id=[tokenizer.eos_token_id, end_of_text],
+        pad_token_id=end_of_text,
+    )
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
@@ -113,10 +149,18 @@ def chat_data(folder: Path, seed: int = 0) -> list[str]:
     def good(colour: str, animal: str) -> str:
         return f"The {colour} {animal} is calm and kind."
 
-    rows: dict[str, list[dict]] = {"sft": [], "preference": [], "preference_eval": [], "prompts": [], "prompts_eval": []}
+    rows: dict[str, list[dict]] = {
+        "sft": [],
+        "preference": [],
+        "preference_eval": [],
+        "prompts": [],
+        "prompts_eval": [],
+    }
     for i, (colour, animal) in enumerate(train):
         turns = _turns(ask(colour, animal), system=i % 2 == 0)
-        rows["sft"].append({"messages": turns + [{"role": "assistant", "content": good(colour, animal)}], "source": "fixture"})
+        rows["sft"].append(
+            {"messages": turns + [{"role": "assistant", "content": good(colour, animal)}], "source": "fixture"}
+        )
         rows["preference"].append(
             {
                 "chosen": turns + [{"role": "assistant", "content": good(colour, animal)}],
@@ -130,7 +174,10 @@ def chat_data(folder: Path, seed: int = 0) -> list[str]:
         turns = _turns(ask(colour, animal), system=i % 2 == 1)
         if i < 12:
             rows["preference_eval"].append(
-                {"chosen": turns + [{"role": "assistant", "content": good(colour, animal)}], "rejected": turns + [{"role": "assistant", "content": "no"}]}
+                {
+                    "chosen": turns + [{"role": "assistant", "content": good(colour, animal)}],
+                    "rejected": turns + [{"role": "assistant", "content": "no"}],
+                }
             )
         else:
             rows["prompts_eval"].append({"prompt": turns})

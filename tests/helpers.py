@@ -47,7 +47,9 @@ def unchanged(before: dict, after) -> list[str]:
     missing = sorted(before.keys() - after.keys())
     if missing:
         raise KeyError(f"{len(missing)} tensors of `before` are not in `after`: {missing}")
-    return sorted(name for name, tensor in before.items() if torch.equal(tensor, after[name].detach().to(tensor.device)))
+    return sorted(
+        name for name, tensor in before.items() if torch.equal(tensor, after[name].detach().to(tensor.device))
+    )
 
 
 def length_reward(prompts, completions, **_) -> list[float]:

@@ -14,7 +14,9 @@ def sgd(model, args):
     """An optimizer_factory: SGD with momentum over the trainable parameters; the stage's own schedule drives it."""
     import torch
 
-    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, momentum=0.9), None
+    return torch.optim.SGD(
+        [p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, momentum=0.9
+    ), None
 
 
 def sgd_with_step_decay(model, args):

@@ -25,7 +25,9 @@ def load_base_tokenizer(model: ModelConfig) -> PreTrainedTokenizerBase:
 
         tokenizer = build_tokenizer()
     else:
-        tokenizer = load_tokenizer(model.name_or_path, revision=model.revision, trust_remote_code=model.trust_remote_code)
+        tokenizer = load_tokenizer(
+            model.name_or_path, revision=model.revision, trust_remote_code=model.trust_remote_code
+        )
     templates.apply(tokenizer, model.chat_template)
     return tokenizer
 
@@ -39,15 +41,21 @@ def load_base_model(model: ModelConfig, bnb_config=None) -> tuple[PreTrainedMode
 
     if bnb_config is not None:
         if model.name_or_path == TINY:
-            raise ValueError("lora.quantization (QLoRA) loads a pretrained checkpoint in 4 bits: the tiny model is built in memory, not loaded")
+            raise ValueError(
+                "lora.quantization (QLoRA) loads a pretrained checkpoint in 4 bits: the tiny model is built in memory, not loaded"
+            )
         import peft
 
         from rlhf_pipeline.trainers.handoff import quantized_loading
 
         tokenizer = load_base_tokenizer(model)
         policy = AutoModelForCausalLM.from_pretrained(
-            model.name_or_path, revision=model.revision, trust_remote_code=model.trust_remote_code, use_safetensors=True, **quantized_loading(bnb_config)
-        )  # fmt: skip
+            model.name_or_path,
+            revision=model.revision,
+            trust_remote_code=model.trust_remote_code,
+            use_safetensors=True,
+            **quantized_loading(bnb_config),
+        )
         _grow_embeddings(policy, tokenizer)  # embeddings and lm_head stay unquantized under bitsandbytes
         return peft.prepare_model_for_kbit_training(policy, use_gradient_checkpointing=False), tokenizer
     tokenizer = load_base_tokenizer(model)
@@ -58,8 +66,12 @@ def load_base_model(model: ModelConfig, bnb_config=None) -> tuple[PreTrainedMode
         policy = build_model(model.tiny, tokenizer, seed=model.seed).to(dtype)
     else:
         policy = AutoModelForCausalLM.from_pretrained(
-            model.name_or_path, revision=model.revision, trust_remote_code=model.trust_remote_code, dtype=dtype, use_safetensors=True
-        )  # fmt: skip
+            model.name_or_path,
+            revision=model.revision,
+            trust_remote_code=model.trust_remote_code,
+            dtype=dtype,
+            use_safetensors=True,
+        )
     _grow_embeddings(policy, tokenizer)
     return policy, tokenizer
 
@@ -84,7 +96,9 @@ def added_token_ids(model: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> l
 
         own = build_tokenizer().get_vocab()
     else:
-        own = load_tokenizer(model.name_or_path, revision=model.revision, trust_remote_code=model.trust_remote_code).get_vocab()
+        own = load_tokenizer(
+            model.name_or_path, revision=model.revision, trust_remote_code=model.trust_remote_code
+        ).get_vocab()
     return [tokenizer.convert_tokens_to_ids(token) for token in specials if token not in own]
 
 

@@ -59,7 +59,9 @@ class TinyModelConfig(StrictModel):
     intermediate_size: int = Field(512, ge=8, description="Width of the MLP.")
     num_hidden_layers: int = Field(4, ge=1, description="Number of transformer blocks.")
     num_attention_heads: int = Field(4, ge=1, description="Attention heads per block.")
-    max_position_embeddings: int = Field(2048, ge=16, description="Longest sequence the model accepts (RoPE: costs no parameters).")
+    max_position_embeddings: int = Field(
+        2048, ge=16, description="Longest sequence the model accepts (RoPE: costs no parameters)."
+    )
 
 
 class ModelConfig(Block):
@@ -68,7 +70,9 @@ class ModelConfig(Block):
         description="Base model: 'tiny' (built locally from `tiny`), a hub id such as 'Qwen/Qwen2.5-0.5B', or a local folder.",
     )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of the base model.")
-    trust_remote_code: bool = Field(False, description="Run model code shipped with a hub repository. Off unless you trust it.")
+    trust_remote_code: bool = Field(
+        False, description="Run model code shipped with a hub repository. Off unless you trust it."
+    )
     seed: int = Field(0, description="Seed of the tiny model's initial weights (same seed, same base model).")
     chat_template: str | None = Field(
         None,
@@ -91,7 +95,9 @@ class LoraConfig(StrictModel):
     r: int = Field(16, ge=1, description="Adapter rank (peft LoraConfig.r).")
     lora_alpha: int = Field(32, ge=1, description="Adapter scaling numerator (peft LoraConfig.lora_alpha).")
     lora_dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the adapter input.")
-    target_modules: str | list[str] = Field("all-linear", description="Modules that get adapters ('all-linear' or names).")
+    target_modules: str | list[str] = Field(
+        "all-linear", description="Modules that get adapters ('all-linear' or names)."
+    )
     keep_adapter: bool = Field(
         False,
         description="Save the adapter alone (adapter_model.safetensors) instead of merging it; the base model is found by its hub id or "
@@ -116,11 +122,17 @@ class LoraConfig(StrictModel):
             import importlib.util
 
             if self.handoff == "merge":
-                raise ValueError(f"lora.quantization={self.quantization!r} with handoff=merge: an adapter cannot be merged into 4-bit weights; stack it")
+                raise ValueError(
+                    f"lora.quantization={self.quantization!r} with handoff=merge: an adapter cannot be merged into 4-bit weights; stack it"
+                )
             if not (self.enabled or self.handoff == "stack"):
-                raise ValueError(f"lora.quantization={self.quantization!r} quantizes the frozen base under adapters: set lora.enabled=true")
+                raise ValueError(
+                    f"lora.quantization={self.quantization!r} quantizes the frozen base under adapters: set lora.enabled=true"
+                )
             if importlib.util.find_spec("bitsandbytes") is None:
-                raise ValueError(f"lora.quantization={self.quantization!r} (QLoRA) needs bitsandbytes and a CUDA GPU; bitsandbytes is not installed")
+                raise ValueError(
+                    f"lora.quantization={self.quantization!r} (QLoRA) needs bitsandbytes and a CUDA GPU; bitsandbytes is not installed"
+                )
         return self
 
     def bnb_config(self):
@@ -131,10 +143,19 @@ class LoraConfig(StrictModel):
         from transformers import BitsAndBytesConfig
 
         if not torch.cuda.is_available():
-            raise ValueError(f"lora.quantization={self.quantization!r} (QLoRA): bitsandbytes quantizes on a CUDA GPU, and this machine trains on cpu")
-        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16)
+            raise ValueError(
+                f"lora.quantization={self.quantization!r} (QLoRA): bitsandbytes quantizes on a CUDA GPU, and this machine trains on cpu"
+            )
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+        )
 
-    def peft_config(self, task_type: str = "CAUSAL_LM", trainable_tokens: list[int] | dict[str, list[int]] | None = None):
+    def peft_config(
+        self, task_type: str = "CAUSAL_LM", trainable_tokens: list[int] | dict[str, list[int]] | None = None
+    ):
         """A peft.LoraConfig, or None when LoRA is off; `trainable_tokens` (`base.trainable_tokens`): embedding rows that train too."""
         if not self.enabled:
             return None
@@ -214,9 +235,12 @@ class EvalDuringTraining(StageConfig):
     """Evaluation on the stage's held-out split while it trains (sft, rm, dpo), as transformers' Trainer does it."""
 
     eval_strategy: Literal["no", "steps", "epoch"] = Field(
-        "no", description="Evaluate on the stage's held-out split every eval_steps ('steps') or epoch; logged as <stage>/eval/<name> curves."
+        "no",
+        description="Evaluate on the stage's held-out split every eval_steps ('steps') or epoch; logged as <stage>/eval/<name> curves.",
     )
-    eval_steps: int | None = Field(None, ge=1, description="Steps between evaluations (eval_strategy='steps'). None: logging_steps.")
+    eval_steps: int | None = Field(
+        None, ge=1, description="Steps between evaluations (eval_strategy='steps'). None: logging_steps."
+    )
     per_device_eval_batch_size: int = Field(8, ge=1, description="Examples per device per evaluation forward pass.")
     compute_metrics: str | None = Field(
         None,
@@ -224,12 +248,16 @@ class EvalDuringTraining(StageConfig):
         "<stage>/eval/<name> beside the trainer's own eval metrics.",
     )
     load_best_model_at_end: bool = Field(
-        False, description="Publish the checkpoint with the best metric_for_best_model instead of the last (needs save_steps a multiple of eval_steps)."
+        False,
+        description="Publish the checkpoint with the best metric_for_best_model instead of the last (needs save_steps a multiple of eval_steps).",
     )
     metric_for_best_model: str | None = Field(
-        None, description="Eval metric that picks the best checkpoint, without the eval_ prefix (e.g. 'loss', 'accuracy'). None: 'loss'."
+        None,
+        description="Eval metric that picks the best checkpoint, without the eval_ prefix (e.g. 'loss', 'accuracy'). None: 'loss'.",
     )
-    greater_is_better: bool | None = Field(None, description="Whether a larger metric_for_best_model is better. None: False for a loss, True otherwise.")
+    greater_is_better: bool | None = Field(
+        None, description="Whether a larger metric_for_best_model is better. None: False for a loss, True otherwise."
+    )
 
     @field_validator("compute_metrics")
     @classmethod
@@ -243,9 +271,15 @@ class EvalDuringTraining(StageConfig):
     @model_validator(mode="after")
     def _evaluation_agrees(self):
         if self.eval_strategy == "no":
-            given = [name for name in ("eval_steps", "compute_metrics", "load_best_model_at_end", "metric_for_best_model") if getattr(self, name)]
+            given = [
+                name
+                for name in ("eval_steps", "compute_metrics", "load_best_model_at_end", "metric_for_best_model")
+                if getattr(self, name)
+            ]
             if given:
-                raise ValueError(f"{', '.join(given)} only apply while evaluating: set eval_strategy='steps' (or 'epoch')")
+                raise ValueError(
+                    f"{', '.join(given)} only apply while evaluating: set eval_strategy='steps' (or 'epoch')"
+                )
         elif self.load_best_model_at_end and self.eval_strategy == "steps":
             every, saves = self.eval_steps or getattr(self, "logging_steps", 1), getattr(self, "save_steps", 1)
             if saves % every:
@@ -269,7 +303,11 @@ class EvalDuringTraining(StageConfig):
             "eval_steps": self.eval_steps or getattr(self, "logging_steps", None),
             "per_device_eval_batch_size": self.per_device_eval_batch_size,
             "load_best_model_at_end": self.load_best_model_at_end,
-            **({"metric_for_best_model": metric, "greater_is_better": self.greater_is_better} if self.load_best_model_at_end else {}),
+            **(
+                {"metric_for_best_model": metric, "greater_is_better": self.greater_is_better}
+                if self.load_best_model_at_end
+                else {}
+            ),
         }
 
     def metrics_function(self) -> Callable | None:
@@ -301,7 +339,9 @@ def check_optimizer_name(optim: str, default: str) -> None:
     known = [name.value for name in OptimizerNames]
     if optim not in known:
         close = difflib.get_close_matches(optim, known, n=1)
-        raise ValueError(f"optim={optim!r} is not an optimizer of transformers" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise ValueError(
+            f"optim={optim!r} is not an optimizer of transformers" + (f" (did you mean {close[0]!r}?)" if close else "")
+        )
     if any(part in optim for part in ("8bit", "bnb", "paged", "32bit")):
         import importlib.util
 
@@ -343,11 +383,19 @@ class TrainingFields(StageConfig):
     gradient_accumulation_steps: int = Field(1, ge=1, description="Forward passes per optimizer step.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
     lr_scheduler_type: Literal[
-        "linear", "cosine", "cosine_with_restarts", "cosine_with_min_lr", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt",
+        "linear",
+        "cosine",
+        "cosine_with_restarts",
+        "cosine_with_min_lr",
+        "polynomial",
+        "constant",
+        "constant_with_warmup",
+        "inverse_sqrt",
         "warmup_stable_decay",
-    ] = Field("linear", description="Learning-rate schedule after warm-up (transformers' names).")  # fmt: skip
+    ] = Field("linear", description="Learning-rate schedule after warm-up (transformers' names).")
     lr_scheduler_kwargs: dict[str, Any] = Field(
-        default_factory=dict, description="Arguments of the schedule, e.g. {min_lr_rate: 0.1} for cosine_with_min_lr, {num_cycles: 2} for restarts."
+        default_factory=dict,
+        description="Arguments of the schedule, e.g. {min_lr_rate: 0.1} for cosine_with_min_lr, {num_cycles: 2} for restarts.",
     )
     optim: str = Field(
         "adamw_torch_fused",
@@ -356,13 +404,23 @@ class TrainingFields(StageConfig):
     )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
-    max_length: int = Field(1024, ge=8, description="Longest tokenized sequence; longer ones are truncated or dropped (TRL's rule per trainer).")
+    max_length: int = Field(
+        1024,
+        ge=8,
+        description="Longest tokenized sequence; longer ones are truncated or dropped (TRL's rule per trainer).",
+    )
     logging_steps: int = Field(10, ge=1, description="Log metrics every this many steps.")
-    save_steps: int = Field(200, ge=1, description="Checkpoint every this many steps; a retried stage resumes from the newest.")
+    save_steps: int = Field(
+        200, ge=1, description="Checkpoint every this many steps; a retried stage resumes from the newest."
+    )
     seed: int = Field(42, description="Seed for data order and dropout.")
     bf16: bool | None = Field(None, description="bfloat16 mixed precision. None: on when a CUDA device supports it.")
-    fp16: bool = Field(False, description="float16 mixed precision with loss scaling (GPUs without bfloat16); not with bf16.")
-    tf32: bool | None = Field(None, description="TensorFloat-32 matmuls on Ampere and newer GPUs. None: torch's default.")
+    fp16: bool = Field(
+        False, description="float16 mixed precision with loss scaling (GPUs without bfloat16); not with bf16."
+    )
+    tf32: bool | None = Field(
+        None, description="TensorFloat-32 matmuls on Ampere and newer GPUs. None: torch's default."
+    )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters (peft).")
     trl_overrides: dict[str, Any] = Field(
         default_factory=dict,
@@ -390,9 +448,12 @@ class TrainingFields(StageConfig):
             managed = [key for key in shadowed if key in MANAGED_ARGUMENTS]
             raise ValueError(
                 f"trl_overrides sets {shadowed}: "
-                + "; ".join(f"{key!r} is this block's field `{key}`: set it there" for key in shadowed if key not in managed)
+                + "; ".join(
+                    f"{key!r} is this block's field `{key}`: set it there" for key in shadowed if key not in managed
+                )
                 + "".join(
-                    f"{'; ' if len(shadowed) > len(managed) else ''}{key!r} is managed by the pipeline (checkpoints, device, tracking)" for key in managed
+                    f"{'; ' if len(shadowed) > len(managed) else ''}{key!r} is managed by the pipeline (checkpoints, device, tracking)"
+                    for key in managed
                 )
             )
         if self.trl_config:
@@ -400,7 +461,9 @@ class TrainingFields(StageConfig):
             unknown = sorted(set(self.trl_overrides) - known)
             if unknown:
                 close = {key: difflib.get_close_matches(key, known, n=1) for key in unknown}
-                hints = ", ".join(f"{key!r}" + (f" (did you mean {match[0]!r}?)" if match else "") for key, match in close.items())
+                hints = ", ".join(
+                    f"{key!r}" + (f" (did you mean {match[0]!r}?)" if match else "") for key, match in close.items()
+                )
                 raise ValueError(f"trl_overrides names {hints}, which trl.{self.trl_config} does not have")
         return self
 

@@ -32,7 +32,9 @@ def import_object(path: str, what: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:
-        raise ValueError(f"{what} {path!r}: module {module_name!r} does not import ({type(exc).__name__}: {exc})") from exc
+        raise ValueError(
+            f"{what} {path!r}: module {module_name!r} does not import ({type(exc).__name__}: {exc})"
+        ) from exc
     found = module
     for part in name.split("."):
         found = getattr(found, part, None)
@@ -41,7 +43,9 @@ def import_object(path: str, what: str) -> Any:
     return found
 
 
-def import_callable(path: str, what: str, positional: int = 0, keywords: tuple[str, ...] = (), more: bool = False) -> Callable:
+def import_callable(
+    path: str, what: str, positional: int = 0, keywords: tuple[str, ...] = (), more: bool = False
+) -> Callable:
     """`import_object`, checked to be callable with `positional` positional arguments and the named `keywords`
     (`more`: and other keyword arguments besides, e.g. the dataset columns a reward function asks for)."""
     fn = import_object(path, what)
@@ -51,7 +55,9 @@ def import_callable(path: str, what: str, positional: int = 0, keywords: tuple[s
     return fn
 
 
-def check_signature(fn: Callable, path: str, what: str, positional: int = 0, keywords: tuple[str, ...] = (), more: bool = False) -> None:
+def check_signature(
+    fn: Callable, path: str, what: str, positional: int = 0, keywords: tuple[str, ...] = (), more: bool = False
+) -> None:
     """Fails, showing `fn`'s signature, when it cannot be called as `fn(*positional, **keywords)`."""
     try:
         signature = inspect.signature(fn)
@@ -60,9 +66,13 @@ def check_signature(fn: Callable, path: str, what: str, positional: int = 0, key
     try:
         (signature.bind_partial if more else signature.bind)(*range(positional), **dict.fromkeys(keywords))
     except TypeError as exc:
-        wanted = ", ".join([*(f"arg{i}" for i in range(positional)), *(f"{k}=..." for k in keywords), *(["..."] if more else [])])
+        wanted = ", ".join(
+            [*(f"arg{i}" for i in range(positional)), *(f"{k}=..." for k in keywords), *(["..."] if more else [])]
+        )
         name = getattr(fn, "__name__", type(fn).__name__)
-        raise ValueError(f"{what} {path!r} has the signature {name}{signature}, which cannot be called as ({wanted}): {exc}") from exc
+        raise ValueError(
+            f"{what} {path!r} has the signature {name}{signature}, which cannot be called as ({wanted}): {exc}"
+        ) from exc
 
 
 def source_digests(paths: Iterable[str], what: str = "import path") -> dict[str, str]:
@@ -76,7 +86,9 @@ def source_digests(paths: Iterable[str], what: str = "import path") -> dict[str,
             raise ValueError(f"{what} {path!r}: module {module!r} does not import ({exc})") from exc
         if origin is None:
             raise ValueError(f"{what} {path!r}: module {module!r} not found")
-        found[f"code:{path}"] = "sha256:" + hashlib.sha256(Path(origin).read_bytes()).hexdigest() if origin.endswith(".py") else origin
+        found[f"code:{path}"] = (
+            "sha256:" + hashlib.sha256(Path(origin).read_bytes()).hexdigest() if origin.endswith(".py") else origin
+        )
     return found
 
 
@@ -86,13 +98,17 @@ def make_optimizer(path: str, model, args) -> tuple[Any, Any]:
 
     got = import_callable(path, "optimizer_factory", positional=2)(model, args)
     if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], torch.optim.Optimizer)):
-        raise ValueError(f"optimizer_factory {path!r} returned {type(got).__name__}; it must return (torch.optim.Optimizer, lr_scheduler or None)")
+        raise ValueError(
+            f"optimizer_factory {path!r} returned {type(got).__name__}; it must return (torch.optim.Optimizer, lr_scheduler or None)"
+        )
     optimizer, scheduler = got
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]
     missing = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in held]
     if len(missing) == len(trainable):
-        raise ValueError(f"optimizer_factory {path!r} returned an optimizer that holds none of the model's {len(trainable)} trainable parameters")
+        raise ValueError(
+            f"optimizer_factory {path!r} returned an optimizer that holds none of the model's {len(trainable)} trainable parameters"
+        )
     if scheduler is not None and not hasattr(scheduler, "step"):
         raise ValueError(f"optimizer_factory {path!r} returned a scheduler without step() ({type(scheduler).__name__})")
     return optimizer, scheduler
@@ -112,13 +128,17 @@ class Hooks:
 
     def __init__(self, callbacks: list, args, max_steps: int, global_step: int, **handles):
         self.callbacks, self.args, self.handles = callbacks, args, handles
-        if not callbacks:  # nothing to call: the loop reads only these (transformers' trainer_callback imports training_args)
+        if (
+            not callbacks
+        ):  # nothing to call: the loop reads only these (transformers' trainer_callback imports training_args)
             self.state = SimpleNamespace(max_steps=max_steps, global_step=global_step)
             self.control = SimpleNamespace(should_training_stop=False, should_save=False)
             return
         from transformers import TrainerControl, TrainerState
 
-        self.state = TrainerState(max_steps=max_steps, global_step=global_step, logging_steps=args.logging_steps, save_steps=args.save_steps)
+        self.state = TrainerState(
+            max_steps=max_steps, global_step=global_step, logging_steps=args.logging_steps, save_steps=args.save_steps
+        )
         self.control = TrainerControl()
 
     def __call__(self, event: str, **kwargs):

@@ -35,7 +35,8 @@ class DatasetSpec(StrictModel):
     split: str = Field("train", description="Split to read (hub datasets; local files have one split, 'train').")
     name: str | None = Field(None, description="Hub dataset configuration name.")
     revision: str | None = Field(
-        None, description="Hub revision (a commit, tag or branch; a branch is resolved to its current commit, so new data re-runs the stages)."
+        None,
+        description="Hub revision (a commit, tag or branch; a branch is resolved to its current commit, so new data re-runs the stages).",
     )
 
 
@@ -46,15 +47,28 @@ def _bundled(name: str) -> DatasetSpec:
 class DataConfig(StageConfig):
     """The datasets of one pipeline run. Defaults: the bundled "sort the digits" task."""
 
-    sft: DatasetSpec = Field(default_factory=lambda: _bundled("sft"), description="SFT demonstrations (text, messages, or prompt/completion).")
-    sft_eval: DatasetSpec | None = Field(None, description="Held-out demonstrations sft evaluates on while it trains (sft.eval_strategy); None: none.")
-    preference: DatasetSpec = Field(default_factory=lambda: _bundled("preference"), description="Preference pairs (prompt?/chosen/rejected) for rm and dpo.")
-    preference_eval: DatasetSpec | None = Field(
-        default_factory=lambda: _bundled("preference_eval"), description="Held-out pairs for reward-model accuracy; None to skip."
+    sft: DatasetSpec = Field(
+        default_factory=lambda: _bundled("sft"),
+        description="SFT demonstrations (text, messages, or prompt/completion).",
     )
-    prompts: DatasetSpec = Field(default_factory=lambda: _bundled("prompts"), description="Prompt-only rows for online RL (reference columns pass through).")
+    sft_eval: DatasetSpec | None = Field(
+        None, description="Held-out demonstrations sft evaluates on while it trains (sft.eval_strategy); None: none."
+    )
+    preference: DatasetSpec = Field(
+        default_factory=lambda: _bundled("preference"),
+        description="Preference pairs (prompt?/chosen/rejected) for rm and dpo.",
+    )
+    preference_eval: DatasetSpec | None = Field(
+        default_factory=lambda: _bundled("preference_eval"),
+        description="Held-out pairs for reward-model accuracy; None to skip.",
+    )
+    prompts: DatasetSpec = Field(
+        default_factory=lambda: _bundled("prompts"),
+        description="Prompt-only rows for online RL (reference columns pass through).",
+    )
     prompts_eval: DatasetSpec = Field(
-        default_factory=lambda: _bundled("prompts_eval"), description="Held-out prompts (with `answer` for exact match) for eval."
+        default_factory=lambda: _bundled("prompts_eval"),
+        description="Held-out prompts (with `answer` for exact match) for eval.",
     )
 
     def sources(self) -> dict[str, tuple[Kind, DatasetSpec]]:
@@ -76,12 +90,18 @@ def local_files(spec: DatasetSpec) -> list[Path] | None:
     if any(char in spec.path for char in "*?["):
         for base in (Path.cwd(), BUNDLED_ROOT):
             pattern = Path(spec.path).expanduser()
-            root, relative = (Path(pattern.anchor), str(pattern.relative_to(pattern.anchor))) if pattern.is_absolute() else (base, spec.path)
+            root, relative = (
+                (Path(pattern.anchor), str(pattern.relative_to(pattern.anchor)))
+                if pattern.is_absolute()
+                else (base, spec.path)
+            )
             matched = sorted(path.resolve() for path in root.glob(relative) if path.is_file())
             if matched:
                 suffixes = {path.suffix for path in matched}
                 if len(suffixes) > 1:
-                    raise ValueError(f"{spec.path}: matches files of several types {sorted(suffixes)}; a dataset is one type")
+                    raise ValueError(
+                        f"{spec.path}: matches files of several types {sorted(suffixes)}; a dataset is one type"
+                    )
                 return matched
         raise ValueError(f"{spec.path}: the pattern matches no file (looked in {Path.cwd()} and {BUNDLED_ROOT})")
     for candidate in (Path(spec.path).expanduser(), BUNDLED_ROOT / spec.path):
@@ -161,7 +181,9 @@ def load_source(spec: DatasetSpec) -> Dataset:
             return datasets.load_dataset(spec.path, spec.name, split=spec.split, revision=revision)
         builder = FILE_BUILDERS.get(paths[0].suffix)
         if builder is None:
-            raise ValueError(f"{spec.path}: unsupported file type {paths[0].suffix!r}; use one of {sorted(FILE_BUILDERS)}")
+            raise ValueError(
+                f"{spec.path}: unsupported file type {paths[0].suffix!r}; use one of {sorted(FILE_BUILDERS)}"
+            )
         return datasets.load_dataset(builder, data_files=[str(path) for path in paths], split="train")
     except ValueError:
         raise

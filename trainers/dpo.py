@@ -13,9 +13,22 @@ from pydantic import Field, model_validator
 from rlhf_pipeline.trainers.config import EvalDuringTraining, LogMetrics, TrainingConfig
 
 DpoLoss = Literal[
-    "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
-    "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm",
-]  # fmt: skip
+    "sigmoid",
+    "hinge",
+    "ipo",
+    "exo_pair",
+    "nca_pair",
+    "robust",
+    "bco_pair",
+    "sppo_hard",
+    "aot",
+    "aot_unpaired",
+    "apo_zero",
+    "apo_down",
+    "discopop",
+    "sft",
+    "sigmoid_norm",
+]
 
 
 class DpoConfig(EvalDuringTraining, TrainingConfig):
@@ -49,7 +62,9 @@ class DpoConfig(EvalDuringTraining, TrainingConfig):
                     "so there is no separate reference to quantize"
                 )
             if importlib.util.find_spec("bitsandbytes") is None:
-                raise ValueError(f"ref_model_quantization={self.ref_model_quantization!r} needs bitsandbytes (and a CUDA GPU), which is not installed")
+                raise ValueError(
+                    f"ref_model_quantization={self.ref_model_quantization!r} needs bitsandbytes (and a CUDA GPU), which is not installed"
+                )
         return self
 
     @model_validator(mode="after")
@@ -86,7 +101,9 @@ def train(
     )
     ref_model = None
     if cfg.ref_model_quantization != "none":
-        ref_model = quantized_reference(sft_model, cfg.ref_model_quantization)  # checks the device before loading anything
+        ref_model = quantized_reference(
+            sft_model, cfg.ref_model_quantization
+        )  # checks the device before loading anything
     policy, tokenizer, peft_config = upstream_policy(sft_model, cfg.lora)
     trainer = trl.DPOTrainer(
         model=policy,
@@ -107,9 +124,17 @@ def quantized_reference(sft_model: Path, bits: str):
     import torch
 
     if not torch.cuda.is_available():
-        raise ValueError(f"ref_model_quantization={bits!r}: bitsandbytes quantizes on a CUDA GPU, and this machine trains on cpu")
+        raise ValueError(
+            f"ref_model_quantization={bits!r}: bitsandbytes quantizes on a CUDA GPU, and this machine trains on cpu"
+        )
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    quantization = BitsAndBytesConfig(load_in_8bit=True) if bits == "8bit" else BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16)
-    model = AutoModelForCausalLM.from_pretrained(str(sft_model), quantization_config=quantization, device_map={"": torch.cuda.current_device()})
+    quantization = (
+        BitsAndBytesConfig(load_in_8bit=True)
+        if bits == "8bit"
+        else BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16)
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        str(sft_model), quantization_config=quantization, device_map={"": torch.cuda.current_device()}
+    )
     return model.eval().requires_grad_(False)

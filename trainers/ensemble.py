@@ -47,7 +47,9 @@ def scoring_dirs(reward_model: Path) -> list[Path]:
     return member_dirs(reward_model) if info is not None and info["served"] == "ensemble" else [Path(reward_model)]
 
 
-def aggregate(member_scores: list[list[float]], how: Aggregate, std_coef: float = 1.0) -> tuple[list[float], list[float]]:
+def aggregate(
+    member_scores: list[list[float]], how: Aggregate, std_coef: float = 1.0
+) -> tuple[list[float], list[float]]:
     """Per row: the members' aggregate score, and their disagreement (population standard deviation; 0 for one member).
 
     `min` is Coste et al.'s worst-case optimisation (WCO); `mean_minus_std` their uncertainty-weighted one (UWO),
@@ -100,7 +102,14 @@ class TextEnsemble:
 
     __name__ = "reward_model"
 
-    def __init__(self, dirs: list[Path], how: Aggregate = "mean", std_coef: float = 1.0, device: str | torch.device = "cpu", batch_size: int = 64):
+    def __init__(
+        self,
+        dirs: list[Path],
+        how: Aggregate = "mean",
+        std_coef: float = 1.0,
+        device: str | torch.device = "cpu",
+        batch_size: int = 64,
+    ):
         from rlhf_pipeline.trainers.models import load_tokenizer
 
         self.models, self.tokenizer = load_members(dirs, device), load_tokenizer(dirs[0])

@@ -42,12 +42,18 @@ class EvalConfig(StageConfig):
         description="A reward function ('module:function', TRL's signature) used as the gold metric instead of exact match, "
         "e.g. a verifier; reported as `<model>_gold` with intervals.",
     )
-    max_length_drift: float = Field(0.5, gt=0, description="Warn when the policy's mean answer length moves more than this share from SFT's.")
-    max_kl: float = Field(5.0, gt=0, description="Warn when KL(policy || SFT) on policy samples exceeds this (nats per answer).")
+    max_length_drift: float = Field(
+        0.5, gt=0, description="Warn when the policy's mean answer length moves more than this share from SFT's."
+    )
+    max_kl: float = Field(
+        5.0, gt=0, description="Warn when KL(policy || SFT) on policy samples exceeds this (nats per answer)."
+    )
     perplexity_rows: int = Field(200, ge=0, description="SFT rows on which perplexity is measured; 0 to skip.")
     n_bootstrap: int = Field(1000, ge=100, description="Bootstrap resamples of the 95% intervals.")
     seed: int = Field(0, description="Seed of the policy samples (KL, diversity) and of the bootstrap.")
-    use_reward_model: bool = Field(True, description="Score answers and held-out pairs with the rm stage's model (trains it even for dpo).")
+    use_reward_model: bool = Field(
+        True, description="Score answers and held-out pairs with the rm stage's model (trains it even for dpo)."
+    )
     num_samples_logged: int = Field(50, ge=0, description="Rows of the samples table (prompt, answers, rewards).")
     judge: JudgeConfig | None = Field(
         None,
@@ -57,15 +63,34 @@ class EvalConfig(StageConfig):
 
     def code_paths(self) -> list[str]:
         """Import paths whose source keys the eval stage (the gold metric, a function judge)."""
-        return [*([self.gold_metric.path] if self.gold_metric else []), *([self.judge.path] if self.judge and self.judge.is_function else [])]
+        return [
+            *([self.gold_metric.path] if self.gold_metric else []),
+            *([self.judge.path] if self.judge and self.judge.is_function else []),
+        ]
 
 
 def planned_metrics(
-    cfg: EvalConfig, *, has_reference: bool, reward_model: bool, champion: bool = True, preference_eval: bool = True, ensemble: int = 1
+    cfg: EvalConfig,
+    *,
+    has_reference: bool,
+    reward_model: bool,
+    champion: bool = True,
+    preference_eval: bool = True,
+    ensemble: int = 1,
 ) -> set[str]:
     """The metric names `evaluate` returns for a run with these inputs (`_low`/`_high` bounds included), so a
     gate metric the run cannot produce fails when the parameters are checked, not after the training."""
-    names = {f"{HELDOUT}{n}" for n in ("num_prompts", "kl_to_sft", "policy_distinct_2", "policy_mean_length", "length_drift", "hacking_warnings")}
+    names = {
+        f"{HELDOUT}{n}"
+        for n in (
+            "num_prompts",
+            "kl_to_sft",
+            "policy_distinct_2",
+            "policy_mean_length",
+            "length_drift",
+            "hacking_warnings",
+        )
+    }
     if cfg.perplexity_rows:
         names |= {"eval/sft_split/sft_perplexity", "eval/sft_split/policy_perplexity"}
     models = [m for m in MODELS if champion or m != "champion"]
@@ -86,7 +111,9 @@ def planned_metrics(
             names.add(f"{HELDOUT}rm_pairwise_accuracy")
         if ensemble > 1:  # each member's accuracy, and how far the members disagree on each model's answers
             names |= {f"{HELDOUT}{m}_rm_disagreement" for m in models if m != "base"}
-            names |= {f"{HELDOUT}rm_member_{i}_pairwise_accuracy" for i in range(ensemble)} if preference_eval else set()
+            names |= (
+                {f"{HELDOUT}rm_member_{i}_pairwise_accuracy" for i in range(ensemble)} if preference_eval else set()
+            )
     if cfg.judge is not None:
         for rival in rivals:
             name = f"judge_win_rate_vs_{rival}"
@@ -134,12 +161,21 @@ def evaluate(
 
         gold_fn = load_function(cfg.gold_metric)
         sample = slice(0, min(4, len(prompts)))
-        check_function(cfg.gold_metric, gold_fn, prompts[sample], as_completions(prompts[sample], ["0"] * len(prompts[sample])),
-                       {k: v[sample] for k, v in columns.items()})  # fmt: skip
+        check_function(
+            cfg.gold_metric,
+            gold_fn,
+            prompts[sample],
+            as_completions(prompts[sample], ["0"] * len(prompts[sample])),
+            {k: v[sample] for k, v in columns.items()},
+        )
     boot = {"n_bootstrap": cfg.n_bootstrap, "seed": cfg.seed}
     metrics: dict[str, float] = {f"{HELDOUT}num_prompts": float(len(prompts))}
 
-    loaders = {"base": lambda: load_base_model(base), "sft": lambda: load_causal_lm(sft_model), "policy": lambda: load_causal_lm(policy_model)}
+    loaders = {
+        "base": lambda: load_base_model(base),
+        "sft": lambda: load_causal_lm(sft_model),
+        "policy": lambda: load_causal_lm(policy_model),
+    }
     if champion_model is not None:
         loaders["champion"] = lambda: load_causal_lm(champion_model)
     completions: dict[str, list[str]] = {}
@@ -152,8 +188,13 @@ def evaluate(
     gold_name, correct = None, {}
     if gold_fn is not None:
         gold_name = "gold"
-        correct = {name: [0.0 if s is None else float(s) for s in gold_fn(prompts=prompts, completions=as_completions(prompts, c), **columns)]
-                   for name, c in completions.items()}  # fmt: skip
+        correct = {
+            name: [
+                0.0 if s is None else float(s)
+                for s in gold_fn(prompts=prompts, completions=as_completions(prompts, c), **columns)
+            ]
+            for name, c in completions.items()
+        }
     elif has_reference:
         gold_name = "exact_match"
         correct = {name: _exact(c, answers) for name, c in completions.items()}
@@ -205,7 +246,11 @@ def evaluate(
             win = stats.win_rate(rewards["policy"], rewards[rival], **boot)
             win_rates[f"{policy_stage} vs {rival}"] = win
             _put(metrics, f"{HELDOUT}win_rate_vs_{rival}", win.rate, win.low, win.high)
-        pairs = load_split(data_dir, "preference_eval") if (data_dir / "datasets" / "preference_eval.parquet").is_file() else None
+        pairs = (
+            load_split(data_dir, "preference_eval")
+            if (data_dir / "datasets" / "preference_eval.parquet").is_file()
+            else None
+        )
         if pairs is not None:
             metrics[f"{HELDOUT}rm_pairwise_accuracy"] = _pairwise_accuracy(rm, rm_tokenizer, pairs, cfg.batch_size)
         del rm
@@ -215,7 +260,9 @@ def evaluate(
             for i, folder in enumerate(dirs):  # one member in memory at a time
                 member = TextEnsemble([folder], batch_size=cfg.batch_size)
                 if pairs is not None:
-                    metrics[f"{HELDOUT}rm_member_{i}_pairwise_accuracy"] = _pairwise_accuracy(member.models[0], member.tokenizer, pairs, cfg.batch_size)
+                    metrics[f"{HELDOUT}rm_member_{i}_pairwise_accuracy"] = _pairwise_accuracy(
+                        member.models[0], member.tokenizer, pairs, cfg.batch_size
+                    )
                 for name in [n for n in completions if n != "base"]:
                     member_rewards.setdefault(name, []).append(member.members(prompts, completions[name])[0])
             for name, scores in member_rewards.items():
@@ -237,14 +284,33 @@ def evaluate(
     reward_delta = metrics.get(f"{HELDOUT}policy_mean_reward", 0.0) - metrics.get(f"{HELDOUT}sft_mean_reward", 0.0)
     task_delta = accuracy["policy"].mean - accuracy["sft"].mean if accuracy else None
     warnings = stats.hacking_warnings(
-        reward_delta=reward_delta, task_delta=task_delta, length_drift=drift, kl=kl,
-        max_length_drift=cfg.max_length_drift, max_kl=cfg.max_kl, task_name=(gold_name or "").replace("_", " "),
-    )  # fmt: skip
+        reward_delta=reward_delta,
+        task_delta=task_delta,
+        length_drift=drift,
+        kl=kl,
+        max_length_drift=cfg.max_length_drift,
+        max_kl=cfg.max_kl,
+        task_name=(gold_name or "").replace("_", " "),
+    )
     metrics[f"{HELDOUT}hacking_warnings"] = float(len(warnings))
 
     from rlhf_pipeline.trainers.eval_report import write_report
 
-    write_report(out_dir, cfg.num_samples_logged, prompts, answers, completions, correct, rewards, metrics, warnings, accuracy, win_rates, gold_name, judged)
+    write_report(
+        out_dir,
+        cfg.num_samples_logged,
+        prompts,
+        answers,
+        completions,
+        correct,
+        rewards,
+        metrics,
+        warnings,
+        accuracy,
+        win_rates,
+        gold_name,
+        judged,
+    )
     _overoptimisation_plot(Path(policy_model), out_dir, policy_stage)
     return metrics
 

@@ -26,7 +26,9 @@ def write_report(
     from rlhf_pipeline.trainers import plots
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "summary.json").write_text(json.dumps({"metrics": metrics, "warnings": warnings}, indent=2, sort_keys=True))
+    (out_dir / "summary.json").write_text(
+        json.dumps({"metrics": metrics, "warnings": warnings}, indent=2, sort_keys=True)
+    )
     with open(out_dir / "samples.jsonl", "w", encoding="utf-8") as f:
         for i in range(min(num_samples, len(prompts))):
             row: dict[str, Any] = {"prompt": prompts[i]}
@@ -50,7 +52,9 @@ def write_report(
     if win_rates:
         plots.win_rate_bars(win_rates, figures / "win_rates.png", title="Win rate judged by the reward model")
     if judged:
-        plots.win_rate_bars(judged, figures / "judge_win_rates.png", title="Win rate by the pairwise judge (both orders)")
+        plots.win_rate_bars(
+            judged, figures / "judge_win_rates.png", title="Win rate by the pairwise judge (both orders)"
+        )
 
 
 def summary_markdown(metrics: dict[str, float], warnings: list[str]) -> str:

@@ -15,15 +15,29 @@ from rlhf_pipeline.trainers.rewards import RewardsConfig
 class GrpoConfig(online.OnlineConfig):
     trl_config: ClassVar[str] = "GRPOConfig"
     beta: float = Field(
-        0.04, ge=0, description="KL coefficient to the reference model. TRL's default is 0 (no reference); 0.04 keeps the policy near SFT and reports the KL."
+        0.04,
+        ge=0,
+        description="KL coefficient to the reference model. TRL's default is 0 (no reference); 0.04 keeps the policy near SFT and reports the KL.",
     )
-    loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo"] = Field("dapo", description="TRL GRPO loss normalisation.")
-    scale_rewards: Literal["group", "batch", "none"] = Field("group", description="Divide advantages by the reward std of the group, the batch, or not at all.")
+    loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo"] = Field(
+        "dapo", description="TRL GRPO loss normalisation."
+    )
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="Divide advantages by the reward std of the group, the batch, or not at all."
+    )
 
     def trl_kwargs(self) -> dict[str, Any]:
         return {"beta": self.beta, "loss_type": self.loss_type, "scale_rewards": self.scale_rewards}
 
 
-def train(cfg: GrpoConfig, rewards: RewardsConfig, sft_model: Path, reward_model: Path | None, data_dir: Path,
-          out_dir: Path, work_dir: Path, log_metrics: LogMetrics | None = None) -> dict[str, float]:  # fmt: skip
+def train(
+    cfg: GrpoConfig,
+    rewards: RewardsConfig,
+    sft_model: Path,
+    reward_model: Path | None,
+    data_dir: Path,
+    out_dir: Path,
+    work_dir: Path,
+    log_metrics: LogMetrics | None = None,
+) -> dict[str, float]:
     return online.train("grpo", cfg, rewards, sft_model, reward_model, data_dir, out_dir, work_dir, log_metrics)

@@ -15,19 +15,29 @@ def upstream_policy(sft_model: Path, lora: LoraConfig, task_type: str = "CAUSAL_
     """The policy a stage starts from, and the peft config to hand its TRL trainer: an upstream adapter merged (then this stage's
     own LoRA, if any) or stacked (trained on; TRL keeps a frozen 'ref' copy as the reference, and takes no new peft config)."""
     if has_adapter(sft_model) and lora.handoff is None:
-        raise ValueError(f"{sft_model} holds sft's LoRA adapter (sft.lora.keep_adapter): choose lora.handoff=merge or stack for this stage")
+        raise ValueError(
+            f"{sft_model} holds sft's LoRA adapter (sft.lora.keep_adapter): choose lora.handoff=merge or stack for this stage"
+        )
     stacked = has_adapter(sft_model) and lora.handoff == "stack"
     if stacked and lora.quantization != "none":  # QLoRA: the stacked adapter on a 4-bit base
         from transformers import AutoModelForCausalLM
 
         quantized = load_adapter_model(sft_model, AutoModelForCausalLM, "stack", **quantized_loading(lora.bnb_config()))
         return quantized, load_tokenizer(sft_model), None
-    if lora.quantization != "none" and not has_adapter(sft_model):  # QLoRA on a whole upstream model: new adapters on its 4-bit copy
+    if lora.quantization != "none" and not has_adapter(
+        sft_model
+    ):  # QLoRA on a whole upstream model: new adapters on its 4-bit copy
         import peft
         from transformers import AutoModelForCausalLM
 
-        quantized = AutoModelForCausalLM.from_pretrained(str(sft_model), use_safetensors=True, **quantized_loading(lora.bnb_config()))
-        return peft.prepare_model_for_kbit_training(quantized, use_gradient_checkpointing=False), load_tokenizer(sft_model), lora.peft_config(task_type)
+        quantized = AutoModelForCausalLM.from_pretrained(
+            str(sft_model), use_safetensors=True, **quantized_loading(lora.bnb_config())
+        )
+        return (
+            peft.prepare_model_for_kbit_training(quantized, use_gradient_checkpointing=False),
+            load_tokenizer(sft_model),
+            lora.peft_config(task_type),
+        )
     policy, tokenizer = load_causal_lm(sft_model, lora.handoff or "merge")
     return policy, tokenizer, None if stacked else lora.peft_config(task_type)
 
@@ -38,7 +48,10 @@ def quantized_loading(bnb_config) -> dict[str, Any]:
 
     import torch
 
-    return {"quantization_config": bnb_config, "device_map": {"": int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))}}
+    return {
+        "quantization_config": bnb_config,
+        "device_map": {"": int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))},
+    }
 
 
 def unsharded_copy(model, state_dict: dict):

@@ -77,9 +77,13 @@ class JudgeConfig(StrictModel):
         "verdict letter follows it directly, so its last characters decide whether the verdict token is 'A' or ' A'. Sent as a user "
         "turn when the judge's tokenizer has a chat template.",
     )
-    batch_size: int = Field(16, ge=1, description="Pairs per forward pass of an LM judge, per call of a function judge.")
+    batch_size: int = Field(
+        16, ge=1, description="Pairs per forward pass of an LM judge, per call of a function judge."
+    )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of an LM judge.")
-    trust_remote_code: bool = Field(False, description="Run model code shipped with an LM judge's hub repository. Off unless you trust it.")
+    trust_remote_code: bool = Field(
+        False, description="Run model code shipped with an LM judge's hub repository. Off unless you trust it."
+    )
 
     @field_validator("template")
     @classmethod
@@ -93,7 +97,11 @@ class JudgeConfig(StrictModel):
             raise ValueError(
                 "judge template must contain {prompt}, {a} and {b}"
                 + (f"; it lacks {', '.join('{' + n + '}' for n in missing)}" if missing else "")
-                + (f"; it has unknown placeholders {', '.join('{' + n + '}' for n in unknown)} (write literal braces as {{{{ and }}}})" if unknown else "")
+                + (
+                    f"; it has unknown placeholders {', '.join('{' + n + '}' for n in unknown)} (write literal braces as {{{{ and }}}})"
+                    if unknown
+                    else ""
+                )
             )
         return template
 
@@ -104,7 +112,9 @@ class JudgeConfig(StrictModel):
             if not FUNCTION_PATH.match(path):
                 raise ValueError(f"judge path {path!r}: a function judge is written 'package.module:function'")
         elif not (HUB_ID.match(path) or path.startswith(("/", ".", "~")) or Path(path).expanduser().exists()):
-            raise ValueError(f"judge path {path!r} is neither 'package.module:function' nor a model folder or hub id ('owner/name')")
+            raise ValueError(
+                f"judge path {path!r} is neither 'package.module:function' nor a model folder or hub id ('owner/name')"
+            )
         return path
 
     @model_validator(mode="after")
@@ -112,7 +122,9 @@ class JudgeConfig(StrictModel):
         if self.is_function:
             from rlhf_pipeline.trainers.custom import import_callable
 
-            import_callable(self.path, "judge function", positional=3)  # with the parameters; it is tried on a sample before use too
+            import_callable(
+                self.path, "judge function", positional=3
+            )  # with the parameters; it is tried on a sample before use too
             given = [name for name in ("template", "revision", "trust_remote_code") if name in self.model_fields_set]
             if given:
                 raise ValueError(f"judge {self.path!r} is a function: {', '.join(given)} only apply to an LM judge")
@@ -157,18 +169,26 @@ class FunctionJudge:
             try:
                 got = self.fn(prompts[rows], completions_a[rows], completions_b[rows])
             except Exception as exc:
-                raise ValueError(f"judge function {self.path!r} raised on {len(prompts[rows])} pairs: {type(exc).__name__}: {exc}") from exc
+                raise ValueError(
+                    f"judge function {self.path!r} raised on {len(prompts[rows])} pairs: {type(exc).__name__}: {exc}"
+                ) from exc
             out.extend(self._checked(got, len(prompts[rows])))
         return out
 
     def _checked(self, got, n: int) -> list:
         if isinstance(got, (str, bytes, dict)) or not hasattr(got, "__len__"):
-            raise ValueError(f"judge function {self.path!r} returned {type(got).__name__} {str(got)[:60]!r} for {n} pairs; it must return a list")
+            raise ValueError(
+                f"judge function {self.path!r} returned {type(got).__name__} {str(got)[:60]!r} for {n} pairs; it must return a list"
+            )
         if len(got) != n:
-            raise ValueError(f"judge function {self.path!r} returned {len(got)} values for {n} pairs; it must return one probability in [0, 1] per pair")
+            raise ValueError(
+                f"judge function {self.path!r} returned {len(got)} values for {n} pairs; it must return one probability in [0, 1] per pair"
+            )
         values = [_probability(x) for x in got]
         if None in values:
-            raise ValueError(f"judge function {self.path!r} returned {got[values.index(None)]!r}; it must return P(a is better) in [0, 1] per pair")
+            raise ValueError(
+                f"judge function {self.path!r} returned {got[values.index(None)]!r}; it must return P(a is better) in [0, 1] per pair"
+            )
         return values
 
 
@@ -193,22 +213,34 @@ class LMJudge:
         source = str(folder) if folder.is_dir() else cfg.path
         cuda = torch.cuda.is_available()
         try:
-            self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(source, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+            self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(
+                source, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
+            )
             # Float32 on CPU (half-precision matmuls there are slow or missing); the checkpoint's own dtype on a GPU.
             self.model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
-                source, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code, use_safetensors=True, dtype="auto" if cuda else torch.float32
-            )  # fmt: skip
+                source,
+                revision=cfg.revision,
+                trust_remote_code=cfg.trust_remote_code,
+                use_safetensors=True,
+                dtype="auto" if cuda else torch.float32,
+            )
         except (OSError, ValueError) as exc:
             where = "model folder" if folder.is_dir() else "hub id (no such folder here)"
-            raise ValueError(f"judge {cfg.path!r}: cannot load it as a causal LM from a {where}: {type(exc).__name__}: {exc}") from exc
+            raise ValueError(
+                f"judge {cfg.path!r}: cannot load it as a causal LM from a {where}: {type(exc).__name__}: {exc}"
+            ) from exc
         self.model.to("cuda" if cuda else "cpu").eval().requires_grad_(False)
         self.path, self.template, self.batch_size = cfg.path, cfg.template, cfg.batch_size
 
     def judge_text(self, prompt, completion_a, completion_b) -> str:
         """The text the judge reads before its verdict."""
-        text = self.template.format(prompt=render_prompt(prompt), a=render_completion(completion_a), b=render_completion(completion_b))
+        text = self.template.format(
+            prompt=render_prompt(prompt), a=render_completion(completion_a), b=render_completion(completion_b)
+        )
         if getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+            )
         return text
 
     def verdict_ids(self, text: str) -> tuple[list[int], int, int]:
@@ -218,7 +250,9 @@ class LMJudge:
         ids_a, ids_b = (list(self.tokenizer(text + v, add_special_tokens=special)["input_ids"]) for v in VERDICTS)
         cut = next((i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y), min(len(ids_a), len(ids_b)))
         if cut == 0 or cut == min(len(ids_a), len(ids_b)):
-            raise ValueError(f"judge {self.path!r}: its tokenizer gives {text[-20:]!r} + 'A' and + 'B' no distinct next token")
+            raise ValueError(
+                f"judge {self.path!r}: its tokenizer gives {text[-20:]!r} + 'A' and + 'B' no distinct next token"
+            )
         first_a, first_b = (self.tokenizer.decode([ids[cut]]) for ids in (ids_a, ids_b))
         # The verdict tokens must differ only in the letter (" A" / " B"); an uneven split (" A" / " ", "B") would compare unlike things.
         if not (first_a.endswith("A") and first_b.endswith("B") and first_a[:-1] == first_b[:-1]):
@@ -240,11 +274,17 @@ class LMJudge:
         device = self.model.device
         for start in range(0, len(order), self.batch_size):
             batch = [rows[i] for i in order[start : start + self.batch_size]]
-            input_ids, attention = pad([ids for ids, _, _ in batch], self.tokenizer.pad_token_id, left=True, device=device)
+            input_ids, attention = pad(
+                [ids for ids, _, _ in batch], self.tokenizer.pad_token_id, left=True, device=device
+            )
             # Left padding shifts every position; counting positions from the first real token keeps absolute-position models (GPT-2) exact.
             position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
             with torch.no_grad():
-                last = self.model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids).logits[:, -1].float()
+                last = (
+                    self.model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids)
+                    .logits[:, -1]
+                    .float()
+                )
             verdicts = torch.tensor([[a, b] for _, a, b in batch], device=device)
             p_a = last.gather(-1, verdicts).softmax(-1)[:, 0]
             for i, p in zip(order[start : start + self.batch_size], p_a.tolist()):
@@ -268,7 +308,9 @@ def render_completion(completion) -> str:
 
 def _same_length(prompts: Sequence, completions_a: Sequence, completions_b: Sequence) -> None:
     if not len(prompts) == len(completions_a) == len(completions_b):
-        raise ValueError(f"a judge needs as many prompts as answers, got {len(prompts)} prompts, {len(completions_a)} and {len(completions_b)} answers")
+        raise ValueError(
+            f"a judge needs as many prompts as answers, got {len(prompts)} prompts, {len(completions_a)} and {len(completions_b)} answers"
+        )
 
 
 # --- win rate ---------------------------------------------------------------------
@@ -295,8 +337,13 @@ class JudgedWinRate:
     def metrics(self, name: str) -> dict[str, float]:
         """`{name, name_low, name_high, name_position_bias, name_order_disagreement}`, e.g. name = 'eval/heldout/judge_win_rate_vs_sft'."""
         w = self.win_rate
-        return {name: w.rate, f"{name}_low": w.low, f"{name}_high": w.high,
-                f"{name}_position_bias": self.position_bias, f"{name}_order_disagreement": self.order_disagreement}  # fmt: skip
+        return {
+            name: w.rate,
+            f"{name}_low": w.low,
+            f"{name}_high": w.high,
+            f"{name}_position_bias": self.position_bias,
+            f"{name}_order_disagreement": self.order_disagreement,
+        }
 
 
 def judged_win_rate(
@@ -330,7 +377,9 @@ def judged_win_rate(
         raise ValueError(f"the judge returned {len(scores)} values for {2 * n} pairs (both orders of {n} items)")
     values = [_probability(x) for x in scores]
     if None in values:
-        raise ValueError(f"the judge returned {scores[values.index(None)]!r}; it must return P(a is better) in [0, 1] per pair")
+        raise ValueError(
+            f"the judge returned {scores[values.index(None)]!r}; it must return P(a is better) in [0, 1] per pair"
+        )
     first, swapped = values[:n], values[n:]
     preferences = [0.5] * len(prompts)
     for i, p1, p2 in zip(judged, first, swapped):

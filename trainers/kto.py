@@ -22,11 +22,18 @@ KtoLoss = Literal["kto", "apo_zero_unpaired"]  # TRL 1.16 KTOConfig.loss_type ch
 class KtoConfig(TrainingConfig):
     trl_config: ClassVar[str] = "KTOConfig"
     learning_rate: float = Field(1e-6, gt=0, description="Peak learning rate (TRL KTOConfig default 1e-6).")
-    beta: float = Field(0.1, gt=0, description="KL strength to the reference model (TRL KTOConfig.beta); higher stays closer.")
-    desirable_weight: float = Field(1.0, gt=0, description="Weight of the loss on desirable rows (lambda_D of the KTO paper, Eq. 7).")
-    undesirable_weight: float = Field(1.0, gt=0, description="Weight of the loss on undesirable rows (lambda_U of the KTO paper, Eq. 7).")
+    beta: float = Field(
+        0.1, gt=0, description="KL strength to the reference model (TRL KTOConfig.beta); higher stays closer."
+    )
+    desirable_weight: float = Field(
+        1.0, gt=0, description="Weight of the loss on desirable rows (lambda_D of the KTO paper, Eq. 7)."
+    )
+    undesirable_weight: float = Field(
+        1.0, gt=0, description="Weight of the loss on undesirable rows (lambda_U of the KTO paper, Eq. 7)."
+    )
     loss_type: KtoLoss = Field(
-        "kto", description="'kto': the KTO loss (Eq. 7, with the batch KL reference point); 'apo_zero_unpaired': unpaired APO-zero (no KL term)."
+        "kto",
+        description="'kto': the KTO loss (Eq. 7, with the batch KL reference point); 'apo_zero_unpaired': unpaired APO-zero (no KL term).",
     )
 
     @model_validator(mode="after")

@@ -81,7 +81,11 @@ def metrics_callback(stage: str, log_metrics: LogMetrics | None):
         def on_log(self, args, state, control, logs=None, **kwargs):
             if not logs or not state.is_world_process_zero:
                 return
-            values = {metric_name(stage, k): float(v) for k, v in logs.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+            values = {
+                metric_name(stage, k): float(v)
+                for k, v in logs.items()
+                if isinstance(v, (int, float)) and math.isfinite(v)
+            }
             if self.progress is not None and "train_runtime" not in logs:  # not the closing summary
                 self.progress.log(state.global_step, values)
             if values and log_metrics is not None:
@@ -129,15 +133,21 @@ def save_on_main(trainer, tokenizer, out_dir: Path, keep_adapter: bool = False) 
     or FSDP the weights are sharded: every rank takes part in gathering the full state dict first (ZeRO-3's 16-bit gather)."""
     model, state_dict = trainer.model, None
     if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
-        state_dict = trainer.accelerator.get_state_dict(trainer.deepspeed if trainer.is_deepspeed_enabled else trainer.model_wrapped)
-        if hasattr(model, "peft_config") and is_main_process(trainer):  # merging (or saving the base) needs whole weights
+        state_dict = trainer.accelerator.get_state_dict(
+            trainer.deepspeed if trainer.is_deepspeed_enabled else trainer.model_wrapped
+        )
+        if hasattr(model, "peft_config") and is_main_process(
+            trainer
+        ):  # merging (or saving the base) needs whole weights
             model, state_dict = unsharded_copy(model, state_dict), None
     if is_main_process(trainer):
         save_model(model, tokenizer, out_dir, keep_adapter=keep_adapter, state_dict=state_dict)
     trainer.accelerator.wait_for_everyone()
 
 
-def train_and_save(stage: str, trainer, tokenizer, cfg: TrainingConfig, work_dir: Path, out_dir: Path, generation_config=None) -> dict[str, float]:
+def train_and_save(
+    stage: str, trainer, tokenizer, cfg: TrainingConfig, work_dir: Path, out_dir: Path, generation_config=None
+) -> dict[str, float]:
     """What every TRL stage ends with: train (`fit`), save the model (merged under LoRA unless `keep_adapter`, with
     `generation_config` put back if given) and return the last logged values."""
     fit(trainer, cfg, work_dir, out_dir)
@@ -165,7 +175,13 @@ PEAK_GPU = "peak_gpu_bytes"
 """In `training.json` on a GPU: the most memory torch allocated in the writing process (rank 0 under a launch)."""
 
 
-def write_outcome(out_dir: Path, global_step: int, max_steps: int, best_checkpoint: str | None = None, best_metric: float | None = None) -> dict:
+def write_outcome(
+    out_dir: Path,
+    global_step: int,
+    max_steps: int,
+    best_checkpoint: str | None = None,
+    best_metric: float | None = None,
+) -> dict:
     """`training.json`: how the training ended, for the manifest and the MLflow tags (`tasks.stage`)."""
     import torch
 

@@ -101,8 +101,12 @@ def empty_model_builder(params, tokenizer):
         with init_empty_weights():
             config = build_model(model.tiny, tokenizer, seed=model.seed).config
     else:
-        config = AutoConfig.from_pretrained(model.name_or_path, revision=model.revision, trust_remote_code=model.trust_remote_code)
-    if tokenizer is not None and len(tokenizer) > config.vocab_size:  # load_base_model grows the embeddings to the template's tokens
+        config = AutoConfig.from_pretrained(
+            model.name_or_path, revision=model.revision, trust_remote_code=model.trust_remote_code
+        )
+    if (
+        tokenizer is not None and len(tokenizer) > config.vocab_size
+    ):  # load_base_model grows the embeddings to the template's tokens
         config.vocab_size = len(tokenizer)
     classifier_config = copy.deepcopy(config)
     classifier_config.num_labels = 1  # TRL's reward model, our value model
@@ -111,7 +115,9 @@ def empty_model_builder(params, tokenizer):
         # float32 on the meta device: compute_module_sizes then counts each tensor in the dtype asked for.
         with init_empty_weights():
             auto = AutoModelForSequenceClassification if classifier else AutoModelForCausalLM
-            empty = auto.from_config(classifier_config if classifier else config, dtype="float32", trust_remote_code=model.trust_remote_code)
+            empty = auto.from_config(
+                classifier_config if classifier else config, dtype="float32", trust_remote_code=model.trust_remote_code
+            )
         empty.tie_weights()  # init_empty_weights copies the parameter that tying shares: a tied LM head would count twice
         return empty
 

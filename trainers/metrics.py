@@ -57,7 +57,9 @@ def _bootstrap_mean(values: np.ndarray, n_bootstrap: int, confidence: float, see
     return Interval(float(values.mean()), float(low), float(high), len(values))
 
 
-def bootstrap_mean(values: Sequence[float], *, n_bootstrap: int = 1000, confidence: float = 0.95, seed: int = 0) -> Interval:
+def bootstrap_mean(
+    values: Sequence[float], *, n_bootstrap: int = 1000, confidence: float = 0.95, seed: int = 0
+) -> Interval:
     """Mean of `values` (e.g. 0/1 exact-match hits) with a percentile-bootstrap confidence interval."""
     import numpy as np
 
@@ -129,7 +131,9 @@ def length_drift(policy_texts: Sequence[str], sft_texts: Sequence[str]) -> float
 # --- scoring under a causal LM -----------------------------------------------------
 
 
-def _score(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list, completions: list, batch_size: int) -> list[tuple[float, int]]:
+def _score(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list, completions: list, batch_size: int
+) -> list[tuple[float, int]]:
     """(sum of completion log-probabilities, number of completion tokens) per row."""
     import torch
 
@@ -161,7 +165,9 @@ def _score(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: 
     return out
 
 
-def sequence_logprobs(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list, completions: list, batch_size: int = 64) -> list[float]:
+def sequence_logprobs(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list, completions: list, batch_size: int = 64
+) -> list[float]:
     """Sum of log pi(completion token | everything before it) per row, EOS included.
 
     Prompts are strings (scored as TRL's standard rows: `prompt + completion + eos`)
@@ -173,7 +179,9 @@ def sequence_logprobs(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
     return [total for total, _ in _score(model, tokenizer, prompts, completions, batch_size)]
 
 
-def perplexity(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, texts_or_pairs: list, batch_size: int = 64) -> float:
+def perplexity(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, texts_or_pairs: list, batch_size: int = 64
+) -> float:
     """exp(mean negative log-likelihood per token) over all rows.
 
     A plain string is scored whole (plus its EOS, as SFT trains on it; its first
@@ -196,7 +204,9 @@ def kl_to_reference(policy_logprobs: Sequence[float], reference_logprobs: Sequen
     log-likelihood ratio, and single samples can be negative.
     """
     if len(policy_logprobs) != len(reference_logprobs) or not policy_logprobs:
-        raise ValueError(f"kl_to_reference needs two equally long, non-empty lists, got {len(policy_logprobs)} and {len(reference_logprobs)}")
+        raise ValueError(
+            f"kl_to_reference needs two equally long, non-empty lists, got {len(policy_logprobs)} and {len(reference_logprobs)}"
+        )
     return sum(p - r for p, r in zip(policy_logprobs, reference_logprobs)) / len(policy_logprobs)
 
 
@@ -229,5 +239,7 @@ def hacking_warnings(
             "reward models often prefer longer answers"
         )
     if not math.isfinite(kl) or kl > max_kl:
-        warnings.append(f"KL to the reference model is {kl:.3g} nats per sample (bound {max_kl:.3g}): the policy has drifted far from it")
+        warnings.append(
+            f"KL to the reference model is {kl:.3g} nats per sample (bound {max_kl:.3g}): the policy has drifted far from it"
+        )
     return warnings

@@ -11,7 +11,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
-def load_tokenizer(source: str | Path, revision: str | None = None, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+def load_tokenizer(
+    source: str | Path, revision: str | None = None, trust_remote_code: bool = False
+) -> PreTrainedTokenizerBase:
     """The tokenizer of a model folder or hub id (the base model's: `trainers.base_model.load_base_tokenizer`)."""
     from transformers import AutoTokenizer
 
@@ -21,12 +23,39 @@ def load_tokenizer(source: str | Path, revision: str | None = None, trust_remote
     return tokenizer
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
-                   "chat_template.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model")  # fmt: skip
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+)
 
 
-LOADING_KEYS = frozenset({"is_local", "local_files_only", "name_or_path", "_commit_hash", "revision", "trust_remote_code", "cache_dir", "token",
-                          "use_auth_token", "force_download", "proxies", "subfolder", "_from_auto", "model_max_length"})  # fmt: skip
+LOADING_KEYS = frozenset(
+    {
+        "is_local",
+        "local_files_only",
+        "name_or_path",
+        "_commit_hash",
+        "revision",
+        "trust_remote_code",
+        "cache_dir",
+        "token",
+        "use_auth_token",
+        "force_download",
+        "proxies",
+        "subfolder",
+        "_from_auto",
+        "model_max_length",
+    }
+)
 """Keys `from_pretrained` writes back into tokenizer_config.json on a re-save: how it was loaded, not how it tokenizes."""
 
 
@@ -90,13 +119,23 @@ def load_adapter_model(folder: str | Path, auto_class, handoff: str | None, **kw
 
     folder = Path(folder)
     if handoff not in ("merge", "stack"):
-        raise ValueError(f"{folder} holds a LoRA adapter: choose how to continue from it (lora.handoff: merge or stack)")
-    base = folder / "base" if (folder / "base").is_dir() else json.loads((folder / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+        raise ValueError(
+            f"{folder} holds a LoRA adapter: choose how to continue from it (lora.handoff: merge or stack)"
+        )
+    base = (
+        folder / "base"
+        if (folder / "base").is_dir()
+        else json.loads((folder / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    )
     if not base:
-        raise ValueError(f"{folder} holds a LoRA adapter whose base model is neither saved beside it (base/) nor named in {ADAPTER_CONFIG}")
+        raise ValueError(
+            f"{folder} holds a LoRA adapter whose base model is neither saved beside it (base/) nor named in {ADAPTER_CONFIG}"
+        )
     config = PeftConfig.from_pretrained(str(folder))
     if config.task_type == "CAUSAL_LM" and not auto_class.__name__.endswith("CausalLM"):
-        config.task_type = None  # a causal LM's adapter on a reward/value model's backbone: the same layers, no generation wrapper
+        config.task_type = (
+            None  # a causal LM's adapter on a reward/value model's backbone: the same layers, no generation wrapper
+        )
     model = auto_class.from_pretrained(str(base), use_safetensors=True, **kwargs)
     rows = len(load_tokenizer(folder))
     if rows > model.get_input_embeddings().weight.shape[0]:  # a named base, without the tokens its chat template added
@@ -105,7 +144,9 @@ def load_adapter_model(folder: str | Path, auto_class, handoff: str | None, **kw
     if handoff == "stack":
         return head_bias_through_trainable_tokens(model)
     merged = model.merge_and_unload()
-    merged.name_or_path = merged.config._name_or_path = ""  # no longer the named base: an adapter kept on it saves it (`_save_base`)
+    merged.name_or_path = merged.config._name_or_path = (
+        ""  # no longer the named base: an adapter kept on it saves it (`_save_base`)
+    )
     return merged
 
 
@@ -121,14 +162,22 @@ def head_bias_through_trainable_tokens(model):
     return model
 
 
-def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: Path, keep_adapter: bool = False, state_dict=None) -> Path:
+def save_model(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    out_dir: Path,
+    keep_adapter: bool = False,
+    state_dict=None,
+) -> Path:
     """Save weights (safetensors) and tokenizer (with its chat template); a peft model is merged first unless
     `keep_adapter`. A causal LM's generation config stops at EOS and the template's end of turn (TRL's
     GRPO/RLOO read their stop tokens from it)."""
     from rlhf_pipeline.trainers.templates import stop_token_ids
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    if "ref" in getattr(model, "peft_config", {}):  # TRL's frozen copy of a stacked adapter: the reference, not the result
+    if "ref" in getattr(
+        model, "peft_config", {}
+    ):  # TRL's frozen copy of a stacked adapter: the reference, not the result
         model.delete_adapter("ref")
     if hasattr(model, "merge_and_unload") and not keep_adapter:
         model = model.merge_and_unload()
@@ -139,7 +188,9 @@ def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_d
         stops = stop_token_ids(tokenizer)
         generation.eos_token_id = stops if len(stops) > 1 else stops[0]
         generation.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(out_dir, safe_serialization=True, **({"state_dict": state_dict} if state_dict is not None else {}))
+    model.save_pretrained(
+        out_dir, safe_serialization=True, **({"state_dict": state_dict} if state_dict is not None else {})
+    )
     tokenizer.save_pretrained(out_dir)
     return out_dir
 

@@ -29,7 +29,9 @@ class OnlineConfig(ProbeFields, TrainingConfig):
         False,
         description="Generate the rollouts with vLLM in the training processes (TRL's colocate mode; CUDA GPU, the [vllm] extra). Off: transformers' generate.",
     )
-    vllm_gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="Share of each GPU's memory vLLM may take (colocate mode).")
+    vllm_gpu_memory_utilization: float = Field(
+        0.3, gt=0, le=1, description="Share of each GPU's memory vLLM may take (colocate mode)."
+    )
 
     @model_validator(mode="after")
     def _vllm_installed(self):
@@ -69,7 +71,11 @@ class OnlineConfig(ProbeFields, TrainingConfig):
 
         if not torch.cuda.is_available():
             raise ValueError("use_vllm=true: vLLM generates on a CUDA GPU, and this machine trains on cpu")
-        return {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": self.vllm_gpu_memory_utilization}
+        return {
+            "use_vllm": True,
+            "vllm_mode": "colocate",
+            "vllm_gpu_memory_utilization": self.vllm_gpu_memory_utilization,
+        }
 
 
 def train(
@@ -91,7 +97,9 @@ def train(
     from rlhf_pipeline.trainers.rewards import trl_reward_funcs
     from rlhf_pipeline.trainers.text import blank_generation_config
 
-    trainer_cls, config_cls = {"grpo": (trl.GRPOTrainer, trl.GRPOConfig), "rloo": (trl.RLOOTrainer, trl.RLOOConfig)}[stage]
+    trainer_cls, config_cls = {"grpo": (trl.GRPOTrainer, trl.GRPOConfig), "rloo": (trl.RLOOTrainer, trl.RLOOConfig)}[
+        stage
+    ]
     prompts = load_split(data_dir, "prompts")
     # Reward functions are imported and called on a sample before the first step.
     reward_funcs, reward_weights = trl_reward_funcs(rewards, reward_model, prompts[:4])

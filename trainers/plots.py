@@ -33,7 +33,9 @@ def _save(fig: Figure, path: Path) -> Path:
     return path
 
 
-def reward_distributions(rewards: dict[str, list[float]], path: Path, title: str = "Reward-model scores on held-out prompts") -> Path:
+def reward_distributions(
+    rewards: dict[str, list[float]], path: Path, title: str = "Reward-model scores on held-out prompts"
+) -> Path:
     """Overlaid histograms on shared bins, each model's mean marked by a dashed line (and in the legend)."""
     import numpy as np
 
@@ -122,25 +124,67 @@ def overoptimisation(curves: list[dict], path: Path, stage: str, kept_step: int 
     x = [c["sqrt_kl"] for c in points]
     handles = []
     if any("proxy_reward" in c for c in points):
-        handles += ax.plot(x, [c.get("proxy_reward", math.nan) for c in points], color="C0", marker="o", lw=0.8, label="proxy reward (optimised)")
+        handles += ax.plot(
+            x,
+            [c.get("proxy_reward", math.nan) for c in points],
+            color="C0",
+            marker="o",
+            lw=0.8,
+            label="proxy reward (optimised)",
+        )
         if any(c.get("disagreement") for c in points):
-            handles += ax.plot(x, [c.get("disagreement", math.nan) for c in points], color="C2", marker=".", ls="--", label="ensemble disagreement (std)")
+            handles += ax.plot(
+                x,
+                [c.get("disagreement", math.nan) for c in points],
+                color="C2",
+                marker=".",
+                ls="--",
+                label="ensemble disagreement (std)",
+            )
     ax.set(xlabel="sqrt(KL(policy || SFT)), nats^0.5", ylabel="reward-model score")
     ax.grid(alpha=0.3)
     for c in points:  # the probes' steps: the lines join them in training order, which KL need not follow
         if "proxy_reward" in c:
-            ax.annotate(str(c["step"]), (c["sqrt_kl"], c["proxy_reward"]), textcoords="offset points", xytext=(3, 4), fontsize=7, color="C0")
+            ax.annotate(
+                str(c["step"]),
+                (c["sqrt_kl"], c["proxy_reward"]),
+                textcoords="offset points",
+                xytext=(3, 4),
+                fontsize=7,
+                color="C0",
+            )
     if any("exact_match" in c for c in points):
         gold = ax.twinx()
-        handles += gold.plot(x, [c.get("exact_match", math.nan) for c in points], color="C3", marker="s", lw=0.8, label="gold: exact match")
+        handles += gold.plot(
+            x,
+            [c.get("exact_match", math.nan) for c in points],
+            color="C3",
+            marker="s",
+            lw=0.8,
+            label="gold: exact match",
+        )
         gold.set(ylabel="exact match", ylim=(0, 1))
         for c in points:
             if "exact_match" in c:
-                gold.annotate(str(c["step"]), (c["sqrt_kl"], c["exact_match"]), textcoords="offset points", xytext=(3, -10), fontsize=7, color="C3")
+                gold.annotate(
+                    str(c["step"]),
+                    (c["sqrt_kl"], c["exact_match"]),
+                    textcoords="offset points",
+                    xytext=(3, -10),
+                    fontsize=7,
+                    color="C3",
+                )
     for c in points:
         if c["step"] == kept_step:
             handles.append(
-                ax.scatter([c["sqrt_kl"]], [c.get("proxy_reward", 0.0)], s=200, facecolors="none", edgecolors="k", label=f"published (step {kept_step})")
+                ax.scatter(
+                    [c["sqrt_kl"]],
+                    [c.get("proxy_reward", 0.0)],
+                    s=200,
+                    facecolors="none",
+                    edgecolors="k",
+                    label=f"published (step {kept_step})",
+                )
             )
     ax.legend(handles=handles, labels=[h.get_label() for h in handles], loc="lower right", fontsize=8)
     return _save(fig, path)

@@ -50,31 +50,53 @@ if TYPE_CHECKING:
 class PpoFields(StageConfig):
     """Field names follow TRL's old PPOConfig, so scripts written for it carry over."""
 
-    learning_rate: float = Field(3e-6, gt=0, description="Peak AdamW learning rate, shared by policy and value model (TRL PPOConfig default 3e-6).")
-    lr_scheduler_type: Literal["linear", "constant"] = Field("linear", description="'linear': anneal to 0 over the updates (TRL's default); 'constant'.")
-    total_episodes: int | None = Field(None, ge=1, description="Prompts rolled out in all; None: one pass over the `prompts` split.")
+    learning_rate: float = Field(
+        3e-6,
+        gt=0,
+        description="Peak AdamW learning rate, shared by policy and value model (TRL PPOConfig default 3e-6).",
+    )
+    lr_scheduler_type: Literal["linear", "constant"] = Field(
+        "linear", description="'linear': anneal to 0 over the updates (TRL's default); 'constant'."
+    )
+    total_episodes: int | None = Field(
+        None, ge=1, description="Prompts rolled out in all; None: one pass over the `prompts` split."
+    )
     rollout_batch_size: int = Field(
         64,
         ge=1,
         description="Prompts rolled out per update (one completion each): the whole rollout batch, split into `num_mini_batches` "
         "(TRL's old PPOTrainer called a per-device share of it per_device_train_batch_size).",
     )
-    num_mini_batches: int = Field(1, ge=1, description="Optimizer steps per PPO epoch; each takes rollout_batch_size / num_mini_batches rollouts.")
+    num_mini_batches: int = Field(
+        1, ge=1, description="Optimizer steps per PPO epoch; each takes rollout_batch_size / num_mini_batches rollouts."
+    )
     num_ppo_epochs: int = Field(4, ge=1, description="Passes over each rollout batch.")
     gamma: float = Field(1.0, ge=0, le=1, description="Discount factor of GAE.")
     lam: float = Field(0.95, ge=0, le=1, description="GAE lambda: bias (0) vs variance (1) of the advantage estimate.")
     cliprange: float = Field(0.2, gt=0, lt=1, description="Policy ratio clip epsilon (PPO eq. 7).")
-    cliprange_value: float = Field(0.2, gt=0, description="How far a value prediction may move from its rollout value before the loss is clipped.")
-    vf_coef: float = Field(0.1, ge=0, description="Weight of the value loss in the summed loss.")
-    kl_coef: float = Field(0.05, ge=0, description="Per-token KL penalty to the reference policy (InstructGPT's beta); with target_kl, its start.")
-    target_kl: float | None = Field(
-        None, gt=0, description="Adaptive KL (Ziegler et al. 2019): kl_coef follows the rollouts' KL towards this target (nats per completion), "
-        "logged as ppo/train/kl_coef. None: kl_coef stays fixed.",
-    )  # fmt: skip
-    kl_horizon: int = Field(
-        10000, ge=1, description="Adaptive KL's horizon in episodes: kl_coef moves by at most 20% x rollout_batch_size / kl_horizon per update."
+    cliprange_value: float = Field(
+        0.2, gt=0, description="How far a value prediction may move from its rollout value before the loss is clipped."
     )
-    whiten_rewards: bool = Field(False, description="Rescale the per-token rewards to unit variance before GAE (mean kept).")
+    vf_coef: float = Field(0.1, ge=0, description="Weight of the value loss in the summed loss.")
+    kl_coef: float = Field(
+        0.05,
+        ge=0,
+        description="Per-token KL penalty to the reference policy (InstructGPT's beta); with target_kl, its start.",
+    )
+    target_kl: float | None = Field(
+        None,
+        gt=0,
+        description="Adaptive KL (Ziegler et al. 2019): kl_coef follows the rollouts' KL towards this target (nats per completion), "
+        "logged as ppo/train/kl_coef. None: kl_coef stays fixed.",
+    )
+    kl_horizon: int = Field(
+        10000,
+        ge=1,
+        description="Adaptive KL's horizon in episodes: kl_coef moves by at most 20% x rollout_batch_size / kl_horizon per update.",
+    )
+    whiten_rewards: bool = Field(
+        False, description="Rescale the per-token rewards to unit variance before GAE (mean kept)."
+    )
     kl_estimator: Literal["k1", "k3"] = Field(
         "k1",
         description="Per-token KL estimate in the penalty (TRL PPOConfig; Schulman's k-estimators): 'k1' log(p/p_ref), unbiased; "
@@ -94,31 +116,50 @@ class PpoFields(StageConfig):
         "template's end of turn (e.g. <|im_end|>), unless stop_token_id is set (TRL's None stopped nowhere). The response is cut after its "
         "first stop token and padded after it.",
     )
-    stop_token_id: int | None = Field(None, ge=0, description="End completions at this token id only (TRL PPOConfig); excludes stop_token.")
+    stop_token_id: int | None = Field(
+        None, ge=0, description="End completions at this token id only (TRL PPOConfig); excludes stop_token."
+    )
     num_sample_generations: int = Field(
         10,
         ge=0,
         description="Sample tables over the run (TRL PPOConfig), evenly spaced from update 1: prompt, completion and scores of a few rollouts, "
         "appended to samples.jsonl in the stage's artifact. 0: none.",
     )
-    temperature: float = Field(0.7, gt=0, description="Sampling temperature; log-probabilities are computed at the same temperature.")
-    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm (policy and value parameters together).")
+    temperature: float = Field(
+        0.7, gt=0, description="Sampling temperature; log-probabilities are computed at the same temperature."
+    )
+    max_grad_norm: float = Field(
+        1.0, gt=0, description="Gradient clipping norm (policy and value parameters together)."
+    )
     seed: int = Field(42, description="Seed for prompt order, sampling and mini-batch order.")
     logging_steps: int = Field(10, ge=1, description="Log metrics (averaged over the window) every this many updates.")
-    save_steps: int = Field(100, ge=1, description="Checkpoint every this many updates; a re-run resumes from the newest.")
+    save_steps: int = Field(
+        100, ge=1, description="Checkpoint every this many updates; a re-run resumes from the newest."
+    )
     optim: str = Field(
         "adamw_torch",
         description="Optimizer of policy and value model by transformers' name (default adamw_torch, eps 1e-5 as in the N+ code): adamw_torch_fused, "
         "adafactor, sgd, rmsprop, adamw_8bit (bitsandbytes, GPU), ...; optimizer_factory for anything else.",
     )
     bf16: bool | None = Field(None, description="bfloat16 autocast. None: on when a CUDA device supports it.")
-    fp16: bool = Field(False, description="float16 autocast with loss scaling (CUDA GPUs without bfloat16); not with bf16.")
-    tf32: bool | None = Field(None, description="TensorFloat-32 matmuls on Ampere and newer GPUs. None: torch's default.")
-    num_threads: int | None = Field(
-        None, ge=1, description="torch CPU threads while training (restored after); None: torch's default. Small models on a busy CPU run fastest with 1."
+    fp16: bool = Field(
+        False, description="float16 autocast with loss scaling (CUDA GPUs without bfloat16); not with bf16."
     )
-    save_value_model: bool = Field(False, description="Also write the trained value model to `value_model/` beside the policy.")
-    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters on the policy (peft); the reference is the policy with adapters disabled.")
+    tf32: bool | None = Field(
+        None, description="TensorFloat-32 matmuls on Ampere and newer GPUs. None: torch's default."
+    )
+    num_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch CPU threads while training (restored after); None: torch's default. Small models on a busy CPU run fastest with 1.",
+    )
+    save_value_model: bool = Field(
+        False, description="Also write the trained value model to `value_model/` beside the policy."
+    )
+    lora: LoraConfig = Field(
+        default_factory=LoraConfig,
+        description="LoRA adapters on the policy (peft); the reference is the policy with adapters disabled.",
+    )
 
     @model_validator(mode="after")
     def _fields_agree(self):
@@ -128,14 +169,22 @@ class PpoFields(StageConfig):
         check_optimizer_name(self.optim, "adamw_torch")
         factory = getattr(self, "optimizer_factory", None)  # PpoConfig's (Customisation)
         if self.optim != "adamw_torch" and factory:
-            raise ValueError(f"optim={self.optim!r} and optimizer_factory={factory!r} both choose the optimizer: set one")
+            raise ValueError(
+                f"optim={self.optim!r} and optimizer_factory={factory!r} both choose the optimizer: set one"
+            )
         batch, minis = self.rollout_batch_size, self.num_mini_batches
         if batch % minis:
-            raise ValueError(f"rollout_batch_size={batch} must be divisible by num_mini_batches={minis} (mini-batches of {batch / minis:.2f} rollouts)")
+            raise ValueError(
+                f"rollout_batch_size={batch} must be divisible by num_mini_batches={minis} (mini-batches of {batch / minis:.2f} rollouts)"
+            )
         if self.total_episodes is not None and self.total_episodes < batch:
-            raise ValueError(f"total_episodes={self.total_episodes} is less than one rollout batch (rollout_batch_size={batch}): no update would run")
+            raise ValueError(
+                f"total_episodes={self.total_episodes} is less than one rollout batch (rollout_batch_size={batch}): no update would run"
+            )
         if self.stop_token is not None and self.stop_token_id is not None:
-            raise ValueError(f"stop_token={self.stop_token!r} and stop_token_id={self.stop_token_id} exclude each other (as in TRL): set one")
+            raise ValueError(
+                f"stop_token={self.stop_token!r} and stop_token_id={self.stop_token_id} exclude each other (as in TRL): set one"
+            )
         return self
 
     def num_updates(self, num_prompts: int) -> int:
@@ -169,14 +218,18 @@ def stop_ids(cfg: PpoFields, tokenizer) -> list[int]:
 
     if cfg.stop_token_id is not None:
         if cfg.stop_token_id >= len(tokenizer):
-            raise ValueError(f"stop_token_id={cfg.stop_token_id} is not a token of the policy's tokenizer ({len(tokenizer)} tokens)")
+            raise ValueError(
+                f"stop_token_id={cfg.stop_token_id} is not a token of the policy's tokenizer ({len(tokenizer)} tokens)"
+            )
         return [cfg.stop_token_id]
     if cfg.stop_token == "eos":
         return [tokenizer.eos_token_id]
     return stop_token_ids(tokenizer)
 
 
-def _sample(policy, tokenizer, prompt_ids: list[list[int]], cfg: PpoFields, stops: list[int], device) -> tuple[dict, torch.Tensor, torch.Tensor]:
+def _sample(
+    policy, tokenizer, prompt_ids: list[list[int]], cfg: PpoFields, stops: list[int], device
+) -> tuple[dict, torch.Tensor, torch.Tensor]:
     """Left-padded prompts (N+ §4) -> inputs for prompt + completion, completion mask, whether each reached a stop token.
     No top-k/top-p/repetition penalty (own_sampling: not even the model's generation_config's), so we sample from
     exactly the distribution whose log-probs we compute (N+ §7)."""
@@ -188,9 +241,16 @@ def _sample(policy, tokenizer, prompt_ids: list[list[int]], cfg: PpoFields, stop
     # peft's generate copies its wrapper's generation_config into the inner model: swap the inner model's, so it is restored.
     with own_sampling(policy.get_base_model() if hasattr(policy, "get_base_model") else policy, tokenizer):
         generated = policy.generate(
-            input_ids=queries, attention_mask=query_mask, do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0,
-            max_new_tokens=cfg.response_length, pad_token_id=tokenizer.pad_token_id, eos_token_id=stops,
-        )  # fmt: skip
+            input_ids=queries,
+            attention_mask=query_mask,
+            do_sample=True,
+            temperature=cfg.temperature,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=cfg.response_length,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=stops,
+        )
     responses, mask, ended = truncate_at_stop(generated[:, queries.shape[1] :], stops, tokenizer.pad_token_id)
     attention_mask = torch.cat([query_mask, mask.long()], 1)
     inputs = {
@@ -265,7 +325,9 @@ def train(
     tokenizer = load_tokenizer(sft_model)
     stops, eos_penalty, sample_every = stop_ids(cfg, tokenizer), cfg.eos_penalty(rewards), cfg.sample_every(num_updates)
 
-    def completions(texts: list[str], rows: list[int]) -> list:  # messages for conversational prompts, as TRL passes them
+    def completions(
+        texts: list[str], rows: list[int]
+    ) -> list:  # messages for conversational prompts, as TRL passes them
         return as_completions([prompts[i] for i in rows], texts)
 
     # The reward model's tokenizer is checked, and a broken reward function fails with its name, before the policy loads.
@@ -275,30 +337,51 @@ def train(
         device = torch.device("cuda", ranks.local)
         torch.cuda.set_device(device)
     if batch_size % ranks.world or (batch_size // ranks.world) % cfg.num_mini_batches:
-        raise ValueError(f"rollout_batch_size={batch_size} must split into {ranks.world} ranks x num_mini_batches={cfg.num_mini_batches} equal mini-batches")
+        raise ValueError(
+            f"rollout_batch_size={batch_size} must split into {ranks.world} ranks x num_mini_batches={cfg.num_mini_batches} equal mini-batches"
+        )
     local_batch = batch_size // ranks.world  # this rank's rollouts per update
     bf16 = device_precision(cfg.bf16, cfg.fp16, cfg.tf32)  # a precision the device lacks fails here, naming it
     scorer = RewardScorer(rewards, reward_model, device, policy_model=sft_model)
     sample = list(range(min(4, len(dataset))))
-    scorer.check([prompts[i] for i in sample], completions(["0"] * len(sample), sample), {k: [v[i] for i in sample] for k, v in columns.items()})
+    scorer.check(
+        [prompts[i] for i in sample],
+        completions(["0"] * len(sample), sample),
+        {k: [v[i] for i in sample] for k, v in columns.items()},
+    )
 
     policy, reference, value_model = _models(cfg, sft_model, reward_model, tokenizer, device, ranks)
     params = [p for m in (policy, value_model) for p in m.parameters() if p.requires_grad]
     callbacks = cfg.user_callbacks()
-    optimizer, scheduler, args = _optimizer(cfg, params, policy, value_model, num_updates, device, work_dir, bool(callbacks))
-    base_lrs = [group["lr"] for group in optimizer.param_groups]  # before a checkpoint overwrites them with scheduled values
+    optimizer, scheduler, args = _optimizer(
+        cfg, params, policy, value_model, num_updates, device, work_dir, bool(callbacks)
+    )
+    base_lrs = [
+        group["lr"] for group in optimizer.param_groups
+    ]  # before a checkpoint overwrites them with scheduled values
     dtype = torch.float16 if cfg.fp16 else torch.bfloat16
     autocast = lambda: torch.autocast(device.type, dtype=dtype, enabled=bf16 or cfg.fp16)  # noqa: E731
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.fp16)  # float16 gradients underflow without loss scaling
 
     state = {"update": 0, "data_epoch": 0, "data_index": 0, "metrics": {}, "kl_coef": cfg.kl_coef}
     if checkpoint := last_checkpoint(work_dir):
-        state = {"kl_coef": cfg.kl_coef} | load_checkpoint(Path(checkpoint), policy, value_model, optimizer, scheduler, ranks.rank)
+        state = {"kl_coef": cfg.kl_coef} | load_checkpoint(
+            Path(checkpoint), policy, value_model, optimizer, scheduler, ranks.rank
+        )
     keeper = Keeper(work_dir, cfg.keep_best, reward_model if rewards.uses_reward_model else None)
     probe = None
     if cfg.eval_steps and ranks.main:  # the held-out curves (rank 0 alone: every rank holds the same weights)
-        probe = Probe("ppo", data_dir, sft_model, reward_model, rewards, cfg, cfg.response_length, device,
-                      reference=(lambda: _reference_of(policy)) if reference is None else None)  # fmt: skip
+        probe = Probe(
+            "ppo",
+            data_dir,
+            sft_model,
+            reward_model,
+            rewards,
+            cfg,
+            cfg.response_length,
+            device,
+            reference=(lambda: _reference_of(policy)) if reference is None else None,
+        )
         if reference is not None:
             probe.reference = reference  # the PPO reference is the SFT model already
         keeper.resume(state["update"])
@@ -322,8 +405,18 @@ def train(
     window: dict[str, list[float]] = {}
     metrics: dict[str, float] = state["metrics"]
     progress = Progress("ppo", num_updates, state["update"], main=ranks.main)
-    hooks = Hooks(callbacks, args, num_updates, state["update"], model=policy, processing_class=tokenizer, optimizer=optimizer,
-                  lr_scheduler=scheduler, train_dataloader=None, eval_dataloader=None)  # fmt: skip
+    hooks = Hooks(
+        callbacks,
+        args,
+        num_updates,
+        state["update"],
+        model=policy,
+        processing_class=tokenizer,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        train_dataloader=None,
+        eval_dataloader=None,
+    )
     hooks.state.is_world_process_zero, hooks.state.is_local_process_zero = ranks.main, ranks.local == 0
     if ranks.world > 1 and ranks.main:
         PROGRESS.info(
@@ -347,18 +440,27 @@ def train(
                 width = mask.shape[1]
                 logprobs, entropy = _response_logprobs(policy, inputs, width, cfg.temperature, with_entropy=True)
                 with _reference_of(policy) if reference is None else contextlib.nullcontext():
-                    ref_logprobs, _ = _response_logprobs(policy if reference is None else reference, inputs, width, cfg.temperature)
+                    ref_logprobs, _ = _response_logprobs(
+                        policy if reference is None else reference, inputs, width, cfg.temperature
+                    )
                 values = _response_values(value_model, inputs, width)
                 # The reward model reads the ids as sampled, up to and including the stop token (N+ §4): no decode and
                 # re-encode, and a cut-off answer gets no EOS. Reward functions read the text, without the stop token.
                 lengths = mask.sum(1).long().tolist()
                 responses = [ids[:n].tolist() for ids, n in zip(inputs["input_ids"][:, -width:], lengths)]
-                texts = [tokenizer.decode(ids[: len(ids) - int(end)], skip_special_tokens=True) for ids, end in zip(responses, ended.tolist())]
+                texts = [
+                    tokenizer.decode(ids[: len(ids) - int(end)], skip_special_tokens=True)
+                    for ids, end in zip(responses, ended.tolist())
+                ]
                 total, components = scorer(
-                    [prompts[i] for i in rows], completions(texts, rows), {k: [v[i] for i in rows] for k, v in columns.items()},
+                    [prompts[i] for i in rows],
+                    completions(texts, rows),
+                    {k: [v[i] for i in rows] for k, v in columns.items()},
                     ids=[prompt_ids[i] + ids for i, ids in zip(rows, responses)],
-                )  # fmt: skip
-                scores = torch.tensor(total, device=device, dtype=torch.float) - eos_penalty * (~ended).float()  # N+ §7: the EOS trick
+                )
+                scores = (
+                    torch.tensor(total, device=device, dtype=torch.float) - eos_penalty * (~ended).float()
+                )  # N+ §7: the EOS trick
                 kl_coef = state["kl_coef"]
                 token_rewards, kl = kl_shaped_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, cfg.kl_estimator)
                 if cfg.whiten_rewards:
@@ -367,15 +469,21 @@ def train(
                 advantages = whiten(advantages, mask)  # advantage normalisation (N+ §7)
 
             # 2. `num_ppo_epochs` passes over shuffled mini-batches (Schulman et al. 2017, Algorithm 1).
-            stats: dict[str, list[float]] = {name: [] for name in ("policy_loss", "value_loss", "clipfrac", "approx_kl", "value_clipfrac", "ratio")}
+            stats: dict[str, list[float]] = {
+                name: [] for name in ("policy_loss", "value_loss", "clipfrac", "approx_kl", "value_clipfrac", "ratio")
+            }
             for _ in range(cfg.num_ppo_epochs):
                 for idx in torch.randperm(local_batch, device=device).split(local_batch // cfg.num_mini_batches):
                     mini = {k: v[idx] for k, v in inputs.items()}
                     with autocast():
                         new_logprobs, _ = _response_logprobs(policy, mini, width, cfg.temperature)
                         new_values = _response_values(value_model, mini, width)
-                    pg_loss, clipfrac, approx_kl = policy_loss(new_logprobs, logprobs[idx], advantages[idx], mask[idx], cfg.cliprange)
-                    vf_loss, vf_clipfrac = value_loss(new_values, values[idx], returns[idx], mask[idx], cfg.cliprange_value)
+                    pg_loss, clipfrac, approx_kl = policy_loss(
+                        new_logprobs, logprobs[idx], advantages[idx], mask[idx], cfg.cliprange
+                    )
+                    vf_loss, vf_clipfrac = value_loss(
+                        new_values, values[idx], returns[idx], mask[idx], cfg.cliprange_value
+                    )
                     ratio = masked_mean(torch.exp(new_logprobs.detach() - logprobs[idx]), mask[idx])
                     optimizer.zero_grad(set_to_none=True)
                     scaler.scale(pg_loss + cfg.vf_coef * vf_loss).backward()
@@ -389,7 +497,9 @@ def train(
 
             if scheduler is not None:
                 scheduler.step()
-            if cfg.target_kl is not None:  # the next update's coefficient, from this batch's KL (the same on every rank: averaged)
+            if (
+                cfg.target_kl is not None
+            ):  # the next update's coefficient, from this batch's KL (the same on every rank: averaged)
                 mean_kl = ranks.mean({"kl": kl.sum(1).mean().item()})["kl"]
                 state["kl_coef"] = adapted_kl_coef(kl_coef, mean_kl, cfg.target_kl, batch_size, cfg.kl_horizon)
             hooks.state.global_step = update
@@ -422,21 +532,30 @@ def train(
             if sample_every and (update - 1) % sample_every == 0 and ranks.main:
                 table = [
                     {
-                        "update": update, "prompt": prompts[i], "completion": tokenizer.decode(responses[j]), "ended": bool(ended[j]),
-                        "score": scores[j].item(), **{_component(name): component[j] for name, component in components.items()},
+                        "update": update,
+                        "prompt": prompts[i],
+                        "completion": tokenizer.decode(responses[j]),
+                        "ended": bool(ended[j]),
+                        "score": scores[j].item(),
+                        **{_component(name): component[j] for name, component in components.items()},
                     }
                     for j, i in enumerate(rows[:SAMPLE_ROWS])
-                ]  # fmt: skip
+                ]
                 work_dir.mkdir(parents=True, exist_ok=True)
                 with samples.open("a") as f:
                     f.writelines(json.dumps(row) + "\n" for row in table)
             if probe is not None and (update % cfg.eval_steps == 0 or update == num_updates):
                 heldout = probe(policy, seed=cfg.seed)
                 keeper.record(update, heldout, policy)
-                progress.log(update, {f"ppo/heldout/{k}": heldout[k] for k in ("exact_match", "proxy_reward", "kl") if k in heldout})
+                progress.log(
+                    update,
+                    {f"ppo/heldout/{k}": heldout[k] for k in ("exact_match", "proxy_reward", "kl") if k in heldout},
+                )
                 if log_metrics is not None:
                     log_metrics({f"ppo/heldout/{name}": value for name, value in heldout.items()}, update)
-            stop = ranks.any(hooks.control.should_training_stop)  # a callback ended training: publish what we have, as the Trainer does
+            stop = ranks.any(
+                hooks.control.should_training_stop
+            )  # a callback ended training: publish what we have, as the Trainer does
             if update % cfg.save_steps == 0 or update == num_updates or hooks.control.should_save:
                 state.update(update=update, metrics=metrics)
                 save_checkpoint(work_dir, update, policy, value_model, optimizer, scheduler, state, ranks)
@@ -454,7 +573,9 @@ def train(
         write_outcome(out_dir, update, num_updates)
         if kept:  # which probe's policy is published, and why
             add_outcome(out_dir, kept)
-            PROGRESS.info(f"ppo: published the policy of update {kept['kept_step']} (held-out proxy reward - disagreement {kept['kept_score']:.4f})")
+            PROGRESS.info(
+                f"ppo: published the policy of update {kept['kept_step']} (held-out proxy reward - disagreement {kept['kept_score']:.4f})"
+            )
             metrics = metrics | {"ppo/heldout/kept_step": float(kept["kept_step"])}
         keeper.publish(out_dir)
         save_model(policy, tokenizer, out_dir / "model", keep_adapter=cfg.lora.keep_adapter)
@@ -481,7 +602,9 @@ def _models(cfg: PpoConfig, sft_model: Path, reward_model: Path | None, tokenize
     # In the dtype its folder was saved in (float32 unless model.dtype says otherwise); an sft adapter merged or stacked (lora.handoff).
     policy, _, peft_config = upstream_policy(sft_model, cfg.lora)
     reference = None  # under LoRA the reference is the policy with its adapters disabled, or with the frozen copy of a stacked one
-    if peft_config is None and has_adapter(sft_model):  # stacked: the sft adapter trains on; a frozen copy of it is the reference
+    if peft_config is None and has_adapter(
+        sft_model
+    ):  # stacked: the sft adapter trains on; a frozen copy of it is the reference
         policy.add_adapter("ref", policy.peft_config["default"])
         for name, param in policy.named_parameters():
             if ".default." in name:
@@ -507,7 +630,9 @@ def _models(cfg: PpoConfig, sft_model: Path, reward_model: Path | None, tokenize
     return policy, reference, value_model
 
 
-def _optimizer(cfg: PpoConfig, params: list, policy, value_model, num_updates: int, device, work_dir: Path, callbacks: bool):
+def _optimizer(
+    cfg: PpoConfig, params: list, policy, value_model, num_updates: int, device, work_dir: Path, callbacks: bool
+):
     """The optimizer of both trained models, its scheduler (None: the loop's linear/constant schedule) and the stage's
     TrainingArguments (None unless something reads them)."""
     import torch
@@ -522,19 +647,33 @@ def _optimizer(cfg: PpoConfig, params: list, policy, value_model, num_updates: i
         from transformers import TrainingArguments
 
         args = TrainingArguments(
-            output_dir=str(work_dir), learning_rate=cfg.learning_rate, max_steps=num_updates, logging_steps=cfg.logging_steps,
-            save_steps=cfg.save_steps, seed=cfg.seed, max_grad_norm=cfg.max_grad_norm, lr_scheduler_type=cfg.lr_scheduler_type,
-            adam_epsilon=1e-5, weight_decay=0.0, use_cpu=device.type == "cpu", report_to="none", optim=cfg.optim,
-        )  # fmt: skip
+            output_dir=str(work_dir),
+            learning_rate=cfg.learning_rate,
+            max_steps=num_updates,
+            logging_steps=cfg.logging_steps,
+            save_steps=cfg.save_steps,
+            seed=cfg.seed,
+            max_grad_norm=cfg.max_grad_norm,
+            lr_scheduler_type=cfg.lr_scheduler_type,
+            adam_epsilon=1e-5,
+            weight_decay=0.0,
+            use_cpu=device.type == "cpu",
+            report_to="none",
+            optim=cfg.optim,
+        )
     scheduler = None  # None: the linear/constant schedule below, over the updates
     if cfg.optimizer_factory:
         # One optimizer for both trained models (as ours); a scheduler it returns is stepped once per update, as TRL's PPOTrainer did.
-        optimizer, scheduler = make_optimizer(cfg.optimizer_factory, torch.nn.ModuleDict({"policy": policy, "value_model": value_model}), args)
+        optimizer, scheduler = make_optimizer(
+            cfg.optimizer_factory, torch.nn.ModuleDict({"policy": policy, "value_model": value_model}), args
+        )
     elif cfg.optim != "adamw_torch":
         optimizer = named_optimizer(args, params, policy)
     else:
         # eps 1e-5 as in CleanRL / N+ code; fused: one kernel over all parameters (3x faster steps on CPU than torch's default there)
-        fused = device.type in ("cpu", "cuda") and all(p.dtype in (torch.float32, torch.float16, torch.bfloat16) for p in params)
+        fused = device.type in ("cpu", "cuda") and all(
+            p.dtype in (torch.float32, torch.float16, torch.bfloat16) for p in params
+        )
         optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, eps=1e-5, weight_decay=0.0, fused=fused or None)
     return optimizer, scheduler, args
 

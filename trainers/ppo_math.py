@@ -45,7 +45,9 @@ def adapted_kl_coef(kl_coef: float, kl: float, target: float, batch_size: int, h
     return kl_coef * (1.0 + error * batch_size / horizon)
 
 
-def kl_shaped_rewards(scores, logprobs, ref_logprobs, mask, kl_coef: float, kl_estimator: str = "k1") -> tuple[torch.Tensor, torch.Tensor]:
+def kl_shaped_rewards(
+    scores, logprobs, ref_logprobs, mask, kl_coef: float, kl_estimator: str = "k1"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """InstructGPT eq. 2, r(x, y) - beta * log(pi_RL / pi_SFT), spread over tokens as in N+ §7:
     -kl_coef * kl on every real token (the non-score reward), plus the score on the last one (the stop token,
     or the last sampled token of a cut-off completion). Returns (rewards, kl)."""
@@ -96,7 +98,9 @@ def compute_gae(rewards, values, mask, gamma: float, lam: float) -> tuple[torch.
     return advantages, (advantages + values) * mask
 
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def policy_loss(
+    logprobs, old_logprobs, advantages, mask, cliprange: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Schulman et al. 2017 eq. 7 (negated, mean over real tokens). Returns (loss, clipfrac: share of tokens
     where the clipped term binds, approx_kl: 0.5 E[(log ratio)^2], Schulman's k2 as CleanRL and TRL report it)."""
     import torch

@@ -54,9 +54,13 @@ class Ranks:
         self.local = int(os.environ.get("LOCAL_RANK", "0"))
         self.started = False
         if self.world > 1:
-            sharded = [name for name in ("DEEPSPEED", "FSDP") if os.environ.get(f"ACCELERATE_USE_{name}", "").lower() == "true"]
+            sharded = [
+                name for name in ("DEEPSPEED", "FSDP") if os.environ.get(f"ACCELERATE_USE_{name}", "").lower() == "true"
+            ]
             if sharded:
-                raise ValueError(f"ppo is data-parallel (launch.engine=ddp); it does not shard the model with {sharded[0].lower()}")
+                raise ValueError(
+                    f"ppo is data-parallel (launch.engine=ddp); it does not shard the model with {sharded[0].lower()}"
+                )
             if not dist.is_initialized():
                 dist.init_process_group("gloo" if cpu else "nccl")
                 self.started = True
@@ -130,7 +134,9 @@ def rng_file(rank: int) -> str:
     return "rng.pt" if rank == 0 else f"rng-{rank}.pt"
 
 
-def save_checkpoint(work_dir: Path, update: int, policy, value_model, optimizer, scheduler, state: dict, ranks: Ranks) -> None:
+def save_checkpoint(
+    work_dir: Path, update: int, policy, value_model, optimizer, scheduler, state: dict, ranks: Ranks
+) -> None:
     """Written into a hidden sibling and renamed into place when complete (with the COMPLETE marker
     `last_checkpoint` wants), so a half-written one is never used. Keeps the two newest. Every rank writes its
     RNG state; rank 0 the weights and optimizer (identical on every rank) and the marker."""
@@ -153,7 +159,9 @@ def save_checkpoint(work_dir: Path, update: int, policy, value_model, optimizer,
     ranks.barrier()
 
 
-def write_checkpoint(work_dir: Path, tmp: Path, final: Path, update: int, policy, value_model, optimizer, scheduler, state: dict) -> None:
+def write_checkpoint(
+    work_dir: Path, tmp: Path, final: Path, update: int, policy, value_model, optimizer, scheduler, state: dict
+) -> None:
     import torch
     from safetensors.torch import save_file
 
@@ -168,7 +176,10 @@ def write_checkpoint(work_dir: Path, tmp: Path, final: Path, update: int, policy
     (tmp / COMPLETE).write_text(f"{update}\n")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    done = sorted((p for p in work_dir.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()), key=lambda p: int(p.name.split("-")[-1]))
+    done = sorted(
+        (p for p in work_dir.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
+        key=lambda p: int(p.name.split("-")[-1]),
+    )
     for old in done[:-2]:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -181,13 +192,17 @@ def load_checkpoint(checkpoint: Path, policy, value_model, optimizer, scheduler,
     for model, name in ((policy, "policy"), (value_model, "value_model")):
         weights = load_file(checkpoint / f"{name}.safetensors")
         if set(weights) != {n for n, p in model.named_parameters() if p.requires_grad}:
-            raise ValueError(f"{checkpoint / name}.safetensors does not hold this model's trained weights (was the config, e.g. lora, changed?)")
+            raise ValueError(
+                f"{checkpoint / name}.safetensors does not hold this model's trained weights (was the config, e.g. lora, changed?)"
+            )
         model.load_state_dict(weights, strict=False)
     optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=True))
     if scheduler is not None:
         scheduler.load_state_dict(torch.load(checkpoint / "scheduler.pt", weights_only=True))
     if not (checkpoint / rng_file(rank)).is_file():
-        raise ValueError(f"{checkpoint} has no RNG state of rank {rank}: it was written by fewer ranks; resume with the same launch.num_processes")
+        raise ValueError(
+            f"{checkpoint} has no RNG state of rank {rank}: it was written by fewer ranks; resume with the same launch.num_processes"
+        )
     rng = torch.load(checkpoint / rng_file(rank), weights_only=False)  # our own file; python/numpy states are tuples
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])

@@ -29,9 +29,11 @@ BEST = "best-policy"
 
 class ProbeFields(StageConfig):
     eval_steps: int | None = Field(
-        None, ge=1, description="Steps (ppo: updates) between held-out probes: proxy reward, ensemble disagreement, exact match, KL to SFT, "
+        None,
+        ge=1,
+        description="Steps (ppo: updates) between held-out probes: proxy reward, ensemble disagreement, exact match, KL to SFT, "
         "logged as <stage>/heldout/* curves. None: no probes.",
-    )  # fmt: skip
+    )
     eval_prompts: int = Field(200, ge=1, description="Held-out prompts each probe answers (the first of prompts_eval).")
     keep_best: bool | None = Field(
         None,
@@ -51,8 +53,18 @@ class ProbeFields(StageConfig):
 class Probe:
     """The held-out sample, the reward model(s) and the reference (SFT) model, loaded once; `probe(policy)` measures."""
 
-    def __init__(self, stage: str, data_dir: Path, sft_model: Path, reward_model: Path | None, rewards: RewardsConfig, cfg: ProbeFields,
-                 max_new_tokens: int, device, reference=None):  # fmt: skip
+    def __init__(
+        self,
+        stage: str,
+        data_dir: Path,
+        sft_model: Path,
+        reward_model: Path | None,
+        rewards: RewardsConfig,
+        cfg: ProbeFields,
+        max_new_tokens: int,
+        device,
+        reference=None,
+    ):
         from rlhf_pipeline.trainers.ensemble import TextEnsemble, member_dirs, scoring_dirs
         from rlhf_pipeline.trainers.loop import load_split
         from rlhf_pipeline.trainers.models import load_causal_lm, load_tokenizer
@@ -64,7 +76,9 @@ class Probe:
         self.tokenizer = load_tokenizer(sft_model)
         # `reference`: a callable giving a context in which the policy is its own reference (LoRA), else the SFT model is loaded.
         self.reference_context = reference
-        self.reference = None if reference is not None else load_causal_lm(sft_model)[0].to(device).eval().requires_grad_(False)
+        self.reference = (
+            None if reference is not None else load_causal_lm(sft_model)[0].to(device).eval().requires_grad_(False)
+        )
         self.proxy = self.members = None
         if reward_model is not None and rewards.uses_reward_model:
             served, every = scoring_dirs(reward_model), member_dirs(reward_model)
@@ -90,12 +104,16 @@ class Probe:
             torch.set_rng_state(state)
             logps = stats.sequence_logprobs(policy, self.tokenizer, self.prompts, sampled, 200)
             with self.reference_context() if self.reference_context else contextlib.nullcontext():
-                ref_logps = stats.sequence_logprobs(self.reference or policy, self.tokenizer, self.prompts, sampled, 200)
+                ref_logps = stats.sequence_logprobs(
+                    self.reference or policy, self.tokenizer, self.prompts, sampled, 200
+                )
         policy.train(was_training)
         kl = stats.kl_to_reference(logps, ref_logps)
         values = {"kl": kl, "sqrt_kl": max(kl, 0.0) ** 0.5}
         if self.answers is not None:
-            values["exact_match"] = statistics.fmean(float(c.strip() == str(a).strip()) for c, a in zip(greedy, self.answers))
+            values["exact_match"] = statistics.fmean(
+                float(c.strip() == str(a).strip()) for c, a in zip(greedy, self.answers)
+            )
         if self.proxy is not None:
             proxy, _ = self.proxy.score(self.prompts, greedy)
             _, spread = self.members.score(self.prompts, greedy)
@@ -186,7 +204,14 @@ def probe_callback(stage: str, cfg: ProbeFields, probe_args: dict, work_dir: Pat
         kept: dict = {}
 
         def __init__(self):
-            self.keeper, self.probe = Keeper(work_dir, cfg.keep_best, probe_args["reward_model"] if probe_args["rewards"].uses_reward_model else None), None
+            self.keeper, self.probe = (
+                Keeper(
+                    work_dir,
+                    cfg.keep_best,
+                    probe_args["reward_model"] if probe_args["rewards"].uses_reward_model else None,
+                ),
+                None,
+            )
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             if state.is_world_process_zero:

@@ -36,7 +36,13 @@ class Progress:
     of every metrics log, `close` at the end."""
 
     def __init__(self, stage: str, total: int, start_step: int = 0, main: bool = True):
-        self.stage, self.total, self.start_step, self.started, self.main = stage, total, start_step, time.monotonic(), main
+        self.stage, self.total, self.start_step, self.started, self.main = (
+            stage,
+            total,
+            start_step,
+            time.monotonic(),
+            main,
+        )
         self.last = start_step
         self._emit("begin", start_step)
 

@@ -41,7 +41,11 @@ def write_spec(path: Path, trainer: str, arguments: dict[str, Any]) -> None:
             return {"path": str(value)}
         return {"value": value}
 
-    path.write_text(json.dumps({"trainer": trainer, "arguments": {name: encode(value) for name, value in arguments.items()}}, indent=2))
+    path.write_text(
+        json.dumps(
+            {"trainer": trainer, "arguments": {name: encode(value) for name, value in arguments.items()}}, indent=2
+        )
+    )
 
 
 def read_spec(path: Path) -> tuple[str, dict[str, Any]]:
@@ -78,7 +82,9 @@ def main(argv: list[str]) -> int:
         trainer, arguments = read_spec(spec)  # the configs are validated again here, in the rank's environment
         metrics = importlib.import_module(trainer).train(**arguments, log_metrics=log_metrics)
     except PERMANENT as exc:
-        kind = next(cls.__name__ for cls in PERMANENT if isinstance(exc, cls))  # pydantic's ValidationError is a ValueError
+        kind = next(
+            cls.__name__ for cls in PERMANENT if isinstance(exc, cls)
+        )  # pydantic's ValidationError is a ValueError
         (work_dir / ERROR_FILE).write_text(json.dumps({"rank": rank(), "type": kind, "message": str(exc)}))
         raise
     if rank() == 0:
@@ -88,7 +94,10 @@ def main(argv: list[str]) -> int:
 
 class _ProgressLines(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
-        print(PROGRESS_MARK + json.dumps({"message": record.getMessage(), "progress": getattr(record, "progress")}), flush=True)
+        print(
+            PROGRESS_MARK + json.dumps({"message": record.getMessage(), "progress": record.__dict__["progress"]}),
+            flush=True,
+        )
 
 
 def _forward_progress() -> None:

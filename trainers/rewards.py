@@ -41,19 +41,27 @@ class RewardFunctionSpec(StrictModel):
 class RewardsConfig(Block):
     """Which rewards score the policy's samples, and how they are weighted."""
 
-    reward_model_weight: float = Field(1.0, ge=0, description="Weight of the `rm` stage's reward model; 0 leaves it out (and skips training it).")
-    functions: list[RewardFunctionSpec] = Field(default_factory=list, description="Python reward functions, each with a weight.")
+    reward_model_weight: float = Field(
+        1.0, ge=0, description="Weight of the `rm` stage's reward model; 0 leaves it out (and skips training it)."
+    )
+    functions: list[RewardFunctionSpec] = Field(
+        default_factory=list, description="Python reward functions, each with a weight."
+    )
     reward_model_aggregate: Literal["mean", "min", "mean_minus_std"] = Field(
         "mean",
         description="How an ensemble's members (rm.ensemble_size > 1) make one reward: their mean, their minimum (worst case, Coste et al. "
         "2023), or mean - reward_model_std_coef * std (uncertainty-weighted). One reward model: its score.",
     )
-    reward_model_std_coef: float = Field(1.0, ge=0, description="The std's weight in reward_model_aggregate='mean_minus_std'.")
+    reward_model_std_coef: float = Field(
+        1.0, ge=0, description="The std's weight in reward_model_aggregate='mean_minus_std'."
+    )
 
     @model_validator(mode="after")
     def _some_reward(self):
         if self.reward_model_weight == 0 and not self.functions:
-            raise ValueError("rewards: reward_model_weight is 0 and no reward functions are given; the policy would learn nothing")
+            raise ValueError(
+                "rewards: reward_model_weight is 0 and no reward functions are given; the policy would learn nothing"
+            )
         return self
 
     @property
@@ -83,21 +91,29 @@ def as_completions(prompts: list, texts: list[str]) -> list:
     return [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(prompts, texts)]
 
 
-def check_function(spec: RewardFunctionSpec, fn: RewardFunction, prompts: list, completions: list, columns: dict[str, list]) -> None:
+def check_function(
+    spec: RewardFunctionSpec, fn: RewardFunction, prompts: list, completions: list, columns: dict[str, list]
+) -> None:
     """Call `fn` on a sample before any training step; a wrong result fails with its name."""
     try:
         scores = fn(prompts=prompts, completions=completions, **columns)
     except Exception as exc:
-        raise ValueError(f"reward function {spec.path!r} raised on a sample of {len(prompts)} rows: {type(exc).__name__}: {exc}") from exc
+        raise ValueError(
+            f"reward function {spec.path!r} raised on a sample of {len(prompts)} rows: {type(exc).__name__}: {exc}"
+        ) from exc
     if not isinstance(scores, (list, tuple)) or len(scores) != len(completions):
         got = f"{len(scores)} scores" if isinstance(scores, (list, tuple)) else type(scores).__name__
-        raise ValueError(f"reward function {spec.path!r} returned {got} for {len(completions)} completions; it must return one float (or None) per completion")
+        raise ValueError(
+            f"reward function {spec.path!r} returned {got} for {len(completions)} completions; it must return one float (or None) per completion"
+        )
     bad = [s for s in scores if s is not None and not (isinstance(s, (int, float)) and math.isfinite(s))]
     if bad:
         raise ValueError(f"reward function {spec.path!r} returned non-numeric or non-finite scores, e.g. {bad[0]!r}")
 
 
-def load_functions(cfg: RewardsConfig, prompts: list, completions: list, columns: dict[str, list]) -> list[RewardFunction]:
+def load_functions(
+    cfg: RewardsConfig, prompts: list, completions: list, columns: dict[str, list]
+) -> list[RewardFunction]:
     """Import and sample-check every reward function of `cfg`."""
     loaded = []
     for spec in cfg.functions:
@@ -107,7 +123,9 @@ def load_functions(cfg: RewardsConfig, prompts: list, completions: list, columns
     return loaded
 
 
-def trl_reward_funcs(cfg: RewardsConfig, reward_model: Path | None, sample: dict[str, list]) -> tuple[list, list[float]]:
+def trl_reward_funcs(
+    cfg: RewardsConfig, reward_model: Path | None, sample: dict[str, list]
+) -> tuple[list, list[float]]:
     """`reward_funcs` and `reward_weights` for TRL's GRPOTrainer / RLOOTrainer.
 
     `sample` is a few dataset rows (column -> values) used to check the functions.
@@ -127,8 +145,17 @@ def trl_reward_funcs(cfg: RewardsConfig, reward_model: Path | None, sample: dict
 
         dirs = scoring_dirs(reward_model)
         if len(dirs) > 1:  # an ensemble: one reward function over its members, aggregated
-            funcs.append(TextEnsemble(dirs, cfg.reward_model_aggregate, cfg.reward_model_std_coef, "cuda" if torch.cuda.is_available() else "cpu"))
-        elif has_adapter(reward_model):  # TRL loads a reward model by path only when it is whole: rm's adapter is merged here
+            funcs.append(
+                TextEnsemble(
+                    dirs,
+                    cfg.reward_model_aggregate,
+                    cfg.reward_model_std_coef,
+                    "cuda" if torch.cuda.is_available() else "cpu",
+                )
+            )
+        elif has_adapter(
+            reward_model
+        ):  # TRL loads a reward model by path only when it is whole: rm's adapter is merged here
             merged = load_sequence_classifier(reward_model)
             merged.config.pad_token_id = load_tokenizer(reward_model).pad_token_id
             funcs.append(merged)
@@ -159,7 +186,13 @@ class RewardScorer:
     Reward functions get the decoded `completions`.
     """
 
-    def __init__(self, cfg: RewardsConfig, reward_model: Path | None, device: str | torch.device = "cpu", policy_model: Path | None = None):
+    def __init__(
+        self,
+        cfg: RewardsConfig,
+        reward_model: Path | None,
+        device: str | torch.device = "cpu",
+        policy_model: Path | None = None,
+    ):
         if policy_model is not None and reward_model is not None:
             check_shared_tokenizer(policy_model, reward_model)
         self.cfg = cfg
@@ -179,14 +212,21 @@ class RewardScorer:
             check_function(spec, fn, prompts, completions, columns)
 
     def __call__(
-        self, prompts: list, completions: list, columns: dict[str, list], ids: list[list[int]] | None = None, batch_size: int = 64
+        self,
+        prompts: list,
+        completions: list,
+        columns: dict[str, list],
+        ids: list[list[int]] | None = None,
+        batch_size: int = 64,
     ) -> tuple[list[float], dict[str, list[float]]]:
         """Total reward per completion, and each component (named `reward_model` or the function's name)."""
         components: dict[str, list[float]] = {}
         total = [0.0] * len(completions)
         if self.model is not None:
             if ids is None or len(ids) != len(completions):
-                raise ValueError(f"the reward model scores token ids: pass `ids`, one row per completion ({len(completions)})")
+                raise ValueError(
+                    f"the reward model scores token ids: pass `ids`, one row per completion ({len(completions)})"
+                )
             scores, spread = self.ensemble_scores(ids, batch_size)
             components["reward_model"] = scores
             if len(self.models) > 1:  # logged beside the reward, weighted 0
@@ -202,7 +242,11 @@ class RewardScorer:
         """The (aggregated) reward-model score of each row of token ids, and the members' disagreement (0 for one model)."""
         from rlhf_pipeline.trainers.ensemble import aggregate
 
-        return aggregate([self.member_scores(m, ids, batch_size) for m in self.models], self.cfg.reward_model_aggregate, self.cfg.reward_model_std_coef)
+        return aggregate(
+            [self.member_scores(m, ids, batch_size) for m in self.models],
+            self.cfg.reward_model_aggregate,
+            self.cfg.reward_model_std_coef,
+        )
 
     def model_scores(self, ids: list[list[int]], batch_size: int = 64) -> list[float]:
         return self.ensemble_scores(ids, batch_size)[0]

@@ -21,6 +21,14 @@ class RlooConfig(online.OnlineConfig):
         return {"beta": self.beta, "normalize_advantages": self.normalize_advantages}
 
 
-def train(cfg: RlooConfig, rewards: RewardsConfig, sft_model: Path, reward_model: Path | None, data_dir: Path,
-          out_dir: Path, work_dir: Path, log_metrics: LogMetrics | None = None) -> dict[str, float]:  # fmt: skip
+def train(
+    cfg: RlooConfig,
+    rewards: RewardsConfig,
+    sft_model: Path,
+    reward_model: Path | None,
+    data_dir: Path,
+    out_dir: Path,
+    work_dir: Path,
+    log_metrics: LogMetrics | None = None,
+) -> dict[str, float]:
     return online.train("rloo", cfg, rewards, sft_model, reward_model, data_dir, out_dir, work_dir, log_metrics)

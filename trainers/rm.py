@@ -18,14 +18,19 @@ from rlhf_pipeline.trainers.feedback import FeedbackConfig
 class RewardModelConfig(EvalDuringTraining, TrainingConfig):
     trl_config: ClassVar[str] = "RewardConfig"
     learning_rate: float = Field(1e-4, gt=0, description="Peak learning rate (TRL RewardConfig default 1e-4).")
-    center_rewards_coefficient: float | None = Field(None, ge=0, description="Pull mean reward towards 0 (TRL RewardConfig.center_rewards_coefficient).")
+    center_rewards_coefficient: float | None = Field(
+        None, ge=0, description="Pull mean reward towards 0 (TRL RewardConfig.center_rewards_coefficient)."
+    )
     ensemble_size: int = Field(
-        1, ge=1, le=16,
+        1,
+        ge=1,
+        le=16,
         description="Reward models trained (seed + i, each on its own bootstrap resample of the pairs) and kept in one rm artifact; "
         "the online stages aggregate them (rewards.reward_model_aggregate) and eval reports their disagreement.",
-    )  # fmt: skip
+    )
     ensemble_bootstrap: bool = Field(
-        True, description="Each member after the first trains on a bootstrap resample of the pairs (else all of them, in its own order)."
+        True,
+        description="Each member after the first trains on a bootstrap resample of the pairs (else all of them, in its own order).",
     )
     weight_average: bool = Field(
         False,
@@ -38,7 +43,9 @@ class RewardModelConfig(EvalDuringTraining, TrainingConfig):
         if self.weight_average and self.ensemble_size < 2:
             raise ValueError("rm.weight_average averages the members of an ensemble: set rm.ensemble_size to 2 or more")
         if self.ensemble_size > 1 and self.lora.enabled and self.lora.keep_adapter:
-            raise ValueError("rm.ensemble_size > 1 keeps whole members (their weights are averaged and aggregated): set rm.lora.keep_adapter=false")
+            raise ValueError(
+                "rm.ensemble_size > 1 keeps whole members (their weights are averaged and aggregated): set rm.lora.keep_adapter=false"
+            )
         return self
 
     def held_out(self) -> tuple[str, ...]:
@@ -72,11 +79,20 @@ def train(
         state = earlier / "feedback.json" if earlier is not None else None
         round_ = json.loads(state.read_text())["round"] + 1 if state is not None and state.is_file() else 1
         before = sum(1 for _ in open(earlier / PAIRS)) if earlier is not None and (earlier / PAIRS).is_file() else 0
-        pairs = collect_pairs(feedback, policy_model, data_dir, round_, earlier / PAIRS if earlier is not None else None, out_dir)
+        pairs = collect_pairs(
+            feedback, policy_model, data_dir, round_, earlier / PAIRS if earlier is not None else None, out_dir
+        )
         summary = {"round": round_, "pairs": len(pairs), "new_pairs": len(pairs) - before}
         (out_dir / "feedback.json").write_text(json.dumps(summary) + "\n")
         if log_metrics is not None:
-            log_metrics({"rm/feedback/round": float(round_), "rm/feedback/pairs": float(len(pairs)), "rm/feedback/new_pairs": float(summary["new_pairs"])}, 0)
+            log_metrics(
+                {
+                    "rm/feedback/round": float(round_),
+                    "rm/feedback/pairs": float(len(pairs)),
+                    "rm/feedback/new_pairs": float(summary["new_pairs"]),
+                },
+                0,
+            )
     if cfg.ensemble_size == 1:
         return _train_one(cfg, sft_model, data_dir, out_dir, work_dir, log_metrics, pairs=pairs)
     import json
@@ -87,12 +103,27 @@ def train(
     metrics: dict[str, float] = {}
     for i in range(cfg.ensemble_size):
         member = cfg.model_copy(update={"ensemble_size": 1, "seed": cfg.seed + i})
-        log = None if log_metrics is None else (lambda values, step, i=i: log_metrics((values if i == 0 else {}) | _member_metrics(values, i), step))
-        result = _train_one(member, sft_model, data_dir, out_dir / MEMBERS / str(i), work_dir / f"member-{i}", log, resample=i if cfg.ensemble_bootstrap else None,
-                            head_seed=cfg.seed if cfg.weight_average else cfg.seed + i, pairs=pairs)  # fmt: skip
+        log = (
+            None
+            if log_metrics is None
+            else (lambda values, step, i=i: log_metrics((values if i == 0 else {}) | _member_metrics(values, i), step))
+        )
+        result = _train_one(
+            member,
+            sft_model,
+            data_dir,
+            out_dir / MEMBERS / str(i),
+            work_dir / f"member-{i}",
+            log,
+            resample=i if cfg.ensemble_bootstrap else None,
+            head_seed=cfg.seed if cfg.weight_average else cfg.seed + i,
+            pairs=pairs,
+        )
         metrics |= result if i == 0 else {}
         metrics |= _member_metrics(result, i)
-    (out_dir / ENSEMBLE_FILE).write_text(json.dumps({"members": cfg.ensemble_size, "served": "average" if cfg.weight_average else "ensemble"}))
+    (out_dir / ENSEMBLE_FILE).write_text(
+        json.dumps({"members": cfg.ensemble_size, "served": "average" if cfg.weight_average else "ensemble"})
+    )
     dirs = member_dirs(out_dir / "model")
     if cfg.weight_average:
         average_weights(dirs, out_dir / "model")
@@ -136,7 +167,9 @@ def _train_one(
     )
     tokenizer = load_tokenizer(sft_model)
     if has_adapter(sft_model) and cfg.lora.handoff != "merge":
-        raise ValueError(f"{sft_model} holds sft's LoRA adapter: the reward model starts from it merged (rm.lora.handoff=merge; a score head is added)")
+        raise ValueError(
+            f"{sft_model} holds sft's LoRA adapter: the reward model starts from it merged (rm.lora.handoff=merge; a score head is added)"
+        )
     if head_seed is not None:  # an ensemble member's fresh score head: its own initialisation, or WARM's shared one
         torch.manual_seed(head_seed)
     model = load_sequence_classifier(sft_model)
@@ -144,7 +177,9 @@ def _train_one(
     eval_path = data_dir / "datasets" / "preference_eval.parquet"
     eval_dataset = load_split(data_dir, "preference_eval") if eval_path.is_file() else None
     if cfg.evaluates and eval_dataset is None:
-        raise ValueError(f"rm.eval_strategy={cfg.eval_strategy!r} evaluates on preference_eval, which the data stage did not write ({eval_path})")
+        raise ValueError(
+            f"rm.eval_strategy={cfg.eval_strategy!r} evaluates on preference_eval, which the data stage did not write ({eval_path})"
+        )
     trainer = trl.RewardTrainer(
         model=model,
         args=args,

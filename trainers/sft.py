@@ -18,9 +18,13 @@ class SftConfig(EvalDuringTraining, TrainingConfig):
     trl_config: ClassVar[str] = "SFTConfig"
     learning_rate: float = Field(2e-5, gt=0, description="Peak learning rate (TRL SFTConfig default 2e-5).")
     completion_only_loss: bool | None = Field(
-        None, description="Train on completion tokens only (prompt-completion rows). None: TRL decides (on for such rows)."
+        None,
+        description="Train on completion tokens only (prompt-completion rows). None: TRL decides (on for such rows).",
     )
-    assistant_only_loss: bool = Field(False, description="Train on assistant turns only (conversational rows); needs {% generation %} in the chat template.")
+    assistant_only_loss: bool = Field(
+        False,
+        description="Train on assistant turns only (conversational rows); needs {% generation %} in the chat template.",
+    )
     packing: bool = Field(False, description="Pack several examples into one sequence of max_length.")
     padding_free: bool = Field(
         False,
@@ -38,7 +42,9 @@ class SftConfig(EvalDuringTraining, TrainingConfig):
     @model_validator(mode="after")
     def _split_only_to_evaluate(self):
         if self.eval_split is not None and not self.evaluates:
-            raise ValueError(f"eval_split={self.eval_split} holds out demonstrations for evaluation during training: set eval_strategy='steps' too")
+            raise ValueError(
+                f"eval_split={self.eval_split} holds out demonstrations for evaluation during training: set eval_strategy='steps' too"
+            )
         return self
 
     def held_out(self) -> tuple[str, ...]:
@@ -80,7 +86,9 @@ def train(
             train_dataset, eval_dataset = split["train"], split["test"]
         else:
             eval_dataset = load_split(data_dir, "sft_eval")
-    policy, tokenizer = load_base_model(model, cfg.lora.bnb_config())  # QLoRA: the device is checked before any weights load
+    policy, tokenizer = load_base_model(
+        model, cfg.lora.bnb_config()
+    )  # QLoRA: the device is checked before any weights load
     trainer = trl.SFTTrainer(
         model=policy,
         args=args,

@@ -50,7 +50,9 @@ def resolve(template: str) -> tuple[str, tuple[str, ...]]:
         if not path.is_file():
             raise ValueError(f"model.chat_template={template!r}: no such Jinja file")
         return path.read_text(), ()
-    raise ValueError(f"model.chat_template={template!r}: not a known template ({', '.join(NAMED)}) nor a Jinja file (.jinja)")
+    raise ValueError(
+        f"model.chat_template={template!r}: not a known template ({', '.join(NAMED)}) nor a Jinja file (.jinja)"
+    )
 
 
 def apply(tokenizer: PreTrainedTokenizerBase, template: str | None) -> int:
@@ -62,7 +64,9 @@ def apply(tokenizer: PreTrainedTokenizerBase, template: str | None) -> int:
     source, specials = resolve(template)
     missing = [token for token in specials if token not in tokenizer.get_vocab()]
     if missing:
-        tokenizer.add_tokens([AddedToken(token, special=True, normalized=False) for token in missing], special_tokens=True)
+        tokenizer.add_tokens(
+            [AddedToken(token, special=True, normalized=False) for token in missing], special_tokens=True
+        )
     tokenizer.chat_template = source
     return len(missing)
 
@@ -74,11 +78,15 @@ def end_of_turn(tokenizer: PreTrainedTokenizerBase) -> str | None:
         return None
     rendered = tokenizer.apply_chat_template(
         [{"role": "user", "content": "hi"}, {"role": "assistant", "content": SENTINEL}], tokenize=False
-    )  # fmt: skip
+    )
     if SENTINEL not in rendered:
         return None
     after = rendered.rsplit(SENTINEL, 1)[1]
-    specials = sorted({str(t) for t in tokenizer.all_special_tokens} | set(getattr(tokenizer, "added_tokens_encoder", {})), key=len, reverse=True)
+    specials = sorted(
+        {str(t) for t in tokenizer.all_special_tokens} | set(getattr(tokenizer, "added_tokens_encoder", {})),
+        key=len,
+        reverse=True,
+    )
     stripped = after.lstrip()
     for token in specials:
         if token and stripped.startswith(token):

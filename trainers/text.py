@@ -19,7 +19,11 @@ if TYPE_CHECKING:
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt) -> list[int]:
     """A standard (string) or conversational (messages) prompt, ready for the reply."""
     if isinstance(prompt, list):
-        return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+        return list(
+            tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)[
+                "input_ids"
+            ]
+        )
     return list(tokenizer(prompt)["input_ids"])
 
 
@@ -28,7 +32,9 @@ def completion_ids(tokenizer: PreTrainedTokenizerBase, prompt, completion) -> tu
     if isinstance(prompt, list):
         reply = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
         full = tokenizer.apply_chat_template(prompt + reply, tokenize=True, return_dict=True)["input_ids"]
-        return list(full), len(prompt_ids(tokenizer, prompt)) if prompt else 0  # no turns before the reply: all of it is the completion
+        return list(full), len(
+            prompt_ids(tokenizer, prompt)
+        ) if prompt else 0  # no turns before the reply: all of it is the completion
     # TRL's standard rows: the completion gets an explicit EOS, which is scored too
     return list(tokenizer(prompt + completion + tokenizer.eos_token)["input_ids"]), len(prompt_ids(tokenizer, prompt))
 
@@ -51,7 +57,9 @@ def blank_generation_config(model: PreTrainedModel, tokenizer: PreTrainedTokeniz
     from rlhf_pipeline.trainers.templates import stop_token_ids
 
     bos = getattr(model.generation_config, "bos_token_id", None)
-    return GenerationConfig(eos_token_id=stop_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id, bos_token_id=bos)
+    return GenerationConfig(
+        eos_token_id=stop_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id, bos_token_id=bos
+    )
 
 
 @contextlib.contextmanager
@@ -59,7 +67,9 @@ def own_sampling(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase):
     """Generate with only the settings the caller names: the model's `generation_config` (Qwen's ships top_k=20,
     top_p=0.8, repetition_penalty=1.05) is swapped for a blank one that stops at EOS and the template's end of turn.
     transformers fills every setting a call leaves unset from the model's config, so passing ours is not enough."""
-    target = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft's generate copies the inner model's
+    target = (
+        model.get_base_model() if hasattr(model, "get_base_model") else model
+    )  # peft's generate copies the inner model's
     saved = target.generation_config
     target.generation_config = blank_generation_config(target, tokenizer)
     try:
@@ -69,7 +79,12 @@ def own_sampling(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase):
 
 
 def generate(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list, max_new_tokens: int, batch_size: int, sample: bool = False
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list,
+    max_new_tokens: int,
+    batch_size: int,
+    sample: bool = False,
 ) -> list[str]:
     """Greedy (or, with `sample`, pure temperature-1) completions for standard or conversational prompts,
     stopped at EOS or the chat template's end of turn; nothing is inherited from the model's generation config."""
@@ -80,19 +95,30 @@ def generate(
     with own_sampling(model, tokenizer) as stops:
         for start in range(0, len(prompts), batch_size):
             input_ids, attention = pad(
-                [prompt_ids(tokenizer, p) for p in prompts[start : start + batch_size]], tokenizer.pad_token_id, left=True, device=model.device
+                [prompt_ids(tokenizer, p) for p in prompts[start : start + batch_size]],
+                tokenizer.pad_token_id,
+                left=True,
+                device=model.device,
             )
-            settings = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0} if sample else {"do_sample": False}
+            settings = (
+                {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0} if sample else {"do_sample": False}
+            )
             with torch.no_grad():
                 generated = model.generate(
-                    input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens,
-                    pad_token_id=tokenizer.pad_token_id, eos_token_id=stops, **settings,
-                )  # fmt: skip
+                    input_ids=input_ids,
+                    attention_mask=attention,
+                    max_new_tokens=max_new_tokens,
+                    pad_token_id=tokenizer.pad_token_id,
+                    eos_token_id=stops,
+                    **settings,
+                )
             out.extend(tokenizer.batch_decode(generated[:, input_ids.shape[1] :], skip_special_tokens=True))
     return out
 
 
-def reward_scores(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list, completions: list, batch_size: int) -> list[float]:
+def reward_scores(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list, completions: list, batch_size: int
+) -> list[float]:
     """Scalar rewards of prompt + completion, formatted as TRL's RewardTrainer formats them."""
     import torch
 

@@ -92,7 +92,9 @@ def _check_lines(path: Path, *, parse_json: bool, header: bool) -> tuple[list[Ru
     return results, number
 
 
-def _check_line(number: int, raw: bytes, complete: bool, parse_json: bool, failed: dict[str, list[tuple[int, str]]]) -> int:
+def _check_line(
+    number: int, raw: bytes, complete: bool, parse_json: bool, failed: dict[str, list[tuple[int, str]]]
+) -> int:
     """Every rule on one line (without its newline); returns 1 for a row, 0 for a blank line."""
     content = raw.rstrip(b"\r\n")
     if len(content) > MAX_ROW_BYTES:
@@ -183,7 +185,9 @@ def _check_json_document(path: Path) -> tuple[list[RuleResult], int]:
                     document.append((1, why))
     results = [
         # An unreadable document is reported as such, not as empty as well.
-        _table_rule((NOT_EMPTY, "a JSON array must hold at least one row object"), success=rows > 0 or bool(utf8 or document)),
+        _table_rule(
+            (NOT_EMPTY, "a JSON array must hold at least one row object"), success=rows > 0 or bool(utf8 or document)
+        ),
         _line_rule(UTF8, utf8),
         _line_rule(JSON_DOCUMENT, document),
     ]

@@ -139,7 +139,9 @@ class Batch:
         return self._values
 
 
-def record_batches(dataset: datasets.Dataset, columns: tuple[str, ...] | list[str], batch_rows: int = BATCH_ROWS) -> Iterator[Batch]:
+def record_batches(
+    dataset: datasets.Dataset, columns: tuple[str, ...] | list[str], batch_rows: int = BATCH_ROWS
+) -> Iterator[Batch]:
     """`columns` of `dataset`, `batch_rows` rows at a time, in order (select()/shuffle() index mappings honoured).
     An empty dataset gives one empty batch, so that table-level rules still see it."""
     from datasets.formatting import get_formatter
@@ -189,7 +191,9 @@ def _columns_for(kind: str, found: list[str], fail) -> tuple[tuple[str, ...], st
             hint = "; this looks like preference data (kind 'preference')"
         elif has("prompt"):
             hint = "; 'prompt' alone is prompt-only data (kind 'prompt'), SFT also needs 'completion'"
-        raise fail(f"sft data needs a 'text' column, a 'messages' column, or 'prompt' and 'completion' columns; {listed}{hint}")
+        raise fail(
+            f"sft data needs a 'text' column, a 'messages' column, or 'prompt' and 'completion' columns; {listed}{hint}"
+        )
     if kind == "preference":
         if has("chosen") and has("rejected"):
             if has("prompt"):
@@ -199,7 +203,9 @@ def _columns_for(kind: str, found: list[str], fail) -> tuple[tuple[str, ...], st
             if has("prompt"):
                 return ("prompt", "completion", LABEL), "explicit"
             # TRL extracts an implicit prompt from chosen/rejected only; an unpaired row must name its prompt.
-            raise fail(f"unpaired preference data (TRL's KTO format) needs 'prompt', 'completion' and 'label' columns; {listed}, missing ['prompt']")
+            raise fail(
+                f"unpaired preference data (TRL's KTO format) needs 'prompt', 'completion' and 'label' columns; {listed}, missing ['prompt']"
+            )
         missing = [c for c in ("chosen", "rejected") if not has(c)]
         raise fail(
             "preference data needs 'chosen' and 'rejected' columns (plus an optional 'prompt'), or unpaired "
@@ -230,7 +236,9 @@ def _value_types(batch: Batch, column: str) -> Counter:
         and _is_message_struct(arrow_type.value_type)
         and pc.list_flatten(array).null_count == 0
     ):
-        found = Counter({MESSAGES: len(array) - nulls})  # every item a struct with role and content: a dict with both keys
+        found = Counter(
+            {MESSAGES: len(array) - nulls}
+        )  # every item a struct with role and content: a dict with both keys
     else:
         return Counter(value_type(value) for value in batch.values[column])
     # A null is None. Arrow cannot say whether it came first; that order only breaks ties between
@@ -242,7 +250,11 @@ def _value_types(batch: Batch, column: str) -> Counter:
 def _is_message_struct(arrow_type) -> bool:
     import pyarrow as pa
 
-    return pa.types.is_struct(arrow_type) and arrow_type.get_field_index("role") >= 0 and arrow_type.get_field_index("content") >= 0
+    return (
+        pa.types.is_struct(arrow_type)
+        and arrow_type.get_field_index("role") >= 0
+        and arrow_type.get_field_index("content") >= 0
+    )
 
 
 def _conversational_from_counts(kind, columns, type_counts: dict[str, Counter], fail) -> bool:

@@ -60,7 +60,9 @@ def check_leakages(checks: list[tuple[Split, list[Split]]], batch_rows: int = BA
             # The first training split (in order) that holds the prompt, at its first row there.
             split = next((split for split in training if prompt in first_rows[id(split)]), None)
             if split is not None:
-                why = f"{short_repr(prompt)} is also row {first_rows[id(split)][prompt]} of {split.name} ({split.source})"
+                why = (
+                    f"{short_repr(prompt)} is also row {first_rows[id(split)][prompt]} of {split.name} ({split.source})"
+                )
                 leaked.append({"row": row, "value": why})
         trained = ", ".join(f"{split.name} ({split.source})" for split in training)
         description = f"a prompt held out in {held_out.name} must not appear in the data trained on: {trained}"
@@ -68,7 +70,9 @@ def check_leakages(checks: list[tuple[Split, list[Split]]], batch_rows: int = BA
     return results
 
 
-def _rows_with_prompts(split: Split, batch_rows: int = BATCH_ROWS, wanted: set[str] | None = None) -> Iterator[tuple[int, str]]:
+def _rows_with_prompts(
+    split: Split, batch_rows: int = BATCH_ROWS, wanted: set[str] | None = None
+) -> Iterator[tuple[int, str]]:
     """(0-based row, normalised prompt) of every row that has one (and, given `wanted`, one of those), in order."""
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -88,7 +92,10 @@ def _rows_with_prompts(split: Split, batch_rows: int = BATCH_ROWS, wanted: set[s
         else:
             # Printable ASCII without a run of spaces: str.split() splits at single spaces alone, so cutting the
             # ends' spaces normalises as _normalise does, and only rows that may hold a wanted prompt come to Python.
-            plain = pc.and_(pc.and_(pc.string_is_ascii(texts), pc.ascii_is_printable(texts)), pc.invert(pc.match_substring(texts, "  ")))
+            plain = pc.and_(
+                pc.and_(pc.string_is_ascii(texts), pc.ascii_is_printable(texts)),
+                pc.invert(pc.match_substring(texts, "  ")),
+            )
             maybe = pc.or_(pc.invert(pc.fill_null(plain, False)), pc.is_in(pc.utf8_trim(texts, " "), value_set=targets))
             candidates = pc.indices_nonzero(maybe).to_pylist()
         values = batch.values[column] if targets is None or len(candidates) > batch.num_rows // 10 else None

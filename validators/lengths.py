@@ -26,7 +26,9 @@ def fits_max_length(fmt: DatasetFormat, limit: int) -> Rule:
     return Rule(RULE, f"{sequences} must fit in {limit} tokens", COLUMN, "at_most", max_value=limit)
 
 
-def count_tokens(fmt: DatasetFormat, values: dict[str, list[Any]], tokenizer: Any, limit: int) -> tuple[list[int | None], dict[int, str]]:
+def count_tokens(
+    fmt: DatasetFormat, values: dict[str, list[Any]], tokenizer: Any, limit: int
+) -> tuple[list[int | None], dict[int, str]]:
     """Longest sequence per row in tokens (None: a row other rules reject), and why rows over `limit` fail."""
     counts: list[int | None] = []
     explanations: dict[int, str] = {}

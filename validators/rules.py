@@ -64,11 +64,20 @@ def rules_for(fmt: DatasetFormat) -> list[Rule]:
     if trained:
         rules += [
             _at_least_one("has_assistant_turn", f"{trained} must contain an assistant turn", "fewest_assistant_turns"),
-            _in_set("ends_with_assistant_turn", f"{trained} must end with an assistant turn", "last_trained_role", "assistant"),
+            _in_set(
+                "ends_with_assistant_turn",
+                f"{trained} must end with an assistant turn",
+                "last_trained_role",
+                "assistant",
+            ),
         ]
     if implicit_pair:
         rules += [
-            _at_least_one("shared_prompt_turns", "chosen and rejected must start with the same prompt turns", "shared_prompt_turns"),
+            _at_least_one(
+                "shared_prompt_turns",
+                "chosen and rejected must start with the same prompt turns",
+                "shared_prompt_turns",
+            ),
             _in_set(
                 "prompt_ends_with_user_turn",
                 "the prompt turns chosen and rejected share must end with a user or tool turn",
@@ -87,7 +96,12 @@ def rules_for(fmt: DatasetFormat) -> list[Rule]:
         )
     if fmt.unpaired:
         rules += [
-            _in_set("label_is_boolean", "every label must be true or false (a boolean; not 0/1, a string or missing)", "label_boolean", True),
+            _in_set(
+                "label_is_boolean",
+                "every label must be true or false (a boolean; not 0/1, a string or missing)",
+                "label_boolean",
+                True,
+            ),
             # KTO's loss has a desirable and an undesirable term (Ethayarajh et al. 2024, Eq. 7); with one
             # label only, half of it never trains. Reported on every row, since no row can fix it alone.
             _at_least_one(
@@ -104,7 +118,11 @@ def rules_for(fmt: DatasetFormat) -> list[Rule]:
         ]
     elif fmt.kind == "preference":
         compared = " in their final turns" if implicit_pair else ""
-        rules.append(_in_set("chosen_differs_from_rejected", f"chosen must differ from rejected{compared}", "chosen_differs", True))
+        rules.append(
+            _in_set(
+                "chosen_differs_from_rejected", f"chosen must differ from rejected{compared}", "chosen_differs", True
+            )
+        )
     return rules
 
 
@@ -116,7 +134,14 @@ def _in_set(name: str, description: str, column: str, *allowed: Any) -> Rule:
     return Rule(name, description, column, "in_set", allowed)
 
 
-def derive(fmt: DatasetFormat, values: dict[str, list[Any]], rules: list[Rule], *, start: int = 0, checks: dict[str, Check] | None = None) -> Derived:
+def derive(
+    fmt: DatasetFormat,
+    values: dict[str, list[Any]],
+    rules: list[Rule],
+    *,
+    start: int = 0,
+    checks: dict[str, Check] | None = None,
+) -> Derived:
     """One scalar per row and rule, plus an explanation for every failing row.
 
     `values` are rows start, start + 1, ... of the dataset (explanations name those rows). An
@@ -235,7 +260,10 @@ def _check_shared_prefix(fmt: DatasetFormat, row: Row, typed: Row) -> tuple[Any,
     shared = _shared_prefix(chosen, rejected)
     if shared:
         return shared, None
-    return 0, f"chosen and rejected share no leading turn: chosen starts {_first_turn(chosen)}, rejected starts {_first_turn(rejected)}"
+    return (
+        0,
+        f"chosen and rejected share no leading turn: chosen starts {_first_turn(chosen)}, rejected starts {_first_turn(rejected)}",
+    )
 
 
 def _check_differs(fmt: DatasetFormat, row: Row, typed: Row) -> tuple[Any, str | None]:
@@ -288,7 +316,10 @@ def label_checks(fmt: DatasetFormat, batches) -> dict[str, Check]:
         if others:
             return others, None
         missing = "undesirable" if label else "desirable"
-        return 0, f"all {counts[label]} labels are {label}: no {missing} row (label {not label}) for KTO to contrast this one with"
+        return (
+            0,
+            f"all {counts[label]} labels are {label}: no {missing} row (label {not label}) for KTO to contrast this one with",
+        )
 
     def unambiguous(fmt: DatasetFormat, row: Row, typed: Row) -> tuple[Any, str | None]:
         label = row[LABEL]
@@ -297,7 +328,10 @@ def label_checks(fmt: DatasetFormat, batches) -> dict[str, Check]:
         other = first_row.get((*_pair_key(typed["prompt"], typed["completion"]), not label))
         if other is None:
             return True, None
-        return False, f"row {other} has the same prompt and completion {short_repr(_answer(typed['completion']))} labelled {not label}"
+        return (
+            False,
+            f"row {other} has the same prompt and completion {short_repr(_answer(typed['completion']))} labelled {not label}",
+        )
 
     return {"label_is_boolean": _check_label, "both_labels_present": both_labels, "no_conflicting_labels": unambiguous}
 
@@ -340,7 +374,9 @@ def _texts(column: str, value: Any):
 
 def _pair_key(prompt: Any, completion: Any) -> tuple[str, str]:
     """A hashable form of a prompt and completion (strings, or the role and content of each turn)."""
-    return repr(prompt if isinstance(prompt, str) else _turns(prompt)), repr(completion if isinstance(completion, str) else _turns(completion))
+    return repr(prompt if isinstance(prompt, str) else _turns(prompt)), repr(
+        completion if isinstance(completion, str) else _turns(completion)
+    )
 
 
 def _answer(completion: Any) -> Any:

@@ -17,7 +17,9 @@ SCREENED = ("consistent_types", "text_not_blank", "chosen_differs_from_rejected"
 """The rules Arrow can pass a standard row on (see the module docstring); other rules run in Python."""
 
 
-def derive_batch(fmt: DatasetFormat, batch: Batch, rules: list[Rule], checks: dict[str, Check] | None = None) -> Derived:
+def derive_batch(
+    fmt: DatasetFormat, batch: Batch, rules: list[Rule], checks: dict[str, Check] | None = None
+) -> Derived:
     """derive() over one record batch (`checks`: as for derive), the same values and explanations, with
     the rows Arrow can vouch for kept out of Python."""
     import numpy as np
@@ -37,7 +39,9 @@ def derive_batch(fmt: DatasetFormat, batch: Batch, rules: list[Rule], checks: di
             column = column.astype(object)
             column[unclear] = checked.columns[rule.column]
         derived.columns[rule.column] = column
-        derived.explanations[rule.name] = {batch.start + int(unclear[i]): why for i, why in checked.explanations[rule.name].items()}
+        derived.explanations[rule.name] = {
+            batch.start + int(unclear[i]): why for i, why in checked.explanations[rule.name].items()
+        }
     return derived
 
 
@@ -47,7 +51,11 @@ def _screenable(fmt: DatasetFormat, batch: Batch) -> bool:
     def is_string(arrow_type) -> bool:
         return pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type)
 
-    return not fmt.conversational and batch.num_rows > 0 and all(is_string(batch.table.column(c).type) for c in fmt.text_columns)
+    return (
+        not fmt.conversational
+        and batch.num_rows > 0
+        and all(is_string(batch.table.column(c).type) for c in fmt.text_columns)
+    )
 
 
 def _screen(fmt: DatasetFormat, batch: Batch):
@@ -58,7 +66,9 @@ def _screen(fmt: DatasetFormat, batch: Batch):
 
     visible = pa.scalar(b"!", pa.binary()), pa.scalar(b"~", pa.binary())
 
-    def is_visible(byte):  # a one-byte slice between '!' and '~'; b"" (an empty text) is not, nor a UTF-8 lead or tail byte
+    def is_visible(
+        byte,
+    ):  # a one-byte slice between '!' and '~'; b"" (an empty text) is not, nor a UTF-8 lead or tail byte
         return pc.and_(pc.greater_equal(byte, visible[0]), pc.less_equal(byte, visible[1]))
 
     clean = np.ones(batch.num_rows, dtype=bool)

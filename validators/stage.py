@@ -35,7 +35,9 @@ def train(
     is written to `out_dir`; the reports stay in `work_dir/report` (named in the error)."""
     import shutil
 
-    passed, failures = check_datasets(cfg, model, max_tokens, work_dir / "report", pairs_for, assistant_only_loss, required_columns=required_columns)
+    passed, failures = check_datasets(
+        cfg, model, max_tokens, work_dir / "report", pairs_for, assistant_only_loss, required_columns=required_columns
+    )
     # Report every broken dataset at once, then stop before any training.
     if len(failures) == 1:
         raise failures[0]
@@ -100,9 +102,15 @@ def check_datasets(
         try:
             dataset = load_source(spec)
             report = validate_dataset(
-                kind, dataset, source=spec.path, report_dir=report_dir / name, max_tokens=limits.get(name), tokenizer=tokenizer,
-                model_name=model_name, assistant_only=assistant_only_loss and name == "sft",
-            )  # fmt: skip
+                kind,
+                dataset,
+                source=spec.path,
+                report_dir=report_dir / name,
+                max_tokens=limits.get(name),
+                tokenizer=tokenizer,
+                model_name=model_name,
+                assistant_only=assistant_only_loss and name == "sft",
+            )
         except ValueError as exc:  # a broken rule, or a file `datasets` cannot read
             failures.append(exc)
             continue
@@ -142,7 +150,13 @@ def _required_columns(name: str, missing: list[str], found: list[str], num_rows:
     from rlhf_pipeline.validators.report import RuleResult
 
     why = f"no column {missing} (columns: {found}); the run's registry gate needs it: set eval.answer_column or registry.gate_metric"
-    return RuleResult("required_columns", f"{name} must have the columns {missing} the run's gate metric reads", False, num_rows, [{"row": 0, "value": why}])
+    return RuleResult(
+        "required_columns",
+        f"{name} must have the columns {missing} the run's gate metric reads",
+        False,
+        num_rows,
+        [{"row": 0, "value": why}],
+    )
 
 
 def _unpaired_for(readers: tuple[str, ...], num_rows: int):
@@ -153,5 +167,7 @@ def _unpaired_for(readers: tuple[str, ...], num_rows: int):
     return RuleResult(
         "paired_for_readers",
         f"rows are preference pairs, as {', '.join(readers)} read them; unpaired feedback trains algorithm=kto (with eval.use_reward_model=false, no rm)",
-        False, num_rows, [{"row": row, "value": why} for row in range(min(num_rows, 5))],
-    )  # fmt: skip
+        False,
+        num_rows,
+        [{"row": row, "value": why} for row in range(min(num_rows, 5))],
+    )

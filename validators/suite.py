@@ -67,8 +67,14 @@ def derived_frame(derived: Derived, rules: list[Rule], num_rows: int, start: int
             continue
         values = derived.columns[rule.column]
         if rule.expect in ("at_least_one", "at_most"):
-            counts = values if isinstance(values, np.ndarray) and values.dtype.kind == "i" else pd.array(values, dtype="Int64")
-            frame[rule.column] = pd.Series(counts if counts.dtype.kind == "i" or counts.isna().any() else counts.to_numpy("int64"), index=rows)
+            counts = (
+                values
+                if isinstance(values, np.ndarray) and values.dtype.kind == "i"
+                else pd.array(values, dtype="Int64")
+            )
+            frame[rule.column] = pd.Series(
+                counts if counts.dtype.kind == "i" or counts.isna().any() else counts.to_numpy("int64"), index=rows
+            )
         else:
             frame[rule.column] = pd.Series(pd.Categorical(values), index=rows)
     return frame
@@ -86,9 +92,15 @@ class Suite:
         self.context = gx.get_context(mode="ephemeral")
         # Without this every run draws tqdm "Calculating Metrics" bars on stderr.
         self.context.variables.progress_bars = ProgressBarsConfig(globally=False)
-        batch = self.context.data_sources.add_pandas("derived").add_dataframe_asset(kind).add_batch_definition_whole_dataframe("all rows")
+        batch = (
+            self.context.data_sources.add_pandas("derived")
+            .add_dataframe_asset(kind)
+            .add_batch_definition_whole_dataframe("all rows")
+        )
         suite = self.context.suites.add(gx.ExpectationSuite(name=kind, expectations=[_expectation(r) for r in rules]))
-        self.definition = self.context.validation_definitions.add(gx.ValidationDefinition(name=kind, data=batch, suite=suite))
+        self.definition = self.context.validation_definitions.add(
+            gx.ValidationDefinition(name=kind, data=batch, suite=suite)
+        )
         self.run_id = RunIdentifier(run_name=_run_name(source))
         self.outcomes: dict[str, Outcome] = {}
         self.result = None
@@ -96,7 +108,9 @@ class Suite:
 
     def validate(self, frame: pd.DataFrame) -> dict[str, Outcome]:
         """Run the suite on one batch; returns that batch's outcomes (ROW_ID rows) and folds them into the dataset's."""
-        result = self.definition.run(batch_parameters={"dataframe": frame}, result_format=RESULT_FORMAT, run_id=self.run_id)
+        result = self.definition.run(
+            batch_parameters={"dataframe": frame}, result_format=RESULT_FORMAT, run_id=self.run_id
+        )
         outcomes = _outcomes(result)
         self.result = result if self.result is None else _merge(self.result, result)
         for rule, outcome in outcomes.items():
@@ -109,7 +123,9 @@ class Suite:
     def finish(self) -> SuiteRun:
         """The dataset's outcomes; renders the merged result's Data Docs into docs_dir when it was given."""
         if self.result is None:
-            raise ValueError("no batch was validated: an empty dataset is one empty batch (validators.formats.record_batches)")
+            raise ValueError(
+                "no batch was validated: an empty dataset is one empty batch (validators.formats.record_batches)"
+            )
         return SuiteRun(self.outcomes, None if self.docs_dir is None else self._render(self.docs_dir))
 
     def _render(self, docs_dir: pathlib.Path) -> pathlib.Path:
@@ -118,7 +134,10 @@ class Suite:
         An ephemeral context keeps its stores in memory, but a filesystem Data Docs site still works:
         the site renders the stored result (and the suite) to static HTML.
         """
-        from great_expectations.data_context.types.resource_identifiers import ExpectationSuiteIdentifier, ValidationResultIdentifier
+        from great_expectations.data_context.types.resource_identifiers import (
+            ExpectationSuiteIdentifier,
+            ValidationResultIdentifier,
+        )
 
         docs_dir.mkdir(parents=True, exist_ok=True)
         for name in list(self.context.list_data_docs_sites()):
@@ -136,7 +155,9 @@ class Suite:
             store.remove_key(key)
         assert self.result is not None, "finish() renders the docs of a validated suite"
         suite_id = ExpectationSuiteIdentifier(name=self.kind)
-        key = ValidationResultIdentifier(expectation_suite_identifier=suite_id, run_id=self.run_id, batch_identifier=self.result.batch_id)
+        key = ValidationResultIdentifier(
+            expectation_suite_identifier=suite_id, run_id=self.run_id, batch_identifier=self.result.batch_id
+        )
         store.set(key, self.result)
         self.context.build_data_docs(site_names=[DOCS_SITE], resource_identifiers=[key, suite_id])
         _prune_unused_images(docs_dir)
@@ -154,7 +175,9 @@ def _import_great_expectations():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         import great_expectations
-    if ours:  # one module sets its own logger to INFO at import: "Created temporary directory ... for ephemeral docs site"
+    if (
+        ours
+    ):  # one module sets its own logger to INFO at import: "Created temporary directory ... for ephemeral docs site"
         logging.getLogger("great_expectations.data_context.types.base").setLevel(logging.NOTSET)
 
     return great_expectations
@@ -237,12 +260,18 @@ def _merge(total, batch):
 
 def _restate(result: dict) -> None:
     """The figures GX derives from a map expectation's counts and lists (as _format_map_output does), for merged counts."""
-    elements, unexpected, missing = result.get("element_count") or 0, result.get("unexpected_count") or 0, result.get("missing_count") or 0
+    elements, unexpected, missing = (
+        result.get("element_count") or 0,
+        result.get("unexpected_count") or 0,
+        result.get("missing_count") or 0,
+    )
     present = elements - missing
     if elements:
         result["unexpected_percent_total"] = unexpected / elements * 100
         result["missing_percent"] = missing / elements * 100
-    result["unexpected_percent"] = result["unexpected_percent_nonmissing"] = unexpected / present * 100 if present else None
+    result["unexpected_percent"] = result["unexpected_percent_nonmissing"] = (
+        unexpected / present * 100 if present else None
+    )
     values, rows = result.get("unexpected_list", []), result.get("unexpected_index_list", [])
     result["partial_unexpected_list"] = values[:PARTIAL]
     result["partial_unexpected_index_list"] = rows[:PARTIAL]

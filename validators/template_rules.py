@@ -38,7 +38,9 @@ def template_problem(tokenizer: Any, model_name: str, assistant_only: bool) -> s
 
 
 def chat_template_rule() -> Rule:
-    return Rule(TEMPLATE_RULE, "conversational rows need a chat template that can train them", "template_ok", "in_set", (True,))
+    return Rule(
+        TEMPLATE_RULE, "conversational rows need a chat template that can train them", "template_ok", "in_set", (True,)
+    )
 
 
 def template_column(num_rows: int, problem: str, start: int = 0) -> tuple[list[Any], dict[int, str]]:
@@ -60,7 +62,9 @@ def end_of_turn_rule() -> Rule:
     )
 
 
-def untrained_end_of_turns(fmt: DatasetFormat, values: dict[str, list[Any]], tokenizer: Any) -> tuple[list[int | None], dict[int, str]]:
+def untrained_end_of_turns(
+    fmt: DatasetFormat, values: dict[str, list[Any]], tokenizer: Any
+) -> tuple[list[int | None], dict[int, str]]:
     """Per row: assistant turns whose trained span (TRL's assistant mask) does not end with the end-of-turn token."""
     from rlhf_pipeline.trainers.templates import end_of_turn
 
@@ -76,7 +80,9 @@ def untrained_end_of_turns(fmt: DatasetFormat, values: dict[str, list[Any]], tok
             counts.append(None)
             continue
         try:
-            encoded = tokenizer.apply_chat_template(turns, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+            encoded = tokenizer.apply_chat_template(
+                turns, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            )
         except Exception:
             counts.append(None)  # fits_max_length reports a row the template cannot render
             continue
@@ -88,8 +94,9 @@ def untrained_end_of_turns(fmt: DatasetFormat, values: dict[str, list[Any]], tok
         counts.append(len(bad) + missing)
         if bad or missing:
             shown = tokenizer.convert_ids_to_tokens(ids[bad[0][1] - 1]) if bad else None
-            why[index] = f"{len(bad) + missing} of {replies} assistant turns are trained without their end-of-turn token {eot!r}" + (
-                f" (the trained part ends with {short_repr(shown, 20)})" if shown else " (the marks cover no token)"
+            why[index] = (
+                f"{len(bad) + missing} of {replies} assistant turns are trained without their end-of-turn token {eot!r}"
+                + (f" (the trained part ends with {short_repr(shown, 20)})" if shown else " (the marks cover no token)")
             )
     return counts, why
 

@@ -11,7 +11,13 @@ from rlhf_pipeline.validators.report import MAX_EXAMPLES, DataValidationError, R
 from rlhf_pipeline.validators.rules import CHECKS, Rule, label_checks, rules_for
 from rlhf_pipeline.validators.screen import derive_batch
 from rlhf_pipeline.validators.suite import Suite, derived_frame
-from rlhf_pipeline.validators.template_rules import chat_template_rule, end_of_turn_rule, template_column, template_problem, untrained_end_of_turns
+from rlhf_pipeline.validators.template_rules import (
+    chat_template_rule,
+    end_of_turn_rule,
+    template_column,
+    template_problem,
+    untrained_end_of_turns,
+)
 
 if TYPE_CHECKING:
     import datasets
@@ -60,16 +66,26 @@ def validate_dataset(
 
     own = rules_for(fmt)
     extras: list[tuple[Rule, Extra]] = []
-    problem = template_problem(tokenizer, model_name, assistant_only and fmt.kind == "sft") if fmt.conversational and tokenizer is not None else None
+    problem = (
+        template_problem(tokenizer, model_name, assistant_only and fmt.kind == "sft")
+        if fmt.conversational and tokenizer is not None
+        else None
+    )
     if problem is not None:  # nothing can be counted without a template: report why, not a tokenizer exception per row
         extras.append((chat_template_rule(), lambda batch: template_column(batch.num_rows, problem, start=batch.start)))
     elif fmt.conversational and tokenizer is not None and assistant_only and fmt.kind == "sft":
         extras.append((end_of_turn_rule(), lambda batch: untrained_end_of_turns(fmt, batch.values, tokenizer)))
     if max_tokens is not None and problem is None:
-        extras.append((fits_max_length(fmt, max_tokens), lambda batch: count_tokens(fmt, batch.values, tokenizer, max_tokens)))
+        extras.append(
+            (fits_max_length(fmt, max_tokens), lambda batch: count_tokens(fmt, batch.values, tokenizer, max_tokens))
+        )
     rules = own + [rule for rule, _ in extras]
     # The unpaired label rules compare rows across the dataset: one pass first collects what they need.
-    checks = {**CHECKS, **label_checks(fmt, (batch.values for batch in record_batches(dataset, fmt.columns, batch_rows)))} if fmt.unpaired else None
+    checks = (
+        {**CHECKS, **label_checks(fmt, (batch.values for batch in record_batches(dataset, fmt.columns, batch_rows)))}
+        if fmt.unpaired
+        else None
+    )
 
     docs_dir = None if report_dir is None else report_dir / DATA_DOCS_DIR
     suite = Suite(kind, rules, source=source, docs_dir=docs_dir)
@@ -83,13 +99,18 @@ def validate_dataset(
         # Explanations live as long as their batch: keep those of the first offending rows GX names.
         for rule in rules:
             kept, why = examples[rule.name], derived.explanations.get(rule.name, {})
-            kept += [{"row": row, "value": why.get(row, "(no explanation)")} for row in outcomes[rule.name].rows[: MAX_EXAMPLES - len(kept)]]
+            kept += [
+                {"row": row, "value": why.get(row, "(no explanation)")}
+                for row in outcomes[rule.name].rows[: MAX_EXAMPLES - len(kept)]
+            ]
     run = suite.finish()
 
     results = []
     for rule in rules:
         outcome = run.outcomes[rule.name]
-        results.append(RuleResult(rule.name, rule.description, outcome.success, outcome.failed_count, examples[rule.name]))
+        results.append(
+            RuleResult(rule.name, rule.description, outcome.success, outcome.failed_count, examples[rule.name])
+        )
     data_docs = None if run.data_docs is None else str(run.data_docs)
     report = ValidationReport(source, kind, fmt, len(dataset), results, data_docs=data_docs)
     _write(report, report_dir)

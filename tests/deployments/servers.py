@@ -45,14 +45,20 @@ def running_service(tmp: Path, serve_args: list[str] = ()) -> Iterator[dict]:
     try:
         server = subprocess.Popen(
             [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-            env=env, stdout=logs["server"], stderr=subprocess.STDOUT, cwd=ROOT,
-        )  # fmt: skip
+            env=env,
+            stdout=logs["server"],
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
         processes.append(server)
         wait_until_up(f"{env['PREFECT_API_URL']}/health", server, timeout=180)
         serve = subprocess.Popen(
             [sys.executable, "-m", "rlhf_pipeline.cli", "serve", *serve_args],
-            env=env, stdout=logs["serve"], stderr=subprocess.STDOUT, cwd=ROOT,
-        )  # fmt: skip
+            env=env,
+            stdout=logs["serve"],
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
         processes.append(serve)
         yield {"env": env, "tmp": tmp, "client": lambda: api_client(env), "processes": processes}
     finally:
@@ -101,7 +107,11 @@ def explain(service, run) -> str:
 
     with service["client"]() as client:
         logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
-    return f"{run.state}\n" + "\n".join(log.message for log in logs)[-6000:] + (service["tmp"] / "serve.log").read_text()[-3000:]
+    return (
+        f"{run.state}\n"
+        + "\n".join(log.message for log in logs)[-6000:]
+        + (service["tmp"] / "serve.log").read_text()[-3000:]
+    )
 
 
 def children(pid: int) -> list[int]:

@@ -19,7 +19,9 @@ pytestmark = pytest.mark.e2e  # a server and a browser: tens of seconds
 STAGES = ("data", "sft", "rm", "dpo", "eval")
 
 
-def test_our_experiment_opens_on_the_runs_table_with_the_stage_runs_nested_under_the_parent(tmp_path, monkeypatch, screenshots):
+def test_our_experiment_opens_on_the_runs_table_with_the_stage_runs_nested_under_the_parent(
+    tmp_path, monkeypatch, screenshots
+):
     from playwright.sync_api import expect, sync_playwright
 
     assert Path(CHROMIUM).is_file(), f"{CHROMIUM} is missing: `apt-get install -y chromium` (as .ci/run does)"
@@ -34,9 +36,22 @@ def test_our_experiment_opens_on_the_runs_table_with_the_stage_runs_nested_under
 
     port = free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", tracking.tracking_uri(), "--host", "127.0.0.1", "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--backend-store-uri",
+            tracking.tracking_uri(),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         wait_until_up(f"http://127.0.0.1:{port}/health", server)
         with sync_playwright() as playwright:
@@ -52,7 +67,9 @@ def test_our_experiment_opens_on_the_runs_table_with_the_stage_runs_nested_under
                 expect(page.get_by_text("matching runs")).to_contain_text("6")
                 for stage in STAGES:  # nested: hidden until the parent row is expanded
                     expect(page.get_by_role("link", name=stage, exact=True)).to_have_count(0)
-                page.get_by_role("gridcell").filter(has_text="rlhf-flow-run").get_by_role("button").click()  # its expander
+                page.get_by_role("gridcell").filter(has_text="rlhf-flow-run").get_by_role(
+                    "button"
+                ).click()  # its expander
                 for stage in STAGES:
                     expect(page.get_by_role("link", name=stage, exact=True)).to_be_visible()
                 page.screenshot(path=screenshots / "mlflow_runs.png", full_page=True)

@@ -9,7 +9,10 @@ from rlhf_pipeline.trainers.ppo import PpoConfig
 
 
 def test_deployments_carry_valid_typed_parameters_and_the_retrain_schedule():
-    made = {d.name: d for d in deployments(retrain_cron="0 4 * * 0", retrain_overrides=["data.preference.path=/fresh/*.jsonl"])}
+    made = {
+        d.name: d
+        for d in deployments(retrain_cron="0 4 * * 0", retrain_overrides=["data.preference.path=/fresh/*.jsonl"])
+    }
     assert set(made) == {"full", "retrain", "eval", *(a for a in ALGORITHMS if a != "ppo")} >= {"dpo", "grpo", "rloo"}
     assert PipelineParams.model_validate(made["full"].parameters).algorithm == "ppo"
     assert PipelineParams.model_validate(made["grpo"].parameters).algorithm == "grpo"
@@ -44,8 +47,12 @@ def test_flow_parameters_are_the_typed_params_with_a_description_on_every_field(
         assert undescribed(schema) == []
     schema = next(d for d in deployments() if d.name == "full")._parameter_openapi_schema.model_dump()
     assert schema["properties"]["algorithm"]["enum"] == list(ALGORITHMS)
-    own = rlhf.to_deployment(name="plain")._parameter_openapi_schema.model_dump()  # the flow's order; each deployment's leads with its algorithm
-    assert [name for name, _ in sorted(own["properties"].items(), key=lambda item: item[1]["position"])] == parameter_order()
+    own = rlhf.to_deployment(
+        name="plain"
+    )._parameter_openapi_schema.model_dump()  # the flow's order; each deployment's leads with its algorithm
+    assert [
+        name for name, _ in sorted(own["properties"].items(), key=lambda item: item[1]["position"])
+    ] == parameter_order()
     assert schema["properties"]["ppo"]["$ref"] == "#/definitions/PpoConfig"
     assert schema["definitions"]["PpoConfig"]["additionalProperties"] is False  # a misspelt field is refused
     assert schema["definitions"]["PpoConfig"]["properties"]["learning_rate"]["exclusiveMinimum"] == 0
@@ -75,13 +82,17 @@ def test_each_deployments_form_leads_with_its_algorithm_and_puts_the_blocks_it_s
         order = sorted(schema["properties"], key=lambda p: schema["properties"][p]["position"])
         skipped = [s for s in ALGORITHMS if s != algorithm]
         assert order[:2] == ["algorithm", algorithm], order
-        assert order[-len(skipped) :] == [s for s in parameter_order() if s in skipped], order  # last, in pipeline order
+        assert order[-len(skipped) :] == [s for s in parameter_order() if s in skipped], (
+            order
+        )  # last, in pipeline order
         for block in skipped:
             assert schema["properties"][block]["title"] == f"{block} (unused: this deployment runs {algorithm})"
         assert schema["properties"]["sft"]["title"] == "sft"
         # Only positions and titles differ from the flow's own schema: every type, bound and description stays.
         stripped = copy.deepcopy(schema)
-        for prop, original in zip(stripped["properties"].values(), [plain["properties"][p] for p in stripped["properties"]]):
+        for prop, original in zip(
+            stripped["properties"].values(), [plain["properties"][p] for p in stripped["properties"]]
+        ):
             prop["position"], prop["title"] = original["position"], original["title"]
         assert stripped == plain
     online = made["full"]._parameter_openapi_schema.properties

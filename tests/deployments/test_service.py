@@ -17,7 +17,16 @@ import pytest
 from rlhf_pipeline.deployments.env import WORKER_ENV
 from rlhf_pipeline.deployments.local import wait_until_up
 from rlhf_pipeline.tasks.stages import ALGORITHMS
-from tests.deployments.servers import ROOT, api_client, children, deployment, explain, free_port, running_service, wait_for
+from tests.deployments.servers import (
+    ROOT,
+    api_client,
+    children,
+    deployment,
+    explain,
+    free_port,
+    running_service,
+    wait_for,
+)
 from tests.flows.helpers import task_runs
 
 TINY_RUN = {  # a few steps of every stage; each block merges onto the preset, field by field
@@ -37,7 +46,14 @@ def service(tmp_path_factory):
 
 
 def prefect_cli(service, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "prefect", *args], env=service["env"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "prefect", *args],
+        env=service["env"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if check and done.returncode != 0:
         raise AssertionError(f"prefect {' '.join(args)} exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
     return done
@@ -59,15 +75,22 @@ def test_deployment_run_from_the_cli_then_from_the_api_with_changed_parameters(s
     assert first.state.type.value == "COMPLETED", explain(service, first)
     assert first.parameters["algorithm"] == "ppo" and first.parameters["ppo"]["total_episodes"] == 16
     assert task_states(service, first.id) == {
-        "data": "Completed", "sft": "Completed", "rm": "Completed", "ppo": "Completed", "eval": "Completed", "registry": "Completed"
-    }  # fmt: skip
+        "data": "Completed",
+        "sft": "Completed",
+        "rm": "Completed",
+        "ppo": "Completed",
+        "eval": "Completed",
+        "registry": "Completed",
+    }
 
     # Training logs and progress reach the Prefect logs; each stage links to its MLflow run.
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterFlowRunId
 
     with service["client"]() as client:
         messages = [log.message for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[first.id])))]
-        links = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[first.id])))
+        links = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[first.id]))
+        )
     assert any(m.startswith("sft: step 8/8 (100%)") for m in messages), messages
     assert any(m.startswith("ppo: step 2/2 (100%)") for m in messages), messages
     linked = {a.description.split("`")[1]: a.data for a in links if a.description.startswith("MLflow run of the")}
@@ -88,12 +111,19 @@ def test_deployment_run_from_the_cli_then_from_the_api_with_changed_parameters(s
 
     # 2. Through the API, as the UI's form does: a changed KL coefficient re-runs only ppo and what follows.
     with service["client"]() as client:
-        second = client.create_flow_run_from_deployment(full.id, parameters={**TINY_RUN, "ppo": {**TINY_RUN["ppo"], "kl_coef": 0.2}})
+        second = client.create_flow_run_from_deployment(
+            full.id, parameters={**TINY_RUN, "ppo": {**TINY_RUN["ppo"], "kl_coef": 0.2}}
+        )
     second = wait_for(service, second.id)
     assert second.state.type.value == "COMPLETED", explain(service, second)
     assert task_states(service, second.id) == {
-        "data": "Cached", "sft": "Cached", "rm": "Cached", "ppo": "Completed", "eval": "Completed", "registry": "Completed"
-    }  # fmt: skip
+        "data": "Cached",
+        "sft": "Cached",
+        "rm": "Cached",
+        "ppo": "Completed",
+        "eval": "Completed",
+        "registry": "Completed",
+    }
 
 
 def test_the_server_has_the_typed_schema_refuses_bad_values_and_schedules_retraining(service):
@@ -104,7 +134,9 @@ def test_the_server_has_the_typed_schema_refuses_bad_values_and_schedules_retrai
     ppo = schema["definitions"]["PpoConfig"]["properties"]
     assert ppo["kl_coef"]["description"] and ppo["learning_rate"]["exclusiveMinimum"] == 0
     assert "sigmoid" in schema["definitions"]["DpoConfig"]["properties"]["loss_type"]["items"]["enum"]
-    assert {"SftConfig", "RewardModelConfig", "ModelConfig", "DataConfig", "DatasetSpec", "LoraConfig"} <= set(schema["definitions"])
+    assert {"SftConfig", "RewardModelConfig", "ModelConfig", "DataConfig", "DatasetSpec", "LoraConfig"} <= set(
+        schema["definitions"]
+    )
 
     # The server refuses what the flow would refuse, naming the field.
     refused = prefect_cli(service, "deployment", "run", "rlhf/full", "-p", "algorithm=sac", check=False)
@@ -116,7 +148,9 @@ def test_the_server_has_the_typed_schema_refuses_bad_values_and_schedules_retrai
             client.create_flow_run_from_deployment(full.id, parameters={"ppo": {"learning_rate": -1}})
         with pytest.raises(httpx.HTTPStatusError) as misspelt:
             client.create_flow_run_from_deployment(full.id, parameters={"ppo": {"kl_coeff": 0.1}})
-    assert "field 'ppo.learning_rate'" in negative.value.response.text and "minimum of 0" in negative.value.response.text
+    assert (
+        "field 'ppo.learning_rate'" in negative.value.response.text and "minimum of 0" in negative.value.response.text
+    )
     assert "kl_coeff" in misspelt.value.response.text
 
     retrain = deployment(service, "rlhf/retrain")
@@ -128,11 +162,19 @@ def test_prefect_yaml_registers_the_same_deployments_on_a_process_pool(service):
     deployment(service, "rlhf/full")  # after serve registered its own: these replace them
     prefect_cli(service, "work-pool", "create", "rlhf-process", "--type", "process")
     prefect_cli(service, "--no-prompt", "deploy", "--all", "--prefect-file", "deployments/prefect.yaml")
-    made = {name: deployment(service, name) for name in ("rlhf/full", "rlhf/dpo", "rlhf/grpo", "rlhf/rloo", "rlhf/retrain", "rlhf-eval/eval")}
+    made = {
+        name: deployment(service, name)
+        for name in ("rlhf/full", "rlhf/dpo", "rlhf/grpo", "rlhf/rloo", "rlhf/retrain", "rlhf-eval/eval")
+    }
     assert {d.work_pool_name for d in made.values()} == {"rlhf-process"}
     assert [s.schedule.cron for s in made["rlhf/retrain"].schedules] == ["0 3 * * 1"]
-    assert made["rlhf/full"].parameters == {"algorithm": "ppo", "preset": "tiny"} and made["rlhf/full"].enforce_parameter_schema
-    assert made["rlhf/full"].parameter_openapi_schema["definitions"]["PpoConfig"]["properties"]["kl_coef"]["description"]
+    assert (
+        made["rlhf/full"].parameters == {"algorithm": "ppo", "preset": "tiny"}
+        and made["rlhf/full"].enforce_parameter_schema
+    )
+    assert made["rlhf/full"].parameter_openapi_schema["definitions"]["PpoConfig"]["properties"]["kl_coef"][
+        "description"
+    ]
     assert made["rlhf/full"].job_variables["env"] == WORKER_ENV
 
 
@@ -143,17 +185,28 @@ def test_rlhf_deploy_registers_the_served_deployments_on_a_pool_with_forms_that_
 
     before = deployment(service, "rlhf/full")  # as served, then replaced by prefect.yaml's
     rlhf_cli = [sys.executable, "-m", "rlhf_pipeline.cli", "deploy"]
-    missing = subprocess.run([*rlhf_cli, "--pool", "no-such-pool"], env=service["env"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    missing = subprocess.run(
+        [*rlhf_cli, "--pool", "no-such-pool"], env=service["env"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert missing.returncode == 2 and "no work pool 'no-such-pool'" in missing.stderr, missing.stderr
     prefect_cli(service, "work-pool", "create", "rlhf-pool", "--type", "process")
-    done = subprocess.run([*rlhf_cli, "--pool", "rlhf-pool"], env=service["env"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [*rlhf_cli, "--pool", "rlhf-pool"], env=service["env"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stdout + done.stderr
-    made = {name: deployment(service, name) for name in ("rlhf/full", *(f"rlhf/{a}" for a in ALGORITHMS if a != "ppo"), "rlhf/retrain", "rlhf-eval/eval")}
-    assert {d.work_pool_name for d in made.values()} == {"rlhf-pool"} and {d.job_variables["env"] == WORKER_ENV for d in made.values()} == {True}
+    made = {
+        name: deployment(service, name)
+        for name in ("rlhf/full", *(f"rlhf/{a}" for a in ALGORITHMS if a != "ppo"), "rlhf/retrain", "rlhf-eval/eval")
+    }
+    assert {d.work_pool_name for d in made.values()} == {"rlhf-pool"} and {
+        d.job_variables["env"] == WORKER_ENV for d in made.values()
+    } == {True}
     full = made["rlhf/full"]
     assert full.id == before.id and full.entrypoint == "rlhf_pipeline.flows.rlhf.rlhf" and full.enforce_parameter_schema
     assert made["rlhf-eval/eval"].entrypoint == "rlhf_pipeline.flows.evaluate.rlhf_eval"
-    assert full.parameters == load_params("tiny", [], algorithm="ppo").model_dump(mode="json")  # the preset's whole set, as served
+    assert full.parameters == load_params("tiny", [], algorithm="ppo").model_dump(
+        mode="json"
+    )  # the preset's whole set, as served
     form = full.parameter_openapi_schema["properties"]
     assert sorted(form, key=lambda name: form[name]["position"])[:2] == ["algorithm", "ppo"]
     assert form["dpo"]["title"] == "dpo (unused: this deployment runs ppo)"
@@ -169,8 +222,11 @@ def test_rlhf_up_starts_prefect_mlflow_and_serve_and_stops_them_all(tmp_path):
     with open(tmp_path / "up.log", "w") as log:
         up = subprocess.Popen(
             [sys.executable, "-m", "rlhf_pipeline.cli", "up", "--port", str(port), "--mlflow-port", str(mlflow_port)],
-            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-        )  # fmt: skip
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
         try:
             wait_until_up(f"http://127.0.0.1:{port}/api/health", up, timeout=180)
             wait_until_up(f"http://127.0.0.1:{mlflow_port}/health", up, timeout=120)
@@ -203,7 +259,11 @@ def test_cancelling_a_flow_run_stops_every_rank_of_a_launched_stage(service):
         return found
 
     full = deployment(service, "rlhf/full")
-    endless = {**TINY_RUN, "sft": {"max_steps": 100_000, "logging_steps": 10, "save_steps": 100_000}, "launch": {"launcher": "accelerate", "num_processes": 2}}
+    endless = {
+        **TINY_RUN,
+        "sft": {"max_steps": 100_000, "logging_steps": 10, "save_steps": 100_000},
+        "launch": {"launcher": "accelerate", "num_processes": 2},
+    }
     with service["client"]() as client:
         run = client.create_flow_run_from_deployment(full.id, parameters=endless)
     deadline = time.time() + 300

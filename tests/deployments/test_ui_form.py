@@ -39,7 +39,9 @@ ALGORITHM, BETA = "grpo", 0.123  # rlhf/full runs ppo; grpo (2 steps, ~1.5 s) is
 
 def field(within, label: str):
     """The form's property block whose own label reads `label`, e.g. "algorithm (Optional)", "Beta (Optional)"."""
-    return within.locator(".schema-form-property").filter(has=getattr(within, "page", within).get_by_text(label, exact=True))
+    return within.locator(".schema-form-property").filter(
+        has=getattr(within, "page", within).get_by_text(label, exact=True)
+    )
 
 
 def process_tree(pids) -> list[int]:
@@ -52,7 +54,11 @@ def process_tree(pids) -> list[int]:
 def differences(got, want, path: str = "") -> list[str]:
     """Each leaf where `got` differs from `want`, as 'grpo.beta: 0.5 != 0.123' (1 equals 1.0: the UI sends whole floats as integers)."""
     if isinstance(got, dict) and isinstance(want, dict):
-        return [line for key in {**want, **got} for line in differences(got.get(key, "<missing>"), want.get(key, "<missing>"), f"{path}{key}.")]
+        return [
+            line
+            for key in {**want, **got}
+            for line in differences(got.get(key, "<missing>"), want.get(key, "<missing>"), f"{path}{key}.")
+        ]
     return [] if got == want else [f"{path.rstrip('.')}: {got!r} != {want!r}"]
 
 
@@ -94,7 +100,10 @@ def submit_from_the_form(url: str, deployed: dict, artifacts: Path, service_pids
             expect(algorithm).to_have_text(deployed["algorithm"])  # the form opens filled in from the deployment
             # It leads with the stage that runs: the ppo block above every block rlhf/full does not use (issue 16).
             unused = "(unused: this deployment runs ppo) (Optional)"
-            blocks = [field(page, "ppo (Optional)").first, *(field(page, f"{block} {unused}").first for block in ("dpo", "kto", "grpo", "rloo"))]
+            blocks = [
+                field(page, "ppo (Optional)").first,
+                *(field(page, f"{block} {unused}").first for block in ("dpo", "kto", "grpo", "rloo")),
+            ]
             for block in blocks:  # the form renders section by section: each is drawn before it is measured
                 expect(block).to_be_visible()
             tops = [block.bounding_box()["y"] for block in blocks]
@@ -114,19 +123,27 @@ def submit_from_the_form(url: str, deployed: dict, artifacts: Path, service_pids
             page.screenshot(path=artifacts / "ui_form.png", full_page=True)
 
             page.get_by_role("button", name="Submit", exact=True).click()
-            page.wait_for_url(lambda address: not address.rstrip("/").endswith("/run"))  # Submit leads to the deployment's page
+            page.wait_for_url(
+                lambda address: not address.rstrip("/").endswith("/run")
+            )  # Submit leads to the deployment's page
         except Exception as error:
             page.screenshot(path=artifacts / "ui_form_failed.png")
             for response in refused:
                 error.add_note(f"{response.status} {response.request.method} {response.url}: {body(response)}")
             raise
         finally:
-            browser_pids = process_tree(set(children(os.getpid())) - service_pids)  # Playwright's driver, Chromium under it
+            browser_pids = process_tree(
+                set(children(os.getpid())) - service_pids
+            )  # Playwright's driver, Chromium under it
             browser.close()
     return browser_pids
 
 
-COMPLETED_FILL = (33, 157, 75)  # the fill of a Completed node in the UI's flow-run graph (prefect-design's state colour)
+COMPLETED_FILL = (
+    33,
+    157,
+    75,
+)  # the fill of a Completed node in the UI's flow-run graph (prefect-design's state colour)
 
 
 def node_boxes(png: bytes) -> list[tuple[int, int, int, int]]:
@@ -204,7 +221,9 @@ def test_a_run_submitted_from_the_ui_form_has_the_typed_parameters_and_completes
         page = f"{service['env']['PREFECT_API_URL'].removesuffix('/api')}/runs/flow-run/{run.id}"
         graph, boxes = the_flow_run_graph(page, len(stages), screenshots)
         assert_a_flat_graph(graph, stages, ALGORITHM)
-        assert len(boxes) == len(stages), f"{len(boxes)} stage nodes drawn, not {len(stages)}: {boxes} (see flow_run_graph.png)"
+        assert len(boxes) == len(stages), (
+            f"{len(boxes)} stage nodes drawn, not {len(stages)}: {boxes} (see flow_run_graph.png)"
+        )
 
     from mlflow.tracking import MlflowClient
 

@@ -90,5 +90,7 @@ def assert_a_flat_graph(graph: dict, stages: list[str], policy: str = "dpo") -> 
     for node in nodes.values():
         # `encapsulating` puts a node inside another's group: Prefect infers it from a parameter that is a running task's future
         assert node["encapsulating"] == [], (node["label"], [label[e["id"]] for e in node["encapsulating"]])
-        assert {label[edge["id"]] for edge in node["parents"]} == upstream(policy)[node["label"]] & set(stages), node["label"]
+        assert {label[edge["id"]] for edge in node["parents"]} == upstream(policy)[node["label"]] & set(stages), node[
+            "label"
+        ]
     assert {label[node_id] for node_id in graph["root_node_ids"]} == {"data"}

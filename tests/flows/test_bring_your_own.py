@@ -16,7 +16,10 @@ from tests.foreign_models import chat_data, gpt2_folder, qwen2_folder
 
 pytestmark = pytest.mark.e2e
 
-LENGTHS = [f"{stage}.max_length=128" for stage in ("sft", "rm", "dpo", "grpo")] + ["grpo.max_completion_length=12", "eval.max_new_tokens=12"]
+LENGTHS = [f"{stage}.max_length=128" for stage in ("sft", "rm", "dpo", "grpo")] + [
+    "grpo.max_completion_length=12",
+    "eval.max_new_tokens=12",
+]
 REWARD_MODEL_ONLY = ["rewards.reward_model_weight=1", "rewards.functions=[]"]  # no reference: no verifier
 
 
@@ -27,7 +30,13 @@ def manifest(summary: dict, stage: str) -> dict:
 @pytest.mark.parametrize("architecture", ["gpt2", "qwen2"])
 def test_chat_data_without_references_on_a_foreign_model(prefect, state, tmp_path, architecture):
     folder = (gpt2_folder if architecture == "gpt2" else qwen2_folder)(tmp_path / architecture)
-    settings = [*chat_data(tmp_path / "data"), *LENGTHS, *REWARD_MODEL_ONLY, f"model.name_or_path={folder}", f"registry.model_name=byo-{architecture}"]
+    settings = [
+        *chat_data(tmp_path / "data"),
+        *LENGTHS,
+        *REWARD_MODEL_ONLY,
+        f"model.name_or_path={folder}",
+        f"registry.model_name=byo-{architecture}",
+    ]
 
     if architecture == "gpt2":  # no chat template: stopped in data, with the rule and the fix
         refused = run(*settings)
@@ -45,7 +54,11 @@ def test_chat_data_without_references_on_a_foreign_model(prefect, state, tmp_pat
     params = load_params(CI_PRESET, settings)
     assert set(metrics) == planned_metrics(params.eval, has_reference=False, reward_model=True, champion=False)
     assert not any("exact_match" in name for name in metrics)
-    assert metrics["eval/heldout/win_rate_vs_sft_low"] <= metrics["eval/heldout/win_rate_vs_sft"] <= metrics["eval/heldout/win_rate_vs_sft_high"]
+    assert (
+        metrics["eval/heldout/win_rate_vs_sft_low"]
+        <= metrics["eval/heldout/win_rate_vs_sft"]
+        <= metrics["eval/heldout/win_rate_vs_sft_high"]
+    )
     for name in ("kl_to_sft", "length_drift", "policy_mean_length"):
         assert f"eval/heldout/{name}" in metrics
     assert summary["registry"]["promoted"] and "no champion yet" in summary["registry"]["reason"]
@@ -59,11 +72,18 @@ def test_chat_data_without_references_on_a_foreign_model(prefect, state, tmp_pat
     online = run(*settings, "algorithm=grpo")
     assert online.is_completed(), online.message
     # data re-checks (grpo's token limits differ from dpo's) but freezes the same datasets: sft and rm are reused.
-    assert {name: state for name, state in task_states(online).items() if name in ("sft", "rm")} == dict.fromkeys(("sft", "rm"), "Cached")
+    assert {name: state for name, state in task_states(online).items() if name in ("sft", "rm")} == dict.fromkeys(
+        ("sft", "rm"), "Cached"
+    )
     second = online.result()
     assert "eval/heldout/win_rate_vs_champion" in second["metrics"]
-    assert second["registry"]["reason"].startswith("eval/heldout/win_rate_vs_champion") or "win_rate_vs_champion" in second["registry"]["reason"]
+    assert (
+        second["registry"]["reason"].startswith("eval/heldout/win_rate_vs_champion")
+        or "win_rate_vs_champion" in second["registry"]["reason"]
+    )
     # Generation stops at the template's end of turn as well as at EOS (TRL's GRPO reads it from here).
-    stops = json.loads((Path(second["artifacts"]["grpo"]) / "model" / "generation_config.json").read_text())["eos_token_id"]
+    stops = json.loads((Path(second["artifacts"]["grpo"]) / "model" / "generation_config.json").read_text())[
+        "eos_token_id"
+    ]
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert im_end in (stops if isinstance(stops, list) else [stops])

@@ -53,7 +53,9 @@ def in_bytes(size: str) -> float:
     return float(number) * UNITS[unit]
 
 
-def test_the_qwen_preset_on_a_qwen2_folder_is_ready_offline_with_token_percentiles_and_memory_per_stage(capsys, qwen, chat):
+def test_the_qwen_preset_on_a_qwen2_folder_is_ready_offline_with_token_percentiles_and_memory_per_stage(
+    capsys, qwen, chat
+):
     folder, data = chat
     code, out = check(capsys, f"model.name_or_path={qwen}", *data)
     assert code == 0, out
@@ -64,7 +66,14 @@ def test_the_qwen_preset_on_a_qwen2_folder_is_ready_offline_with_token_percentil
 
     tokenizer = AutoTokenizer.from_pretrained(qwen)
     rows = [json.loads(line) for line in (folder / "sft.jsonl").read_text().splitlines()]
-    counts = [len(tokenizer(tokenizer.apply_chat_template(row["messages"], tokenize=False), add_special_tokens=False)["input_ids"]) for row in rows]
+    counts = [
+        len(
+            tokenizer(tokenizer.apply_chat_template(row["messages"], tokenize=False), add_special_tokens=False)[
+                "input_ids"
+            ]
+        )
+        for row in rows
+    ]
     assert np.median(counts) < max(counts)  # the fixture's own system turn on half the rows: p50 is not the max
     lengths = {(row["dataset"], row["stage"]): row for row in table(out, "dataset")}
     sft = lengths["sft", "sft"]
@@ -72,7 +81,12 @@ def test_the_qwen_preset_on_a_qwen2_folder_is_ready_offline_with_token_percentil
     assert {key: int(sft[key]) for key in expected} == expected
     assert (int(sft["rows"]), int(sft["max"]), sft["limit"], sft["over"]) == (len(rows), max(counts), "1024", "0")
     # Every dataset, under each stage of the plan that reads it, against that stage's limit.
-    assert set(lengths) >= {("preference", "rm"), ("preference", "dpo"), ("preference_eval", "rm"), ("prompts_eval", "eval")}
+    assert set(lengths) >= {
+        ("preference", "rm"),
+        ("preference", "dpo"),
+        ("preference_eval", "rm"),
+        ("prompts_eval", "eval"),
+    }
     assert lengths["prompts", "-"]["limit"] == "-"  # prompts is read by no stage of a dpo run
 
     stages = memory(out)
@@ -122,7 +136,11 @@ def test_a_gpt2_folder_without_a_chat_template_fails_rule_chat_template_until_on
 
 @pytest.mark.parametrize(
     ("override", "says"),
-    [("sft.learning_rate=-1", "greater than 0"), ("sft.no_such_field=1", "Extra inputs are not permitted"), ("sft.max_steps", "expected key.path=value")],
+    [
+        ("sft.learning_rate=-1", "greater than 0"),
+        ("sft.no_such_field=1", "Extra inputs are not permitted"),
+        ("sft.max_steps", "expected key.path=value"),
+    ],
 )
 def test_invalid_parameters_exit_2_with_the_error(capsys, override, says):
     code, out = check(capsys, override, config="tiny")
@@ -149,10 +167,14 @@ def test_the_memory_estimate_grows_with_the_model_and_drops_with_lora_for_sft_on
     for stage in ("sft", "rm", "dpo", "eval"):
         assert in_bytes(wider[stage]["total"]) > 2 * in_bytes(base[stage]["total"]), stage
     assert lora["sft"]["holds"] == "policy (LoRA)"
-    assert in_bytes(lora["sft"]["grads+AdamW"]) < in_bytes(base["sft"]["grads+AdamW"]) / 3  # adapters are ~1/6 of the tiny model
+    assert (
+        in_bytes(lora["sft"]["grads+AdamW"]) < in_bytes(base["sft"]["grads+AdamW"]) / 3
+    )  # adapters are ~1/6 of the tiny model
     assert in_bytes(lora["sft"]["weights"]) > in_bytes(base["sft"]["weights"])  # the adapters are weights too
     assert in_bytes(lora["sft"]["total"]) < in_bytes(base["sft"]["total"])
-    assert {stage: lora[stage] for stage in ("rm", "dpo", "eval")} == {stage: base[stage] for stage in ("rm", "dpo", "eval")}  # control
+    assert {stage: lora[stage] for stage in ("rm", "dpo", "eval")} == {
+        stage: base[stage] for stage in ("rm", "dpo", "eval")
+    }  # control
 
 
 def test_on_cuda_a_stage_over_the_free_memory_is_flagged_and_fails(capsys, monkeypatch):

@@ -16,7 +16,9 @@ from rlhf_pipeline.cli import main
 from tests.flows.helpers import CI_PRESET
 
 
-@pytest.mark.parametrize("uri", ["models:/rlhf-policy", "models:/rlhf-policy/", "models:/rlhf-policy/latest", "models:/@champion"])
+@pytest.mark.parametrize(
+    "uri", ["models:/rlhf-policy", "models:/rlhf-policy/", "models:/rlhf-policy/latest", "models:/@champion"]
+)
 def test_eval_of_a_registry_uri_without_version_or_alias_exits_2_showing_the_accepted_forms(uri, capsys):
     assert main(["eval", uri]) == 2
     err = capsys.readouterr().err
@@ -38,14 +40,19 @@ def assert_a_clean_console(stdout: str, stderr: str, trained: list[str]) -> None
     """What `rlhf run` shows a person (issue 16): one bar per training stage, none of the libraries' bars, printed log
     dicts or FutureWarnings, no progress line twice, and the closing table with the held-out figures."""
     terminal = stdout + stderr
-    shown = [line.rsplit("\r", 1)[-1] for line in terminal.split("\n")]  # what stays on screen of each line a bar redraws with \r
+    shown = [
+        line.rsplit("\r", 1)[-1] for line in terminal.split("\n")
+    ]  # what stays on screen of each line a bar redraws with \r
     assert "it/s]" not in terminal and "examples/s]" not in terminal, "a library's tqdm bar"  # ours count steps
     assert not [line for line in shown if line.lstrip().startswith("{'")], "a printed log dict"
     assert "FutureWarning" not in terminal and "rlhf_pipeline.trainers.progress" not in terminal
     assert "great_expectations" not in terminal and "MLflow database tables" not in terminal, "a library's INFO log"
     for stage in trained:  # one bar each: it starts once and ends full (in a pipe, tqdm writes each refresh as a line)
         bars = [line for line in shown if line.startswith(f"{stage}: ")]
-        assert len([line for line in bars if " 0%|" in line]) == 1 and "100%" in bars[-1] and "step/s" in bars[-1], (stage, bars)
+        assert len([line for line in bars if " 0%|" in line]) == 1 and "100%" in bars[-1] and "step/s" in bars[-1], (
+            stage,
+            bars,
+        )
     table = stdout[stdout.index("== finished ==") :]
     for stage in ("data", *trained, "eval"):
         assert any(line.split()[:2] == [stage, "Completed"] for line in table.splitlines()), (stage, table)
@@ -75,8 +82,12 @@ def test_rlhf_run_creates_prefect_home_state_and_tracking_folders_that_do_not_ex
     elsewhere.mkdir()
     done = subprocess.run(
         [sys.executable, "-m", "rlhf_pipeline.cli", "run", "--config", CI_PRESET, "--set", "registry.enabled=false"],
-        env=env, cwd=elsewhere, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        env=env,
+        cwd=elsewhere,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert_a_clean_console(done.stdout, done.stderr, ["sft", "rm", "dpo"])
     assert (fresh / "mlflow" / "mlflow.db").is_file()

@@ -20,10 +20,17 @@ pytestmark = pytest.mark.e2e  # a pipeline run end to end: the fast loop skips i
 
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = [
-    "algorithm=dpo", "eval.use_reward_model=false", "registry.enabled=false", "eval.max_prompts=50",
-    "sft.max_steps=60", "sft.save_steps=20", "sft.logging_steps=5",
-    "dpo.max_steps=30", "dpo.save_steps=10", "dpo.logging_steps=5",
-]  # fmt: skip
+    "algorithm=dpo",
+    "eval.use_reward_model=false",
+    "registry.enabled=false",
+    "eval.max_prompts=50",
+    "sft.max_steps=60",
+    "sft.save_steps=20",
+    "sft.logging_steps=5",
+    "dpo.max_steps=30",
+    "dpo.save_steps=10",
+    "dpo.logging_steps=5",
+]
 
 
 def start(state: Path, log: Path) -> subprocess.Popen:

@@ -27,7 +27,11 @@ def test_device_stages_wait_for_each_other_and_data_stages_do_not(prefect, tmp_p
     with get_client(sync_client=True) as client:
         assert client.read_global_concurrency_limit_by_name(device_limit()).limit == 1
     experiment = tracking.experiment_id("device-slot-test")
-    ctx = RunContext(artifact_root=str(tmp_path), experiment_id=experiment, parent_run_id=tracking.start_run(experiment, "parent", {}))
+    ctx = RunContext(
+        artifact_root=str(tmp_path),
+        experiment_id=experiment,
+        parent_run_id=tracking.start_run(experiment, "parent", {}),
+    )
     spans: dict[str, list[tuple[float, float]]] = {"sft": [], "data": []}
 
     def build(stage):

@@ -14,7 +14,11 @@ pytestmark = pytest.mark.e2e  # a pipeline run end to end: the fast loop skips i
 
 def prefect_artifacts(flow_state) -> dict[str, object]:
     with get_client(sync_client=True) as client:
-        found = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_state.state_details.flow_run_id])))
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[flow_state.state_details.flow_run_id])
+            )
+        )
     return {a.key: a for a in found}
 
 
@@ -35,7 +39,12 @@ def test_report_artifacts_and_on_demand_evaluation_of_the_champion(prefect, stat
     logged = {a.path for a in MlflowClient().list_artifacts(summary["mlflow_run_id"], "eval")}
     assert "eval/samples_table.json" in logged and "eval/summary.md" in logged
     plots = {a.path for a in MlflowClient().list_artifacts(summary["mlflow_run_id"], "plots")}
-    assert {"plots/win_rates.png", "plots/reward_distributions.png", "plots/exact_match.png", "plots/training_curves.png"} <= plots
+    assert {
+        "plots/win_rates.png",
+        "plots/reward_distributions.png",
+        "plots/exact_match.png",
+        "plots/training_curves.png",
+    } <= plots
 
     on_demand = rlhf_eval(
         policy="models:/eval-flow-test@champion",

@@ -31,7 +31,11 @@ def inject(monkeypatch, error: Exception, only: str | None = None) -> Counter:
     for module in STAGE_MODULES:
         monkeypatch.setattr(f"{module}.run_stage", failing_first(importlib.import_module(module).run_stage))
     register = registry.register_policy
-    monkeypatch.setattr(registry, "register_policy", lambda *a, **k: failing_first(lambda _, *a, **k: register(*a, **k))("registry", *a, **k))
+    monkeypatch.setattr(
+        registry,
+        "register_policy",
+        lambda *a, **k: failing_first(lambda _, *a, **k: register(*a, **k))("registry", *a, **k),
+    )
     return attempts
 
 
@@ -78,7 +82,11 @@ def test_a_stage_that_times_out_fails_and_kills_its_child_processes(prefect, tmp
     from rlhf_pipeline.tasks.store import run_stage
 
     experiment = tracking.experiment_id("timeout-test")
-    ctx = RunContext(artifact_root=str(tmp_path), experiment_id=experiment, parent_run_id=tracking.start_run(experiment, "parent", {}))
+    ctx = RunContext(
+        artifact_root=str(tmp_path),
+        experiment_id=experiment,
+        parent_run_id=tracking.start_run(experiment, "parent", {}),
+    )
     spawned: list[int] = []
 
     def hanging_build(out_dir, work_dir, log_metrics):

@@ -14,7 +14,12 @@ ONLINE_FAST = [  # a reward that varies on an untrained model's samples, mixed w
     "rewards.functions=[{path: 'tests.helpers:length_reward', weight: 1.0}]",
     "rewards.reward_model_weight=0.5",
 ]
-PROBES = ["grpo.eval_steps=1", "rloo.eval_steps=1", "ppo.eval_steps=1", "rm.ensemble_size=2"]  # every step: every online stage's curves, disagreement too
+PROBES = [
+    "grpo.eval_steps=1",
+    "rloo.eval_steps=1",
+    "ppo.eval_steps=1",
+    "rm.ensemble_size=2",
+]  # every step: every online stage's curves, disagreement too
 HELDOUT_CURVES = ("kl", "sqrt_kl", "exact_match", "proxy_reward", "disagreement", "score")
 
 
@@ -24,18 +29,30 @@ def assert_heldout_curves(summary: dict, stage: str, steps: int) -> None:
 
     client = MlflowClient()
     parent = client.get_run(summary["mlflow_run_id"])
-    runs = {r.info.run_name: r for r in client.search_runs([parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")}
+    runs = {
+        r.info.run_name: r
+        for r in client.search_runs([parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    }
     for name in HELDOUT_CURVES:
         history = client.get_metric_history(runs[stage].info.run_id, f"{stage}/heldout/{name}")
         assert sorted(m.step for m in history) == list(range(1, steps + 1)), (stage, name)
-    assert any(m.value > 0 for m in client.get_metric_history(runs[stage].info.run_id, f"{stage}/heldout/disagreement"))  # an ensemble
+    assert any(
+        m.value > 0 for m in client.get_metric_history(runs[stage].info.run_id, f"{stage}/heldout/disagreement")
+    )  # an ensemble
     assert "plots/overoptimisation.png" in {a.path for a in client.list_artifacts(runs["eval"].info.run_id, "plots")}
 
 
 def test_each_online_algorithm_runs_and_reuses_sft_and_rm(prefect, state):
     grpo = run(*ONLINE_FAST, *PROBES, "algorithm=grpo")
     assert grpo.is_completed(), grpo.message
-    assert task_states(grpo) == {"data": "Completed", "sft": "Completed", "rm": "Completed", "grpo": "Completed", "eval": "Completed", "registry": "Completed"}
+    assert task_states(grpo) == {
+        "data": "Completed",
+        "sft": "Completed",
+        "rm": "Completed",
+        "grpo": "Completed",
+        "eval": "Completed",
+        "registry": "Completed",
+    }
     assert "eval/heldout/policy_exact_match" in grpo.result()["metrics"]
     assert_heldout_curves(grpo.result(), "grpo", 2)
 
@@ -46,7 +63,14 @@ def test_each_online_algorithm_runs_and_reuses_sft_and_rm(prefect, state):
         # ppo has no prompt-length limit, so `data` re-checks without it (rloo's limit is grpo's:
         # cached); the same frozen datasets come out, so sft and rm (keyed on their bytes) are reused.
         data = "Cached" if algorithm == "rloo" else "Completed"
-        assert states == {"data": data, "sft": "Cached", "rm": "Cached", algorithm: "Completed", "eval": "Completed", "registry": "Completed"}
+        assert states == {
+            "data": data,
+            "sft": "Cached",
+            "rm": "Cached",
+            algorithm: "Completed",
+            "eval": "Completed",
+            "registry": "Completed",
+        }
         metrics = switched.result()["metrics"]
         assert "eval/heldout/policy_exact_match" in metrics
         assert_heldout_curves(switched.result(), algorithm, steps)
@@ -54,7 +78,9 @@ def test_each_online_algorithm_runs_and_reuses_sft_and_rm(prefect, state):
 
 def test_a_reward_function_that_does_not_import_fails_with_the_parameters(prefect, state):
     bad = "rewards.functions=[{path: 'no_such.module:score'}]"
-    with pytest.raises(ValidationError, match=r"reward function 'no_such.module:score': module 'no_such.module' does not import"):
+    with pytest.raises(
+        ValidationError, match=r"reward function 'no_such.module:score': module 'no_such.module' does not import"
+    ):
         run(*ONLINE_FAST, "algorithm=grpo", bad)
     # Handed to the flow as the UI's form hands it (a plain block), the run fails before any stage starts.
     from rlhf_pipeline.flows.rlhf import rlhf
@@ -73,9 +99,18 @@ def test_a_policy_that_games_its_reward_model_is_refused_promotion_with_the_numb
     from rlhf_pipeline.flows.rlhf import rlhf
 
     hack = [
-        "algorithm=ppo", "rewards.functions=[]", "rewards.reward_model_weight=1", "sft.max_steps=100", "rm.max_steps=50",
-        "ppo.kl_coef=0", "ppo.target_kl=null", "ppo.learning_rate=3e-4", "ppo.total_episodes=1280", "ppo.eval_steps=5", "eval.max_prompts=200",
-    ]  # fmt: skip
+        "algorithm=ppo",
+        "rewards.functions=[]",
+        "rewards.reward_model_weight=1",
+        "sft.max_steps=100",
+        "rm.max_steps=50",
+        "ppo.kl_coef=0",
+        "ppo.target_kl=null",
+        "ppo.learning_rate=3e-4",
+        "ppo.total_episodes=1280",
+        "ppo.eval_steps=5",
+        "eval.max_prompts=200",
+    ]
     hacked = rlhf(**dict(load_params("tiny", hack)), return_state=True)
     assert hacked.is_completed(), hacked.message
     summary = hacked.result()
@@ -92,14 +127,24 @@ def test_a_policy_that_games_its_reward_model_is_refused_promotion_with_the_numb
 def test_a_feedback_round_retrains_rm_on_the_policys_labelled_samples_then_the_policy(prefect, state):
     from mlflow.tracking import MlflowClient
 
-    rounds = ["feedback.rounds=1", "feedback.labeller=tests.trainers.test_feedback:first_always", "feedback.prompts_per_round=16",
-              "feedback.max_new_tokens=4"]  # fmt: skip
+    rounds = [
+        "feedback.rounds=1",
+        "feedback.labeller=tests.trainers.test_feedback:first_always",
+        "feedback.prompts_per_round=16",
+        "feedback.max_new_tokens=4",
+    ]
     done = run(*ONLINE_FAST, "algorithm=ppo", *rounds)
     assert done.is_completed(), done.message
     assert task_states(done) == {
-        "data": "Completed", "sft": "Completed", "rm": "Completed", "ppo": "Completed",
-        "rm (round 1)": "Completed", "ppo (round 1)": "Completed", "eval": "Completed", "registry": "Completed",
-    }  # fmt: skip
+        "data": "Completed",
+        "sft": "Completed",
+        "rm": "Completed",
+        "ppo": "Completed",
+        "rm (round 1)": "Completed",
+        "ppo (round 1)": "Completed",
+        "eval": "Completed",
+        "registry": "Completed",
+    }
     summary = done.result()
     client = MlflowClient()
     parent = client.get_run(summary["mlflow_run_id"])

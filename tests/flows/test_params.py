@@ -18,7 +18,9 @@ def test_tiny_preset_overrides_defaults_and_set_overrides_the_preset():
 
 
 def test_bad_values_fail_before_any_model_loads():
-    with pytest.raises(ValidationError, match="sft.max_length=4096 exceeds the tiny model.s model.tiny.max_position_embeddings=2048"):
+    with pytest.raises(
+        ValidationError, match="sft.max_length=4096 exceeds the tiny model.s model.tiny.max_position_embeddings=2048"
+    ):
         load_params("tiny", ["sft.max_length=4096"])
     with pytest.raises(ValidationError, match="learning_rate"):
         load_params("tiny", ["sft.learning_rate=-1"])
@@ -26,7 +28,9 @@ def test_bad_values_fail_before_any_model_loads():
         load_params("tiny", ["sft.learning_rat=0.1"])
     with pytest.raises(ValueError, match="unknown preset 'nope'"):
         load_params("nope")
-    with pytest.raises(ValidationError, match="grpo.max_completion_length=64 leaves no room for a prompt in grpo.max_length=64"):
+    with pytest.raises(
+        ValidationError, match="grpo.max_completion_length=64 leaves no room for a prompt in grpo.max_length=64"
+    ):
         load_params("tiny", ["algorithm=grpo", "grpo.max_completion_length=64"])
     load_params("tiny", ["algorithm=dpo", "grpo.max_completion_length=64"])  # grpo does not run: not its business
 
@@ -38,7 +42,9 @@ def test_token_limits_follow_the_stages_that_read_each_dataset():
     grpo = load_params("tiny", ["algorithm=grpo", "grpo.max_completion_length=8", "rm.max_length=60"]).token_limits()
     # The preset's grpo probes the held-out prompts (grpo.eval_steps): they must leave room for a completion too.
     assert grpo == {"sft": 64, "preference": 60, "preference_eval": 60, "prompts": 64 - 8, "prompts_eval": 64 - 8}
-    no_rm = load_params("tiny", ["algorithm=grpo", "eval.use_reward_model=false", "grpo.eval_steps=null"]).token_limits()
+    no_rm = load_params(
+        "tiny", ["algorithm=grpo", "eval.use_reward_model=false", "grpo.eval_steps=null"]
+    ).token_limits()
     assert no_rm == {"sft": 64, "prompts": 64 - 8}  # rm does not run: its limit checks nothing
 
 
@@ -75,7 +81,9 @@ def test_trl_overrides_that_shadow_a_field_or_that_trl_lacks_fail_with_the_param
 
 
 def test_trl_overrides_that_trl_has_pass_through():
-    params = load_params("tiny", ["dpo.trl_overrides={truncation_mode: keep_start}", "sft.trl_overrides={save_total_limit: 1}"])
+    params = load_params(
+        "tiny", ["dpo.trl_overrides={truncation_mode: keep_start}", "sft.trl_overrides={save_total_limit: 1}"]
+    )
     assert params.dpo.trl_arguments(Path("/tmp/work"))["truncation_mode"] == "keep_start"
     assert params.sft.trl_arguments(Path("/tmp/work"))["save_total_limit"] == 1
 
@@ -99,17 +107,37 @@ def test_the_gate_works_with_or_without_references_and_an_unmeasurable_gate_fail
     # The default gate is the reward model's win rate against the champion, with or without reference answers ...
     assert load_params("tiny").gate().gate_metric == "eval/heldout/win_rate_vs_champion"
     chat = load_params("tiny", no_references)
-    assert chat.gate().gate_metric == "eval/heldout/win_rate_vs_champion" and (chat.gate().min_value, chat.gate().min_lower_bound) == (0.5, 0.45)
+    assert chat.gate().gate_metric == "eval/heldout/win_rate_vs_champion" and (
+        chat.gate().min_value,
+        chat.gate().min_lower_bound,
+    ) == (0.5, 0.45)
     assert not any("exact_match" in name for name in chat.eval_metrics())
     # ... and without a reward model, the exact-match gain where references exist.
     kto = load_params("tiny", ["algorithm=kto", "eval.use_reward_model=false"]).gate()
-    assert (kto.gate_metric, kto.min_value, kto.min_lower_bound) == ("eval/heldout/exact_match_gain_vs_champion", 0.0, -0.05)
-    with pytest.raises(ValidationError, match=r"gate_metric='eval/heldout/exact_match_gain_vs_champion' is not a metric.*has no column 'answer'"):
+    assert (kto.gate_metric, kto.min_value, kto.min_lower_bound) == (
+        "eval/heldout/exact_match_gain_vs_champion",
+        0.0,
+        -0.05,
+    )
+    with pytest.raises(
+        ValidationError,
+        match=r"gate_metric='eval/heldout/exact_match_gain_vs_champion' is not a metric.*has no column 'answer'",
+    ):
         load_params("tiny", [*no_references, "registry.gate_metric=eval/heldout/exact_match_gain_vs_champion"])
-    with pytest.raises(ValidationError, match="no comparable metric: enable eval.use_reward_model or name an eval.gold_metric"):
+    with pytest.raises(
+        ValidationError, match="no comparable metric: enable eval.use_reward_model or name an eval.gold_metric"
+    ):
         load_params("tiny", [*no_references, "eval.use_reward_model=false", "algorithm=kto"])
     # A verifier named as the gold metric is a gate without references.
-    gold = load_params("tiny", [*no_references, "eval.use_reward_model=false", "algorithm=kto", "eval.gold_metric.path=tests.helpers:length_reward"])
+    gold = load_params(
+        "tiny",
+        [
+            *no_references,
+            "eval.use_reward_model=false",
+            "algorithm=kto",
+            "eval.gold_metric.path=tests.helpers:length_reward",
+        ],
+    )
     assert gold.gate().gate_metric == "eval/heldout/gold_gain_vs_champion"
 
 
@@ -117,12 +145,17 @@ def test_optimizers_and_precision_are_checked_with_the_parameters(tmp_path):
     import torch
 
     assert load_params("tiny", ["sft.optim=adafactor"]).sft.trl_arguments(tmp_path)["optim"] == "adafactor"
-    with pytest.raises(ValidationError, match=r"optim='adamw_tourch' is not an optimizer of transformers \(did you mean 'adamw_torch'\?\)"):
+    with pytest.raises(
+        ValidationError,
+        match=r"optim='adamw_tourch' is not an optimizer of transformers \(did you mean 'adamw_torch'\?\)",
+    ):
         load_params("tiny", ["sft.optim=adamw_tourch"])
     with pytest.raises(ValidationError, match="bf16 and fp16 are both on"):
         load_params("tiny", ["dpo.bf16=true", "dpo.fp16=true"])
     fp16 = load_params("tiny", ["rm.fp16=true"]).rm
-    if torch.cuda.is_available():  # the device decides: a GPU takes fp16, a CPU is refused by name before any weights load
+    if (
+        torch.cuda.is_available()
+    ):  # the device decides: a GPU takes fp16, a CPU is refused by name before any weights load
         assert fp16.trl_arguments(tmp_path)["fp16"] is True
     else:
         with pytest.raises(ValueError, match="fp16=true needs a CUDA GPU; this machine trains on cpu"):
@@ -138,17 +171,24 @@ def test_a_misspelt_import_path_fails_in_rlhf_params_naming_it(capsys):
     assert main(["params", "--set", "rewards.functions=[{path: rlhf_pipeline.trainers.sort_task:exact_macth}]"]) == 2
     assert "reward function 'rlhf_pipeline.trainers.sort_task:exact_macth'" in capsys.readouterr().err
     # Spelt right, every path resolves, and each stage's block shows it.
-    assert main(["params", "--set", "sft.optimizer_factory=tests.user_code:sgd", "--set", "dpo.eval_strategy=steps"]) == 0
+    assert (
+        main(["params", "--set", "sft.optimizer_factory=tests.user_code:sgd", "--set", "dpo.eval_strategy=steps"]) == 0
+    )
     shown = json.loads(capsys.readouterr().out)
     assert shown["sft"]["optimizer_factory"] == "tests.user_code:sgd" and shown["dpo"]["eval_strategy"] == "steps"
 
 
 def test_evaluating_while_training_needs_a_held_out_dataset():
-    with pytest.raises(ValidationError, match=r"sft.eval_strategy='steps' evaluates on the sft_eval dataset.*or sft.eval_split"):
+    with pytest.raises(
+        ValidationError, match=r"sft.eval_strategy='steps' evaluates on the sft_eval dataset.*or sft.eval_split"
+    ):
         load_params("tiny", ["sft.eval_strategy=steps"])
     assert load_params("tiny", ["sft.eval_strategy=steps", "sft.eval_split=0.1"]).sft.held_out() == ()
     with pytest.raises(ValidationError, match=r"dpo.eval_strategy='steps' evaluates on the preference_eval dataset"):
-        load_params("tiny", ["algorithm=dpo", "dpo.eval_strategy=steps", "data.preference_eval=null", "eval.use_reward_model=false"])
+        load_params(
+            "tiny",
+            ["algorithm=dpo", "dpo.eval_strategy=steps", "data.preference_eval=null", "eval.use_reward_model=false"],
+        )
     with pytest.raises(ValidationError, match=r"eval_split=0.1 holds out demonstrations"):
         load_params("tiny", ["sft.eval_split=0.1"])
 
@@ -157,11 +197,15 @@ def test_a_kept_sft_adapter_needs_each_later_stage_to_choose_merge_or_stack():
     kept = ["sft.lora.enabled=true", "sft.lora.keep_adapter=true"]
     with pytest.raises(ValidationError, match=r"choose how rm continues from it: rm.lora.handoff=merge"):
         load_params("tiny", [*kept, "algorithm=dpo"])
-    with pytest.raises(ValidationError, match=r"rm.lora.handoff=stack: the reward model starts from sft's adapter merged"):
+    with pytest.raises(
+        ValidationError, match=r"rm.lora.handoff=stack: the reward model starts from sft's adapter merged"
+    ):
         load_params("tiny", [*kept, "rm.lora.handoff=stack", "dpo.lora.handoff=stack"])
     chosen = load_params("tiny", [*kept, "rm.lora.handoff=merge", "dpo.lora.handoff=stack"])
     assert chosen.dpo.lora.handoff == "stack"
-    assert load_params("tiny", [*kept, "algorithm=ppo", "eval.use_reward_model=false", "ppo.lora.handoff=merge"]).plan() == [
+    assert load_params(
+        "tiny", [*kept, "algorithm=ppo", "eval.use_reward_model=false", "ppo.lora.handoff=merge"]
+    ).plan() == [
         "data",
         "sft",
         "ppo",

@@ -26,13 +26,27 @@ def test_a_new_file_in_the_preference_glob_re_runs_what_reads_preferences_and_no
     glob = f"data.preference.path={prefs}/*.jsonl"
 
     first = run(NO_REGISTRY, glob)
-    assert task_states(first) == {"data": "Completed", "sft": "Completed", "rm": "Completed", "dpo": "Completed", "eval": "Completed"}
+    assert task_states(first) == {
+        "data": "Completed",
+        "sft": "Completed",
+        "rm": "Completed",
+        "dpo": "Completed",
+        "eval": "Completed",
+    }
     assert task_states(run(NO_REGISTRY, glob)) == dict.fromkeys(["data", "sft", "rm", "dpo", "eval"], "Cached")
 
     (prefs / "2026-12-07.jsonl").write_text("".join(rows[2000:]))  # this week's labels arrive
     fresh = run(NO_REGISTRY, glob)
-    assert task_states(fresh) == {"data": "Completed", "sft": "Cached", "rm": "Completed", "dpo": "Completed", "eval": "Completed"}
-    assert fresh.result()["metrics"]["eval/heldout/num_prompts"] == first.result()["metrics"]["eval/heldout/num_prompts"]
+    assert task_states(fresh) == {
+        "data": "Completed",
+        "sft": "Cached",
+        "rm": "Completed",
+        "dpo": "Completed",
+        "eval": "Completed",
+    }
+    assert (
+        fresh.result()["metrics"]["eval/heldout/num_prompts"] == first.result()["metrics"]["eval/heldout/num_prompts"]
+    )
     assert digest(fresh.result(), "sft") == digest(first.result(), "sft")
     assert digest(fresh.result(), "data") != digest(first.result(), "data")
 
@@ -45,10 +59,20 @@ def test_editing_a_module_re_runs_the_stages_that_import_it(prefect, state, monk
     original = code_version_module.read_source
 
     def edit(suffix: str) -> None:
-        monkeypatch.setattr(code_version_module, "read_source", lambda file: original(file) + (b"\n# edited\n" if file.as_posix().endswith(suffix) else b""))
+        monkeypatch.setattr(
+            code_version_module,
+            "read_source",
+            lambda file: original(file) + (b"\n# edited\n" if file.as_posix().endswith(suffix) else b""),
+        )
 
     edit("trainers/eval.py")
-    assert task_states(run(NO_REGISTRY)) == {"data": "Cached", "sft": "Cached", "rm": "Cached", "dpo": "Cached", "eval": "Completed"}
+    assert task_states(run(NO_REGISTRY)) == {
+        "data": "Cached",
+        "sft": "Cached",
+        "rm": "Cached",
+        "dpo": "Cached",
+        "eval": "Completed",
+    }
 
     edit("trainers/tiny.py")  # the tiny tokenizer and model: read by data, sft and eval (the base model)
     retokenized = run(NO_REGISTRY)

@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.flows.helpers import DPO_RUN_STAGES, assert_a_flat_graph, data_running_before_the_next_submission, graph_of, run, task_states
+from tests.flows.helpers import (
+    DPO_RUN_STAGES,
+    assert_a_flat_graph,
+    data_running_before_the_next_submission,
+    graph_of,
+    run,
+    task_states,
+)
 
 pytestmark = pytest.mark.e2e  # a pipeline run end to end: the fast loop skips it (-m 'not e2e')
 
@@ -30,7 +37,9 @@ def test_pipeline_runs_caches_and_reruns_only_what_changed(prefect, state, monke
     summary = first.result()
     assert set(summary["artifacts"]) == set(DPO_RUN_STAGES)
     eval_manifest = json.loads((Path(summary["artifacts"]["eval"]) / "manifest.json").read_text())
-    assert summary["metrics"]["eval/heldout/sft_exact_match"] == eval_manifest["metrics"]["eval/heldout/sft_exact_match"]
+    assert (
+        summary["metrics"]["eval/heldout/sft_exact_match"] == eval_manifest["metrics"]["eval/heldout/sft_exact_match"]
+    )
 
     # MLflow: one parent, five children with params and metrics, and the artifacts.
     client = MlflowClient()
@@ -45,19 +54,30 @@ def test_pipeline_runs_caches_and_reruns_only_what_changed(prefect, state, monke
     top = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"model", "config.yaml", "eval"} <= top
     assert "model/model.safetensors" in {a.path for a in client.list_artifacts(parent.info.run_id, "model")}
-    assert {a.path for a in client.list_artifacts(by_stage["data"].info.run_id, "report")} >= {"report/sft", "report/preference"}
+    assert {a.path for a in client.list_artifacts(by_stage["data"].info.run_id, "report")} >= {
+        "report/sft",
+        "report/preference",
+    }
     assert "samples.jsonl" in {a.path for a in client.list_artifacts(by_stage["eval"].info.run_id)}
 
     # Identical second run: nothing trains.
     second = run_without_registry()
     assert task_states(second) == {stage: "Cached" for stage in DPO_RUN_STAGES}
     assert second.result()["artifacts"] == summary["artifacts"]
-    cached = client.search_runs([parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{second.result()['mlflow_run_id']}'")
+    cached = client.search_runs(
+        [parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{second.result()['mlflow_run_id']}'"
+    )
     assert len(cached) == 5 and all(r.data.tags["rlhf.cached"] == "true" for r in cached)
 
     # Only dpo.beta changed: only dpo and eval run.
     third = run_without_registry("dpo.beta=0.2")
-    assert task_states(third) == {"data": "Cached", "sft": "Cached", "rm": "Cached", "dpo": "Completed", "eval": "Completed"}
+    assert task_states(third) == {
+        "data": "Cached",
+        "sft": "Cached",
+        "rm": "Cached",
+        "dpo": "Completed",
+        "eval": "Completed",
+    }
 
     # A deleted artifact directory re-runs that stage, and only what depends on it:
     # eval reads the reward model, dpo does not. Eval re-runs exactly when the
@@ -68,14 +88,26 @@ def test_pipeline_runs_caches_and_reruns_only_what_changed(prefect, state, monke
     fourth = run_without_registry()
     same_bytes = json.loads((Path(summary["artifacts"]["rm"]) / "manifest.json").read_text())["digest"] == rm_digest
     expected_eval = "Cached" if same_bytes else "Completed"
-    assert task_states(fourth) == {"data": "Cached", "sft": "Cached", "rm": "Completed", "dpo": "Cached", "eval": expected_eval}
+    assert task_states(fourth) == {
+        "data": "Cached",
+        "sft": "Cached",
+        "rm": "Completed",
+        "dpo": "Cached",
+        "eval": expected_eval,
+    }
 
     # A re-produced upstream with different bytes re-keys everything downstream.
     sft_dir = Path(summary["artifacts"]["sft"])
     manifest = json.loads((sft_dir / "manifest.json").read_text())
     (sft_dir / "manifest.json").write_text(json.dumps({**manifest, "digest": "different-bytes"}))
     fifth = run_without_registry()
-    assert task_states(fifth) == {"data": "Cached", "sft": "Cached", "rm": "Completed", "dpo": "Completed", "eval": "Completed"}
+    assert task_states(fifth) == {
+        "data": "Cached",
+        "sft": "Cached",
+        "rm": "Completed",
+        "dpo": "Completed",
+        "eval": "Completed",
+    }
 
     # --no-cache re-runs everything.
     sixth = run_without_registry("no_cache=true")

@@ -19,12 +19,28 @@ CONFIG_SECRET = "hf_cfg_3Jt8NcYb5SuE1gFa"
 
 def test_redact_masks_secret_keys_and_env_values_but_not_tokenizer_words(monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", ENV_SECRET)
-    config = {"hub_token": CONFIG_SECRET, "pad_token": "<|pad|>", "max_new_tokens": 12, "note": f"pw={ENV_SECRET}", "api_key": None}
-    assert redact(config) == {"hub_token": "***", "pad_token": "<|pad|>", "max_new_tokens": 12, "note": "pw=***", "api_key": None}
+    config = {
+        "hub_token": CONFIG_SECRET,
+        "pad_token": "<|pad|>",
+        "max_new_tokens": 12,
+        "note": f"pw={ENV_SECRET}",
+        "api_key": None,
+    }
+    assert redact(config) == {
+        "hub_token": "***",
+        "pad_token": "<|pad|>",
+        "max_new_tokens": 12,
+        "note": "pw=***",
+        "api_key": None,
+    }
 
 
 def files_containing(root: Path, *secrets: str) -> list[str]:
-    return [str(path) for path in root.rglob("*") if path.is_file() and any(secret.encode() in path.read_bytes() for secret in secrets)]
+    return [
+        str(path)
+        for path in root.rglob("*")
+        if path.is_file() and any(secret.encode() in path.read_bytes() for secret in secrets)
+    ]
 
 
 def test_secrets_appear_in_no_log_param_artifact_or_manifest(prefect, state, monkeypatch):

@@ -39,7 +39,9 @@ def test_a_new_empty_tracking_store_gets_every_run_from_the_artifacts(prefect, s
     old_rm = MlflowClient(tracking_uri=old_store).get_run(by_stage["rm"].data.tags["rlhf.produced_by"])
     assert by_stage["rm"].data.metrics["rm/eval/accuracy"] == old_rm.data.metrics["rm/eval/accuracy"]
     # The parent holds the evaluation: its metrics, the report and the plots (training curves from the artifacts).
-    assert parent.data.metrics["eval/heldout/policy_exact_match"] == produced["metrics"]["eval/heldout/policy_exact_match"]
+    assert (
+        parent.data.metrics["eval/heldout/policy_exact_match"] == produced["metrics"]["eval/heldout/policy_exact_match"]
+    )
     top = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"eval", "plots", "model"} <= top
     assert "plots/training_curves.png" in {a.path for a in client.list_artifacts(parent.info.run_id, "plots")}

@@ -41,7 +41,9 @@ def test_token_limits_enter_the_key_and_the_report(small_data, ctx):
     assert rows == {f"data/{name}/rows": 8.0 for name in DataConfig().sources()}  # all 8 rows of each dataset, frozen
     held_out = json.loads((limited.path / "report" / "prompts_eval" / "validation.json").read_text())
     assert held_out["rules"][-1]["rule"] == "no_train_eval_leakage" and held_out["success"]
-    assert sorted(p.name for p in (limited.path / "datasets").iterdir()) == [f"{n}.parquet" for n in sorted(DataConfig().sources())]
+    assert sorted(p.name for p in (limited.path / "datasets").iterdir()) == [
+        f"{n}.parquet" for n in sorted(DataConfig().sources())
+    ]
 
 
 @pytest.mark.parametrize(

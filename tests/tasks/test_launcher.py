@@ -25,7 +25,9 @@ TWO_RANKS = LaunchConfig(launcher="accelerate", num_processes=2, kill_grace_seco
 def ctx(tmp_path) -> RunContext:
     experiment = tracking.experiment_id("test-launcher")
     parent = tracking.start_run(experiment, "parent", {})
-    return RunContext(artifact_root=str(tmp_path / "artifacts"), experiment_id=experiment, parent_run_id=parent, launch=TWO_RANKS)
+    return RunContext(
+        artifact_root=str(tmp_path / "artifacts"), experiment_id=experiment, parent_run_id=parent, launch=TWO_RANKS
+    )
 
 
 @pytest.fixture
@@ -50,25 +52,42 @@ def test_sft_and_dpo_train_on_two_ranks_and_publish_as_in_process(ctx, data, cap
     config = SftConfig(max_steps=4, **{**FAST, "per_device_train_batch_size": 8})
     outcome = train_stage("sft", config, {"model": SMALL_MODEL}, {"data": data}, ctx)
     assert "sft: world size 2 (distributed, gloo)" in caplog.messages
-    assert [step for step, values in read_history(outcome.ref.path) if "sft/train/loss" in values] == [1, 2, 3, 4]  # rank 0's, once
+    assert [step for step, values in read_history(outcome.ref.path) if "sft/train/loss" in values] == [
+        1,
+        2,
+        3,
+        4,
+    ]  # rank 0's, once
     manifest = outcome.ref.manifest()
     assert manifest["training"] == {"global_step": 4, "max_steps": 4, "stopped_early": False} and manifest["tokenizer"]
     assert (outcome.ref.path / "model" / "model.safetensors").is_file()
     metrics = MlflowClient().get_run(outcome.mlflow_run_id).data.metrics
     assert metrics["sft/train/loss"] == manifest["metrics"]["sft/train/loss"]
-    assert train_stage("sft", config, {"model": SMALL_MODEL}, {"data": data}, ctx).cached  # the launcher is not part of the key
+    assert train_stage(
+        "sft", config, {"model": SMALL_MODEL}, {"data": data}, ctx
+    ).cached  # the launcher is not part of the key
     # dpo from that sft artifact, on two ranks as well.
     from rlhf_pipeline.trainers.dpo import DpoConfig
 
     caplog.clear()
-    dpo = train_stage("dpo", DpoConfig(max_steps=2, **{**FAST, "per_device_train_batch_size": 8}), {}, {"data": data, "sft": outcome.ref}, ctx)
+    dpo = train_stage(
+        "dpo",
+        DpoConfig(max_steps=2, **{**FAST, "per_device_train_batch_size": 8}),
+        {},
+        {"data": data, "sft": outcome.ref},
+        ctx,
+    )
     assert "dpo: world size 2 (distributed, gloo)" in caplog.messages
-    assert dpo.ref.manifest()["training"]["global_step"] == 2 and (dpo.ref.path / "model" / "model.safetensors").is_file()
+    assert (
+        dpo.ref.manifest()["training"]["global_step"] == 2 and (dpo.ref.path / "model" / "model.safetensors").is_file()
+    )
 
 
 def test_a_rank_killed_mid_stage_fails_the_stage_leaves_no_process_and_the_retry_resumes(ctx, data, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="rlhf")
-    kill = CallbackSpec(path="tests.user_code:KillAtStep", kwargs={"step": 3, "rank": 1, "once": str(tmp_path / "killed")})
+    kill = CallbackSpec(
+        path="tests.user_code:KillAtStep", kwargs={"step": 3, "rank": 1, "once": str(tmp_path / "killed")}
+    )
     config = SftConfig(max_steps=4, callbacks=[kill], **{**FAST, "per_device_train_batch_size": 8, "save_steps": 2})
     before = {child.pid for child in psutil.Process().children(recursive=True)}  # e.g. a Prefect server of another test
     with pytest.raises(RuntimeError, match=r"sft: accelerate launch exited with \d+ \(a rank failed or was killed\)"):
@@ -113,12 +132,27 @@ def test_ppo_on_two_ranks_resumes_a_killed_rank_to_the_same_weights_as_an_unbrok
     policy, tokenizer = load_base_model(SMALL_MODEL)
     save_model(policy, tokenizer, tmp_path / "sft" / "model")
     inputs = {"data": data, "sft": ArtifactRef(stage="sft", key="s", uri=str(tmp_path / "sft"))}
-    rewards = {"rewards": RewardsConfig(reward_model_weight=0, functions=[RewardFunctionSpec(path="tests.helpers:length_reward")])}
-    fast = dict(rollout_batch_size=8, num_mini_batches=2, num_ppo_epochs=1, total_episodes=32, response_length=4, logging_steps=1, save_steps=2, seed=3)
+    rewards = {
+        "rewards": RewardsConfig(
+            reward_model_weight=0, functions=[RewardFunctionSpec(path="tests.helpers:length_reward")]
+        )
+    }
+    fast = dict(
+        rollout_batch_size=8,
+        num_mini_batches=2,
+        num_ppo_epochs=1,
+        total_episodes=32,
+        response_length=4,
+        logging_steps=1,
+        save_steps=2,
+        seed=3,
+    )
     unbroken = train_stage("ppo", PpoConfig(**fast), rewards, inputs, ctx)
     assert "ppo: world size 2 (data-parallel, gloo), 4 rollouts per rank per update" in caplog.messages
     # Killed on rank 1 at update 3 (after checkpoint-2, which holds both ranks' RNG), then retried: the same weights.
-    kill = CallbackSpec(path="tests.user_code:KillAtStep", kwargs={"step": 3, "rank": 1, "once": str(tmp_path / "killed")})
+    kill = CallbackSpec(
+        path="tests.user_code:KillAtStep", kwargs={"step": 3, "rank": 1, "once": str(tmp_path / "killed")}
+    )
     config = PpoConfig(**fast, callbacks=[kill])
     with pytest.raises(RuntimeError, match="ppo: accelerate launch exited"):
         train_stage("ppo", config, rewards, inputs, ctx)
@@ -127,7 +161,10 @@ def test_ppo_on_two_ranks_resumes_a_killed_rank_to_the_same_weights_as_an_unbrok
     assert launched_processes(work) == []
     resumed = train_stage("ppo", config, rewards, inputs, ctx)
     assert MlflowClient().get_run(resumed.mlflow_run_id).data.tags["rlhf.resumed_from"] == "checkpoint-2"
-    weights = {name: load_file(ref.path / "model" / "model.safetensors") for name, ref in (("unbroken", unbroken.ref), ("resumed", resumed.ref))}
+    weights = {
+        name: load_file(ref.path / "model" / "model.safetensors")
+        for name, ref in (("unbroken", unbroken.ref), ("resumed", resumed.ref))
+    }
     assert all((weights["unbroken"][k] == weights["resumed"][k]).all() for k in weights["unbroken"])
     assert resumed.metrics["ppo/train/reward"] == pytest.approx(unbroken.metrics["ppo/train/reward"])
 
@@ -140,20 +177,36 @@ def test_engine_configs_and_the_kubernetes_job_template_ship_with_the_package():
     from rlhf_pipeline.tasks.launcher import ENGINE_DIR, ENGINES
 
     kinds = {name: yaml.safe_load((ENGINE_DIR / f"{name}.yaml").read_text()) for name in ENGINES}
-    assert {name: kind["distributed_type"] for name, kind in kinds.items()} == {"ddp": "MULTI_GPU", "zero2": "DEEPSPEED", "zero3": "DEEPSPEED", "fsdp2": "FSDP"}
-    assert kinds["zero3"]["deepspeed_config"]["zero3_save_16bit_model"] and kinds["fsdp2"]["fsdp_config"]["fsdp_version"] == 2
+    assert {name: kind["distributed_type"] for name, kind in kinds.items()} == {
+        "ddp": "MULTI_GPU",
+        "zero2": "DEEPSPEED",
+        "zero3": "DEEPSPEED",
+        "fsdp2": "FSDP",
+    }
+    assert (
+        kinds["zero3"]["deepspeed_config"]["zero3_save_16bit_model"]
+        and kinds["fsdp2"]["fsdp_config"]["fsdp_version"] == 2
+    )
     assert all(kind["mixed_precision"] == "no" for kind in kinds.values())  # each stage's bf16/fp16 decides
     template = json.loads((ENGINE_DIR.parent / "kubernetes" / "gpu-job-template.json").read_text())
     container = template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"][0]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "{{ gpus }}"
     assert {"name": "rlhf-state", "mountPath": "/state"} in container["volumeMounts"]
     assert template["variables"]["properties"]["env"]["default"]["RLHF_STATE_DIR"] == "/state"
-    with pytest.raises(ValueError, match="launch.engine='zero4' is neither one of ddp, zero2, zero3, fsdp2 nor an accelerate config file"):
+    with pytest.raises(
+        ValueError,
+        match="launch.engine='zero4' is neither one of ddp, zero2, zero3, fsdp2 nor an accelerate config file",
+    ):
         LaunchConfig(engine="zero4")
     import importlib.util
 
-    if importlib.util.find_spec("deepspeed") is None:  # this machine: ZeRO is refused with the parameters, naming the extra
-        with pytest.raises(ValueError, match=r"launch.engine='zero3' runs DeepSpeed ZeRO, which is not installed: pip install 'rlhf-pipeline\[deepspeed\]'"):
+    if (
+        importlib.util.find_spec("deepspeed") is None
+    ):  # this machine: ZeRO is refused with the parameters, naming the extra
+        with pytest.raises(
+            ValueError,
+            match=r"launch.engine='zero3' runs DeepSpeed ZeRO, which is not installed: pip install 'rlhf-pipeline\[deepspeed\]'",
+        ):
             LaunchConfig(engine="zero3")
 
 
@@ -181,11 +234,26 @@ def test_sft_dpo_and_ppo_on_two_ranks_reach_the_held_out_exact_match_of_one_proc
         return sum(exact_match(held_out["prompt"], answers, answer=held_out["answer"])) / len(answers)
 
     sft = train_stage("sft", params.sft, {"model": params.model}, {"data": data}, inprocess)
-    scores = {"sft": (score(sft.ref), score(train_stage("sft", halved(params.sft), {"model": params.model}, {"data": data}, ctx).ref))}
+    scores = {
+        "sft": (
+            score(sft.ref),
+            score(train_stage("sft", halved(params.sft), {"model": params.model}, {"data": data}, ctx).ref),
+        )
+    }
     upstream = {"data": data, "sft": sft.ref}
     dpo = params.dpo.model_copy(update={"max_steps": 60})
-    scores["dpo"] = tuple(score(train_stage("dpo", config, {}, upstream, run).ref) for config, run in ((dpo, inprocess), (halved(dpo), ctx)))
-    ppo, rewards = params.ppo.model_copy(update={"total_episodes": 1280}), {"rewards": params.rewards}  # 20 updates; the rollout batch is global
+    scores["dpo"] = tuple(
+        score(train_stage("dpo", config, {}, upstream, run).ref)
+        for config, run in ((dpo, inprocess), (halved(dpo), ctx))
+    )
+    ppo, rewards = (
+        params.ppo.model_copy(update={"total_episodes": 1280}),
+        {"rewards": params.rewards},
+    )  # 20 updates; the rollout batch is global
     scores["ppo"] = tuple(score(train_stage("ppo", ppo, rewards, upstream, run).ref) for run in (inprocess, ctx))
-    assert scores["sft"][0] > 0.5 and scores["dpo"][0] > scores["sft"][0] + 0.05 and scores["ppo"][0] > scores["sft"][0] + 0.05  # each trained
+    assert (
+        scores["sft"][0] > 0.5
+        and scores["dpo"][0] > scores["sft"][0] + 0.05
+        and scores["ppo"][0] > scores["sft"][0] + 0.05
+    )  # each trained
     assert all(abs(launched - single) <= 0.03 for single, launched in scores.values()), scores

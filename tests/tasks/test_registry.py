@@ -28,10 +28,13 @@ def test_gate_needs_the_value_and_its_lower_bound_above_the_bars():
 
 
 HACKED = {  # the reward model's score up, exact match down: a policy that games its reward model
-    "eval/heldout/policy_mean_reward": 4.99, "eval/heldout/sft_mean_reward": 1.66,
-    "eval/heldout/policy_exact_match": 0.455, "eval/heldout/sft_exact_match": 0.623,
-    "eval/heldout/win_rate_vs_champion": 0.9, "eval/heldout/win_rate_vs_champion_low": 0.85,
-}  # fmt: skip
+    "eval/heldout/policy_mean_reward": 4.99,
+    "eval/heldout/sft_mean_reward": 1.66,
+    "eval/heldout/policy_exact_match": 0.455,
+    "eval/heldout/sft_exact_match": 0.623,
+    "eval/heldout/win_rate_vs_champion": 0.9,
+    "eval/heldout/win_rate_vs_champion_low": 0.85,
+}
 
 
 def test_the_hacking_gate_reads_the_gold_metric_else_the_ensemble_disagreement():
@@ -40,22 +43,35 @@ def test_the_hacking_gate_reads_the_gold_metric_else_the_ensemble_disagreement()
         "reward hacking: the held-out reward-model score rose from 1.6600 (sft) to 4.9900 (policy) while exact match fell from 0.6230 to 0.4550 (tolerance 0.0)"
     )
     assert hacking(cfg, {**HACKED, "eval/heldout/policy_exact_match": 0.7}) is None  # both rose: an honest gain
-    assert hacking(cfg, {**HACKED, "eval/heldout/policy_mean_reward": 1.0}) is None  # the reward fell too: no sign of gaming
+    assert (
+        hacking(cfg, {**HACKED, "eval/heldout/policy_mean_reward": 1.0}) is None
+    )  # the reward fell too: no sign of gaming
     assert hacking(cfg.model_copy(update={"hacking_tolerance": 0.2}), HACKED) is None
     assert hacking(cfg.model_copy(update={"hacking_gate": False}), HACKED) is None
     # A verifier named as eval.gold_metric is read before exact match.
-    assert "gold fell from 0.9000 to 0.1000" in hacking(cfg, {**HACKED, "eval/heldout/policy_gold": 0.1, "eval/heldout/sft_gold": 0.9})
+    assert "gold fell from 0.9000 to 0.1000" in hacking(
+        cfg, {**HACKED, "eval/heldout/policy_gold": 0.1, "eval/heldout/sft_gold": 0.9}
+    )
     # Without a reference: the members of a reward-model ensemble disagree more on the policy's answers than on SFT's.
     blind = {k: v for k, v in HACKED.items() if "exact_match" not in k}
     assert hacking(cfg, blind) is None
     why = hacking(cfg, {**blind, "eval/heldout/policy_rm_disagreement": 0.8, "eval/heldout/sft_rm_disagreement": 0.3})
-    assert why.endswith("while the reward-model ensemble's disagreement rose from 0.3000 to 0.8000 (no gold metric; tolerance 0.0)")
-    assert hacking(cfg, {**blind, "eval/heldout/policy_rm_disagreement": 0.2, "eval/heldout/sft_rm_disagreement": 0.3}) is None
+    assert why.endswith(
+        "while the reward-model ensemble's disagreement rose from 0.3000 to 0.8000 (no gold metric; tolerance 0.0)"
+    )
+    assert (
+        hacking(cfg, {**blind, "eval/heldout/policy_rm_disagreement": 0.2, "eval/heldout/sft_rm_disagreement": 0.3})
+        is None
+    )
     # Against the champion: the reward model prefers the policy, the gold metric does not (measured: an ensemble-min
     # policy at SFT's exact match, 0.635, against a 0.898 champion won 0.617 of the reward model's comparisons).
     honest = {**HACKED, "eval/heldout/policy_exact_match": 0.635, "eval/heldout/sft_exact_match": 0.633}
     assert hacking(cfg, honest) is None
-    worse = {**honest, "eval/heldout/win_rate_vs_champion": 0.6167, "eval/heldout/exact_match_gain_vs_champion": -0.2633}
+    worse = {
+        **honest,
+        "eval/heldout/win_rate_vs_champion": 0.6167,
+        "eval/heldout/exact_match_gain_vs_champion": -0.2633,
+    }
     assert hacking(cfg, worse) == (
         "reward hacking: the reward model prefers the policy to the champion (win rate 0.6167) while exact match is -0.2633 against "
         "the champion's (tolerance 0.0)"
@@ -125,7 +141,9 @@ def test_first_version_is_champion_a_loser_is_refused_a_winner_promoted(ctx):
     mlflow.set_tracking_uri(tracking.tracking_uri())
     local = mlflow.artifacts.download_artifacts(artifact_uri="models:/test-policy@champion")
     assert AutoModelForCausalLM.from_pretrained(local).config.hidden_size == 32
-    assert AutoTokenizer.from_pretrained(local)("sort 3 -> ")["input_ids"] == build_tokenizer()("sort 3 -> ")["input_ids"]  # 10 bytes, 10 ids
+    assert (
+        AutoTokenizer.from_pretrained(local)("sort 3 -> ")["input_ids"] == build_tokenizer()("sort 3 -> ")["input_ids"]
+    )  # 10 bytes, 10 ids
     champion = current_champion(cfg)
     assert champion.digest == policy.digest and (champion.path / "model" / "model.safetensors").is_file()
 
@@ -141,7 +159,12 @@ def test_gate_on_measured_exact_match_refuses_the_untrained_base_and_promotes_a_
 
     data = write_data_dir(tmp_path / "data", rows=600)
     base = ModelConfig()  # the full tiny model: it learns the task in a few dozen steps
-    cfg = RegistryConfig(model_name="gate-test", gate_metric="eval/heldout/exact_match_gain_vs_champion", min_value=0.0, min_lower_bound=0.0)
+    cfg = RegistryConfig(
+        model_name="gate-test",
+        gate_metric="eval/heldout/exact_match_gain_vs_champion",
+        min_value=0.0,
+        min_lower_bound=0.0,
+    )
     eval_cfg = EvalConfig(max_prompts=100, max_new_tokens=8, perplexity_rows=0, n_bootstrap=200)
     parent = tracking.start_run(ctx.experiment_id, "gate", {})
     run_ctx = ctx.model_copy(update={"parent_run_id": parent})
@@ -151,7 +174,9 @@ def test_gate_on_measured_exact_match_refuses_the_untrained_base_and_promotes_a_
         return {}
 
     def trained(out_dir, work_dir, log):
-        config = sft.SftConfig(max_steps=60, learning_rate=3e-3, per_device_train_batch_size=64, max_length=64, save_steps=1000)
+        config = sft.SftConfig(
+            max_steps=60, learning_rate=3e-3, per_device_train_batch_size=64, max_length=64, save_steps=1000
+        )
         return sft.train(config, base, data, out_dir, work_dir)
 
     base_ref = run_stage("sft", {"untrained": True}, {}, run_ctx, untrained).ref

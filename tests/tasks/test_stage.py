@@ -95,7 +95,9 @@ def test_two_runs_with_the_same_inputs_at_once_build_once_and_share_the_result(c
         return writing(calls)(out_dir, work_dir, log_metrics)
 
     outcomes: list = []
-    runs = [threading.Thread(target=lambda: outcomes.append(run_stage("dpo", DpoConfig(), {}, ctx, slow))) for _ in range(2)]
+    runs = [
+        threading.Thread(target=lambda: outcomes.append(run_stage("dpo", DpoConfig(), {}, ctx, slow))) for _ in range(2)
+    ]
     for run in runs:
         run.start()
         time.sleep(0.2)
@@ -147,7 +149,13 @@ def test_the_manifest_and_the_mlflow_run_record_the_builds_peak_memory_and_wall_
 
     def holding(out_dir, work_dir, log_metrics):
         held = bytearray(200 * 2**20)
-        child = subprocess.Popen([sys.executable, "-c", "import time; b = bytearray(300 * 2**20); b[::4096] = b'x' * len(b[::4096]); time.sleep(1.5)"])
+        child = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "import time; b = bytearray(300 * 2**20); b[::4096] = b'x' * len(b[::4096]); time.sleep(1.5)",
+            ]
+        )
         held[::4096] = b"x" * len(held[::4096])  # touched, so resident
         child.wait()
         time.sleep(0.3)
@@ -158,7 +166,9 @@ def test_the_manifest_and_the_mlflow_run_record_the_builds_peak_memory_and_wall_
         return {"dpo/train/loss": 0.5}
 
     # A process that was running before the builds (a temporary Prefect server, another test's server) is not theirs.
-    holder = "import time; b = bytearray(300 * 2**20); b[::4096] = b'x' * len(b[::4096]); print(flush=True); time.sleep(60)"
+    holder = (
+        "import time; b = bytearray(300 * 2**20); b[::4096] = b'x' * len(b[::4096]); print(flush=True); time.sleep(60)"
+    )
     server = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE)
     try:
         server.stdout.readline()  # it holds its memory now
@@ -173,7 +183,10 @@ def test_the_manifest_and_the_mlflow_run_record_the_builds_peak_memory_and_wall_
     assert resources["quiet"]["peak_rss_mb"] - resources["quiet"]["rss_before_mb"] < 50, resources
     assert resources["busy"]["seconds"] >= 1.5 and resources["quiet"]["seconds"] >= 0.5
     metrics = MlflowClient().get_run(busy.mlflow_run_id).data.metrics
-    assert metrics["dpo/memory/peak_rss_mb"] == resources["busy"]["peak_rss_mb"] and metrics["dpo/time/seconds"] == resources["busy"]["seconds"]
+    assert (
+        metrics["dpo/memory/peak_rss_mb"] == resources["busy"]["peak_rss_mb"]
+        and metrics["dpo/time/seconds"] == resources["busy"]["seconds"]
+    )
 
 
 def test_experiments_are_marked_as_model_training_for_the_mlflow_ui():
@@ -184,7 +197,10 @@ def test_experiments_are_marked_as_model_training_for_the_mlflow_ui():
     old = mlflow.create_experiment("test-kind-old")
     guessed = mlflow.create_experiment("test-kind-guessed", tags={tracking.KIND_TAG: "genai_development_inferred"})
     chosen = mlflow.create_experiment("test-kind-chosen", tags={tracking.KIND_TAG: "genai_development"})
-    for name, experiment, kind in (("test-kind-old", old, "custom_model_development"), ("test-kind-guessed", guessed, "custom_model_development"),
-                                   ("test-kind-chosen", chosen, "genai_development")):  # fmt: skip
+    for name, experiment, kind in (
+        ("test-kind-old", old, "custom_model_development"),
+        ("test-kind-guessed", guessed, "custom_model_development"),
+        ("test-kind-chosen", chosen, "genai_development"),
+    ):
         assert tracking.experiment_id(name) == experiment
         assert mlflow.get_experiment(experiment).tags[tracking.KIND_TAG] == kind, name

@@ -24,7 +24,9 @@ def closure(stage: str) -> set[str]:
 def test_every_trainer_takes_what_its_row_says(stage):
     parameters = trainer_parameters(BY_NAME[stage])
     signature = inspect.signature(importlib.import_module(BY_NAME[stage].trainer).train).parameters
-    takes = {MODEL_INPUTS[p] for p in parameters if p in MODEL_INPUTS and signature[p].default is inspect.Parameter.empty}
+    takes = {
+        MODEL_INPUTS[p] for p in parameters if p in MODEL_INPUTS and signature[p].default is inspect.Parameter.empty
+    }
     assert takes <= set(BY_NAME[stage].upstream), f"{stage} takes {takes} but its row lists {BY_NAME[stage].upstream}"
     # Inputs with a default come only in a feedback round: its rm samples the last round's policy and carries its rm's pairs.
     extra = {MODEL_INPUTS[p] for p in parameters if p in MODEL_INPUTS} - takes - set(BY_NAME[stage].upstream)
@@ -52,8 +54,11 @@ def test_imports_inside_functions_count_and_imports_for_annotations_do_not(tmp_p
         "def train():\n    from rlhf_pipeline.trainers import text\n    import rlhf_pipeline.trainers.metrics\n"
     )
     assert set(_imported_modules(module, "trainer")) == {
-        "rlhf_pipeline", "rlhf_pipeline.trainers", "rlhf_pipeline.trainers.text", "rlhf_pipeline.trainers.metrics",
-    }  # fmt: skip
+        "rlhf_pipeline",
+        "rlhf_pipeline.trainers",
+        "rlhf_pipeline.trainers.text",
+        "rlhf_pipeline.trainers.metrics",
+    }
 
 
 def test_a_source_edit_changes_exactly_the_versions_of_the_stages_that_import_it(monkeypatch):
@@ -62,7 +67,11 @@ def test_a_source_edit_changes_exactly_the_versions_of_the_stages_that_import_it
     before = {s.name: code_version(s.trainer) for s in STAGES}
     edited = BY_NAME["eval"].trainer.replace(".", "/").removeprefix("rlhf_pipeline/")
     original = code_version_module.read_source
-    monkeypatch.setattr(code_version_module, "read_source", lambda file: original(file) + (b"# edit" if file.as_posix().endswith(edited + ".py") else b""))
+    monkeypatch.setattr(
+        code_version_module,
+        "read_source",
+        lambda file: original(file) + (b"# edit" if file.as_posix().endswith(edited + ".py") else b""),
+    )
     after = {s.name: code_version(s.trainer) for s in STAGES}
     assert {name for name in before if before[name] != after[name]} == {"eval"}
 
@@ -85,15 +94,34 @@ def test_editing_the_console_re_keys_no_stage(monkeypatch):
     assert "rlhf_pipeline.console" in project_imports("rlhf_pipeline.cli")
     edit("trainers/progress.py")
     after = {s.name: code_version(s.trainer) for s in STAGES}
-    assert {name for name in before if before[name] != after[name]} == {"sft", "rm", "dpo", "kto", "grpo", "rloo", "ppo", "eval"}
+    assert {name for name in before if before[name] != after[name]} == {
+        "sft",
+        "rm",
+        "dpo",
+        "kto",
+        "grpo",
+        "rloo",
+        "ppo",
+        "eval",
+    }
 
 
 def test_the_algorithm_choices_and_the_plan_come_from_the_table():
     with pytest.raises(ValueError, match="algorithm"):
         load_params("tiny", ["algorithm=ppo2"])
-    assert load_params("tiny", ["algorithm=kto", "eval.use_reward_model=false"]).plan() == ["data", "sft", "kto", "eval", "registry"]
+    assert load_params("tiny", ["algorithm=kto", "eval.use_reward_model=false"]).plan() == [
+        "data",
+        "sft",
+        "kto",
+        "eval",
+        "registry",
+    ]
     params = load_params("tiny", ["algorithm=grpo", "rewards.reward_model_weight=0", "eval.use_reward_model=false"])
     assert params.plan() == ["data", "sft", "grpo", "eval", "registry"]
     assert params.upstream("eval") == ("data", "sft", "grpo")
     with_rm = load_params("tiny", ["algorithm=ppo", "rewards.reward_model_weight=1"])
-    assert with_rm.plan() == ["data", "sft", "rm", "ppo", "eval", "registry"] and with_rm.upstream("ppo") == ("data", "sft", "rm")
+    assert with_rm.plan() == ["data", "sft", "rm", "ppo", "eval", "registry"] and with_rm.upstream("ppo") == (
+        "data",
+        "sft",
+        "rm",
+    )

@@ -30,7 +30,9 @@ def inputs(tmp_path, untrained_sft) -> dict[str, ArtifactRef]:
 
 
 def test_a_stage_stopped_early_by_a_callback_publishes_its_model_tagged(ctx, inputs):
-    config = DpoConfig(max_steps=10, callbacks=[CallbackSpec(path="tests.user_code:StopAtStep", kwargs={"step": 3})], **FAST)
+    config = DpoConfig(
+        max_steps=10, callbacks=[CallbackSpec(path="tests.user_code:StopAtStep", kwargs={"step": 3})], **FAST
+    )
     outcome = train_stage("dpo", config, {}, inputs, ctx)
     assert not outcome.cached and (outcome.ref.path / "model" / "model.safetensors").is_file()
     assert outcome.ref.manifest()["training"] == {"global_step": 3, "max_steps": 10, "stopped_early": True}
@@ -69,7 +71,10 @@ def test_sft_evaluates_on_the_data_stages_sft_eval_and_keys_on_it_only_then(ctx,
     outcome = train_stage("sft", evaluating, {"model": SMALL_MODEL}, {"data": data}, ctx)
     curve = [step for step, values in read_history(outcome.ref.path) if "sft/eval/loss" in values]
     assert curve == [1, 2]
-    assert [m.step for m in MlflowClient().get_metric_history(outcome.mlflow_run_id, "sft/eval/loss")][:2] == [1, 2]  # a curve in MLflow too
+    assert [m.step for m in MlflowClient().get_metric_history(outcome.mlflow_run_id, "sft/eval/loss")][:2] == [
+        1,
+        2,
+    ]  # a curve in MLflow too
     # A new held-out file re-keys the sft that evaluates on it, not one that does not evaluate.
     plain = SftConfig(max_steps=2, **FAST)
     train_stage("sft", plain, {"model": SMALL_MODEL}, {"data": data}, ctx)

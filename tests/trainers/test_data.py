@@ -22,7 +22,11 @@ SHAPES = {
     ("sft", "conversational LM"): [{"messages": conversation("sort 21 -> ", "12"), "source": "x"}],
     ("sft", "standard prompt-completion"): [{"prompt": "sort 21 -> ", "completion": "12", "source": "x"}],
     ("sft", "conversational prompt-completion"): [
-        {"prompt": [{"role": "user", "content": "sort 21 -> "}], "completion": [{"role": "assistant", "content": "12"}], "source": "x"}
+        {
+            "prompt": [{"role": "user", "content": "sort 21 -> "}],
+            "completion": [{"role": "assistant", "content": "12"}],
+            "source": "x",
+        }
     ],
     ("preference", "standard explicit"): [{"prompt": "sort 21 -> ", "chosen": "12", "rejected": "21", "source": "x"}],
     ("preference", "standard implicit"): [{"chosen": "sort 21 -> 12", "rejected": "sort 21 -> 21", "source": "x"}],
@@ -34,7 +38,9 @@ SHAPES = {
             "source": "x",
         }
     ],
-    ("preference", "conversational implicit"): [{"chosen": conversation("sort 21 -> ", "12"), "rejected": conversation("sort 21 -> ", "21"), "source": "x"}],
+    ("preference", "conversational implicit"): [
+        {"chosen": conversation("sort 21 -> ", "12"), "rejected": conversation("sort 21 -> ", "21"), "source": "x"}
+    ],
     ("prompt", "standard"): [{"prompt": "sort 21 -> ", "answer": "12"}],
     ("prompt", "conversational"): [{"prompt": [{"role": "user", "content": "sort 21 -> "}], "answer": "12"}],
 }
@@ -58,7 +64,10 @@ def test_every_trl_shape_loads_from_jsonl_and_keeps_extra_columns(tmp_path, kind
 def test_unpaired_preferences_get_a_clear_error(tmp_path):
     # Unpaired rows are KTO's preference format; with one label only, KTO has nothing to contrast.
     path = write_jsonl(tmp_path / "kto.jsonl", [{"prompt": "a", "completion": "b", "label": True}] * 3)
-    with pytest.raises(ValueError, match=r"kto\.jsonl: rule 'both_labels_present' failed for 3 of 3 rows .* row 0 \(0-based\): all 3 labels are True"):
+    with pytest.raises(
+        ValueError,
+        match=r"kto\.jsonl: rule 'both_labels_present' failed for 3 of 3 rows .* row 0 \(0-based\): all 3 labels are True",
+    ):
         validate_dataset("preference", load_source(DatasetSpec(path=str(path))), source=str(path))
 
 
@@ -113,15 +122,28 @@ def test_conversational_data_trains_through_sft_rm_and_dpo(tmp_path):
         return per_step
 
     # Each dataset is 16 copies of one row: one batch, so step 2 sees exactly what step 1 learnt from.
-    sft.train(sft.SftConfig(assistant_only_loss=True, **fast), SMALL_MODEL, tmp_path, tmp_path / "sft", tmp_path / "w1", log("sft"))
+    sft.train(
+        sft.SftConfig(assistant_only_loss=True, **fast),
+        SMALL_MODEL,
+        tmp_path,
+        tmp_path / "sft",
+        tmp_path / "w1",
+        log("sft"),
+    )
     assert logged["sft"][1]["sft/train/loss"] < logged["sft"][0]["sft/train/loss"]
     sft_model = load_causal_lm(tmp_path / "sft" / "model")[0]
     assert unchanged(trainable(load_base_model(SMALL_MODEL)[0]), sft_model) == []
     torch.manual_seed(0)  # the reward model's new head is drawn from torch's global RNG
-    rm.train(rm.RewardModelConfig(**fast), tmp_path / "sft" / "model", tmp_path, tmp_path / "rm", tmp_path / "w2", log("rm"))
+    rm.train(
+        rm.RewardModelConfig(**fast), tmp_path / "sft" / "model", tmp_path, tmp_path / "rm", tmp_path / "w2", log("rm")
+    )
     margins = [values["rm/train/margin"] for values in logged["rm"]]
-    assert margins[1] > margins[0] and logged["rm"][1]["rm/train/accuracy"] == 1.0  # after one update, the pair is ranked right
-    dpo.train(dpo.DpoConfig(**fast), tmp_path / "sft" / "model", tmp_path, tmp_path / "dpo", tmp_path / "w3", log("dpo"))
+    assert (
+        margins[1] > margins[0] and logged["rm"][1]["rm/train/accuracy"] == 1.0
+    )  # after one update, the pair is ranked right
+    dpo.train(
+        dpo.DpoConfig(**fast), tmp_path / "sft" / "model", tmp_path, tmp_path / "dpo", tmp_path / "w3", log("dpo")
+    )
     # Step 1 scores the policy while it still is the reference (margin 0); at step 2 it has moved towards chosen.
     margins = [values["dpo/train/rewards_margins"] for values in logged["dpo"]]
     assert margins[0] == 0.0 and margins[1] > 0
@@ -137,8 +159,18 @@ def test_unpaired_feedback_passes_for_kto_and_is_refused_where_rm_or_dpo_read_pa
     config = DataConfig(preference=unpaired, preference_eval=None)
     metrics = data.train(config, SMALL_MODEL, {}, tmp_path / "kto-out", tmp_path / "kto-work", pairs_for={})
     assert metrics["data/preference/rows"] == 8.0
-    with pytest.raises(ValueError, match=r"feedback\.jsonl: rule 'paired_for_readers' failed for 8 of 8 rows .*rm, dpo of this run need pairs"):
-        data.train(config, SMALL_MODEL, {}, tmp_path / "dpo-out", tmp_path / "dpo-work", pairs_for={"preference": ("rm", "dpo")})
+    with pytest.raises(
+        ValueError,
+        match=r"feedback\.jsonl: rule 'paired_for_readers' failed for 8 of 8 rows .*rm, dpo of this run need pairs",
+    ):
+        data.train(
+            config,
+            SMALL_MODEL,
+            {},
+            tmp_path / "dpo-out",
+            tmp_path / "dpo-work",
+            pairs_for={"preference": ("rm", "dpo")},
+        )
     assert not (tmp_path / "dpo-out" / "datasets").exists()  # nothing written half-way
 
 
@@ -148,13 +180,21 @@ def test_a_gate_on_exact_match_needs_the_reference_column_which_data_checks_wher
     from tests.foreign_models import chat_data
 
     # A hub id's columns are unknown to the parameters: the gate on exact match is allowed there, and data checks it.
-    hub = load_params("tiny", ["algorithm=kto", "eval.use_reward_model=false", "data.prompts_eval.path=org/heldout-prompts"])
+    hub = load_params(
+        "tiny", ["algorithm=kto", "eval.use_reward_model=false", "data.prompts_eval.path=org/heldout-prompts"]
+    )
     assert hub.gate().gate_metric == "eval/heldout/exact_match_gain_vs_champion"
     assert hub.required_columns() == {"prompts_eval": ("answer",)}
     assert load_params("tiny").required_columns() == {}  # the reward model's win rate needs no reference
     # The local stand-in of such a dataset, without answers: refused before any training, naming the rule and the fix.
     overrides = chat_data(tmp_path / "chat")
     params = load_params("tiny", [*overrides, "rewards.reward_model_weight=1", "rewards.functions=[]"])
-    passed, failures = check_datasets(params.data, None, {}, tmp_path / "report", required_columns=hub.required_columns())
+    passed, failures = check_datasets(
+        params.data, None, {}, tmp_path / "report", required_columns=hub.required_columns()
+    )
     assert "prompts_eval" not in passed and len(failures) == 1
-    assert "rule 'required_columns'" in str(failures[0]) and "no column ['answer']" in str(failures[0]) and "eval.answer_column" in str(failures[0])
+    assert (
+        "rule 'required_columns'" in str(failures[0])
+        and "no column ['answer']" in str(failures[0])
+        and "eval.answer_column" in str(failures[0])
+    )

@@ -58,8 +58,14 @@ def ensemble(sft):
     """Three members of 6 steps each."""
     out = sft["root"] / "rm3"
     logged: list[dict] = []
-    metrics = rm.train(rm.RewardModelConfig(max_steps=6, ensemble_size=3, **FAST), sft["sft"], sft["data"], out, sft["root"] / "rm3-work",
-                       lambda values, step: logged.append(values))  # fmt: skip
+    metrics = rm.train(
+        rm.RewardModelConfig(max_steps=6, ensemble_size=3, **FAST),
+        sft["sft"],
+        sft["data"],
+        out,
+        sft["root"] / "rm3-work",
+        lambda values, step: logged.append(values),
+    )
     return {"out": out, "metrics": metrics, "logged": logged}
 
 
@@ -71,9 +77,15 @@ def test_an_ensemble_trains_k_different_members_in_one_artifact(sft, ensemble):
     members = [AutoModelForSequenceClassification.from_pretrained(d) for d in dirs]
     # Different seeds and bootstrap resamples: every member's score head differs from every other's.
     heads = [m.score.weight for m in members]
-    assert not torch.equal(heads[0], heads[1]) and not torch.equal(heads[1], heads[2]) and not torch.equal(heads[0], heads[2])
+    assert (
+        not torch.equal(heads[0], heads[1])
+        and not torch.equal(heads[1], heads[2])
+        and not torch.equal(heads[0], heads[2])
+    )
     # The served folder is member 0, weight for weight.
-    assert unchanged(trainable(members[0]), AutoModelForSequenceClassification.from_pretrained(out / "model")) == sorted(trainable(members[0]))
+    assert unchanged(
+        trainable(members[0]), AutoModelForSequenceClassification.from_pretrained(out / "model")
+    ) == sorted(trainable(members[0]))
     # Each member's curves and final figures, under its own prefix; member 0's are the stage's own too.
     for i in range(3):
         assert f"rm/member_{i}/train_loss" in ensemble["metrics"], sorted(ensemble["metrics"])
@@ -95,35 +107,72 @@ def test_the_scorer_aggregates_the_members_and_reports_their_disagreement(sft, e
     # The same members scoring text, as GRPO/RLOO get them: the aggregate of their scores of the same rows.
     text = TextEnsemble(member_dirs(ensemble["out"] / "model"), "min")
     scores = text(prompts=prompts, completions=["123"] * 6)
-    assert scores == pytest.approx([min(col) for col in zip(*text.members(prompts, ["123"] * 6))]) and len(text.last_spread) == 6
+    assert (
+        scores == pytest.approx([min(col) for col in zip(*text.members(prompts, ["123"] * 6))])
+        and len(text.last_spread) == 6
+    )
 
 
 def test_warm_serves_the_members_weight_average(sft):
     out = sft["root"] / "warm"
-    rm.train(rm.RewardModelConfig(max_steps=4, ensemble_size=2, weight_average=True, **FAST), sft["sft"], sft["data"], out, sft["root"] / "warm-work")
+    rm.train(
+        rm.RewardModelConfig(max_steps=4, ensemble_size=2, weight_average=True, **FAST),
+        sft["sft"],
+        sft["data"],
+        out,
+        sft["root"] / "warm-work",
+    )
     assert json.loads((out / "ensemble.json").read_text())["served"] == "average"
     assert scoring_dirs(out / "model") == [out / "model"]  # one model scores the policy
-    a, b, average = (AutoModelForSequenceClassification.from_pretrained(d) for d in [*member_dirs(out / "model"), out / "model"])
+    a, b, average = (
+        AutoModelForSequenceClassification.from_pretrained(d) for d in [*member_dirs(out / "model"), out / "model"]
+    )
     for name, tensor in average.state_dict().items():
         torch.testing.assert_close(tensor, (a.state_dict()[name] + b.state_dict()[name]) / 2)
-    assert not torch.equal(a.score.weight, b.score.weight)  # the members trained apart from one shared head initialisation
+    assert not torch.equal(
+        a.score.weight, b.score.weight
+    )  # the members trained apart from one shared head initialisation
 
 
-PROBED = dict(rollout_batch_size=8, num_mini_batches=2, num_ppo_epochs=2, total_episodes=48, response_length=6, learning_rate=3e-3,
-              temperature=1.0, logging_steps=1, num_threads=1, eval_steps=2, eval_prompts=16, save_steps=100)  # fmt: skip
+PROBED = dict(
+    rollout_batch_size=8,
+    num_mini_batches=2,
+    num_ppo_epochs=2,
+    total_episodes=48,
+    response_length=6,
+    learning_rate=3e-3,
+    temperature=1.0,
+    logging_steps=1,
+    num_threads=1,
+    eval_steps=2,
+    eval_prompts=16,
+    save_steps=100,
+)
 
 
 def test_ppo_probes_the_held_out_prompts_and_publishes_the_best_probe(sft, ensemble, tmp_path):
     logged: list[tuple[int, dict]] = []
     cfg = ppo.PpoConfig(**PROBED, target_kl=0.5, kl_horizon=16)
-    ppo.train(cfg, RewardsConfig(reward_model_weight=1.0, reward_model_aggregate="mean_minus_std"), sft["sft"], ensemble["out"] / "model",
-              sft["data"], tmp_path / "out", tmp_path / "work", lambda values, step: logged.append((step, values)))  # fmt: skip
+    ppo.train(
+        cfg,
+        RewardsConfig(reward_model_weight=1.0, reward_model_aggregate="mean_minus_std"),
+        sft["sft"],
+        ensemble["out"] / "model",
+        sft["data"],
+        tmp_path / "out",
+        tmp_path / "work",
+        lambda values, step: logged.append((step, values)),
+    )
     probes = [(step, v) for step, v in logged if "ppo/heldout/kl" in v]
     assert [step for step, _ in probes] == [2, 4, 6]  # every eval_steps, and the last update
     for _, values in probes:
-        assert {f"ppo/heldout/{n}" for n in ("kl", "sqrt_kl", "exact_match", "proxy_reward", "disagreement", "score")} <= set(values)
+        assert {
+            f"ppo/heldout/{n}" for n in ("kl", "sqrt_kl", "exact_match", "proxy_reward", "disagreement", "score")
+        } <= set(values)
         assert values["ppo/heldout/disagreement"] > 0
-        assert values["ppo/heldout/score"] == pytest.approx(values["ppo/heldout/proxy_reward"] - values["ppo/heldout/disagreement"])
+        assert values["ppo/heldout/score"] == pytest.approx(
+            values["ppo/heldout/proxy_reward"] - values["ppo/heldout/disagreement"]
+        )
     curves = [json.loads(line) for line in (tmp_path / "out" / CURVES).read_text().splitlines()]
     assert [c["step"] for c in curves] == [2, 4, 6] and curves[-1]["kl"] == probes[-1][1]["ppo/heldout/kl"]
     # Adaptive KL: the coefficient is logged every update and moves from kl_coef (0.05) with the measured KL.
@@ -134,7 +183,9 @@ def test_ppo_probes_the_held_out_prompts_and_publishes_the_best_probe(sft, ensem
     best = max(curves, key=lambda c: c["score"])
     assert outcome["kept_step"] == best["step"] and outcome["kept_score"] == pytest.approx(best["score"])
     published, _ = load_causal_lm(tmp_path / "out" / "model")
-    kept = __import__("safetensors.torch", fromlist=["load_file"]).load_file(tmp_path / "work" / "best-policy" / "policy.safetensors")
+    kept = __import__("safetensors.torch", fromlist=["load_file"]).load_file(
+        tmp_path / "work" / "best-policy" / "policy.safetensors"
+    )
     for name, tensor in published.state_dict().items():
         if name in kept:
             torch.testing.assert_close(tensor, kept[name])
@@ -142,6 +193,8 @@ def test_ppo_probes_the_held_out_prompts_and_publishes_the_best_probe(sft, ensem
 
 def test_without_keep_best_the_last_policy_is_published(sft, ensemble, tmp_path):
     cfg = ppo.PpoConfig(**{**PROBED, "total_episodes": 16}, keep_best=False)
-    ppo.train(cfg, RewardsConfig(), sft["sft"], ensemble["out"] / "model", sft["data"], tmp_path / "out", tmp_path / "work")
+    ppo.train(
+        cfg, RewardsConfig(), sft["sft"], ensemble["out"] / "model", sft["data"], tmp_path / "out", tmp_path / "work"
+    )
     assert "kept_step" not in json.loads((tmp_path / "out" / "training.json").read_text())
     assert not (tmp_path / "work" / "best-policy").exists() and (tmp_path / "out" / CURVES).is_file()

@@ -23,7 +23,13 @@ def adapter(tmp_path_factory):
     root = tmp_path_factory.mktemp("handoff")
     data = write_data_dir(root / "data", rows=32)
     # A large rate, so the adapter is far from its zero init and merged/stacked/base models differ.
-    sft.train(sft.SftConfig(max_steps=4, lora=ADAPTER, **{**FAST, "learning_rate": 3e-2}), SMALL_MODEL, data, root / "sft", root / "sft-work")
+    sft.train(
+        sft.SftConfig(max_steps=4, lora=ADAPTER, **{**FAST, "learning_rate": 3e-2}),
+        SMALL_MODEL,
+        data,
+        root / "sft",
+        root / "sft-work",
+    )
     return {"data": data, "model": root / "sft" / "model"}
 
 
@@ -43,15 +49,26 @@ def test_a_kept_adapter_loads_merged_or_stacked_to_the_same_logits(adapter):
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(adapter["model"] / "base")
-    assert not torch.allclose(logits(base, tokenizer), logits(merged, tokenizer), atol=1e-3)  # the adapter does something
-    with pytest.raises(ValueError, match=r"holds a LoRA adapter: choose how to continue from it \(lora.handoff: merge or stack\)"):
+    assert not torch.allclose(
+        logits(base, tokenizer), logits(merged, tokenizer), atol=1e-3
+    )  # the adapter does something
+    with pytest.raises(
+        ValueError, match=r"holds a LoRA adapter: choose how to continue from it \(lora.handoff: merge or stack\)"
+    ):
         load_causal_lm(adapter["model"], None)
 
 
 def test_dpo_on_a_stacked_adapter_starts_at_ln2_with_the_policy_equal_to_its_reference(adapter, tmp_path):
     logged: list[tuple[int, dict]] = []
     cfg = dpo.DpoConfig(max_steps=3, lora=LoraConfig(handoff="stack"), **{**FAST, "learning_rate": 1e-2})
-    dpo.train(cfg, adapter["model"], adapter["data"], tmp_path / "out", tmp_path / "work", lambda values, step: logged.append((step, values)))
+    dpo.train(
+        cfg,
+        adapter["model"],
+        adapter["data"],
+        tmp_path / "out",
+        tmp_path / "work",
+        lambda values, step: logged.append((step, values)),
+    )
     first = next(values for step, values in logged if step == 1 and "dpo/train/loss" in values)
     assert first["dpo/train/loss"] == pytest.approx(math.log(2), abs=1e-3)
     # rewards = beta * (log pi - log pi_ref): zero at step 0 means the policy's log-probabilities equal the reference's.
@@ -60,40 +77,83 @@ def test_dpo_on_a_stacked_adapter_starts_at_ln2_with_the_policy_equal_to_its_ref
     assert later and later[0] != pytest.approx(math.log(2), abs=1e-4)  # the stacked adapter trained
     # Published merged (keep_adapter off): a whole model, and not the sft one.
     out, tokenizer = load_causal_lm(tmp_path / "out" / "model")
-    assert not torch.allclose(logits(out, tokenizer), logits(load_causal_lm(adapter["model"], "merge")[0], tokenizer), atol=1e-5)
+    assert not torch.allclose(
+        logits(out, tokenizer), logits(load_causal_lm(adapter["model"], "merge")[0], tokenizer), atol=1e-5
+    )
 
 
 def test_dpo_on_a_merged_adapter_trains_its_own_lora_and_an_unchosen_handoff_fails_before_training(adapter, tmp_path):
     merged = dpo.DpoConfig(max_steps=2, lora=LoraConfig(enabled=True, r=4, handoff="merge"), **FAST)
     dpo.train(merged, adapter["model"], adapter["data"], tmp_path / "out", tmp_path / "work")
     assert (tmp_path / "out" / "model" / "model.safetensors").is_file()
-    with pytest.raises(ValueError, match="holds sft's LoRA adapter \\(sft.lora.keep_adapter\\): choose lora.handoff=merge or stack"):
-        dpo.train(dpo.DpoConfig(max_steps=2, **FAST), adapter["model"], adapter["data"], tmp_path / "none", tmp_path / "none-work")
+    with pytest.raises(
+        ValueError, match="holds sft's LoRA adapter \\(sft.lora.keep_adapter\\): choose lora.handoff=merge or stack"
+    ):
+        dpo.train(
+            dpo.DpoConfig(max_steps=2, **FAST),
+            adapter["model"],
+            adapter["data"],
+            tmp_path / "none",
+            tmp_path / "none-work",
+        )
     assert not (tmp_path / "none").exists()
 
 
 def test_a_reward_model_adapter_keeps_its_score_head(adapter, tmp_path):
-    cfg = rm.RewardModelConfig(max_steps=3, lora=LoraConfig(enabled=True, r=4, keep_adapter=True, handoff="merge"), **{**FAST, "learning_rate": 1e-2})
+    cfg = rm.RewardModelConfig(
+        max_steps=3,
+        lora=LoraConfig(enabled=True, r=4, keep_adapter=True, handoff="merge"),
+        **{**FAST, "learning_rate": 1e-2},
+    )
     rm.train(cfg, adapter["model"], adapter["data"], tmp_path / "rm", tmp_path / "rm-work")
     saved = load_file(tmp_path / "rm" / "model" / "adapter_model.safetensors")
-    assert any("score" in name for name in saved), sorted(saved)[:5]  # the head travels in the adapter (peft modules_to_save)
+    assert any("score" in name for name in saved), sorted(saved)[
+        :5
+    ]  # the head travels in the adapter (peft modules_to_save)
     tokenizer = load_tokenizer(tmp_path / "rm" / "model")
-    first, second = load_sequence_classifier(tmp_path / "rm" / "model"), load_sequence_classifier(tmp_path / "rm" / "model")
+    first, second = (
+        load_sequence_classifier(tmp_path / "rm" / "model"),
+        load_sequence_classifier(tmp_path / "rm" / "model"),
+    )
     assert torch.equal(logits(first, tokenizer), logits(second, tokenizer))  # no fresh (random) head on load
     with pytest.raises(ValueError, match="the reward model starts from it merged"):
-        rm.train(cfg.model_copy(update={"lora": LoraConfig(handoff="stack")}), adapter["model"], adapter["data"], tmp_path / "x", tmp_path / "x-work")
+        rm.train(
+            cfg.model_copy(update={"lora": LoraConfig(handoff="stack")}),
+            adapter["model"],
+            adapter["data"],
+            tmp_path / "x",
+            tmp_path / "x-work",
+        )
 
 
 def test_ppo_on_a_stacked_adapter_has_no_kl_to_its_reference_at_the_first_update(adapter, tmp_path):
     logged: list[tuple[int, dict]] = []
     rewards = RewardsConfig(reward_model_weight=0, functions=[RewardFunctionSpec(path="tests.helpers:length_reward")])
     cfg = ppo.PpoConfig(
-        rollout_batch_size=8, num_mini_batches=2, num_ppo_epochs=1, total_episodes=24, response_length=4, logging_steps=1, num_threads=1,
-        learning_rate=1e-2, lora=LoraConfig(handoff="stack"),
-    )  # fmt: skip
-    ppo.train(cfg, rewards, adapter["model"], None, adapter["data"], tmp_path / "out", tmp_path / "work", lambda values, step: logged.append((step, values)))
+        rollout_batch_size=8,
+        num_mini_batches=2,
+        num_ppo_epochs=1,
+        total_episodes=24,
+        response_length=4,
+        logging_steps=1,
+        num_threads=1,
+        learning_rate=1e-2,
+        lora=LoraConfig(handoff="stack"),
+    )
+    ppo.train(
+        cfg,
+        rewards,
+        adapter["model"],
+        None,
+        adapter["data"],
+        tmp_path / "out",
+        tmp_path / "work",
+        lambda values, step: logged.append((step, values)),
+    )
     kl = {step: values["ppo/train/kl"] for step, values in logged}
-    assert abs(kl[1]) < 1e-5 and abs(kl[3]) > 1e-5  # the frozen copy is the reference; the trained adapter moves away from it
+    assert (
+        abs(kl[1]) < 1e-5 and abs(kl[3]) > 1e-5
+    )  # the frozen copy is the reference; the trained adapter moves away from it
     assert (tmp_path / "out" / "model" / "model.safetensors").is_file()
 
 
@@ -103,10 +163,23 @@ def test_grpo_trains_a_stacked_adapter_against_its_frozen_copy(adapter, tmp_path
     logged: list[tuple[int, dict]] = []
     rewards = RewardsConfig(reward_model_weight=0, functions=[RewardFunctionSpec(path="tests.helpers:length_reward")])
     cfg = grpo.GrpoConfig(
-        max_steps=2, per_device_train_batch_size=8, num_generations=4, max_completion_length=4, lora=LoraConfig(handoff="stack"),
+        max_steps=2,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=4,
+        lora=LoraConfig(handoff="stack"),
         **{k: v for k, v in FAST.items() if k != "per_device_train_batch_size"},
-    )  # fmt: skip
-    grpo.train(cfg, rewards, adapter["model"], None, adapter["data"], tmp_path / "out", tmp_path / "work", lambda values, step: logged.append((step, values)))
+    )
+    grpo.train(
+        cfg,
+        rewards,
+        adapter["model"],
+        None,
+        adapter["data"],
+        tmp_path / "out",
+        tmp_path / "work",
+        lambda values, step: logged.append((step, values)),
+    )
     kl = [values["grpo/train/kl"] for step, values in logged if step == 1 and "grpo/train/kl" in values]
     assert kl and abs(kl[0]) < 1e-6  # the reference is the frozen copy of sft's adapter, not the bare base
     assert (tmp_path / "out" / "model" / "model.safetensors").is_file()
@@ -116,16 +189,23 @@ def test_qlora_needs_bitsandbytes_and_a_gpu_and_says_which_is_missing(adapter, t
     import importlib.util
 
     assert importlib.util.find_spec("bitsandbytes") is None  # this machine: the parameters name the package
-    with pytest.raises(ValueError, match=r"lora.quantization='4bit' \(QLoRA\) needs bitsandbytes and a CUDA GPU; bitsandbytes is not installed"):
+    with pytest.raises(
+        ValueError,
+        match=r"lora.quantization='4bit' \(QLoRA\) needs bitsandbytes and a CUDA GPU; bitsandbytes is not installed",
+    ):
         LoraConfig(enabled=True, quantization="4bit")
     with pytest.raises(ValueError, match="an adapter cannot be merged into 4-bit weights; stack it"):
         LoraConfig(handoff="merge", quantization="4bit")
     with pytest.raises(ValueError, match="set lora.enabled=true"):
         LoraConfig(quantization="4bit")
-    if not torch.cuda.is_available():  # with bitsandbytes present on a CPU machine: the stage names the device, before any weights load
+    if (
+        not torch.cuda.is_available()
+    ):  # with bitsandbytes present on a CPU machine: the stage names the device, before any weights load
         qlora = LoraConfig.model_construct(**{**dict(LoraConfig(enabled=True, r=4)), "quantization": "4bit"})
         cfg = sft.SftConfig.model_construct(**{**dict(sft.SftConfig(max_steps=2, **FAST)), "lora": qlora})
-        with pytest.raises(ValueError, match=r"\(QLoRA\): bitsandbytes quantizes on a CUDA GPU, and this machine trains on cpu"):
+        with pytest.raises(
+            ValueError, match=r"\(QLoRA\): bitsandbytes quantizes on a CUDA GPU, and this machine trains on cpu"
+        ):
             sft.train(cfg, SMALL_MODEL, adapter["data"], tmp_path / "out", tmp_path / "work")
         assert not (tmp_path / "out").exists()
 
@@ -157,7 +237,9 @@ def test_a_sharded_lora_model_is_saved_from_its_gathered_state_dict(adapter, tmp
 
     merged, _ = load_causal_lm(adapter["model"], "merge")
     save_model(merged, tokenizer, tmp_path / "sft-merged")
-    scorer = get_peft_model(load_sequence_classifier(tmp_path / "sft-merged"), PeftLora(r=4, lora_alpha=8, task_type="SEQ_CLS"))
+    scorer = get_peft_model(
+        load_sequence_classifier(tmp_path / "sft-merged"), PeftLora(r=4, lora_alpha=8, task_type="SEQ_CLS")
+    )
     with torch.no_grad():
         scorer.base_model.model.score.modules_to_save["default"].weight.normal_()  # a head unlike a fresh one
     expected = logits(scorer, tokenizer)
@@ -183,7 +265,9 @@ def test_lora_trains_the_rows_of_the_tokens_a_chat_template_added_and_later_stag
         untied.save_pretrained(folder, safe_serialization=True)
     chat_data(tmp_path / "chat")
     (tmp_path / "data" / "datasets").mkdir(parents=True)
-    Dataset.from_json(str(tmp_path / "chat" / "sft.jsonl")).to_parquet(str(tmp_path / "data" / "datasets" / "sft.parquet"))
+    Dataset.from_json(str(tmp_path / "chat" / "sft.jsonl")).to_parquet(
+        str(tmp_path / "data" / "datasets" / "sft.parquet")
+    )
     model = ModelConfig(name_or_path=str(folder), chat_template="chatml")
     cfg = sft.SftConfig(max_steps=3, lora=ADAPTER, **{**FAST, "learning_rate": 3e-2})
     sft.train(cfg, model, tmp_path / "data", tmp_path / "sft", tmp_path / "sft-work")
@@ -194,10 +278,14 @@ def test_lora_trains_the_rows_of_the_tokens_a_chat_template_added_and_later_stag
     assert set(deltas) == {"wte", "lm_head"}, sorted(saved)  # the tied head's rows are saved beside the embeddings' too
     tokenizer = load_tokenizer(out)
     added = [tokenizer.convert_tokens_to_ids(token) for token in ("<|im_start|>", "<|im_end|>")]
-    assert min(added) >= GPT2LMHeadModel.from_pretrained(folder).get_input_embeddings().weight.shape[0]  # rows the checkpoint lacks
+    assert (
+        min(added) >= GPT2LMHeadModel.from_pretrained(folder).get_input_embeddings().weight.shape[0]
+    )  # rows the checkpoint lacks
     merged, _ = load_causal_lm(out, "merge")
     stacked, _ = load_causal_lm(out, "stack")
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "Describe the red cat."}], tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Describe the red cat."}], tokenize=False, add_generation_prompt=True
+    )
     assert torch.allclose(logits(merged, tokenizer, text), logits(stacked, tokenizer, text), atol=1e-4)
     # The rows come from the adapter, whatever the base held; an untied head trained rows of its own.
     assert torch.equal(merged.get_input_embeddings().weight[added], deltas["wte"])

@@ -11,7 +11,9 @@ from rlhf_pipeline.trainers.judges import DEFAULT_TEMPLATE, JudgeConfig, judged_
 from rlhf_pipeline.trainers.models import save_model
 from tests.foreign_models import gpt2_folder
 
-SMALL = ModelConfig(tiny=TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2))
+SMALL = ModelConfig(
+    tiny=TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+)
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name an animal."}]
 
 
@@ -32,7 +34,11 @@ def leaning_judge(prompts, completions_a, completions_b):
 
 def _items(n_long: int, n_short: int, n_same: int = 0):
     """Pairs where a is longer than b n_long times, shorter n_short times, identical n_same times."""
-    rows = [("p", "long answer", "short")] * n_long + [("p", "x", "longer one")] * n_short + [("p", "same", "same")] * n_same
+    rows = (
+        [("p", "long answer", "short")] * n_long
+        + [("p", "x", "longer one")] * n_short
+        + [("p", "same", "same")] * n_same
+    )
     return [list(column) for column in zip(*rows)]
 
 
@@ -44,17 +50,23 @@ def test_function_judge_win_rate_has_an_interval_that_narrows_with_more_items():
     few = judged_win_rate(spy, *_items(7, 3, 2))
     assert few.win_rate.rate == pytest.approx(8 / 12)  # 7 wins, 3 losses, 2 ties at 0.5
     assert few.win_rate.ties == 2 and few.judged == 10 and few.win_rate.n == 12
-    assert ("same", "same") not in seen and len(seen) == 20  # both orders of the 10 different pairs, never the identical ones
+    assert ("same", "same") not in seen and len(
+        seen
+    ) == 20  # both orders of the 10 different pairs, never the identical ones
     assert few.position_bias == 0 and few.order_disagreement == 0
     assert few.win_rate.low < few.win_rate.rate < few.win_rate.high
 
     many = judged_win_rate(judge, *_items(70, 30, 20))
     assert many.win_rate.rate == pytest.approx(few.win_rate.rate)
     assert many.win_rate.low < many.win_rate.rate < many.win_rate.high
-    assert many.win_rate.high - many.win_rate.low < 0.6 * (few.win_rate.high - few.win_rate.low)  # ~1/sqrt(10) of the width
+    assert many.win_rate.high - many.win_rate.low < 0.6 * (
+        few.win_rate.high - few.win_rate.low
+    )  # ~1/sqrt(10) of the width
     metrics = many.metrics("eval/heldout/judge_win_rate_vs_sft")
     assert metrics["eval/heldout/judge_win_rate_vs_sft"] == many.win_rate.rate
-    assert set(metrics) == {"eval/heldout/judge_win_rate_vs_sft" + s for s in ("", "_low", "_high", "_position_bias", "_order_disagreement")}
+    assert set(metrics) == {
+        "eval/heldout/judge_win_rate_vs_sft" + s for s in ("", "_low", "_high", "_position_bias", "_order_disagreement")
+    }
 
 
 def test_swapping_positions_cancels_a_judge_that_always_picks_the_first():
@@ -101,18 +113,24 @@ def test_lm_judge_reads_the_verdict_logits_of_a_chat_model(tiny_judge):
     assert probabilities[1] != pytest.approx(judge(prompts, b, a)[1], abs=1e-6)  # the order reaches the model
 
     assert render_prompt(CHAT) == "System: Be brief.\n\nUser: Name an animal."
-    verdict_a, verdict_b = tokenizer.convert_tokens_to_ids(["A", "B"])  # byte-level: "A" is one token after <|assistant|>
+    verdict_a, verdict_b = tokenizer.convert_tokens_to_ids(
+        ["A", "B"]
+    )  # byte-level: "A" is one token after <|assistant|>
     # Item 0 shares a batch with the longer item 1, so it is left-padded; item 1 is the message-list prompt.
     for i, shown in [(0, "Sort 3 1 2."), (1, "System: Be brief.\n\nUser: Name an animal.")]:
         text = DEFAULT_TEMPLATE.format(prompt=shown, a=a[i], b=b[i])
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
         assert rendered.startswith("<|user|>") and rendered.endswith("<|assistant|>")
         ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
         assert probabilities[i] == pytest.approx(_softmax_ab(model, ids, verdict_a, verdict_b), abs=1e-5)
 
     result = judged_win_rate(judge, prompts, a, b)
     swapped = judge(prompts, b, a)
-    assert list(result.preferences) == pytest.approx([(p + 1 - q) / 2 for p, q in zip(probabilities, swapped)], abs=1e-6)
+    assert list(result.preferences) == pytest.approx(
+        [(p + 1 - q) / 2 for p, q in zip(probabilities, swapped)], abs=1e-6
+    )
 
 
 def test_lm_judge_scores_the_space_letter_token_where_the_vocabulary_has_one(tmp_path):
@@ -126,7 +144,9 @@ def test_lm_judge_scores_the_space_letter_token_where_the_vocabulary_has_one(tmp
     tokenizer.add_tokens([AddedToken(" A", normalized=False), AddedToken(" B", normalized=False)])
     model = AutoModelForCausalLM.from_pretrained(folder)
     model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-    with torch.no_grad():  # rows unlike each other and the rest, so the verdict depends on the context and on which token is read
+    with (
+        torch.no_grad()
+    ):  # rows unlike each other and the rest, so the verdict depends on the context and on which token is read
         torch.manual_seed(0)
         model.get_output_embeddings().weight[-2:] = 0.2 * torch.randn(2, model.config.n_embd)
     save_model(model, tokenizer, folder)
@@ -146,7 +166,9 @@ def test_lm_judge_scores_the_space_letter_token_where_the_vocabulary_has_one(tmp
         context = tokenizer(text[:-1])["input_ids"]
         assert probabilities[i] == pytest.approx(_softmax_ab(model, context, space_a, space_b), abs=1e-5)
         lone_space = tokenizer(text)["input_ids"]
-        assert probabilities[i] != pytest.approx(_softmax_ab(model, lone_space, *tokenizer.convert_tokens_to_ids(["A", "B"])), abs=1e-4)
+        assert probabilities[i] != pytest.approx(
+            _softmax_ab(model, lone_space, *tokenizer.convert_tokens_to_ids(["A", "B"])), abs=1e-4
+        )
 
 
 def test_templates_and_paths_are_checked_with_the_config():
@@ -154,7 +176,9 @@ def test_templates_and_paths_are_checked_with_the_config():
         JudgeConfig(path="some/judge", template="Prompt {prompt}. Which is better, this or {b}?")
     with pytest.raises(ValidationError, match=r"unknown placeholders \{answer\}"):
         JudgeConfig(path="some/judge", template="{prompt} {a} {b} {answer}")
-    with pytest.raises(ValidationError, match=r'unknown placeholders \{"verdict"\} \(write literal braces as \{\{ and \}\}\)'):
+    with pytest.raises(
+        ValidationError, match=r'unknown placeholders \{"verdict"\} \(write literal braces as \{\{ and \}\}\)'
+    ):
         JudgeConfig(path="some/judge", template='{prompt} {a} {b} reply as {"verdict": "A"}')
     with pytest.raises(ValidationError, match=r"judge template: Single '}'"):
         JudgeConfig(path="some/judge", template="{prompt} {a} {b} :-}")
@@ -195,7 +219,9 @@ def test_broken_function_judges_fail_with_their_path(tmp_path, monkeypatch):
         load("my_judges:text")
     with pytest.raises(ValueError, match=r"'my_judges:boom' raised.*rubric"):
         load("my_judges:boom")
-    with pytest.raises(ValueError, match=r"judge '/no/such/judge': cannot load it as a causal LM from a hub id \(no such folder here\)"):
+    with pytest.raises(
+        ValueError, match=r"judge '/no/such/judge': cannot load it as a causal LM from a hub id \(no such folder here\)"
+    ):
         load("/no/such/judge")
     with pytest.raises(ValueError, match=r"the judge returned 2.0; it must return P\(a is better\) in \[0, 1\]"):
         judged_win_rate(lambda p, a, b: [2.0] * len(p), *_items(1, 1))

@@ -30,7 +30,12 @@ def kto_from_base(tmp_path, data_dir, untrained_sft):
 
 def gain(before, after, prompts, completions) -> list[float]:
     """log pi_after(completion) - log pi_before(completion), per row: the implied reward / beta."""
-    return [a - b for a, b in zip(sequence_logprobs(*after, prompts, completions), sequence_logprobs(*before, prompts, completions))]
+    return [
+        a - b
+        for a, b in zip(
+            sequence_logprobs(*after, prompts, completions), sequence_logprobs(*before, prompts, completions)
+        )
+    ]
 
 
 def mean(values) -> float:

@@ -17,7 +17,9 @@ from rlhf_pipeline.trainers.metrics import (
     win_rate,
 )
 
-TINY = ModelConfig(tiny=TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2))
+TINY = ModelConfig(
+    tiny=TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+)
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +103,9 @@ BOUNDS = dict(max_length_drift=0.3, max_kl=5.0)
 
 def test_hacking_warnings_fire_only_when_they_should():
     assert hacking_warnings(reward_delta=1.0, task_delta=0.1, length_drift=0.1, kl=1.0, **BOUNDS) == []
-    assert hacking_warnings(reward_delta=-0.5, task_delta=-0.2, length_drift=-0.3, kl=5.0, **BOUNDS) == []  # bounds exclusive
+    assert (
+        hacking_warnings(reward_delta=-0.5, task_delta=-0.2, length_drift=-0.3, kl=5.0, **BOUNDS) == []
+    )  # bounds exclusive
     assert hacking_warnings(reward_delta=1.0, task_delta=None, length_drift=0.0, kl=0.0, **BOUNDS) == []
 
     (gaming,) = hacking_warnings(reward_delta=1.234, task_delta=-0.31, length_drift=0.0, kl=0.0, **BOUNDS)

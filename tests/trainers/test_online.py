@@ -25,8 +25,16 @@ def test_online_stage_updates_the_policy_with_reward_functions(tmp_path, sft_dir
     data = write_data_dir(tmp_path / "data", rows=16)
     before = trainable(load_causal_lm(sft_dir)[0])
     logged: list[dict] = []
-    metrics = module.train(config(**ONLINE), VERIFIER, sft_dir, None, data, tmp_path / "out", tmp_path / "work",
-                           lambda values, step: logged.append(values))  # fmt: skip
+    metrics = module.train(
+        config(**ONLINE),
+        VERIFIER,
+        sft_dir,
+        None,
+        data,
+        tmp_path / "out",
+        tmp_path / "work",
+        lambda values, step: logged.append(values),
+    )
     assert unchanged(before, load_causal_lm(tmp_path / "out" / "model")[0]) == []
     stage = module.__name__.split(".")[-1]
     # beta > 0: the KL to the reference is reported; 0 at step 1, whose rollouts come from the policy before
@@ -44,10 +52,14 @@ def test_grpo_scores_with_the_reward_model_and_functions_together(tmp_path, sft_
     head.config.pad_token_id = tokenizer.pad_token_id
     save_model(head, tokenizer, tmp_path / "rm")
     rewards = VERIFIER.model_copy(update={"reward_model_weight": 0.5})
-    metrics = grpo.train(grpo.GrpoConfig(**ONLINE), rewards, sft_dir, tmp_path / "rm", data, tmp_path / "out", tmp_path / "work")
+    metrics = grpo.train(
+        grpo.GrpoConfig(**ONLINE), rewards, sft_dir, tmp_path / "rm", data, tmp_path / "out", tmp_path / "work"
+    )
     components = {k for k in metrics if k.startswith("grpo/train/rewards_")}
     # One mean and std per reward: the function, and the reward model (TRL names it after its folder, `rm`).
-    assert components == {f"grpo/train/rewards_{name}_{stat}" for name in ("length_reward", "rm") for stat in ("mean", "std")}
+    assert components == {
+        f"grpo/train/rewards_{name}_{stat}" for name in ("length_reward", "rm") for stat in ("mean", "std")
+    }
     # The reward trained on is the weighted sum, 1.0 x the function + 0.5 x the reward model.
     expected = metrics["grpo/train/rewards_length_reward_mean"] + 0.5 * metrics["grpo/train/rewards_rm_mean"]
     assert metrics["grpo/train/reward"] == pytest.approx(expected)
@@ -60,7 +72,9 @@ def test_group_must_divide_the_generation_batch():
 
 def test_broken_reward_function_fails_before_training(tmp_path, sft_dir, monkeypatch):
     data = write_data_dir(tmp_path / "data", rows=16)
-    (tmp_path / "broken_reward.py").write_text("def score(prompts, completions, **columns):\n    return columns['gold']\n")
+    (tmp_path / "broken_reward.py").write_text(
+        "def score(prompts, completions, **columns):\n    return columns['gold']\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     bad = RewardsConfig(reward_model_weight=0, functions=[RewardFunctionSpec(path="broken_reward:score")])
     with pytest.raises(ValueError, match="'broken_reward:score' raised on a sample of 4 rows: KeyError"):
@@ -74,18 +88,34 @@ def test_vllm_rollouts_need_vllm_and_a_gpu_and_say_so_before_any_weights_load(tm
     import torch
 
     assert importlib.util.find_spec("vllm") is None  # this machine: the parameters name the extra to install
-    with pytest.raises(ValidationError, match=r"use_vllm=true needs vLLM, which is not installed: pip install 'rlhf-pipeline\[vllm\]'"):
+    with pytest.raises(
+        ValidationError, match=r"use_vllm=true needs vLLM, which is not installed: pip install 'rlhf-pipeline\[vllm\]'"
+    ):
         grpo.GrpoConfig(use_vllm=True)
     if not torch.cuda.is_available():  # with vLLM installed on a CPU machine, the stage names the missing device
         cfg = rloo.RlooConfig.model_construct(**{**dict(rloo.RlooConfig(**ONLINE)), "use_vllm": True})
-        rewards = RewardsConfig(reward_model_weight=0, functions=[RewardFunctionSpec(path="tests.helpers:length_reward")])
-        with pytest.raises(ValueError, match="use_vllm=true: vLLM generates on a CUDA GPU, and this machine trains on cpu"):
-            rloo.train(cfg, rewards, sft_dir, None, write_data_dir(tmp_path / "data", rows=16), tmp_path / "out", tmp_path / "work")
+        rewards = RewardsConfig(
+            reward_model_weight=0, functions=[RewardFunctionSpec(path="tests.helpers:length_reward")]
+        )
+        with pytest.raises(
+            ValueError, match="use_vllm=true: vLLM generates on a CUDA GPU, and this machine trains on cpu"
+        ):
+            rloo.train(
+                cfg,
+                rewards,
+                sft_dir,
+                None,
+                write_data_dir(tmp_path / "data", rows=16),
+                tmp_path / "out",
+                tmp_path / "work",
+            )
         assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("module,config", [(grpo, grpo.GrpoConfig), (rloo, rloo.RlooConfig)], ids=["grpo", "rloo"])
-def test_online_stages_probe_the_held_out_prompts_with_an_ensemble_and_publish_the_best_probe(tmp_path, sft_dir, module, config):
+def test_online_stages_probe_the_held_out_prompts_with_an_ensemble_and_publish_the_best_probe(
+    tmp_path, sft_dir, module, config
+):
     import json
 
     import torch
@@ -94,13 +124,23 @@ def test_online_stages_probe_the_held_out_prompts_with_an_ensemble_and_publish_t
     from rlhf_pipeline.trainers.probes import CURVES
 
     data = write_data_dir(tmp_path / "data", rows=16)
-    rm.train(rm.RewardModelConfig(max_steps=2, ensemble_size=2, **FAST), sft_dir, data, tmp_path / "rm", tmp_path / "rm-work")
+    rm.train(
+        rm.RewardModelConfig(max_steps=2, ensemble_size=2, **FAST), sft_dir, data, tmp_path / "rm", tmp_path / "rm-work"
+    )
     stage = module.__name__.split(".")[-1]
     logged: list[tuple[int, dict]] = []
     cfg = config(**{**ONLINE, "max_steps": 4, "learning_rate": 1e-2}, eval_steps=2, eval_prompts=8)
     rewards = RewardsConfig(reward_model_aggregate="min")
-    metrics = module.train(cfg, rewards, sft_dir, tmp_path / "rm" / "model", data, tmp_path / "out", tmp_path / "work",
-                           lambda values, step: logged.append((step, values)))  # fmt: skip
+    metrics = module.train(
+        cfg,
+        rewards,
+        sft_dir,
+        tmp_path / "rm" / "model",
+        data,
+        tmp_path / "out",
+        tmp_path / "work",
+        lambda values, step: logged.append((step, values)),
+    )
     # The reward is the ensemble's minimum, logged under the function's name (`reward_model`).
     assert f"{stage}/train/rewards_reward_model_mean" in metrics
     probes = [(step, v) for step, v in logged if f"{stage}/heldout/kl" in v]

@@ -52,16 +52,27 @@ def test_training_curves_wrap_at_three_columns(tmp_path):
 
 
 def test_accuracy_bars(tmp_path):
-    values = {"base": bootstrap_mean([0] * 20), "sft": bootstrap_mean([1, 0] * 10), "ppo": bootstrap_mean([1, 1, 0] * 7)}
+    values = {
+        "base": bootstrap_mean([0] * 20),
+        "sft": bootstrap_mean([1, 0] * 10),
+        "ppo": bootstrap_mean([1, 1, 0] * 7),
+    }
     pixels = read_png(plots.accuracy_bars(values, tmp_path / "accuracy.png"), 1.5 + 1.4 * 3, 4.5)  # 1.4 inches per bar
     assert drawn(pixels, 3, alpha=0.8) == [False, True, True, False]  # base's exact match is 0: a bar of no height
 
 
 def test_overoptimisation_draws_proxy_gold_and_disagreement_against_sqrt_kl(tmp_path):
     curves = [
-        {"step": s, "kl": kl, "sqrt_kl": kl**0.5, "proxy_reward": 3 + kl / 2, "exact_match": 0.9 - kl / 10, "disagreement": 0.2 + kl / 20}
+        {
+            "step": s,
+            "kl": kl,
+            "sqrt_kl": kl**0.5,
+            "proxy_reward": 3 + kl / 2,
+            "exact_match": 0.9 - kl / 10,
+            "disagreement": 0.2 + kl / 20,
+        }
         for s, kl in ((10, 0.5), (20, 1.0), (30, 2.0), (40, 4.0))
-    ]  # fmt: skip
+    ]
     pixels = read_png(plots.overoptimisation(curves, tmp_path / "oo.png", "ppo", kept_step=20), 7.5, 4.2)
     # proxy (C0), disagreement (C2) and gold (C3) drawn; C1 and C4 are not used.
     shown = drawn(pixels, 4, 1.0)

@@ -16,10 +16,21 @@ from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, RewardsConfig, Re
 from rlhf_pipeline.trainers.text import prompt_ids as text_prompt_ids
 from tests.helpers import SMALL_MODEL, trainable, unchanged, write_data_dir
 
-EXACT_MATCH = RewardsConfig(reward_model_weight=0, functions=[RewardFunctionSpec(path="rlhf_pipeline.trainers.sort_task:exact_match")])
+EXACT_MATCH = RewardsConfig(
+    reward_model_weight=0, functions=[RewardFunctionSpec(path="rlhf_pipeline.trainers.sort_task:exact_match")]
+)
 # 8 prompts per update in 2 mini-batches of 4; 16 episodes = 2 updates.
-FAST = dict(rollout_batch_size=8, num_mini_batches=2, num_ppo_epochs=2, total_episodes=16, response_length=6,
-            learning_rate=1e-3, temperature=1.0, logging_steps=1, num_threads=1)  # fmt: skip
+FAST = dict(
+    rollout_batch_size=8,
+    num_mini_batches=2,
+    num_ppo_epochs=2,
+    total_episodes=16,
+    response_length=6,
+    learning_rate=1e-3,
+    temperature=1.0,
+    logging_steps=1,
+    num_threads=1,
+)
 
 
 def short_reward(prompts, completions, **_):
@@ -30,7 +41,9 @@ def short_reward(prompts, completions, **_):
 def test_config_checks_batch_arithmetic():
     with pytest.raises(ValidationError, match=r"rollout_batch_size=64 must be divisible by num_mini_batches=3"):
         ppo.PpoConfig(rollout_batch_size=64, num_mini_batches=3)
-    with pytest.raises(ValidationError, match=r"total_episodes=10 is less than one rollout batch \(rollout_batch_size=64\)"):
+    with pytest.raises(
+        ValidationError, match=r"total_episodes=10 is less than one rollout batch \(rollout_batch_size=64\)"
+    ):
         ppo.PpoConfig(total_episodes=10)
     assert ppo.PpoConfig(total_episodes=1000, rollout_batch_size=64).num_updates(5000) == 15
     assert ppo.PpoConfig(rollout_batch_size=64).num_updates(2000) == 31  # None: one pass over the prompts
@@ -71,9 +84,13 @@ def tiny(tmp_path_factory):
     reward_model.config.pad_token_id = tokenizer.pad_token_id
     save_model(reward_model, tokenizer, root / "rm")
     return {
-        "sft": root / "sft", "rm": root / "rm", "data": write_data_dir(root / "data", rows=32),
-        "weights": trainable(policy), "value_weights": trainable(reward_model), "vocab": len(tokenizer),
-    }  # fmt: skip
+        "sft": root / "sft",
+        "rm": root / "rm",
+        "data": write_data_dir(root / "data", rows=32),
+        "weights": trainable(policy),
+        "value_weights": trainable(reward_model),
+        "vocab": len(tokenizer),
+    }
 
 
 def test_training_with_reward_functions_only(tiny, tmp_path):
@@ -91,8 +108,21 @@ def test_training_with_reward_functions_only(tiny, tmp_path):
     trained, _ = load_causal_lm(tmp_path / "out" / "model")
     assert unchanged(tiny["weights"], trained) == []
     assert [step for step, _ in logged] == [1, 2]
-    for name in ("reward", "kl", "entropy", "policy_loss", "value_loss", "clipfrac", "approx_kl", "response_length", "learning_rate", "reward_exact_match",
-                 "non_score_reward", "explained_variance", "ratio"):  # fmt: skip
+    for name in (
+        "reward",
+        "kl",
+        "entropy",
+        "policy_loss",
+        "value_loss",
+        "clipfrac",
+        "approx_kl",
+        "response_length",
+        "learning_rate",
+        "reward_exact_match",
+        "non_score_reward",
+        "explained_variance",
+        "ratio",
+    ):
         assert f"ppo/train/{name}" in metrics, name
     assert all(math.isfinite(v) for _, values in logged for v in values.values())
     for _, values in logged:  # the summed KL penalty per completion
@@ -117,36 +147,68 @@ def test_training_with_reward_functions_only(tiny, tmp_path):
 
 def test_training_with_a_reward_model_and_lora(tiny, tmp_path):
     cfg = ppo.PpoConfig(**FAST, lora=LoraConfig(enabled=True, r=4, lora_alpha=8), save_value_model=True)
-    metrics = ppo.train(cfg, RewardsConfig(reward_model_weight=1.0), tiny["sft"], tiny["rm"], tiny["data"], tmp_path / "out", tmp_path / "work")
+    metrics = ppo.train(
+        cfg,
+        RewardsConfig(reward_model_weight=1.0),
+        tiny["sft"],
+        tiny["rm"],
+        tiny["data"],
+        tmp_path / "out",
+        tmp_path / "work",
+    )
     # The only reward, weight 1, less the default missing-EOS penalty of 1.0 (a reward model is among the rewards)
     # for the share of completions that reached no stop token.
     assert metrics["ppo/train/missing_eos"] > 0
-    assert metrics["ppo/train/reward"] == pytest.approx(metrics["ppo/train/reward_model"] - 1.0 * metrics["ppo/train/missing_eos"])
+    assert metrics["ppo/train/reward"] == pytest.approx(
+        metrics["ppo/train/reward_model"] - 1.0 * metrics["ppo/train/missing_eos"]
+    )
     trained, _ = load_causal_lm(tmp_path / "out" / "model")  # merged: loads as a plain causal LM
     # peft's "all-linear" adapts every Linear of the blocks but not the output head: once merged, exactly
     # those weights moved, and the frozen embedding, norms and lm_head are bit-identical to the SFT model.
     assert unchanged(tiny["weights"], trained) == sorted(name for name in tiny["weights"] if "_proj." not in name)
     value_model = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "out" / "value_model"))
     assert value_model.config.num_labels == 1
-    assert unchanged(tiny["value_weights"], value_model) == []  # LoRA is on the policy only: the value model trains whole
+    assert (
+        unchanged(tiny["value_weights"], value_model) == []
+    )  # LoRA is on the policy only: the value model trains whole
 
 
 def test_resume_continues_the_update_counter(tiny, tmp_path):
     work = tmp_path / "work"
     first: list[int] = []
-    ppo.train(ppo.PpoConfig(**{**FAST, "save_steps": 1}), EXACT_MATCH, tiny["sft"], None, tiny["data"], tmp_path / "out", work, lambda v, s: first.append(s))
+    ppo.train(
+        ppo.PpoConfig(**{**FAST, "save_steps": 1}),
+        EXACT_MATCH,
+        tiny["sft"],
+        None,
+        tiny["data"],
+        tmp_path / "out",
+        work,
+        lambda v, s: first.append(s),
+    )
     assert first == [1, 2]
     state = json.loads((work / "checkpoint-2" / "trainer_state.json").read_text())
     assert state["update"] == 2 and state["data_index"] == 16
     assert {p.name for p in (work / "checkpoint-2").iterdir()} == {
-        "policy.safetensors", "value_model.safetensors", "optimizer.pt", "rng.pt", "trainer_state.json", COMPLETE,
-    }  # fmt: skip
+        "policy.safetensors",
+        "value_model.safetensors",
+        "optimizer.pt",
+        "rng.pt",
+        "trainer_state.json",
+        COMPLETE,
+    }
     (work / "checkpoint-9").mkdir()  # half-written (no trainer_state.json): must be ignored
     second: list[int] = []
     ppo.train(
-        ppo.PpoConfig(**{**FAST, "save_steps": 1, "total_episodes": 32}), EXACT_MATCH, tiny["sft"], None, tiny["data"],
-        tmp_path / "out", work, lambda v, s: second.append(s),
-    )  # fmt: skip
+        ppo.PpoConfig(**{**FAST, "save_steps": 1, "total_episodes": 32}),
+        EXACT_MATCH,
+        tiny["sft"],
+        None,
+        tiny["data"],
+        tmp_path / "out",
+        work,
+        lambda v, s: second.append(s),
+    )
     assert second == [3, 4]  # 32 episodes / 8 per update = 4 updates in all, 2 of them already done
     assert json.loads((work / "checkpoint-4" / "trainer_state.json").read_text())["data_index"] == 32
 
@@ -159,9 +221,20 @@ def test_resume_after_a_crash_matches_an_unbroken_run(tiny, tmp_path):
             raise RuntimeError("worker killed")
 
     with pytest.raises(RuntimeError, match="worker killed"):
-        ppo.train(cfg, EXACT_MATCH, tiny["sft"], None, tiny["data"], tmp_path / "out", tmp_path / "work", crash_at_update_3)
+        ppo.train(
+            cfg, EXACT_MATCH, tiny["sft"], None, tiny["data"], tmp_path / "out", tmp_path / "work", crash_at_update_3
+        )
     steps: list[int] = []
-    ppo.train(cfg, EXACT_MATCH, tiny["sft"], None, tiny["data"], tmp_path / "out", tmp_path / "work", lambda v, s: steps.append(s))
+    ppo.train(
+        cfg,
+        EXACT_MATCH,
+        tiny["sft"],
+        None,
+        tiny["data"],
+        tmp_path / "out",
+        tmp_path / "work",
+        lambda v, s: steps.append(s),
+    )
     assert steps == [3, 4]
     ppo.train(cfg, EXACT_MATCH, tiny["sft"], None, tiny["data"], tmp_path / "straight", tmp_path / "work-straight")
     # Weights, optimizer, data position and RNG came back from checkpoint-2: the same result as no crash.
@@ -174,10 +247,21 @@ def test_resume_after_a_crash_matches_an_unbroken_run(tiny, tmp_path):
 
 
 def test_a_broken_reward_function_fails_before_training(tiny, tmp_path):
-    rewards = RewardsConfig(reward_model_weight=0, functions=[RewardFunctionSpec(path="tests.trainers.test_ppo:short_reward")])
+    rewards = RewardsConfig(
+        reward_model_weight=0, functions=[RewardFunctionSpec(path="tests.trainers.test_ppo:short_reward")]
+    )
     logged: list[int] = []
     with pytest.raises(ValueError, match=r"'tests.trainers.test_ppo:short_reward' returned 3 scores for 4 completions"):
-        ppo.train(ppo.PpoConfig(**FAST), rewards, tiny["sft"], None, tiny["data"], tmp_path / "out", tmp_path / "work", lambda v, s: logged.append(s))
+        ppo.train(
+            ppo.PpoConfig(**FAST),
+            rewards,
+            tiny["sft"],
+            None,
+            tiny["data"],
+            tmp_path / "out",
+            tmp_path / "work",
+            lambda v, s: logged.append(s),
+        )
     assert logged == []
     assert not (tmp_path / "work").exists()
 
@@ -187,7 +271,16 @@ def test_k3_penalises_the_same_samples_differently(tiny, tmp_path):
     for estimator in ("k1", "k3"):
         logged: list[dict] = []
         cfg = ppo.PpoConfig(**FAST, kl_estimator=estimator, num_sample_generations=0)
-        ppo.train(cfg, EXACT_MATCH, tiny["sft"], None, tiny["data"], tmp_path / estimator, tmp_path / f"work-{estimator}", lambda v, s: logged.append(v))
+        ppo.train(
+            cfg,
+            EXACT_MATCH,
+            tiny["sft"],
+            None,
+            tiny["data"],
+            tmp_path / estimator,
+            tmp_path / f"work-{estimator}",
+            lambda v, s: logged.append(v),
+        )
         runs[estimator] = logged
     k1, k3 = runs["k1"], runs["k3"]
     # Update 1 (policy = reference, KL 0 either way) trains both alike, so update 2 samples the same completions,
@@ -212,7 +305,15 @@ def test_completions_cut_at_response_length_are_penalised_and_scored_without_eos
 
     monkeypatch.setattr(RewardScorer, "__call__", spy)
     cfg = ppo.PpoConfig(**{**FAST, "response_length": 2, "rollout_batch_size": ppo.SAMPLE_ROWS, "num_mini_batches": 1})
-    metrics = ppo.train(cfg, RewardsConfig(reward_model_weight=1.0), tiny["sft"], tiny["rm"], tiny["data"], tmp_path / "out", tmp_path / "work")
+    metrics = ppo.train(
+        cfg,
+        RewardsConfig(reward_model_weight=1.0),
+        tiny["sft"],
+        tiny["rm"],
+        tiny["data"],
+        tmp_path / "out",
+        tmp_path / "work",
+    )
     tokenizer = load_causal_lm(tiny["sft"])[1]
     samples = [json.loads(line) for line in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
     assert len(scored) == 2 and len(samples) == 2 * ppo.SAMPLE_ROWS  # every rollout of both updates is in the tables
@@ -227,7 +328,9 @@ def test_completions_cut_at_response_length_are_penalised_and_scored_without_eos
 
 
 def test_samples_jsonl_every_few_updates_and_once_after_a_resume(tiny, tmp_path):
-    cfg = ppo.PpoConfig(**{**FAST, "total_episodes": 32, "save_steps": 2, "num_sample_generations": 2})  # 4 updates: tables at 1 and 3
+    cfg = ppo.PpoConfig(
+        **{**FAST, "total_episodes": 32, "save_steps": 2, "num_sample_generations": 2}
+    )  # 4 updates: tables at 1 and 3
 
     def crash_at_update_4(values, step):
         if step == 4:
@@ -235,7 +338,9 @@ def test_samples_jsonl_every_few_updates_and_once_after_a_resume(tiny, tmp_path)
 
     # The crash comes after update 3's table and before checkpoint-4: the resumed run redoes update 3 and its table.
     with pytest.raises(RuntimeError, match="worker killed"):
-        ppo.train(cfg, EXACT_MATCH, tiny["sft"], None, tiny["data"], tmp_path / "out", tmp_path / "work", crash_at_update_4)
+        ppo.train(
+            cfg, EXACT_MATCH, tiny["sft"], None, tiny["data"], tmp_path / "out", tmp_path / "work", crash_at_update_4
+        )
     ppo.train(cfg, EXACT_MATCH, tiny["sft"], None, tiny["data"], tmp_path / "out", tmp_path / "work")
     rows = [json.loads(line) for line in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
     assert [row["update"] for row in rows] == [1] * 8 + [3] * 8

@@ -25,7 +25,9 @@ def test_gae_by_hand():
     assert_close(advantages, [[0.46575, 0.385, 0.3, 0.0]])
     assert_close(returns, [[0.96575, 0.985, 1.0, 0.0]])
     # gamma=.5, lam=1, V=0: A_t = sum_l .5^l r_{t+l} = (0 + .5 * 0 + .25 * 1, .5, 1)
-    advantages, _ = ppo_math.compute_gae(torch.tensor([[0.0, 0.0, 1.0]]), torch.zeros(1, 3), torch.ones(1, 3), gamma=0.5, lam=1.0)
+    advantages, _ = ppo_math.compute_gae(
+        torch.tensor([[0.0, 0.0, 1.0]]), torch.zeros(1, 3), torch.ones(1, 3), gamma=0.5, lam=1.0
+    )
     assert_close(advantages, [[0.25, 0.5, 1.0]])
 
 
@@ -46,16 +48,22 @@ def test_policy_loss_clips_only_beyond_the_range():
     old = torch.zeros(1, 2)
     mask = torch.tensor([[1.0, 0.0]])  # the second token is padding and must not count
     # ratio 1.5, advantage +1, clip .2: max(-1.5, -1.2) = -1.2 -> the clip binds
-    loss, clipfrac, approx_kl = ppo_math.policy_loss(torch.tensor([[math.log(1.5), 3.0]]), old, torch.tensor([[1.0, 7.0]]), mask, 0.2)
+    loss, clipfrac, approx_kl = ppo_math.policy_loss(
+        torch.tensor([[math.log(1.5), 3.0]]), old, torch.tensor([[1.0, 7.0]]), mask, 0.2
+    )
     assert loss.item() == pytest.approx(-1.2)
     assert clipfrac.item() == 1.0
     assert approx_kl.item() == pytest.approx(0.5 * math.log(1.5) ** 2)
     # ratio 1.1 is inside [0.8, 1.2]: loss = -1.1, nothing clipped
-    loss, clipfrac, _ = ppo_math.policy_loss(torch.tensor([[math.log(1.1), 3.0]]), old, torch.tensor([[1.0, 7.0]]), mask, 0.2)
+    loss, clipfrac, _ = ppo_math.policy_loss(
+        torch.tensor([[math.log(1.1), 3.0]]), old, torch.tensor([[1.0, 7.0]]), mask, 0.2
+    )
     assert loss.item() == pytest.approx(-1.1)
     assert clipfrac.item() == 0.0
     # ratio .5, advantage -1: max(.5, .8) = .8 -> the pessimistic (clipped) term binds
-    loss, clipfrac, _ = ppo_math.policy_loss(torch.tensor([[math.log(0.5), 0.0]]), old, torch.tensor([[-1.0, 0.0]]), mask, 0.2)
+    loss, clipfrac, _ = ppo_math.policy_loss(
+        torch.tensor([[math.log(0.5), 0.0]]), old, torch.tensor([[-1.0, 0.0]]), mask, 0.2
+    )
     assert loss.item() == pytest.approx(0.8)
     assert clipfrac.item() == 1.0
 
@@ -87,9 +95,13 @@ def test_k3_kl_by_hand():
     ref_logprobs = torch.tensor([[-1.5, -1.0, -0.5], [-2.0, -3.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     assert_close(ppo_math.kl_per_token(logprobs, ref_logprobs, mask, "k1"), [[0.5, 0.0, -0.5], [0.0, 1.0, 0.0]])
-    assert_close(ppo_math.kl_per_token(logprobs, ref_logprobs, mask, "k3"), [[0.1065307, 0.0, 0.1487213], [0.0, 0.3678794, 0.0]])
+    assert_close(
+        ppo_math.kl_per_token(logprobs, ref_logprobs, mask, "k3"), [[0.1065307, 0.0, 0.1487213], [0.0, 0.3678794, 0.0]]
+    )
     # The penalty uses the chosen estimate: -.1 * k3 on every real token, the score on the last one.
-    rewards, kl = ppo_math.kl_shaped_rewards(torch.tensor([2.0, -1.0]), logprobs, ref_logprobs, mask, kl_coef=0.1, kl_estimator="k3")
+    rewards, kl = ppo_math.kl_shaped_rewards(
+        torch.tensor([2.0, -1.0]), logprobs, ref_logprobs, mask, kl_coef=0.1, kl_estimator="k3"
+    )
     assert_close(rewards, [[-0.01065307, 0.0, -0.01487213 + 2.0], [0.0, -0.03678794 - 1.0, 0.0]])
 
 
@@ -98,7 +110,9 @@ def test_explained_variance_by_hand():
     # Var[R] = 2/3; errors R - V = (0, 0, 1): mean 1/3, Var = (1/9 + 1/9 + 4/9) / 3 = 2/9; 1 - (2/9) / (2/3) = 2/3
     assert ppo_math.explained_variance(torch.tensor([[1.0, 2.0, 2.0, -5.0]]), returns, mask) == pytest.approx(2 / 3)
     assert ppo_math.explained_variance(returns, returns, mask) == pytest.approx(1.0)
-    assert ppo_math.explained_variance(torch.full((1, 4), 2.0), returns, mask) == pytest.approx(0.0)  # the mean predicts nothing
+    assert ppo_math.explained_variance(torch.full((1, 4), 2.0), returns, mask) == pytest.approx(
+        0.0
+    )  # the mean predicts nothing
     assert math.isnan(ppo_math.explained_variance(torch.zeros(1, 4), torch.ones(1, 4), mask))  # constant returns
 
 

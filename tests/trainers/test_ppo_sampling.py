@@ -42,7 +42,9 @@ def gpt2(tmp_path_factory):
     """A GPT-2 + ChatML SFT folder (EOS and pad `<|endoftext|>`, end of turn `<|im_end|>`), a reward model with its
     backbone and the conversational prompts of the chat fixture."""
     root = tmp_path_factory.mktemp("ppo-gpt2")
-    policy, tokenizer = load_base_model(ModelConfig(name_or_path=str(gpt2_folder(root / "gpt2")), chat_template="chatml"))
+    policy, tokenizer = load_base_model(
+        ModelConfig(name_or_path=str(gpt2_folder(root / "gpt2")), chat_template="chatml")
+    )
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     unigram(policy, im_end, P_END_OF_TURN)
     save_model(policy, tokenizer, root / "sft")
@@ -51,8 +53,16 @@ def gpt2(tmp_path_factory):
     save_model(reward_model, tokenizer, root / "rm")
     chat_data(root / "chat")
     (root / "data" / "datasets").mkdir(parents=True)
-    Dataset.from_json(str(root / "chat" / "prompts.jsonl")).to_parquet(str(root / "data" / "datasets" / "prompts.parquet"))
-    return {"sft": root / "sft", "rm": root / "rm", "data": root / "data", "im_end": im_end, "eos": tokenizer.eos_token_id}
+    Dataset.from_json(str(root / "chat" / "prompts.jsonl")).to_parquet(
+        str(root / "data" / "datasets" / "prompts.parquet")
+    )
+    return {
+        "sft": root / "sft",
+        "rm": root / "rm",
+        "data": root / "data",
+        "im_end": im_end,
+        "eos": tokenizer.eos_token_id,
+    }
 
 
 class ScorerSpy:
@@ -76,13 +86,18 @@ def test_stop_ids_follow_stop_token(gpt2):
     assert ppo.stop_ids(ppo.PpoConfig(), tokenizer) == [eos, im_end]  # EOS and the template's end of turn
     assert ppo.stop_ids(ppo.PpoConfig(stop_token="eos"), tokenizer) == [eos]  # TRL's 'eos'
     assert ppo.stop_ids(ppo.PpoConfig(stop_token_id=im_end), tokenizer) == [im_end]
-    with pytest.raises(ValueError, match=rf"stop_token_id={len(tokenizer)} is not a token of the policy's tokenizer \({len(tokenizer)} tokens\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"stop_token_id={len(tokenizer)} is not a token of the policy's tokenizer \({len(tokenizer)} tokens\)",
+    ):
         ppo.stop_ids(ppo.PpoConfig(stop_token_id=len(tokenizer)), tokenizer)
 
 
 def test_rollouts_are_cut_at_the_end_of_turn(gpt2):
     policy, tokenizer = load_causal_lm(gpt2["sft"])
-    prompts = [text.prompt_ids(tokenizer, [{"role": "user", "content": f"Describe the {c} cat."}]) for c in ("red", "blue") * 8]
+    prompts = [
+        text.prompt_ids(tokenizer, [{"role": "user", "content": f"Describe the {c} cat."}]) for c in ("red", "blue") * 8
+    ]
     im_end, pad_id = gpt2["im_end"], tokenizer.pad_token_id
 
     def rollout(cfg):
@@ -110,12 +125,27 @@ def test_rollouts_are_cut_at_the_end_of_turn(gpt2):
 
 def test_reward_model_scores_the_sampled_ids_and_unfinished_rows_are_penalised(gpt2, tmp_path, monkeypatch):
     spy = ScorerSpy(monkeypatch)
-    cfg = ppo.PpoConfig(rollout_batch_size=ppo.SAMPLE_ROWS, total_episodes=2 * ppo.SAMPLE_ROWS, response_length=4, num_ppo_epochs=1,
-                        temperature=1.0, logging_steps=1, num_threads=1)  # fmt: skip
+    cfg = ppo.PpoConfig(
+        rollout_batch_size=ppo.SAMPLE_ROWS,
+        total_episodes=2 * ppo.SAMPLE_ROWS,
+        response_length=4,
+        num_ppo_epochs=1,
+        temperature=1.0,
+        logging_steps=1,
+        num_threads=1,
+    )
     length = RewardFunctionSpec(path="tests.helpers:length_reward", weight=0.5)
     logged: list[dict] = []
-    ppo.train(cfg, RewardsConfig(reward_model_weight=1.0, functions=[length]), gpt2["sft"], gpt2["rm"], gpt2["data"],
-              tmp_path / "out", tmp_path / "work", lambda values, step: logged.append(values))  # fmt: skip
+    ppo.train(
+        cfg,
+        RewardsConfig(reward_model_weight=1.0, functions=[length]),
+        gpt2["sft"],
+        gpt2["rm"],
+        gpt2["data"],
+        tmp_path / "out",
+        tmp_path / "work",
+        lambda values, step: logged.append(values),
+    )
     tokenizer = load_causal_lm(gpt2["sft"])[1]
     samples = [json.loads(line) for line in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
     assert [row["update"] for row in samples] == [1] * ppo.SAMPLE_ROWS + [2] * ppo.SAMPLE_ROWS  # 2 updates <= 10 tables
@@ -123,7 +153,9 @@ def test_reward_model_scores_the_sampled_ids_and_unfinished_rows_are_penalised(g
     ends = []
     for update, call in enumerate(spy.calls, 1):
         rows = [row for row in samples if row["update"] == update]
-        for j, (prompt, ids, completion, row) in enumerate(zip(call["prompts"], call["ids"], call["completions"], rows)):
+        for j, (prompt, ids, completion, row) in enumerate(
+            zip(call["prompts"], call["ids"], call["completions"], rows)
+        ):
             prompt_ids = text.prompt_ids(tokenizer, prompt)
             response = ids[len(prompt_ids) :]
             assert ids[: len(prompt_ids)] == prompt_ids and row["prompt"] == prompt
@@ -134,7 +166,12 @@ def test_reward_model_scores_the_sampled_ids_and_unfinished_rows_are_penalised(g
                 assert len(response) == cfg.response_length and not stops & set(response)
             assert row["ended"] == ended and row["completion"] == tokenizer.decode(response)
             # Reward functions get the reply as a message, without the stop token.
-            assert completion == [{"role": "assistant", "content": tokenizer.decode(response[:-1] if ended else response, skip_special_tokens=True)}]
+            assert completion == [
+                {
+                    "role": "assistant",
+                    "content": tokenizer.decode(response[:-1] if ended else response, skip_special_tokens=True),
+                }
+            ]
             assert row["reward_length_reward"] == len(completion[0]["content"])
             # The score PPO optimises: the weighted rewards, less the default penalty of 1.0 (a reward model scores)
             # for exactly the rows that never ended.
@@ -153,7 +190,15 @@ def test_a_reward_model_with_another_tokenizer_fails_before_any_weights_load(gpt
     for cls in ("AutoModelForCausalLM", "AutoModelForSequenceClassification"):
         monkeypatch.setattr(f"transformers.{cls}.from_pretrained", lambda path, *a, **k: loaded.append(str(path)))
     with pytest.raises(ValueError, match="another tokenizer") as failure:
-        ppo.train(ppo.PpoConfig(rollout_batch_size=8), RewardsConfig(), gpt2["sft"], other, gpt2["data"], tmp_path / "out", tmp_path / "work")
+        ppo.train(
+            ppo.PpoConfig(rollout_batch_size=8),
+            RewardsConfig(),
+            gpt2["sft"],
+            other,
+            gpt2["data"],
+            tmp_path / "out",
+            tmp_path / "work",
+        )
     assert str(other) in str(failure.value) and str(gpt2["sft"]) in str(failure.value)
     assert loaded == []
     # The check itself: same tokenizer files pass, whatever the weights.
@@ -166,9 +211,17 @@ def test_sampled_logprobs_are_the_ones_ppo_computes(tmp_path, monkeypatch):
     policy, tokenizer = load_base_model(ModelConfig(name_or_path=str(qwen2_folder(tmp_path / "qwen2"))))
     save_model(policy, tokenizer, tmp_path / "sft")  # float32, as the sft stage saves it, Qwen's sampling defaults kept
     policy, tokenizer = load_causal_lm(tmp_path / "sft")
-    assert (policy.dtype, policy.generation_config.top_k, policy.generation_config.repetition_penalty) == (torch.float32, 20, 1.05)
+    assert (policy.dtype, policy.generation_config.top_k, policy.generation_config.repetition_penalty) == (
+        torch.float32,
+        20,
+        1.05,
+    )
     cfg = ppo.PpoConfig(response_length=12, temperature=0.7)
-    prompts = [text.prompt_ids(tokenizer, [{"role": "user", "content": f"Describe the {c} {a}."}]) for c in ("red", "gold") for a in ("cat", "owl")]
+    prompts = [
+        text.prompt_ids(tokenizer, [{"role": "user", "content": f"Describe the {c} {a}."}])
+        for c in ("red", "gold")
+        for a in ("cat", "owl")
+    ]
     reported: list[torch.Tensor] = []
     generate = policy.generate
 

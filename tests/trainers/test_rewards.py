@@ -43,7 +43,9 @@ def test_broken_reward_functions_fail_with_their_name(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"'my_rewards:missing'.*has no 'missing'"):
         _check("my_rewards:missing")
     # The path and the signature fail with the parameters, before any sample call.
-    with pytest.raises(ValidationError, match=r"'my_rewards:two' has the signature two\(a, b\).*prompts=..., completions=..."):
+    with pytest.raises(
+        ValidationError, match=r"'my_rewards:two' has the signature two\(a, b\).*prompts=..., completions=..."
+    ):
         RewardFunctionSpec(path="my_rewards:two")
     with pytest.raises(ValueError, match=r"'my_rewards:short' returned 1 scores for 2 completions"):
         _check("my_rewards:short")
@@ -55,7 +57,10 @@ def test_broken_reward_functions_fail_with_their_name(tmp_path, monkeypatch):
 
 
 def test_trl_reward_funcs_put_the_reward_model_last_with_its_weight(tmp_path):
-    cfg = RewardsConfig(reward_model_weight=0.5, functions=[RewardFunctionSpec(path="rlhf_pipeline.trainers.sort_task:exact_match", weight=2.0)])
+    cfg = RewardsConfig(
+        reward_model_weight=0.5,
+        functions=[RewardFunctionSpec(path="rlhf_pipeline.trainers.sort_task:exact_match", weight=2.0)],
+    )
     funcs, weights = trl_reward_funcs(cfg, tmp_path / "rm", {"prompt": PROMPTS, **COLUMNS})
     assert funcs[0] is sort_task.exact_match and funcs[1] == str(tmp_path / "rm")
     assert weights == [2.0, 0.5]

@@ -11,7 +11,10 @@ from tests.helpers import FAST, SMALL_MODEL, trainable, unchanged, write_data_di
 
 
 def pairwise_accuracy(model, tokenizer, pairs) -> float:
-    chosen, rejected = (reward_scores(model, tokenizer, pairs["prompt"], pairs[column], batch_size=64) for column in ("chosen", "rejected"))
+    chosen, rejected = (
+        reward_scores(model, tokenizer, pairs["prompt"], pairs[column], batch_size=64)
+        for column in ("chosen", "rejected")
+    )
     return sum(c > r for c, r in zip(chosen, rejected)) / len(pairs)
 
 

@@ -43,7 +43,11 @@ def test_sft_trains_the_tiny_model_and_lowers_its_loss(tmp_path):
     # (weight_decay=0) leaves a row with zero gradient in place, so PAD (masked), the special tokens, bytes the
     # data never uses, and EOS (only ever the last token, whose prediction has no label) keep their init.
     rows = load_split(data, "sft")
-    read = {i for prompt, completion in zip(rows["prompt"], rows["completion"]) for i in tokenizer(prompt + completion)["input_ids"]}
+    read = {
+        i
+        for prompt, completion in zip(rows["prompt"], rows["completion"])
+        for i in tokenizer(prompt + completion)["input_ids"]
+    }
     moved = (before["model.embed_tokens.weight"] != after.model.embed_tokens.weight).any(dim=1)
     assert moved.nonzero().flatten().tolist() == sorted(read)
     losses = [v["sft/train/loss"] for v, _ in logged if "sft/train/loss" in v]
@@ -100,7 +104,9 @@ def test_lora_trains_adapters_and_saves_a_merged_loadable_model(tmp_path):
     assert unchanged(before, after) == sorted(name for name in before if "_proj." not in name)
     adapters = load_file(tmp_path / "work" / "checkpoint-2" / "adapter_model.safetensors")
     assert len(adapters) == 2 * 7 * 2  # 2 blocks x 7 linear layers x (lora_A, lora_B)
-    assert unchanged(adapters, load_file(tmp_path / "work" / "checkpoint-3" / "adapter_model.safetensors")) == []  # every adapter trains
+    assert (
+        unchanged(adapters, load_file(tmp_path / "work" / "checkpoint-3" / "adapter_model.safetensors")) == []
+    )  # every adapter trains
 
 
 def test_an_optimizer_and_schedule_by_transformers_name_train_and_are_checkpointed(tmp_path):
@@ -108,9 +114,12 @@ def test_an_optimizer_and_schedule_by_transformers_name_train_and_are_checkpoint
 
     data = write_data_dir(tmp_path / "data")
     cfg = sft.SftConfig(
-        max_steps=4, optim="sgd", lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.5},
+        max_steps=4,
+        optim="sgd",
+        lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": 0.5},
         **{**FAST, "learning_rate": 0.5, "save_steps": 4},
-    )  # fmt: skip
+    )
     logged: list[dict] = []
     sft.train(cfg, SMALL_MODEL, data, tmp_path / "out", tmp_path / "work", lambda values, step: logged.append(values))
     assert unchanged(trainable(load_base_model(SMALL_MODEL)[0]), load_causal_lm(tmp_path / "out" / "model")[0]) == []
@@ -131,13 +140,25 @@ def test_padding_free_batches_train_the_same_losses_as_padded_ones(tmp_path):
     losses, batches = {}, {}
     for padding_free in (False, True):
         logged: list[float] = []
-        record = CallbackSpec(path="tests.user_code:RecordBatches", kwargs={"out": str(tmp_path / f"batches-{padding_free}.json")})
-        config = sft.SftConfig(max_steps=3, padding_free=padding_free, callbacks=[record], **{**FAST, "per_device_train_batch_size": 4})
-        sft.train(config, SMALL_MODEL, data, tmp_path / f"out-{padding_free}", tmp_path / f"work-{padding_free}",
-                  lambda values, step: logged.extend([values["sft/train/loss"]] if "sft/train/loss" in values else []))  # fmt: skip
+        record = CallbackSpec(
+            path="tests.user_code:RecordBatches", kwargs={"out": str(tmp_path / f"batches-{padding_free}.json")}
+        )
+        config = sft.SftConfig(
+            max_steps=3, padding_free=padding_free, callbacks=[record], **{**FAST, "per_device_train_batch_size": 4}
+        )
+        sft.train(
+            config,
+            SMALL_MODEL,
+            data,
+            tmp_path / f"out-{padding_free}",
+            tmp_path / f"work-{padding_free}",
+            lambda values, step: logged.extend([values["sft/train/loss"]] if "sft/train/loss" in values else []),
+        )
         losses[padding_free] = logged
         batches[padding_free] = json.loads((tmp_path / f"batches-{padding_free}.json").read_text())
     assert [b["shape"][0] for b in batches[False]] == [4, 4, 4] and all(b["mask"] for b in batches[False])
-    assert [b["shape"][0] for b in batches[True]] == [1, 1, 1] and not any(b["mask"] for b in batches[True])  # one row, no padding
+    assert [b["shape"][0] for b in batches[True]] == [1, 1, 1] and not any(
+        b["mask"] for b in batches[True]
+    )  # one row, no padding
     assert sum(b["shape"][1] for b in batches[True]) < sum(b["shape"][0] * b["shape"][1] for b in batches[False])
     assert len(losses[True]) == 3 and losses[True] == pytest.approx(losses[False], abs=1e-4), losses

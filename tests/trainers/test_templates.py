@@ -25,7 +25,11 @@ def folders(tmp_path_factory):
 
 def test_chatml_gives_a_base_model_a_template_its_tokens_and_a_stop_at_the_end_of_turn(folders, tmp_path):
     plain = load_base_tokenizer(ModelConfig(name_or_path=str(folders["gpt2"])))
-    assert plain.chat_template is None and templates.end_of_turn(plain) is None and templates.stop_token_ids(plain) == [plain.eos_token_id]
+    assert (
+        plain.chat_template is None
+        and templates.end_of_turn(plain) is None
+        and templates.stop_token_ids(plain) == [plain.eos_token_id]
+    )
 
     model, tokenizer = load_base_model(ModelConfig(name_or_path=str(folders["gpt2"]), chat_template="chatml"))
     assert len(tokenizer) == len(plain) + 2 and model.get_input_embeddings().weight.shape[0] == len(tokenizer)
@@ -41,8 +45,14 @@ def test_chatml_gives_a_base_model_a_template_its_tokens_and_a_stop_at_the_end_o
     # Saved with the tokenizer, and the generation config stops at both.
     save_model(model, tokenizer, tmp_path / "sft")
     reloaded = load_causal_lm(tmp_path / "sft")[1]
-    assert reloaded.chat_template == templates.CHATML and templates.stop_token_ids(reloaded) == [tokenizer.eos_token_id, im_end]
-    assert json.loads((tmp_path / "sft" / "generation_config.json").read_text())["eos_token_id"] == [tokenizer.eos_token_id, im_end]
+    assert reloaded.chat_template == templates.CHATML and templates.stop_token_ids(reloaded) == [
+        tokenizer.eos_token_id,
+        im_end,
+    ]
+    assert json.loads((tmp_path / "sft" / "generation_config.json").read_text())["eos_token_id"] == [
+        tokenizer.eos_token_id,
+        im_end,
+    ]
 
 
 def test_a_jinja_file_is_a_template_and_an_unknown_name_is_refused(folders, tmp_path):
@@ -51,15 +61,24 @@ def test_a_jinja_file_is_a_template_and_an_unknown_name_is_refused(folders, tmp_
         "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}<|endoftext|>{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
     )
     tokenizer = load_base_tokenizer(ModelConfig(name_or_path=str(folders["gpt2"]), chat_template=str(jinja)))
-    assert tokenizer.apply_chat_template(TURNS[:1], tokenize=False, add_generation_prompt=True) == "[user] Describe the red cat.<|endoftext|>[assistant] "
+    assert (
+        tokenizer.apply_chat_template(TURNS[:1], tokenize=False, add_generation_prompt=True)
+        == "[user] Describe the red cat.<|endoftext|>[assistant] "
+    )
     assert templates.end_of_turn(tokenizer) == "<|endoftext|>"
-    with pytest.raises(ValueError, match=r"model.chat_template='chatm': not a known template \(chatml\) nor a Jinja file"):
+    with pytest.raises(
+        ValueError, match=r"model.chat_template='chatm': not a known template \(chatml\) nor a Jinja file"
+    ):
         load_base_tokenizer(ModelConfig(name_or_path=str(folders["gpt2"]), chat_template="chatm"))
     with pytest.raises(ValueError, match="no such Jinja file"):
-        load_base_tokenizer(ModelConfig(name_or_path=str(folders["gpt2"]), chat_template=str(tmp_path / "missing.jinja")))
+        load_base_tokenizer(
+            ModelConfig(name_or_path=str(folders["gpt2"]), chat_template=str(tmp_path / "missing.jinja"))
+        )
 
 
-def test_a_bf16_checkpoint_is_trained_and_saved_with_float32_master_weights_unless_the_dtype_says_otherwise(folders, tmp_path):
+def test_a_bf16_checkpoint_is_trained_and_saved_with_float32_master_weights_unless_the_dtype_says_otherwise(
+    folders, tmp_path
+):
     with safe_open(folders["qwen2"] / "model.safetensors", "pt") as f:
         assert f.get_tensor(next(iter(f.keys()))).dtype == torch.bfloat16
     model, tokenizer = load_base_model(ModelConfig(name_or_path=str(folders["qwen2"])))
@@ -92,5 +111,9 @@ def test_generation_ignores_the_sampling_defaults_a_checkpoint_ships(folders):
     model.generation_config = inherited
     torch.manual_seed(3)
     input_ids, mask = text.pad([text.prompt_ids(tokenizer, p) for p in prompts], tokenizer.pad_token_id, left=True)
-    leaked = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=10, do_sample=True, temperature=1.0)
-    assert tokenizer.batch_decode(leaked[:, input_ids.shape[1] :], skip_special_tokens=True) != ours  # what the guard prevents
+    leaked = model.generate(
+        input_ids=input_ids, attention_mask=mask, max_new_tokens=10, do_sample=True, temperature=1.0
+    )
+    assert (
+        tokenizer.batch_decode(leaked[:, input_ids.shape[1] :], skip_special_tokens=True) != ours
+    )  # what the guard prevents

@@ -6,7 +6,14 @@ from tests.helpers import trainable, unchanged
 
 def test_tokenizer_round_trips_any_utf8_text():
     tokenizer = build_tokenizer()
-    for text in ["sort 3142 -> 1234", "héllo wörld", "日本語のテキスト", "emoji 🙂👍", "tabs\tand\nnewlines", "\x00\x7f"]:
+    for text in [
+        "sort 3142 -> 1234",
+        "héllo wörld",
+        "日本語のテキスト",
+        "emoji 🙂👍",
+        "tabs\tand\nnewlines",
+        "\x00\x7f",
+    ]:
         ids = tokenizer(text)["input_ids"]
         assert tokenizer.unk_token_id not in ids
         assert tokenizer.decode(ids) == text
@@ -14,7 +21,11 @@ def test_tokenizer_round_trips_any_utf8_text():
 
 def test_chat_template_closes_assistant_turns_with_eos_and_marks_them_for_loss():
     tokenizer = build_tokenizer()
-    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"},
+    ]
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     assert text.endswith("yo" + EOS)
     out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)

@@ -21,7 +21,13 @@ from tests.helpers import write_data_dir
 BAD = Path(__file__).resolve().parents[1] / "data" / "bad"
 MANIFEST = BAD / "cases.yaml"
 CASES = yaml.safe_load(MANIFEST.read_text())["cases"]
-SLOT_KINDS = {"sft": "sft", "preference": "preference", "preference_eval": "preference", "prompts": "prompt", "prompts_eval": "prompt"}
+SLOT_KINDS = {
+    "sft": "sft",
+    "preference": "preference",
+    "preference_eval": "preference",
+    "prompts": "prompt",
+    "prompts_eval": "prompt",
+}
 # What issue 6 asks the corpus to cover, by the rule that catches it.
 REQUIRED_RULES = {
     "format",  # missing columns

@@ -14,7 +14,9 @@ ROWS, BATCH = 3500, 1000  # four batches, the last one short
 
 
 def pairs() -> list[dict]:
-    rows = [{"prompt": f"Summarise ticket {i}: ", "chosen": f"Fixed {i}.", "rejected": f"Maybe {i}."} for i in range(ROWS)]
+    rows = [
+        {"prompt": f"Summarise ticket {i}: ", "chosen": f"Fixed {i}.", "rejected": f"Maybe {i}."} for i in range(ROWS)
+    ]
     rows[1234]["rejected"] = rows[1234]["chosen"]  # second batch
     rows[2100]["chosen"] = "\u3000Fixed, after a wide space.\t"  # valid, but past Arrow's screen: Python checks it
     rows[2101]["prompt"] = None  # third batch: the wrong type, and no text to measure
@@ -39,7 +41,11 @@ def failures(rows: list[dict], batch_rows: int) -> dict:
 
 
 def failed_rows(report: dict) -> dict[str, tuple[int, list[int]]]:
-    return {rule["rule"]: (rule["failed_count"], [e["row"] for e in rule["examples"]]) for rule in report["rules"] if not rule["success"]}
+    return {
+        rule["rule"]: (rule["failed_count"], [e["row"] for e in rule["examples"]])
+        for rule in report["rules"]
+        if not rule["success"]
+    }
 
 
 def test_batches_name_the_dataset_rows_of_standard_pairs():
@@ -84,7 +90,9 @@ def test_line_checks_name_the_file_lines_across_blocks(tmp_path, monkeypatch):
     lines[20] = ""  # blank: not a row, but a line
     lines[33] = '["a list"]'
     path = tmp_path / "d.jsonl"
-    path.write_bytes(("\n".join(lines[:-1]) + "\n").encode() + b'{"prompt": "\xff"}')  # a bad byte on the last line, no newline
+    path.write_bytes(
+        ("\n".join(lines[:-1]) + "\n").encode() + b'{"prompt": "\xff"}'
+    )  # a bad byte on the last line, no newline
     (report,) = check_files("sft", [path])
     found = {rule.rule: [e["line"] for e in rule.examples] for rule in report.rules if not rule.success}
     assert found == {"utf8": [40], "json_lines": [8, 34]}

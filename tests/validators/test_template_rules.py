@@ -17,8 +17,19 @@ from tests.foreign_models import gpt2_folder, qwen2_folder
 from tests.helpers import write_jsonl
 
 CHAT = [
-    {"messages": [{"role": "user", "content": "Describe the red cat."}, {"role": "assistant", "content": "The red cat is calm."}]},
-    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Describe the fox."}, {"role": "assistant", "content": "Calm."}]},
+    {
+        "messages": [
+            {"role": "user", "content": "Describe the red cat."},
+            {"role": "assistant", "content": "The red cat is calm."},
+        ]
+    },
+    {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Describe the fox."},
+            {"role": "assistant", "content": "Calm."},
+        ]
+    },
 ]
 
 
@@ -30,7 +41,9 @@ def folders(tmp_path_factory):
 
 def check(tmp_path, tokenizer, rows=CHAT, kind="sft", **extra):
     path = write_jsonl(tmp_path / "chat.jsonl", rows)
-    return validate_dataset(kind, load_source(DatasetSpec(path=str(path))), source=str(path), tokenizer=tokenizer, max_tokens=256, **extra)
+    return validate_dataset(
+        kind, load_source(DatasetSpec(path=str(path))), source=str(path), tokenizer=tokenizer, max_tokens=256, **extra
+    )
 
 
 def test_conversations_on_a_tokenizer_without_a_template_fail_the_rule_with_the_fix(folders, tmp_path):
@@ -39,18 +52,25 @@ def test_conversations_on_a_tokenizer_without_a_template_fail_the_rule_with_the_
         check(tmp_path, tokenizer, model_name="'gpt2-style'")
     message = str(failure.value)
     assert "rule 'chat_template' failed for 2 of 2 rows" in message and "set model.chat_template=chatml" in message
-    assert "fits_max_length" not in message and "Cannot use chat template" not in message  # one clear cause, not a tokenizer exception
+    assert (
+        "fits_max_length" not in message and "Cannot use chat template" not in message
+    )  # one clear cause, not a tokenizer exception
     # Standard (string) rows need no template; with chatml the conversations pass.
     assert check(tmp_path, tokenizer, rows=[{"text": "The red cat is calm."}]).success
     chatml = load_base_tokenizer(ModelConfig(name_or_path=str(folders["gpt2"]), chat_template="chatml"))
     assert check(tmp_path, chatml).success
-    assert {r.rule for r in check(tmp_path, chatml, kind="prompt", rows=[{"prompt": CHAT[0]["messages"][:1]}]).rules} >= {"fits_max_length"}
+    assert {
+        r.rule for r in check(tmp_path, chatml, kind="prompt", rows=[{"prompt": CHAT[0]["messages"][:1]}]).rules
+    } >= {"fits_max_length"}
 
 
 def test_assistant_only_loss_needs_marks_that_cover_the_end_of_turn(folders, tmp_path):
     qwen = load_base_tokenizer(ModelConfig(name_or_path=str(folders["qwen2"])))
     assert check(tmp_path, qwen).success  # Qwen's own template trains every token: fine without assistant_only_loss
-    with pytest.raises(DataValidationError, match=r"rule 'chat_template'.*assistant_only_loss trains the tokens inside \{% generation %\} marks"):
+    with pytest.raises(
+        DataValidationError,
+        match=r"rule 'chat_template'.*assistant_only_loss trains the tokens inside \{% generation %\} marks",
+    ):
         check(tmp_path, qwen, assistant_only=True)
 
     # Marks that leave the end-of-turn token out: the model would never learn to stop.

@@ -63,16 +63,23 @@ def test_good_unpaired_file_passes(tmp_path):
     assert report.format == DatasetFormat("preference", False, "explicit", ("prompt", "completion", "label"))
     assert report.format.describe() == "standard unpaired preference (prompt, completion, label)"
     rules = [result.rule for result in report.rules]
-    assert {"consistent_types", "text_not_blank", "label_is_boolean", "both_labels_present", "fits_max_length"} <= set(rules)
+    assert {"consistent_types", "text_not_blank", "label_is_boolean", "both_labels_present", "fits_max_length"} <= set(
+        rules
+    )
     assert "chosen_differs_from_rejected" not in rules
 
 
 def test_good_conversational_unpaired_rows_pass():
-    rows = [{"prompt": [user(r["prompt"])], "completion": [assistant(r["completion"])], "label": r["label"]} for r in unpaired_rows()]
+    rows = [
+        {"prompt": [user(r["prompt"])], "completion": [assistant(r["completion"])], "label": r["label"]}
+        for r in unpaired_rows()
+    ]
     report = validate_dataset("preference", datasets.Dataset.from_list(rows), source="feedback.jsonl")
     assert report.success, report.summary()
     assert report.format.conversational and report.format.unpaired
-    assert {"valid_roles", "has_assistant_turn", "prompt_ends_with_user_turn"} <= {result.rule for result in report.rules}
+    assert {"valid_roles", "has_assistant_turn", "prompt_ends_with_user_turn"} <= {
+        result.rule for result in report.rules
+    }
 
 
 def test_a_number_is_not_a_label(tmp_path):
@@ -118,11 +125,15 @@ def test_fits_max_length_counts_prompt_and_completion(tmp_path):
     with pytest.raises(DataValidationError) as caught:
         validate_dataset("preference", dataset, source=source, max_tokens=30, tokenizer=build_tokenizer())
     message = str(caught.value)
-    assert message.startswith(f"{source}: rule 'fits_max_length' failed for 1 of 5 rows (prompt + completion must fit in 30 tokens)"), message
+    assert message.startswith(
+        f"{source}: rule 'fits_max_length' failed for 1 of 5 rows (prompt + completion must fit in 30 tokens)"
+    ), message
     assert re.search(r"row 4 \(0-based\): prompt \+ completion is \d+ tokens > 30", message), message
 
 
 def test_unpaired_rows_need_a_prompt():
     rows = [{"completion": r["completion"], "label": r["label"]} for r in unpaired_rows()]
-    with pytest.raises(DataValidationError, match=r"rule 'format' failed: unpaired preference data .* missing \['prompt'\]"):
+    with pytest.raises(
+        DataValidationError, match=r"rule 'format' failed: unpaired preference data .* missing \['prompt'\]"
+    ):
         validate_dataset("preference", datasets.Dataset.from_list(rows), source="feedback.jsonl")

@@ -59,10 +59,17 @@ def expect_failure(kind, rows_or_dataset, rule, row=None, **kwargs) -> str:
 # --- every shape passes, extra columns included ---------------------------------------------
 
 SHAPES = {
-    "sft-text": ("sft", [{"text": f"{p} -> {a}", "id": i} for i, (p, a, _) in enumerate(sort_rows())], (False, "implicit", ("text",))),
+    "sft-text": (
+        "sft",
+        [{"text": f"{p} -> {a}", "id": i} for i, (p, a, _) in enumerate(sort_rows())],
+        (False, "implicit", ("text",)),
+    ),
     "sft-messages": (
         "sft",
-        [{"messages": [system("sort digits"), user(p), assistant(a)], "id": i} for i, (p, a, _) in enumerate(sort_rows())],
+        [
+            {"messages": [system("sort digits"), user(p), assistant(a)], "id": i}
+            for i, (p, a, _) in enumerate(sort_rows())
+        ],
         (True, "implicit", ("messages",)),
     ),
     "sft-prompt-completion": (
@@ -82,7 +89,10 @@ SHAPES = {
     ),
     "preference-conversational-explicit": (
         "preference",
-        [{"prompt": [user(p)], "chosen": [assistant(a)], "rejected": [assistant(b)], "id": i} for i, (p, a, b) in enumerate(sort_rows())],
+        [
+            {"prompt": [user(p)], "chosen": [assistant(a)], "rejected": [assistant(b)], "id": i}
+            for i, (p, a, b) in enumerate(sort_rows())
+        ],
         (True, "explicit", ("prompt", "chosen", "rejected")),
     ),
     "preference-implicit": (
@@ -93,12 +103,20 @@ SHAPES = {
     "preference-conversational-implicit": (
         "preference",
         [
-            {"chosen": [system("sort"), user(p), assistant(a)], "rejected": [system("sort"), user(p), assistant(b)], "id": i}
+            {
+                "chosen": [system("sort"), user(p), assistant(a)],
+                "rejected": [system("sort"), user(p), assistant(b)],
+                "id": i,
+            }
             for i, (p, a, b) in enumerate(sort_rows())
         ],
         (True, "implicit", ("chosen", "rejected")),
     ),
-    "prompt-only": ("prompt", [{"prompt": p, "answer": a} for p, a, _ in sort_rows()], (False, "explicit", ("prompt",))),
+    "prompt-only": (
+        "prompt",
+        [{"prompt": p, "answer": a} for p, a, _ in sort_rows()],
+        (False, "explicit", ("prompt",)),
+    ),
     "prompt-only-conversational": (
         "prompt",
         [{"prompt": [system("sort digits"), user(p)], "answer": a} for p, a, _ in sort_rows()],
@@ -116,9 +134,13 @@ RULES = {
     "sft-prompt-completion": COMMON,
     "sft-conversational-prompt-completion": COMMON | MESSAGES | {"prompt_ends_with_user_turn"},
     "preference-explicit": COMMON | {"chosen_differs_from_rejected"},
-    "preference-conversational-explicit": COMMON | MESSAGES | {"prompt_ends_with_user_turn", "chosen_differs_from_rejected"},
+    "preference-conversational-explicit": COMMON
+    | MESSAGES
+    | {"prompt_ends_with_user_turn", "chosen_differs_from_rejected"},
     "preference-implicit": COMMON | {"chosen_differs_from_rejected"},
-    "preference-conversational-implicit": COMMON | MESSAGES | {"shared_prompt_turns", "prompt_ends_with_user_turn", "chosen_differs_from_rejected"},
+    "preference-conversational-implicit": COMMON
+    | MESSAGES
+    | {"shared_prompt_turns", "prompt_ends_with_user_turn", "chosen_differs_from_rejected"},
     "prompt-only": COMMON,
     "prompt-only-conversational": COMMON | {"valid_roles", "prompt_ends_with_user_turn"},  # no assistant turn to check
 }
@@ -157,7 +179,12 @@ def test_report_files_written_on_failure(tmp_path):
 
 def test_assistant_turn_with_only_tool_calls_may_have_empty_content():
     call = [{"type": "function", "function": {"name": "sort", "arguments": "{}"}}]
-    messages = [user("sort 231"), {"role": "assistant", "content": "", "tool_calls": call}, {"role": "tool", "content": "123"}, assistant("123")]
+    messages = [
+        user("sort 231"),
+        {"role": "assistant", "content": "", "tool_calls": call},
+        {"role": "tool", "content": "123"},
+        assistant("123"),
+    ]
     assert validate_dataset("sft", make([{"messages": messages}]), source=SOURCE).success
 
 
@@ -262,7 +289,8 @@ def test_missing_value_is_a_type_error():
 
 def test_empty_dataset():
     empty = datasets.Dataset.from_dict(
-        {"prompt": [], "chosen": [], "rejected": []}, features=datasets.Features({c: datasets.Value("string") for c in ("prompt", "chosen", "rejected")})
+        {"prompt": [], "chosen": [], "rejected": []},
+        features=datasets.Features({c: datasets.Value("string") for c in ("prompt", "chosen", "rejected")}),
     )
     message = expect_failure("preference", empty, "non_empty_dataset")
     assert "the dataset has 0 rows" in message
@@ -274,7 +302,9 @@ def test_empty_dataset():
 def test_unpaired_preference_is_rejected():
     # Unpaired rows are KTO's preference format, but one label only leaves KTO nothing to contrast.
     rows = [{"prompt": p, "completion": a, "label": True} for p, a, _ in sort_rows()]
-    assert detect_format("preference", make(rows), SOURCE) == DatasetFormat("preference", False, "explicit", ("prompt", "completion", "label"))
+    assert detect_format("preference", make(rows), SOURCE) == DatasetFormat(
+        "preference", False, "explicit", ("prompt", "completion", "label")
+    )
     message = expect_failure("preference", rows, "both_labels_present", row=0)
     assert "all 4 labels are True: no undesirable row (label False)" in message
 
