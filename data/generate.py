@@ -3,7 +3,8 @@
     python -m rlhf_pipeline.data.generate     # rewrites data/sort/*.jsonl
 
 The task is chosen so that alignment has something to fix, as in real RLHF
-(measured designs in shared/DESIGN.md):
+(measured designs: docs/ARCHITECTURE.md, "Library facts the code relies on",
+"The bundled task: measured designs"):
 
 * SFT demonstrations carry a *systematic* mistake tied to a prompt feature:
   when the answer holds a 9, the demonstrator swaps the last two differing

@@ -1,1 +1,2 @@
-"""The DAGs: wiring only. `rlhf` is the full pipeline; smaller flows reuse the same tasks."""
+"""The DAGs: wiring only (docs/ARCHITECTURE.md, "Layers"). `rlhf` is the full pipeline; smaller flows reuse the same
+tasks."""

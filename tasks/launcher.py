@@ -104,7 +104,8 @@ class LaunchConfig(BaseModel):
             config = ENGINE_DIR / f"{self.engine}.yaml" if self.engine in ENGINES else Path(self.engine).expanduser()
             command += ["--config_file", str(config)]
         else:
-            # A MULTI_CPU config takes accelerate's simple launcher (one process); --multi_gpu with use_cpu inside gives gloo DDP (DESIGN.md).
+            # A MULTI_CPU config takes accelerate's simple launcher (one process); --multi_gpu with use_cpu inside gives gloo DDP
+            # (docs/ARCHITECTURE.md, "Library facts the code relies on", accelerate).
             command += ["--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no"]
         command += ["--num_processes", str(processes * machines), "--num_machines", str(machines)]
         if machines > 1:

@@ -1,6 +1,6 @@
 """The Prefect side of a stage: the task decorator, retries, device slots, run logs and MLflow links.
 
-`tasks.stage` holds the contract (key, publish, cache); this module makes a
+`tasks.store` holds the contract (key, publish, cache); this module makes a
 stage a Prefect task that retries transient failures, holds a GPU slot while
 it builds and shows up in the Prefect UI with a link to its MLflow run.
 """
@@ -46,7 +46,7 @@ def coordinated() -> bool:
 
 
 TEMPORARY_SERVER_ENV = "RLHF_TEMPORARY_PREFECT_API_URL"
-"""Set by `rlhf run`/`rlhf eval` to the API URL of the temporary server they started (flows.cli): not a server to coordinate through."""
+"""Set by `rlhf run`/`rlhf eval` to the API URL of the temporary server they started (rlhf_pipeline.cli): not a server to coordinate through."""
 
 
 def ensure_device_limit(slots: int = 1) -> None:

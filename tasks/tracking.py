@@ -27,7 +27,8 @@ def state_dir() -> Path:
 
 
 def tracking_uri() -> str:
-    # The file store refuses writes in MLflow 3.17 (DESIGN.md): default to SQLite.
+    # The file store refuses writes in MLflow 3.17 (docs/ARCHITECTURE.md, "Library facts the code relies on", MLflow):
+    # default to SQLite.
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{state_dir() / 'mlflow.db'}"
 
 

@@ -497,7 +497,8 @@ class TrainingFields(StageConfig):
             "seed": self.seed,
             "bf16": bf16,
             "use_cpu": not cuda,
-            # TRL turns checkpointing on by default; it made tiny SFT ~47% slower (DESIGN.md).
+            # TRL turns checkpointing on by default; it made tiny SFT ~47% slower
+            # (docs/ARCHITECTURE.md, "Library facts the code relies on", TRL and transformers).
             # `activation_checkpointing` is transformers 5's name for `gradient_checkpointing`.
             "activation_checkpointing": False,
             "report_to": "none",

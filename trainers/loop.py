@@ -182,7 +182,7 @@ def write_outcome(
     best_checkpoint: str | None = None,
     best_metric: float | None = None,
 ) -> dict:
-    """`training.json`: how the training ended, for the manifest and the MLflow tags (`tasks.stage`)."""
+    """`training.json`: how the training ended, for the manifest and the MLflow tags (`tasks.store`)."""
     import torch
 
     outcome = {"global_step": global_step, "max_steps": max_steps, "stopped_early": global_step < max_steps}

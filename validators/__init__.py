@@ -5,7 +5,8 @@
 
 Kinds are "sft", "preference" and "prompt"; each accepts TRL's formats for it
 (see validators.formats). Importing this package is cheap: great_expectations,
-pandas and datasets are imported only when a dataset is validated.
+pandas and datasets are imported only when a dataset is validated. The data stage's build is
+`validators.stage` (docs/ARCHITECTURE.md, "Layers").
 """
 
 from rlhf_pipeline.validators.files import check_files
