@@ -1,17 +1,19 @@
-"""The training stages (sft, rm, dpo, grpo, rloo, ppo, and any row of the table with a trainer): one task.
+"""The training stages (every row of the table whose task is `TRAIN_STAGE`): one task, and the trainer contract, described
+here once (docs/ARCHITECTURE.md, "The trainer contract").
 
-A stage's trainer is `train(cfg, ...)` in the module the table names; the task
-fills its parameters by name, so a new stage needs a trainer and a row, not new
-plumbing:
+A stage's trainer is `train(cfg, ...)` in the module the table names; the task fills its parameters by name, so a new
+stage needs a trainer and a row, not new plumbing:
 
-    cfg           the stage's config block
+    cfg           the stage's config block (a `StageConfig`)
     data_dir      the data artifact (it keys on the datasets the row `reads`, not on all of them)
     sft_model     the `sft` artifact's model folder      reward_model  the `rm` artifact's (or None)
+    policy_model  a feedback round's previous policy     feedback      the run's feedback block (a feedback round's)
     model         the run's base model block              rewards       the run's rewards block
     out_dir, work_dir, log_metrics                        as in `tasks.store.run_stage`
 
-The blocks a trainer takes besides its own (`model`, `rewards`) are keyed with
-its config: changing the rewards re-runs the online stages only.
+The blocks a trainer takes besides its own (`model`, `rewards`, `feedback`) are keyed with its config: changing the
+rewards re-runs the online stages only. A trainer writes `out_dir/model`, checkpoints into `work_dir`, returns its
+final metrics and emits progress records (`trainers.progress`); it imports no Prefect.
 """
 
 from __future__ import annotations
