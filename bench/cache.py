@@ -1,4 +1,5 @@
-"""What the stage cache saves: the default pipeline's first run, an identical re-run, and a run that changes only the last stage.
+"""What the stage cache saves: the default pipeline's first run, an identical re-run, and a run that changes only the \
+last stage.
 
     python -m bench.cache                 # ~6 minutes on 2 cores: one first run, then 3 rounds of the re-runs
     python -m bench.cache --rounds 5
@@ -40,7 +41,7 @@ def rlhf_run(env: dict, overrides: list[str], log: Path) -> tuple[float, dict[st
     command = [
         sys.executable,
         "-m",
-        "rlhf_pipeline.cli",
+        "rlhf_pipeline",
         "run",
         *[part for item in overrides for part in ("--set", item)],
     ]
@@ -116,23 +117,31 @@ def main(argv: list[str] | None = None) -> int:
                 rows.setdefault(f"eval changed, {where} server", []).append(seconds)
                 eval_own[where].append(own_seconds(changed["eval"]))
                 print(
-                    f"round {round_ + 1}: eval changed ({where} server) {seconds:.1f}s, eval's own build {eval_own[where][-1]:.1f}s",
+                    f"round {round_ + 1}: eval changed ({where} server) {seconds:.1f}s, eval's own build "
+                    f"{eval_own[where][-1]:.1f}s",
                     flush=True,
                 )
     finally:
         stop([server])
     print(
-        f"\nthe embedded default, `rlhf run` wall to wall; first run once, then {args.rounds} rounds interleaved (median [min, max])"
+        f"\nthe embedded default, `rlhf run` wall to wall; first run once, then {args.rounds} rounds interleaved "
+        "(median [min, max])"
     )
     print(f"{'run':38} {'seconds':>22}  against the target")
     print(f"{'first run (every stage built)':38} {first:7.1f}s")
     for name, values in rows.items():
         median = statistics.median(values)
         if name.startswith("identical"):
-            verdict = f"{median / first:6.1%} of the first run (target <= 5%: {'met' if median <= 0.05 * first else 'NOT met'})"
+            verdict = (
+                f"{median / first:6.1%} of the first run (target <= 5%: "
+                f"{'met' if median <= 0.05 * first else 'NOT met'})"
+            )
         else:
             own = statistics.median(eval_own["temporary" if "temporary" in name else "running"])
-            verdict = f"eval's own {own:.1f}s + {median - own:.1f}s (target <= +10 s: {'met' if median - own <= 10 else 'NOT met'})"
+            verdict = (
+                f"eval's own {own:.1f}s + {median - own:.1f}s (target <= +10 s: "
+                f"{'met' if median - own <= 10 else 'NOT met'})"
+            )
         print(f"{name:38} {spread(values)}  {verdict}")
     if args.keep is None:
         shutil.rmtree(root, ignore_errors=True)

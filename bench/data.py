@@ -1,4 +1,5 @@
-"""The `data` stage at scale: seconds, rows/s and peak RSS of `validators.stage.train` on preference files of 10k to 5M rows.
+"""The `data` stage at scale: seconds, rows/s and peak RSS of `validators.stage.train` on preference files of 10k to \
+5M rows.
 
     python -m bench.data                              # 10k, 100k, 1M and 5M rows; ~4 minutes on 2 cores
     python -m bench.data --sizes 1M --repeats 5
@@ -188,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(
-        f"\n{'rows':>9}  {'variant':7}  {'runs':>4}  {'median s':>8}  {'min-max s':>13}  {'rows/s':>9}  {'peak RSS MB':>11}  {'anon MB':>7}  rows named"
+        f"\n{'rows':>9}  {'variant':7}  {'runs':>4}  {'median s':>8}  {'min-max s':>13}  {'rows/s':>9}  "
+        f"{'peak RSS MB':>11}  {'anon MB':>7}  rows named"
     )
     for line in table:
         print(_format(line))

@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
 
     device, peak = device_peak()
     print(
-        f"\n{device}; dense bf16 peak {peak or 'unknown'} TFLOPS; Qwen2.5-0.5B architecture, random weights, {'float32' if args.tiny else 'bf16'}"
+        f"\n{device}; dense bf16 peak {peak or 'unknown'} TFLOPS; Qwen2.5-0.5B architecture, random weights, "
+        f"{'float32' if args.tiny else 'bf16'}"
     )
     print(f"{'stage':6} {'steps':>6} {'sequences':>10} {'tokens':>10} {'seconds':>8} {'tokens/s':>10} {'MFU':>7}")
     for stage in ("sft", "dpo", "grpo"):
@@ -165,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         rate = figures["tokens"] / figures["seconds"]
         mfu = f"{figures['flops'] / figures['seconds'] / (peak * 1e12):7.1%}" if peak else "      -"
         print(
-            f"{stage:6} {figures['steps']:6d} {figures['sequences']:10d} {figures['tokens']:10d} {figures['seconds']:8.1f} {rate:10.0f} {mfu}"
+            f"{stage:6} {figures['steps']:6d} {figures['sequences']:10d} {figures['tokens']:10d} "
+            f"{figures['seconds']:8.1f} {rate:10.0f} {mfu}"
         )
     return 0
 

@@ -1,8 +1,9 @@
-"""sft, dpo and grpo under the accelerate launcher on the Qwen2.5-0.5B architecture (random weights, bf16), in one command.
+"""sft, dpo and grpo under the accelerate launcher on the Qwen2.5-0.5B architecture (random weights, bf16), in one \
+command.
 
-    python -m bench.gpu_launch                 # on a GPU machine: every GPU, launch.engine=ddp (under 8 minutes on one H200)
+    python -m bench.gpu_launch           # on a GPU machine: every GPU, launch.engine=ddp (under 8 minutes on one H200)
     python -m bench.gpu_launch --engine zero2
-    python -m bench.gpu_launch --tiny          # the same pipeline on a CPU: a 2-layer model, 2 gloo processes (a dry run)
+    python -m bench.gpu_launch --tiny    # the same pipeline on a CPU: a 2-layer model, 2 gloo processes (a dry run)
 
 With vLLM installed (`pip install '.[vllm]'`), grpo runs a second time with `grpo.use_vllm=true`.
 
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             command = [
                 sys.executable,
                 "-m",
-                "rlhf_pipeline.cli",
+                "rlhf_pipeline",
                 "run",
                 *(f"--set={item}" for item in [*common, *extra]),
             ]

@@ -1,13 +1,15 @@
-"""In-process training stages of this checkout against an earlier commit, side by side: the cost of the launcher's hooks.
+"""In-process training stages of this checkout against an earlier commit, side by side: the cost of the launcher's \
+hooks.
 
     python -m bench.inprocess_speed --base 521af27                # sft and ppo, 3 rounds, interleaved
     python -m bench.inprocess_speed --base 521af27 --stages sft dpo ppo --rounds 5
 
 Both sides import their own `rlhf_pipeline` (the base commit from a `git worktree`, mapped to the package the way
 pyproject.toml maps the folders, found on PYTHONPATH before the editable install's finder; the processes run outside
-the checkout, whose own `rlhf_pipeline/` would shadow it) in a fresh process per measurement, and train the stage with the tiny preset's
-settings on the same data and the same SFT model. The time is that of the stage's `train` call (model loading and
-saving included); the table shows median, min and max per side and the ratio of medians (this checkout / base).
+the checkout, whose own `rlhf_pipeline/` would shadow it) in a fresh process per measurement, and train the stage with
+the tiny preset's settings on the same data and the same SFT model. The time is that of the stage's `train` call (model
+loading and saving included); the table shows median, min and max per side and the ratio of medians (this checkout /
+base).
 """
 
 from __future__ import annotations
@@ -106,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         for stage in args.stages:
             b, h = seconds[(stage, "base")], seconds[(stage, "head")]
             print(
-                f"{stage:5}  {statistics.median(b):6.1f}s [{min(b):5.1f}, {max(b):5.1f}]    {statistics.median(h):6.1f}s [{min(h):5.1f}, {max(h):5.1f}]"
+                f"{stage:5}  {statistics.median(b):6.1f}s [{min(b):5.1f}, {max(b):5.1f}]    "
+                f"{statistics.median(h):6.1f}s [{min(h):5.1f}, {max(h):5.1f}]"
                 f"    {statistics.median(h) / statistics.median(b):.3f}"
             )
     finally:

@@ -1,4 +1,5 @@
-"""The accelerate launcher against the in-process run on the embedded default: sft, then dpo and ppo from it, side by side.
+"""The accelerate launcher against the in-process run on the embedded default: sft, then dpo and ppo from it, side by \
+side.
 
     python -m bench.launch_parity                  # 2 CPU processes (gloo) against one process; ~6 minutes on 2 cores
     python -m bench.launch_parity --processes 4
@@ -94,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         build("ppo", mode, {"cfg": params.ppo, "rewards": params.rewards, "sft_model": sft[mode], "reward_model": None})
 
     print(
-        f"\n{args.processes} processes (gloo on CPU) against 1, the same global batch; held-out exact match on {len(prompts)} prompts"
+        f"\n{args.processes} processes (gloo on CPU) against 1, the same global batch; held-out exact match on "
+        f"{len(prompts)} prompts"
     )
     print("stage  in-process        launched          difference  time ratio")
     for stage in ("sft", "dpo", "ppo"):
@@ -103,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         points = 100 * (many["exact_match"] - one["exact_match"])
         print(
-            f"{stage:5}  {one['exact_match']:.3f} ({one['seconds']:5.1f}s)  {many['exact_match']:.3f} ({many['seconds']:5.1f}s)"
+            f"{stage:5}  {one['exact_match']:.3f} ({one['seconds']:5.1f}s)  {many['exact_match']:.3f} "
+            f"({many['seconds']:5.1f}s)"
             f"  {points:+6.1f} pts  {many['seconds'] / one['seconds']:5.2f}x"
         )
     if args.keep is None:

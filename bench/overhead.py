@@ -1,4 +1,5 @@
-"""What the orchestration costs: the default pipeline via `rlhf run` against the same stages as plain scripts, side by side.
+"""What the orchestration costs: the default pipeline via `rlhf run` against the same stages as plain scripts, side by \
+side.
 
     python -m bench.overhead              # ~8 minutes on 2 cores: 3 rounds at half the preset's training steps
     python -m bench.overhead --full       # the preset's own steps (sft 300, rm 150, dpo 200); ~14 minutes
@@ -6,9 +7,9 @@
 
 Both sides run in a fresh process each, timed wall to wall (imports, model building, loading and saving included), and
 interleaved: pipeline, plain, pipeline, plain, ...
-- pipeline: `rlhf run` on a fresh state folder (one Prefect home for all rounds, its database made first): data (Great Expectations checks, Parquet copies) -> sft -> rm -> dpo
-  (the default algorithm; `--set algorithm=ppo` for ppo) -> eval -> registry, with Prefect (its temporary server),
-  MLflow tracking, content-addressed artifacts and hashing.
+- pipeline: `rlhf run` on a fresh state folder (one Prefect home for all rounds, its database made first): data (Great
+  Expectations checks, Parquet copies) -> sft -> rm -> dpo (the default algorithm; `--set algorithm=ppo` for ppo) ->
+  eval -> registry, with Prefect (its temporary server), MLflow tracking, content-addressed artifacts and hashing.
 - plain: one Python process that does the same work with no Prefect, MLflow, validation or hashing: the bundled files
   read into Parquet with `datasets`; sft, rm and dpo with TRL's `SFTTrainer`, `RewardTrainer` and `DPOTrainer`, built
   from the same resolved settings and seeds (`trl_arguments`); ppo with `trainers.ppo.train` (ours: TRL has no PPO since
@@ -192,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     for round_ in range(args.rounds):
         state = root / f"round-{round_}"
         env = {**base, "RLHF_STATE_DIR": str(state / "state"), "PREFECT_HOME": str(prefect_home)}
-        seconds, printed = timed([sys.executable, "-m", "rlhf_pipeline.cli", "run", *sets], env, log)
+        seconds, printed = timed([sys.executable, "-m", "rlhf_pipeline", "run", *sets], env, log)
         walls["pipeline"].append(seconds)
         for stage, value in pipeline_breakdown(printed).items():
             parts["pipeline"].setdefault(stage, []).append(value)
@@ -210,12 +211,14 @@ def main(argv: list[str] | None = None) -> int:
         return statistics.median(values) if values else float("nan")
 
     print(
-        f"\nthe embedded default{'' if args.full else ' at half its training steps (' + ', '.join(HALF) + ')'}; {args.rounds} rounds, median [min, max]"
+        f"\nthe embedded default{'' if args.full else ' at half its training steps (' + ', '.join(HALF) + ')'}; "
+        f"{args.rounds} rounds, median [min, max]"
     )
     print(f"{'part':34} {'pipeline':>10} {'plain':>10}")
     for stage in STAGES:
         print(
-            f"{stage + ' (build)':34} {median(parts['pipeline'].get(stage, [])):9.1f}s {median(parts['plain'].get(stage, [])):9.1f}s"
+            f"{stage + ' (build)':34} {median(parts['pipeline'].get(stage, [])):9.1f}s "
+            f"{median(parts['plain'].get(stage, [])):9.1f}s"
         )
     built = [
         sum(parts["pipeline"][s][i] for s in parts["pipeline"] if i < len(parts["pipeline"][s]))
@@ -224,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     rest = [wall - inside for wall, inside in zip(walls["pipeline"], built)]
     print(f"{'registry (build)':34} {median(parts['pipeline'].get('registry', [])):9.1f}s {'-':>10}")
     print(
-        f"{'outside the builds':34} {median(rest):9.1f}s {median(parts['plain']['imports']):9.1f}s   (pipeline: Prefect, MLflow, start-up; plain: imports)"
+        f"{'outside the builds':34} {median(rest):9.1f}s {median(parts['plain']['imports']):9.1f}s   (pipeline: "
+        "Prefect, MLflow, start-up; plain: imports)"
     )
     for side in ("pipeline", "plain"):
         values = walls[side]
@@ -232,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     ratios = [one / two for one, two in zip(walls["pipeline"], walls["plain"])]
     ratio = median(walls["pipeline"]) / median(walls["plain"])
     print(
-        f"ratio pipeline / plain: {ratio:.3f} by medians (per round {', '.join(f'{r:.3f}' for r in ratios)}); target <= 1.05: {'met' if ratio <= 1.05 else 'NOT met'}"
+        f"ratio pipeline / plain: {ratio:.3f} by medians (per round {', '.join(f'{r:.3f}' for r in ratios)}); target "
+        f"<= 1.05: {'met' if ratio <= 1.05 else 'NOT met'}"
     )
     shutil.rmtree(root, ignore_errors=True)
     return 0

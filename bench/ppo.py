@@ -1,6 +1,8 @@
-"""Our PPO against TRL 1.12's PPOTrainer (the last TRL that had one), then TRL 1.16's GRPO and RLOO, on the embedded default.
+"""Our PPO against TRL 1.12's PPOTrainer (the last TRL that had one), then TRL 1.16's GRPO and RLOO, on the embedded \
+default.
 
-    python -m bench.ppo                                # 2560 episodes, 3 repetitions each, interleaved; ~8 minutes on 2 idle cores (+ a one-time venv)
+    python -m bench.ppo                                # 2560 episodes, 3 repetitions each, interleaved; ~8 minutes on 2
+                                                       # idle cores (+ a one-time venv)
     python -m bench.ppo --episodes 5120 --repeats 5 --skip-online   # the tiny preset's full budget
     python -m bench.ppo --venv /elsewhere/trl-1.12     # a venv of one's own (made there if missing)
 
@@ -8,14 +10,14 @@ One SFT model and one reward model (the tiny preset's sft and rm stages, trained
 and the only reward of every run: our PPO (`trainers/ppo.py`, the tiny preset's ppo settings with `rewards` = the reward
 model alone) and TRL 1.12's `trl.experimental.ppo.PPOTrainer` with the same hyperparameters, in a virtualenv of its own
 (TRL 1.12 with the project's transformers; never in the project's dependencies), each in a fresh process timed wall to
-wall (interpreter start to exit: imports, model loading and saving included; its CPU seconds beside), interleaved, alternating
-who goes first, every process with the same torch threads (`--threads`).
-Then GRPO and RLOO (tiny preset, the same reward model) on the same budget of generated tokens, one run each.
+wall (interpreter start to exit: imports, model loading and saving included; its CPU seconds beside), interleaved,
+alternating who goes first, every process with the same torch threads (`--threads`). Then GRPO and RLOO (tiny preset,
+the same reward model) on the same budget of generated tokens, one run each.
 
 Every final policy, and the SFT model it started from, is scored afterwards in this process in the same way: completions
-sampled as in training (temperature, response_length, stopped at EOS) on the held-out `prompts_eval`, scored by the reward
-model; "gain / 1k episodes" is 1000 x (that score - the SFT model's) / episodes. Exact match is greedy, on the same prompts: the reward
-model can be gamed on this task (tiny.yaml), so it shows whether the reward was earned.
+sampled as in training (temperature, response_length, stopped at EOS) on the held-out `prompts_eval`, scored by the
+reward model; "gain / 1k episodes" is 1000 x (that score - the SFT model's) / episodes. Exact match is greedy, on the
+same prompts: the reward model can be gamed on this task (tiny.yaml), so it shows whether the reward was earned.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ from rlhf_pipeline.trainers.rewards import RewardsConfig
 stage, spec = sys.argv[1], json.loads(Path(sys.argv[2]).read_text())
 module = importlib.import_module(f"rlhf_pipeline.trainers.{stage}")
 module.train(
-    cfg=getattr(module, spec["config"])(**spec["cfg"]), rewards=RewardsConfig(**spec["rewards"]), sft_model=Path(spec["sft"]),
+    cfg=getattr(module, spec["config"])(**spec["cfg"]), rewards=RewardsConfig(**spec["rewards"]), \
+sft_model=Path(spec["sft"]),
     reward_model=Path(spec["rm"]), data_dir=Path(spec["data"]), out_dir=Path(spec["out"]), work_dir=Path(spec["work"]),
 )
 """
@@ -79,11 +82,14 @@ from trl.experimental.ppo import PPOConfig, PPOTrainer
 args = PPOConfig(output_dir=spec["work"], **spec["args"])
 tokenizer = AutoTokenizer.from_pretrained(spec["sft"], padding_side="left")
 policy, reference = (AutoModelForCausalLM.from_pretrained(spec["sft"]) for _ in range(2))
-reward_model, value_model = (AutoModelForSequenceClassification.from_pretrained(spec["rm"], num_labels=1) for _ in range(2))
+reward_model, value_model = (AutoModelForSequenceClassification.from_pretrained(spec["rm"], num_labels=1) \
+for _ in range(2))
 rows = [json.loads(line) for line in Path(spec["prompts"]).read_text().splitlines()]
-prompts = {split: Dataset.from_dict({"input_ids": [r["input_ids"] for r in rows if r["split"] == split]}) for split in ("prompts", "prompts_eval")}
+prompts = {split: Dataset.from_dict({"input_ids": [r["input_ids"] for r in rows if r["split"] == split]}) \
+for split in ("prompts", "prompts_eval")}
 trainer = PPOTrainer(
-    args=args, processing_class=tokenizer, model=policy, ref_model=reference, reward_model=reward_model, value_model=value_model,
+    args=args, processing_class=tokenizer, model=policy, ref_model=reference, reward_model=reward_model, \
+value_model=value_model,
     train_dataset=prompts["prompts"], eval_dataset=prompts["prompts_eval"],
 )
 trainer.train()
@@ -103,13 +109,15 @@ def venv_trl_version(venv: Path) -> str | None:
 
 
 def ensure_venv(venv: Path) -> float:
-    """TRL 1.12's virtualenv at `venv`, made there (into a sibling, renamed when complete) unless one is; seconds it took (0: reused)."""
+    """TRL 1.12's virtualenv at `venv`, made there (into a sibling, renamed when complete) unless one is; seconds it
+    took (0: reused)."""
     version = venv_trl_version(venv)
     if version and version.startswith("1.12."):
         return 0.0
     if venv.exists():
         raise SystemExit(
-            f"error: {venv} exists but holds {'trl ' + version if version else 'no usable trl'}, not trl 1.12.*: remove it or pass --venv"
+            f"error: {venv} exists but holds {'trl ' + version if version else 'no usable trl'}, not trl 1.12.*: "
+            "remove it or pass --venv"
         )
     started = time.perf_counter()
     partial = venv.with_name(venv.name + ".partial")
@@ -123,7 +131,8 @@ def ensure_venv(venv: Path) -> float:
             shutil.rmtree(partial, ignore_errors=True)
             raise SystemExit(
                 f"error: could not make TRL 1.12's virtualenv at {venv}: `{' '.join(step)}` exited {done.returncode}\n"
-                f"{(done.stdout + done.stderr)[-3000:]}\nThe bench needs a package index with these releases: {TORCH_PIN} {' '.join(TRL_PINS)}"
+                f"{(done.stdout + done.stderr)[-3000:]}\nThe bench needs a package index with these releases: "
+                f"{TORCH_PIN} {' '.join(TRL_PINS)}"
             )
     # Moved into place only when complete, so a half-made one is never reused; its scripts' shebangs name the old path.
     partial.rename(venv)
@@ -148,8 +157,8 @@ def venv_pins(venv: Path) -> str:
 
 
 def timed(command: list[str], log: Path) -> tuple[float, float]:
-    """Wall and CPU (user + system) seconds of `command`, a fresh process (its output in `log`); a failure ends the bench with
-    the log's tail. CPU seconds hardly move when other work shares the machine; wall seconds do."""
+    """Wall and CPU (user + system) seconds of `command`, a fresh process (its output in `log`); a failure ends the
+    bench with the log's tail. CPU seconds hardly move when other work shares the machine; wall seconds do."""
     cpu = lambda: (lambda u: u.ru_utime + u.ru_stime)(resource.getrusage(resource.RUSAGE_CHILDREN))  # noqa: E731
     started, cpu_before = time.perf_counter(), cpu()
     with log.open("w") as out:
@@ -159,15 +168,16 @@ def timed(command: list[str], log: Path) -> tuple[float, float]:
     seconds = time.perf_counter() - started
     if done.returncode:
         raise SystemExit(
-            f"error: `{' '.join(command[:3])} ...` exited {done.returncode}; the end of {log}:\n{log.read_text()[-4000:]}"
+            f"error: `{' '.join(command[:3])} ...` exited {done.returncode}; the end of "
+            f"{log}:\n{log.read_text()[-4000:]}"
         )
     return seconds, cpu() - cpu_before
 
 
 def trl_arguments(ppo, rollout_batch: int) -> dict:
-    """TRL 1.12 PPOConfig with our settings. Its per_device_train_batch_size is the micro-batch of one optimizer step and
-    also sets the rollout batch (x gradient accumulation x processes): the whole rollout batch with no accumulation gives
-    one rollout batch of `rollout_batch` and num_mini_batches optimizer steps per epoch, as ours."""
+    """TRL 1.12 PPOConfig with our settings. Its per_device_train_batch_size is the micro-batch of one optimizer step
+    and also sets the rollout batch (x gradient accumulation x processes): the whole rollout batch with no accumulation
+    gives one rollout batch of `rollout_batch` and num_mini_batches optimizer steps per epoch, as ours."""
     same = (
         "learning_rate",
         "lr_scheduler_type",
@@ -207,17 +217,22 @@ def trl_arguments(ppo, rollout_batch: int) -> dict:
 
 
 DIFFERENCES = [
-    "gradient clipping: TRL 1.12's PPOTrainer never clips (max_grad_norm is unused); ours clips, so max_grad_norm=1e9 here (off)",
-    "stop: both end completions at EOS only (stop_token='eos'; ours would also stop at the template's <|end|>, TRL nowhere)",
+    "gradient clipping: TRL 1.12's PPOTrainer never clips (max_grad_norm is unused); ours clips, so max_grad_norm=1e9 "
+    "here (off)",
+    "stop: both end completions at EOS only (stop_token='eos'; ours would also stop at the template's <|end|>, TRL "
+    "nowhere)",
     "missing_eos_penalty=1.0 on both (our default with a reward model; TRL's default None)",
-    "score position: TRL adds the score one token after the EOS (its 'padding_mask_p1' position, also trained by the value "
-    "loss), ours on the EOS (or last token of a cut-off completion)",
-    "rollout log-probs: TRL takes them from generate()'s scores, ours from one more forward pass; TRL divides logits by temperature + 1e-7",
+    "score position: TRL adds the score one token after the EOS (its 'padding_mask_p1' position, also trained by the "
+    "value loss), ours on the EOS (or last token of a cut-off completion)",
+    "rollout log-probs: TRL takes them from generate()'s scores, ours from one more forward pass; TRL divides logits "
+    "by temperature + 1e-7",
     "advantage whitening: TRL's unbiased variance, ours the population variance (both over the real tokens)",
     "prompt order: both shuffle each pass over the prompts with seed 42, with different generators",
     "sample tables off on both (num_sample_generations=0: TRL's would generate on every held-out prompt 10 times)",
-    "KL: the same fixed kl_coef on both (the tiny preset's adaptive target_kl off: TRL 1.12 has none); ours without its held-out probes (eval_steps)",
-    "checkpoints: TRL save_strategy='no'; ours one at the end (save_steps past the run); both then save the final policy",
+    "KL: the same fixed kl_coef on both (the tiny preset's adaptive target_kl off: TRL 1.12 has none); ours without "
+    "its held-out probes (eval_steps)",
+    "checkpoints: TRL save_strategy='no'; ours one at the end (save_steps past the run); both then save the final "
+    "policy",
     "logging: TRL logs every update, ours every logging_steps=10",
 ]
 
@@ -225,8 +240,9 @@ DIFFERENCES = [
 def held_out_scores(
     model_dir: Path, sft_model: Path, reward_model: Path, prompts: list, answers: list, ppo, samples: int
 ) -> tuple[float, float, float]:
-    """(mean reward-model score of `samples` completions per prompt sampled as in training, missing-EOS share, greedy exact match).
-    Every policy is read with the SFT model's tokenizer, the reward model's too: TRL's side saves it with left padding."""
+    """(mean reward-model score of `samples` completions per prompt sampled as in training, missing-EOS share, greedy
+    exact match). Every policy is read with the SFT model's tokenizer, the reward model's too: TRL's side saves it with
+    left padding."""
     import torch
 
     from rlhf_pipeline.trainers.models import load_causal_lm, load_tokenizer
@@ -266,10 +282,11 @@ def held_out_scores(
 
 
 def table(runs: list[dict], start_score: float) -> dict[str, dict[str, float]]:
-    """Print one row per method (medians, [min, max] over its runs); return each method's median seconds, episodes/s and gain."""
+    """Print one row per method (medians, [min, max] over its runs); return each method's median seconds, episodes/s and
+    gain."""
     print(
-        f"{'method':16} {'runs':>4}  {'seconds [min, max]':>22}  {'CPU s':>6}  {'episodes/s [min, max]':>23}  {'held-out score':>14}  "
-        f"{'gain / 1k episodes [min, max]':>31}  {'missing EOS':>11}  {'exact match':>11}"
+        f"{'method':16} {'runs':>4}  {'seconds [min, max]':>22}  {'CPU s':>6}  {'episodes/s [min, max]':>23}  "
+        f"{'held-out score':>14}  {'gain / 1k episodes [min, max]':>31}  {'missing EOS':>11}  {'exact match':>11}"
     )
     summary = {}
     for method in dict.fromkeys(r["method"] for r in runs):
@@ -284,10 +301,13 @@ def table(runs: list[dict], start_score: float) -> dict[str, dict[str, float]]:
             "gain": statistics.median(gains),
         }
         print(
-            f"{method:16} {len(mine):4}  {statistics.median(seconds):7.1f}s [{min(seconds):5.1f}, {max(seconds):5.1f}]  {cpu:6.1f}"
-            f"  {statistics.median(speed):8.1f} [{min(speed):5.1f}, {max(speed):5.1f}]  {statistics.median(r['score'] for r in mine):+14.3f}"
+            f"{method:16} {len(mine):4}  {statistics.median(seconds):7.1f}s [{min(seconds):5.1f}, "
+            f"{max(seconds):5.1f}]  {cpu:6.1f}"
+            f"  {statistics.median(speed):8.1f} [{min(speed):5.1f}, {max(speed):5.1f}]  "
+            f"{statistics.median(r['score'] for r in mine):+14.3f}"
             f"  {statistics.median(gains):+13.3f} [{min(gains):+.3f}, {max(gains):+.3f}]"
-            f"  {statistics.median(r['missing_eos'] for r in mine):11.2f}  {statistics.median(r['exact_match'] for r in mine):11.3f}"
+            f"  {statistics.median(r['missing_eos'] for r in mine):11.2f}  "
+            f"{statistics.median(r['exact_match'] for r in mine):11.3f}"
         )
     return summary
 
@@ -298,7 +318,10 @@ def main(argv: list[str] | None = None) -> int:
         "--episodes",
         type=int,
         default=2560,
-        help="PPO episodes (prompts rolled out) per run; 0: the tiny preset's (5120). 2560 keeps the bench under 10 minutes",
+        help=(
+            "PPO episodes (prompts rolled out) per run; 0: the tiny preset's (5120). 2560 keeps the bench under 10 "
+            "minutes"
+        ),
     )
     parser.add_argument("--repeats", type=int, default=3, help="runs of each PPO, interleaved")
     parser.add_argument("--skip-online", action="store_true", help="leave out GRPO and RLOO")
@@ -358,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     root.mkdir(parents=True, exist_ok=True)
     data = write_data_dir(root / "data", rows=10**9)
 
-    # The starting policy and the reward, once for every run (in this process: they are not measured); a kept one is reused.
+    # The starting policy and the reward, once for every run (in this process: they are not measured); a kept one is
+    # reused.
     for stage, arguments in (
         ("sft", {"cfg": params.sft, "model": params.model}),
         ("rm", {"cfg": params.rm, "sft_model": root / "sft" / "model"}),
@@ -427,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
         print(
-            f"{name:14} {seconds:6.1f}s ({cpu:6.1f} CPU s)  {episodes / seconds:6.1f} episodes/s  held-out score {score:+.3f}  exact match {matched:.3f}",
+            f"{name:14} {seconds:6.1f}s ({cpu:6.1f} CPU s)  {episodes / seconds:6.1f} episodes/s  held-out score "
+            f"{score:+.3f}  exact match {matched:.3f}",
             flush=True,
         )
         if args.keep is None:
@@ -474,35 +499,43 @@ def main(argv: list[str] | None = None) -> int:
             times = timed([sys.executable, "-c", OURS, stage, str(spec)], root / f"{stage}.log")
             record(f"{stage.upper()} (TRL 1.16)", stage, times, steps * per_step)
         online_note = (
-            f"; GRPO/RLOO: one run each, {steps} steps x {per_step} completions x {cfg.max_completion_length} tokens at most "
-            f"= {steps * per_step * cfg.max_completion_length} tokens, as PPO's {episodes} x {ppo.response_length}"
+            f"; GRPO/RLOO: one run each, {steps} steps x {per_step} completions x {cfg.max_completion_length} tokens "
+            f"at most = {steps * per_step * cfg.max_completion_length} tokens, as PPO's {episodes} x "
+            f"{ppo.response_length}"
         )
 
     before = held_out_scores(
         sft_model, sft_model, reward_model, held_out["prompt"], held_out["answer"], ppo, args.samples
     )
     print(
-        f"\nheld-out ({len(held_out)} prompts, {args.samples} samples each at temperature {ppo.temperature}, <= {ppo.response_length} tokens), "
-        f"scored by the one reward model: SFT start {before[0]:+.3f} (missing EOS {before[1]:.2f}), greedy exact match {before[2]:.3f}"
+        f"\nheld-out ({len(held_out)} prompts, {args.samples} samples each at temperature {ppo.temperature}, <= "
+        f"{ppo.response_length} tokens), scored by the one reward model: SFT start {before[0]:+.3f} (missing EOS "
+        f"{before[1]:.2f}), greedy exact match {before[2]:.3f}"
     )
     print(
-        f"PPO: {episodes} episodes, rollout batch {ppo.rollout_batch_size}, {ppo.num_mini_batches} mini-batches, {ppo.num_ppo_epochs} epochs, "
-        f"{args.repeats} runs per side, interleaved, {args.threads} torch thread(s) per process{online_note}"
+        f"PPO: {episodes} episodes, rollout batch {ppo.rollout_batch_size}, {ppo.num_mini_batches} mini-batches, "
+        f"{ppo.num_ppo_epochs} epochs, {args.repeats} runs per side, interleaved, {args.threads} torch thread(s) per "
+        f"process{online_note}"
     )
     summary = table(runs, before[0])
     ours, theirs = summary["PPO (ours)"], summary["PPO (TRL 1.12)"]
     ratio = ours["speed"] / theirs["speed"]
     faster, no_worse = ratio >= 1.5, ours["gain"] >= theirs["gain"]
     print(
-        f"\nspeed(ours) / speed(TRL 1.12) = {ratio:.2f}x (median episodes/s); gain / 1k episodes {ours['gain']:+.3f} (ours) vs {theirs['gain']:+.3f} (TRL)"
+        f"\nspeed(ours) / speed(TRL 1.12) = {ratio:.2f}x (median episodes/s); gain / 1k episodes {ours['gain']:+.3f} "
+        f"(ours) vs {theirs['gain']:+.3f} (TRL)"
     )
     print(
-        f"CPU seconds, TRL 1.12 / ours = {theirs['cpu'] / ours['cpu']:.2f}x (medians; the same ratio less the load of other work on the machine)"
+        f"CPU seconds, TRL 1.12 / ours = {theirs['cpu'] / ours['cpu']:.2f}x (medians; the same ratio less the load of "
+        "other work on the machine)"
     )
     verdict = (
         "holds"
         if faster and no_worse
-        else f"does not hold ({', '.join(w for w, bad in (('slower than 1.5x', not faster), ('less gain', not no_worse)) if bad)})"
+        else (
+            "does not hold "
+            f"({', '.join(w for w, bad in (('slower than 1.5x', not faster), ('less gain', not no_worse)) if bad)})"
+        )
     )
     print(f"target >= 1.5x at no worse reward gain: {verdict}")
     print("differences between the two PPO runs (everything else is the same setting):")

@@ -1,6 +1,7 @@
-"""SFT real (non-pad) tokens per second: padded batches against padding-free and packed ones, same model, same rows, same tokens.
+"""SFT real (non-pad) tokens per second: padded batches against padding-free and packed ones, same model, same rows, \
+same tokens.
 
-    python -m bench.throughput                      # 5 modes, 3 repetitions, interleaved; ~5.5 minutes on 2 shared cores
+    python -m bench.throughput                  # 5 modes, 3 repetitions, interleaved; ~5.5 minutes on 2 shared cores
     python -m bench.throughput --repeats 5 --steps 16
 
 Every mode trains one epoch over the same variable-length demonstrations (prompt-completion "sort the digits" rows,
@@ -48,8 +49,9 @@ TOLERANCE = 1e-4  # largest per-token loss difference that still proves isolated
 
 
 class TrainClock(TrainerCallback):
-    """Wall and process CPU seconds of `trainer.train` (reached through `SftConfig.callbacks`, the way users add theirs). CPU seconds
-    are the contention-robust figure on a shared machine: another process's load stretches the wall clock, not this one's work."""
+    """Wall and process CPU seconds of `trainer.train` (reached through `SftConfig.callbacks`, the way users add
+    theirs). CPU seconds are the contention-robust figure on a shared machine: another process's load stretches the wall
+    clock, not this one's work."""
 
     last: tuple[float, float] = (0.0, 0.0)
 
@@ -61,7 +63,8 @@ class TrainClock(TrainerCallback):
 
 
 def bench_model():
-    """The tiny Llama at 4.3M parameters (hidden 256, 4 layers): the vocabulary is 263 bytes and specials, so the blocks dominate."""
+    """The tiny Llama at 4.3M parameters (hidden 256, 4 layers): the vocabulary is 263 bytes and specials, so the blocks
+    dominate."""
     from rlhf_pipeline.trainers.config import ModelConfig, TinyModelConfig
 
     return ModelConfig(
@@ -70,7 +73,8 @@ def bench_model():
 
 
 def make_rows(count: int, seed: int) -> list[dict]:
-    """Prompt-completion rows of the bundled task, 'sort <digits> -> ' then the sorted digits: n digits cost 2n + 10 tokens with EOS."""
+    """Prompt-completion rows of the bundled task, 'sort <digits> -> ' then the sorted digits: n digits cost 2n + 10
+    tokens with EOS."""
     rng = random.Random(seed)
     rows = []
     for _ in range(count):
@@ -182,8 +186,9 @@ def document_losses(model, inputs: dict, starts: list[int], lengths: list[int]) 
 def isolation_check(rows: list[dict]) -> dict[tuple[str, str], float]:
     """Largest |per-token loss - padded per-token loss| of one batch in each layout, under sdpa and eager attention.
 
-    Documents are found by their ids, so a layout may reorder them (bfd sorts by length). Wrapped rows hold a document cut
-    in two: its second part is compared on the tokens whose predecessor is in the same row, with its earlier context missing.
+    Documents are found by their ids, so a layout may reorder them (bfd sorts by length). Wrapped rows hold a document
+    cut in two: its second part is compared on the tokens whose predecessor is in the same row, with its earlier context
+    missing.
     """
     import torch
     from datasets import Dataset
@@ -252,7 +257,8 @@ def _offsets(seq_lengths: list[int]) -> tuple[list[int], list[int]]:
 def report(
     results: dict[str, list[dict]], plan: dict[str, tuple[int, int]], isolation: dict[tuple[str, str], float], real: int
 ) -> None:
-    """The table, the ratios of medians against padded, and whether the fastest mode with equal results reaches TARGET."""
+    """The table, the ratios of medians against padded, and whether the fastest mode with equal results reaches
+    TARGET."""
     import torch
 
     med = statistics.median
@@ -264,10 +270,12 @@ def report(
     }  # padded layouts: the reference itself
     repeats = len(next(iter(results.values())))
     print(
-        f"\nSFT real (non-pad) tokens/s, {repeats} interleaved repetitions (data-order seeds 42..{41 + repeats}), CPU, sdpa, {torch.get_num_threads()} thread(s), {bench_model().tiny}"
+        f"\nSFT real (non-pad) tokens/s, {repeats} interleaved repetitions (data-order seeds 42..{41 + repeats}), "
+        f"CPU, sdpa, {torch.get_num_threads()} thread(s), {bench_model().tiny}"
     )
     print(
-        "mode          steps x batch  real tokens   wall tok/s median [min, max]  vs padded   CPU-s tok/s  vs padded   train loss  held-out [min, max]      isolated"
+        "mode          steps x batch  real tokens   wall tok/s median [min, max]  vs padded   CPU-s tok/s  vs padded   "
+        "train loss  held-out [min, max]      isolated"
     )
     for mode, runs in results.items():
         tokens = ",".join(f"{t:,}" for t in sorted({r["tokens"] for r in runs}))
@@ -277,9 +285,12 @@ def report(
             else (math.nan, math.nan)
         )
         print(
-            f"{mode:12}  {plan[mode][0]:4} x {plan[mode][1]:<5}  {tokens:>11}   {med(wall[mode]):7.0f} [{min(wall[mode]):5.0f}, {max(wall[mode]):5.0f}]"
-            f"         {ratios[0]:5.2f}x   {med(cpu[mode]):11.0f}  {ratios[1]:5.2f}x   {med(r['train_loss'] for r in runs):10.4f}  "
-            f"{med(heldout[mode]):.4f} [{min(heldout[mode]):.4f}, {max(heldout[mode]):.4f}]  {'reference' if mode in PADDED else 'yes' if gap[mode] <= TOLERANCE else f'NO ({gap[mode]:.1e})'}"
+            f"{mode:12}  {plan[mode][0]:4} x {plan[mode][1]:<5}  {tokens:>11}   {med(wall[mode]):7.0f} "
+            f"[{min(wall[mode]):5.0f}, {max(wall[mode]):5.0f}]"
+            f"         {ratios[0]:5.2f}x   {med(cpu[mode]):11.0f}  {ratios[1]:5.2f}x   "
+            f"{med(r['train_loss'] for r in runs):10.4f}  {med(heldout[mode]):.4f} [{min(heldout[mode]):.4f}, "
+            f"{max(heldout[mode]):.4f}]  "
+            f"{'reference' if mode in PADDED else 'yes' if gap[mode] <= TOLERANCE else f'NO ({gap[mode]:.1e})'}"
         )
     if any(r["tokens"] != real for runs in results.values() for r in runs):
         print(f"note: a mode trained other than the epoch's {real:,} real tokens")
@@ -290,7 +301,8 @@ def report(
     for mode in results:
         if mode != "padded":
             print(
-                f"{mode}: held-out {delta[mode]:+.4f} vs padded (padded's own range over data-order seeds: {spread:.4f})"
+                f"{mode}: held-out {delta[mode]:+.4f} vs padded (padded's own range over data-order seeds: "
+                f"{spread:.4f})"
             )
     equal = [mode for mode in results if mode != "padded" and gap[mode] <= TOLERANCE and abs(delta[mode]) <= spread]
     if equal:
@@ -298,12 +310,14 @@ def report(
         ratio = med(wall[best]) / med(wall["padded"])
         verdict = "holds" if ratio >= TARGET else "does NOT hold"
         print(
-            f"fastest mode with isolated sequences and a held-out loss within padded's seed range: {best}, {ratio:.2f}x padded real tokens/s "
-            f"(wall; {med(cpu[best]) / med(cpu['padded']):.2f}x per CPU second): the {TARGET}x target {verdict}"
+            f"fastest mode with isolated sequences and a held-out loss within padded's seed range: {best}, "
+            f"{ratio:.2f}x padded real tokens/s (wall; {med(cpu[best]) / med(cpu['padded']):.2f}x per CPU second): "
+            f"the {TARGET}x target {verdict}"
         )
     else:
         print(
-            f"no mode has isolated sequences and a held-out loss within padded's seed range: the {TARGET}x target is not met with equal results"
+            f"no mode has isolated sequences and a held-out loss within padded's seed range: the {TARGET}x target is "
+            "not met with equal results"
         )
 
 
@@ -319,14 +333,19 @@ def main(argv: list[str] | None = None) -> int:
         "--batch",
         type=int,
         default=16,
-        help="rows per padded (and padding-free) batch; 16 rows of ~90 tokens fill 3 packed rows, so packing takes as many steps",
+        help=(
+            "rows per padded (and padding-free) batch; 16 rows of ~90 tokens fill 3 packed rows, so packing takes as "
+            "many steps"
+        ),
     )
     parser.add_argument(
         "--threads",
         type=int,
         default=1,
-        help="torch threads; 1 by default: on a shared machine a descheduled OpenMP thread stalls the other at every barrier "
-        "(2 threads measured slower and ~10x noisier here, on 2 busy cores)",
+        help=(
+            "torch threads; 1 by default: on a shared machine a descheduled OpenMP thread stalls the other at every "
+            "barrier (2 threads measured slower and ~10x noisier here, on 2 busy cores)"
+        ),
     )
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     args = parser.parse_args(argv)
@@ -353,8 +372,9 @@ def main(argv: list[str] | None = None) -> int:
         max(lengths[i : i + args.batch]) * len(lengths[i : i + args.batch]) for i in range(0, len(lengths), args.batch)
     )
     print(
-        f"{len(rows)} rows, {real:,} tokens (min {min(lengths)}, median {statistics.median(lengths):.0f}, max {max(lengths)}); a padded epoch of "
-        f"{args.steps} steps * {args.batch} rows; padding fills ~{1 - real / padded_tokens:.0%} of the padded tokens (in this order)"
+        f"{len(rows)} rows, {real:,} tokens (min {min(lengths)}, median {statistics.median(lengths):.0f}, max "
+        f"{max(lengths)}); a padded epoch of {args.steps} steps * {args.batch} rows; padding fills "
+        f"~{1 - real / padded_tokens:.0%} of the padded tokens (in this order)"
     )
     plan = {mode: (args.steps, args.batch) for mode in args.modes}
     for strategy in {"bfd", "wrapped"} & set(args.modes):
@@ -362,14 +382,16 @@ def main(argv: list[str] | None = None) -> int:
         per_step = max(1, round(packed / args.steps))  # packed rows per step: about the padded epoch's tokens per step
         plan[strategy] = (math.ceil(packed / per_step), per_step)
         print(
-            f"{strategy}: {packed} rows of <= {MAX_LENGTH} tokens, {per_step} per step, {plan[strategy][0]} steps (one epoch)"
+            f"{strategy}: {packed} rows of <= {MAX_LENGTH} tokens, {per_step} per step, {plan[strategy][0]} steps "
+            "(one epoch)"
         )
 
     isolation = isolation_check(rows[: args.batch])
     print("\nisolation check (max |per-token loss - padded|, untrained model, one batch):")
     for (mode, attention), gap in sorted(isolation.items()):
         print(
-            f"  {mode:12} {attention:5} {gap:.2e}  {'isolated' if gap <= TOLERANCE else 'ATTENDS ACROSS BOUNDARIES / DIFFERENT CONTEXT'}"
+            f"  {mode:12} {attention:5} {gap:.2e}  "
+            f"{'isolated' if gap <= TOLERANCE else 'ATTENDS ACROSS BOUNDARIES / DIFFERENT CONTEXT'}"
         )
 
     scratch = Path(tempfile.mkdtemp(prefix="throughput-"))
@@ -390,8 +412,9 @@ def main(argv: list[str] | None = None) -> int:
                 result["heldout"] = heldout_loss(result.pop("model"), heldout)
                 results[mode].append(result)
                 print(
-                    f"repeat {repeat + 1} {mode:12} {result['seconds']:6.1f}s ({result['cpu_seconds']:5.1f} CPU-s) {result['tokens'] / result['seconds']:7.0f} tok/s "
-                    f"train loss {result['train_loss']:.4f} held-out {result['heldout']:.4f}",
+                    f"repeat {repeat + 1} {mode:12} {result['seconds']:6.1f}s ({result['cpu_seconds']:5.1f} CPU-s) "
+                    f"{result['tokens'] / result['seconds']:7.0f} tok/s train loss {result['train_loss']:.4f} "
+                    f"held-out {result['heldout']:.4f}",
                     flush=True,
                 )
                 shutil.rmtree(scratch / f"{mode}-{repeat}", ignore_errors=True)

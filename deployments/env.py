@@ -8,7 +8,8 @@ WORKER_ENV = {
     "HF_HUB_DISABLE_TELEMETRY": "1",
     "MLFLOW_DISABLE_TELEMETRY": "true",
 }
-"""What every flow run's process needs: `rlhf run`, `rlhf serve` (QUIET_ENV) and a work pool's runs (`rlhf deploy`, prefect.yaml)."""
+"""What every flow run's process needs: `rlhf run`, `rlhf serve` (QUIET_ENV) and a work pool's runs (`rlhf deploy`,
+prefect.yaml)."""
 
 QUIET_ENV = {
     **WORKER_ENV,
@@ -21,7 +22,8 @@ QUIET_ENV = {
 
 
 CONSOLE_SETTINGS = {
-    "TQDM_DISABLE": "1",  # every library's tqdm bar (transformers, datasets, hub, Great Expectations); ours draws regardless
+    # every library's tqdm bar (transformers, datasets, hub, Great Expectations); ours draws regardless
+    "TQDM_DISABLE": "1",
     "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     "TRANSFORMERS_VERBOSITY": "error",  # load reports and advisories; --verbose brings them back

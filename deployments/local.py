@@ -86,7 +86,7 @@ def up(port: int = 4200, mlflow_port: int = 5000, serve_args: list[str] = ()) ->
                 )
             )
         wait_until_up(f"{api}/health", server)
-        processes.append(subprocess.Popen([sys.executable, "-m", "rlhf_pipeline.cli", "serve", *serve_args], env=env))
+        processes.append(subprocess.Popen([sys.executable, "-m", "rlhf_pipeline", "serve", *serve_args], env=env))
         print(f"\nPrefect UI: http://{HOST}:{port}   MLflow UI: {env.get(tracking.UI_ENV, tracking.tracking_uri())}")
         print(f"Run:  PREFECT_API_URL={api} prefect deployment run rlhf/full\nCtrl-C stops everything.\n", flush=True)
         while all(process.poll() is None for process in processes):

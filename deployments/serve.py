@@ -28,8 +28,8 @@ RETRAIN_CRON = "0 3 * * 1"  # Mondays 03:00: weekly retraining on the newest dat
 def deployments(
     preset: str = DEFAULT_PRESET, retrain_cron: str = RETRAIN_CRON, retrain_overrides: list[str] = (), **where
 ) -> list[RunnerDeployment]:
-    """The deployments; `retrain_overrides` (`data.preference.path=/data/prefs/*.jsonl`...) point retraining at fresh data;
-    `where` goes to every `Flow.to_deployment` (a work pool: `deploy`)."""
+    """The deployments; `retrain_overrides` (`data.preference.path=/data/prefs/*.jsonl`...) point retraining at fresh
+    data; `where` goes to every `Flow.to_deployment` (a work pool: `deploy`)."""
     from rlhf_pipeline.flows.evaluate import rlhf_eval
     from rlhf_pipeline.flows.rlhf import rlhf
 
@@ -63,10 +63,10 @@ def deployments(
 
 
 def leading_form(deployment: RunnerDeployment, params) -> RunnerDeployment:
-    """The deployment's form leads with what its runs use: the algorithm, its block (and `rewards`, `feedback` for an online
-    one), the run's settings and the stages it builds; the stage blocks it skips come last, titled as unused. Only the
-    order and titles change: every field keeps its type, bounds and server-side validation, and a block given still
-    merges field by field onto the preset."""
+    """The deployment's form leads with what its runs use: the algorithm, its block (and `rewards`, `feedback` for an
+    online one), the run's settings and the stages it builds; the stage blocks it skips come last, titled as unused.
+    Only the order and titles change: every field keeps its type, bounds and server-side validation, and a block given
+    still merges field by field onto the preset."""
     from rlhf_pipeline.flows.params import parameter_order
     from rlhf_pipeline.tasks.stages import BY_NAME
 

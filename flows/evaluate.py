@@ -59,7 +59,8 @@ class EvalParams(StrictModel):
 
     @model_validator(mode="after")
     def _one_tokenizer(self):
-        """Local folders are compared here; registered versions once downloaded, before any weights load (`tasks.store.check_tokenizers`)."""
+        """Local folders are compared here; registered versions once downloaded, before any weights load
+        (`tasks.store.check_tokenizers`)."""
         from pathlib import Path
 
         from rlhf_pipeline.trainers.models import tokenizer_digest

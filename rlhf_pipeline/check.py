@@ -33,7 +33,8 @@ def check(preset: str, overrides: list[str], report_dir: Path | None = None) -> 
         return 2
     plan = params.plan()
     print(
-        f"rlhf check: preset {params.preset}, model {params.model.name_or_path} ({params.model.dtype}), plan {' > '.join(plan)}"
+        f"rlhf check: preset {params.preset}, model {params.model.name_or_path} ({params.model.dtype}), plan "
+        f"{' > '.join(plan)}"
     )
     problems: list[str] = []
 
@@ -47,11 +48,13 @@ def check(preset: str, overrides: list[str], report_dir: Path | None = None) -> 
 
     if problems:
         print(
-            f"\nnot ready: {len(problems)} problem{'s' if len(problems) > 1 else ''} the run would fail on: {'; '.join(problems)}"
+            f"\nnot ready: {len(problems)} problem{'s' if len(problems) > 1 else ''} the run would fail on: "
+            f"{'; '.join(problems)}"
         )
         return 1
     print(
-        f"\nready: parameters, tokenizer, {len(params.data.sources())} datasets and the memory of {len(plan)} stages checked"
+        f"\nready: parameters, tokenizer, {len(params.data.sources())} datasets and the memory of {len(plan)} stages "
+        "checked"
     )
     return 0
 
@@ -133,7 +136,8 @@ def _token_counts(kind: str, spec, passed: tuple | None, tokenizer, limit: float
 
 
 def percentile(ordered: list[int], q: float) -> int:
-    """Nearest-rank percentile of a sorted, non-empty list: the smallest value with at least q% of the values at or below it."""
+    """Nearest-rank percentile of a sorted, non-empty list: the smallest value with at least q% of the values at or
+    below it."""
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
@@ -208,8 +212,8 @@ def _print_memory(params, build, problems: list[str]) -> None:
 
     free = get_max_memory().get(0) if is_cuda_available() else None
     print(
-        f"\nmemory per stage (accelerate's estimator on the meta model: weights in {params.model.dtype}, plus gradients and AdamW states "
-        "of what the stage trains; activations, KV cache and batches NOT included)"
+        f"\nmemory per stage (accelerate's estimator on the meta model: weights in {params.model.dtype}, plus "
+        "gradients and AdamW states of what the stage trains; activations, KV cache and batches NOT included)"
     )
     rows = []
     for stage in params.plan():
@@ -237,7 +241,8 @@ def _print_memory(params, build, problems: list[str]) -> None:
         print("device: cpu (no CUDA): the estimate is not compared with any device memory")
     else:
         print(
-            f"device: cuda:0 with {convert_bytes(free)} free (a stage that fits may still run out of memory on activations)"
+            f"device: cuda:0 with {convert_bytes(free)} free (a stage that fits may still run out of memory on "
+            "activations)"
         )
 
 

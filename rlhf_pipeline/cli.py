@@ -4,7 +4,8 @@ rlhf run                                   # the embedded default (configs/tiny.
 rlhf run --config my.yaml --set sft.learning_rate=1e-4 --set dpo.beta=0.2
 rlhf run --no-cache                        # re-run every stage
 rlhf params [--config ...] [--set ...]     # print the resolved parameters, run nothing
-rlhf check [--config ...] [--set ...]      # preflight: tokenizer, every data rule, token lengths, memory per stage; trains nothing
+rlhf check [--config ...] [--set ...]      # preflight: tokenizer, every data rule, token lengths, memory per stage;
+                                           # trains nothing
 rlhf eval models:/rlhf-policy@candidate    # evaluate a registered version (or a model folder) on demand
 rlhf serve                                 # serve the deployments (see deployments/serve.py)
 rlhf deploy --pool rlhf-process            # register the same deployments on a work pool, for its workers
@@ -90,7 +91,10 @@ def _parser() -> argparse.ArgumentParser:
             action="append",
             default=[],
             metavar="KEY=VALUE",
-            help="override a field of the retrain deployment, e.g. --retrain-set 'data.preference.path=/data/prefs/*.jsonl'",
+            help=(
+                "override a field of the retrain deployment, e.g. --retrain-set "
+                "'data.preference.path=/data/prefs/*.jsonl'"
+            ),
         )
     up = commands.add_parser(
         "up", help="start a local Prefect server, the MLflow UI and `rlhf serve` together (Ctrl-C stops all)"
@@ -127,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rlhf deploy: {exc}", file=sys.stderr)
             return 2
         print(
-            f"registered on work pool {args.pool!r}: {', '.join(names)} (start a worker: prefect worker start --pool {args.pool})"
+            f"registered on work pool {args.pool!r}: {', '.join(names)} (start a worker: prefect worker start --pool "
+            f"{args.pool})"
         )
         return 0
     if args.command == "up":
@@ -159,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _console(args) -> None:
-    """The terminal a person reads (CONSOLE_SETTINGS, and the console's bars), set once the parameters are valid and a run starts: not for a command that
-    only checks or prints, nor with --verbose."""
+    """The terminal a person reads (CONSOLE_SETTINGS, and the console's bars), set once the parameters are valid and a
+    run starts: not for a command that only checks or prints, nor with --verbose."""
     if not getattr(args, "verbose", False):
         os.environ.update(CONSOLE_SETTINGS)
         from rlhf_pipeline import console
@@ -186,10 +191,11 @@ _TEMPORARY: dict = {}
 
 
 def _start_temporary_server() -> None:
-    """With no PREFECT_API_URL, start the temporary Prefect server now, as Prefect would start it at the flow call (the same
-    uvicorn app and settings as its SubprocessASGIServer), so that it comes up while this process imports the flow and the
-    libraries: Prefect's own way imports its whole server package here first and then waits for the server, ~4 s of a
-    cached re-run's ~9 (bench.cache). Stopped at exit, after Prefect's own exit handlers have sent the last logs."""
+    """With no PREFECT_API_URL, start the temporary Prefect server now, as Prefect would start it at the flow call (the
+    same uvicorn app and settings as its SubprocessASGIServer), so that it comes up while this process imports the flow
+    and the libraries: Prefect's own way imports its whole server package here first and then waits for the server, ~4 s
+    of a cached re-run's ~9 (bench.cache). Stopped at exit, after Prefect's own exit handlers have sent the last
+    logs."""
     if os.environ.get("PREFECT_API_URL"):
         return
     import atexit
@@ -247,7 +253,8 @@ def _wait_for_temporary_server() -> None:
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise SystemExit(
-                f"rlhf: the temporary Prefect server exited with {process.returncode} before it answered (its output is above)"
+                f"rlhf: the temporary Prefect server exited with {process.returncode} before it answered (its output "
+                "is above)"
             )
         try:
             with urllib.request.urlopen(f"{_TEMPORARY['url']}/health", timeout=2) as response:
@@ -316,8 +323,8 @@ def _report(summary: dict) -> None:
 
 
 def closing_table(summary: dict) -> str:
-    """What a run ends with: each stage, whether it ran or came from the cache, its time; the held-out figures with their
-    95% intervals; then where to look (MLflow, the artifacts, the registry's decision)."""
+    """What a run ends with: each stage, whether it ran or came from the cache, its time; the held-out figures with
+    their 95% intervals; then where to look (MLflow, the artifacts, the registry's decision)."""
     metrics, stages = summary["metrics"], summary.get("stages", {})
     lines = ["== finished ==", "", f"{'stage':16} {'state':10} {'seconds':>8}  artifact"]
     for stage, uri in summary["artifacts"].items():
@@ -346,7 +353,8 @@ def closing_table(summary: dict) -> str:
     if rows:
         lines += [
             "",
-            f"{'held-out (' + str(int(metrics.get(held + 'num_prompts', 0))) + ' prompts)':34} {'value':>8}  95% interval",
+            f"{'held-out (' + str(int(metrics.get(held + 'num_prompts', 0))) + ' prompts)':34} {'value':>8}  95% "
+            "interval",
         ]
         for label, name in rows:
             low, high = metrics.get(f"{held}{name}_low"), metrics.get(f"{held}{name}_high")
@@ -361,6 +369,7 @@ def closing_table(summary: dict) -> str:
     if summary.get("registry"):
         r = summary["registry"]
         lines.append(
-            f"Registry: {r['model_name']} v{r['version']} is candidate; champion {'-> v' + str(r['version']) if r['promoted'] else 'unchanged'} ({r['reason']})"
+            f"Registry: {r['model_name']} v{r['version']} is candidate; champion "
+            f"{'-> v' + str(r['version']) if r['promoted'] else 'unchanged'} ({r['reason']})"
         )
     return "\n".join(lines)

@@ -16,7 +16,8 @@ KEY_METRICS = ("loss", "reward", "accuracy", "kl", "exact_match", "margin")
 """What a stage's bar shows: the first three of these it logs."""
 TERMINAL_REFRESH_SECONDS = 0.1
 PIPE_REFRESH_SECONDS = 30.0
-"""Not a terminal (a pipe, a log file): tqdm writes each refresh as a line of its own, so it refreshes every 30 s there."""
+"""Not a terminal (a pipe, a log file): tqdm writes each refresh as a line of its own, so it refreshes every 30 s
+there."""
 
 
 class ConsoleBars(logging.Handler):

@@ -1,4 +1,5 @@
-"""What stages hand each other and what a published artifact holds (docs/ARCHITECTURE.md, "Artifacts and the cache key").
+"""What stages hand each other and what a published artifact holds (docs/ARCHITECTURE.md, "Artifacts and the cache
+key").
 
 <artifact_root>/<stage>/<key>/manifest.json   written last: its presence means "done"
 <artifact_root>/<stage>/<key>/history.jsonl   the curves the stage logged while it built
@@ -54,7 +55,8 @@ class ArtifactRef(BaseModel):
 
 
 class RunContext(BaseModel):
-    """Per flow run: where artifacts go, which MLflow run is the parent, whether to ignore the cache, how stages are launched."""
+    """Per flow run: where artifacts go, which MLflow run is the parent, whether to ignore the cache, how stages are
+    launched."""
 
     model_config = ConfigDict(frozen=True)
     artifact_root: str

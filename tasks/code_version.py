@@ -1,5 +1,5 @@
-"""A stage's code version: the digest of its trainer's source and of every project module it imports (docs/ARCHITECTURE.md,
-"Artifacts and the cache key"). Derived from the imports, never listed by hand.
+"""A stage's code version: the digest of its trainer's source and of every project module it imports
+(docs/ARCHITECTURE.md, "Artifacts and the cache key"). Derived from the imports, never listed by hand.
 """
 
 from __future__ import annotations

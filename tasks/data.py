@@ -1,4 +1,5 @@
-"""`data`: check every dataset (raw file, Great Expectations rules, token lengths, train/eval leakage), then freeze Parquet copies for later stages."""
+"""`data`: check every dataset (raw file, Great Expectations rules, token lengths, train/eval leakage), then freeze
+Parquet copies for later stages."""
 
 from __future__ import annotations
 

@@ -36,8 +36,9 @@ def evaluate(
     registry: RegistryConfig,
     ctx: RunContext,
 ) -> StageOutcome:
-    """`inputs`: the `data`, `sft`, `policy` and `rm` (or None) artifacts, in one mapping as the training stages take theirs.
-    A future passed as a parameter of its own while its task runs would make Prefect draw eval inside that task's group."""
+    """`inputs`: the `data`, `sft`, `policy` and `rm` (or None) artifacts, in one mapping as the training stages take
+    theirs. A future passed as a parameter of its own while its task runs would make Prefect draw eval inside that
+    task's group."""
     data, sft_model, policy, reward_model = inputs["data"], inputs["sft"], inputs["policy"], inputs.get("rm")
     # The champion is an input like any other: a new champion re-keys eval.
     # When the champion *is* this policy (a re-run), there is nothing to compare.

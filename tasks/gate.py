@@ -20,7 +20,8 @@ GATE_ORDER = (
     "eval/heldout/gold_gain_vs_champion",
     "eval/heldout/exact_match_gain_vs_champion",
 )
-"""The default gate metric: the first of these the run's eval reports (reward model, judge, gold function, reference answers)."""
+"""The default gate metric: the first of these the run's eval reports (reward model, judge, gold function, reference
+answers)."""
 
 
 class RegistryConfig(StageConfig):
@@ -28,23 +29,32 @@ class RegistryConfig(StageConfig):
     model_name: str = Field("rlhf-policy", min_length=1, description="Registered model name in MLflow.")
     gate_metric: str | None = Field(
         None,
-        description="Eval metric the new policy must beat `min_value` on to become champion (its CI bounds are `<metric>_low`/`_high`). "
-        "None: the first the run measures of the reward-model win rate against the champion, the judge's win rate, the gold "
-        "metric's gain, the exact-match gain (with or without reference answers, a run has a gate).",
+        description=(
+            "Eval metric the new policy must beat `min_value` on to become champion (its CI bounds are "
+            "`<metric>_low`/`_high`). None: the first the run measures of the reward-model win rate against the "
+            "champion, the judge's win rate, the gold metric's gain, the exact-match gain (with or without reference "
+            "answers, a run has a gate)."
+        ),
     )
     min_value: float | None = Field(
         None, description="The gate metric must be strictly above this. None: 0.5 for a win rate, 0 for a gain."
     )
     min_lower_bound: float | None = Field(
         None,
-        description="The metric's lower 95% bound must be above this. None: 0.45 for a win rate, -0.05 for a gain; -.inf: not checked.",
+        description=(
+            "The metric's lower 95% bound must be above this. None: 0.45 for a win rate, -0.05 for a gain; -.inf: not "
+            "checked."
+        ),
     )
 
     hacking_gate: bool = Field(
         True,
-        description="Refuse to promote a policy whose held-out reward-model score rose over SFT's while the gold metric (exact match or "
-        "eval.gold_metric) fell, or, without one, while the reward-model ensemble's disagreement rose; or whose reward-model win rate against "
-        "the champion is above 0.5 while its gold metric is below the champion's: it games its reward.",
+        description=(
+            "Refuse to promote a policy whose held-out reward-model score rose over SFT's while the gold metric "
+            "(exact match or eval.gold_metric) fell, or, without one, while the reward-model ensemble's disagreement "
+            "rose; or whose reward-model win rate against the champion is above 0.5 while its gold metric is below "
+            "the champion's: it games its reward."
+        ),
     )
     hacking_tolerance: float = Field(
         0.0,
@@ -80,8 +90,8 @@ def hacking(cfg: RegistryConfig, metrics: dict[str, float]) -> str | None:
             break
     if win is not None and gold_gain is not None and win > 0.5 and gold_gain < -cfg.hacking_tolerance:
         return (
-            f"reward hacking: the reward model prefers the policy to the champion (win rate {win:.4f}) while {gold.replace('_', ' ')} "
-            f"is {gold_gain:+.4f} against the champion's (tolerance {cfg.hacking_tolerance})"
+            f"reward hacking: the reward model prefers the policy to the champion (win rate {win:.4f}) while "
+            f"{gold.replace('_', ' ')} is {gold_gain:+.4f} against the champion's (tolerance {cfg.hacking_tolerance})"
         )
     reward, sft_reward = metrics.get(f"{HELDOUT}policy_mean_reward"), metrics.get(f"{HELDOUT}sft_mean_reward")
     if reward is None or sft_reward is None or reward <= sft_reward:
@@ -91,13 +101,16 @@ def hacking(cfg: RegistryConfig, metrics: dict[str, float]) -> str | None:
         policy, sft = metrics.get(f"{HELDOUT}policy_{gold}"), metrics.get(f"{HELDOUT}sft_{gold}")
         if policy is not None and sft is not None:
             if policy < sft - cfg.hacking_tolerance:
-                return f"reward hacking: {rose} while {gold.replace('_', ' ')} fell from {sft:.4f} to {policy:.4f} (tolerance {cfg.hacking_tolerance})"
+                return (
+                    f"reward hacking: {rose} while {gold.replace('_', ' ')} fell from {sft:.4f} to {policy:.4f} "
+                    f"(tolerance {cfg.hacking_tolerance})"
+                )
             return None
     policy, sft = metrics.get(f"{HELDOUT}policy_rm_disagreement"), metrics.get(f"{HELDOUT}sft_rm_disagreement")
     if policy is not None and sft is not None and policy > sft + cfg.hacking_tolerance:
         return (
-            f"reward hacking: {rose} while the reward-model ensemble's disagreement rose from {sft:.4f} to {policy:.4f} "
-            f"(no gold metric; tolerance {cfg.hacking_tolerance})"
+            f"reward hacking: {rose} while the reward-model ensemble's disagreement rose from {sft:.4f} to "
+            f"{policy:.4f} (no gold metric; tolerance {cfg.hacking_tolerance})"
         )
     return None
 

@@ -5,10 +5,10 @@
 
 The parent (this module, in the Prefect task) writes the stage's resolved arguments to `launch.json`, starts the
 launcher in the flow run's process group, streams every line into the task's log, forwards rank 0's metrics to
-`log_metrics`, and kills every process of the launch on timeout, cancellation, a failed rank or any error of its own. Rank 0
-saves the model into the stage's temporary directory; the parent then publishes it and writes the manifest
-exactly as for an in-process build (`tasks.store.run_stage`). A retry resumes from the newest complete checkpoint
-in the work directory, which every attempt shares.
+`log_metrics`, and kills every process of the launch on timeout, cancellation, a failed rank or any error of its own.
+Rank 0 saves the model into the stage's temporary directory; the parent then publishes it and writes the manifest
+exactly as for an in-process build (`tasks.store.run_stage`). A retry resumes from the newest complete checkpoint in the
+work directory, which every attempt shares.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ PERMANENT_BY_NAME = {cls.__name__: cls for cls in PERMANENT}
 
 
 class LaunchConfig(BaseModel):
-    """How the training stages are run. Not part of any stage's key: the same stage built in one process or eight is the same artifact."""
+    """How the training stages are run. Not part of any stage's key: the same stage built in one process or eight is the
+    same artifact."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     launcher: Literal["auto", "inprocess", "accelerate"] = Field(
@@ -61,8 +62,11 @@ class LaunchConfig(BaseModel):
     )
     engine: str = Field(
         "ddp",
-        description="accelerate engine: ddp, zero2, zero3 (DeepSpeed ZeRO), fsdp2 (deployments/accelerate/<engine>.yaml), or the path of an "
-        "accelerate config file. On a CPU: gloo DDP. Multi-node: RLHF_NUM_MACHINES, RLHF_MACHINE_RANK, RLHF_MAIN_PROCESS_IP, RLHF_MAIN_PROCESS_PORT.",
+        description=(
+            "accelerate engine: ddp, zero2, zero3 (DeepSpeed ZeRO), fsdp2 (deployments/accelerate/<engine>.yaml), or "
+            "the path of an accelerate config file. On a CPU: gloo DDP. Multi-node: RLHF_NUM_MACHINES, "
+            "RLHF_MACHINE_RANK, RLHF_MAIN_PROCESS_IP, RLHF_MAIN_PROCESS_PORT."
+        ),
     )
     kill_grace_seconds: float = Field(
         15, ge=0, description="After SIGTERM, how long the ranks get to exit before SIGKILL."
@@ -80,7 +84,8 @@ class LaunchConfig(BaseModel):
 
             if importlib.util.find_spec("deepspeed") is None:
                 raise ValueError(
-                    f"launch.engine={engine!r} runs DeepSpeed ZeRO, which is not installed: pip install 'rlhf-pipeline[deepspeed]' (CUDA)"
+                    f"launch.engine={engine!r} runs DeepSpeed ZeRO, which is not installed: pip install "
+                    "'rlhf-pipeline[deepspeed]' (CUDA)"
                 )
         return engine
 
@@ -104,8 +109,8 @@ class LaunchConfig(BaseModel):
             config = ENGINE_DIR / f"{self.engine}.yaml" if self.engine in ENGINES else Path(self.engine).expanduser()
             command += ["--config_file", str(config)]
         else:
-            # A MULTI_CPU config takes accelerate's simple launcher (one process); --multi_gpu with use_cpu inside gives gloo DDP
-            # (docs/ARCHITECTURE.md, "Library facts the code relies on", accelerate).
+            # A MULTI_CPU config takes accelerate's simple launcher (one process); --multi_gpu with use_cpu inside gives
+            # gloo DDP (docs/ARCHITECTURE.md, "Library facts the code relies on", accelerate).
             command += ["--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no"]
         command += ["--num_processes", str(processes * machines), "--num_machines", str(machines)]
         if machines > 1:
@@ -134,7 +139,8 @@ def run_launched(
     log: Callable[[str], None],
     launch: LaunchConfig,
 ) -> dict[str, float]:
-    """Run `trainer.train(**arguments)` under `accelerate launch`; its final metrics, as the in-process call returns them."""
+    """Run `trainer.train(**arguments)` under `accelerate launch`; its final metrics, as the in-process call returns
+    them."""
     work_dir.mkdir(parents=True, exist_ok=True)
     spec = work_dir / "launch.json"
     for stale in (work_dir / RESULT_FILE, work_dir / ERROR_FILE):
@@ -143,7 +149,8 @@ def run_launched(
     command = launch.command(spec)
     env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1", "RLHF_STAGE": stage}
     log(f"{stage}: {' '.join(command[2:])}")
-    # In the flow run's process group, so that a runner cancelling the run (SIGTERM to the group) or Ctrl-C reaches every rank.
+    # In the flow run's process group, so that a runner cancelling the run (SIGTERM to the group) or Ctrl-C reaches
+    # every rank.
     process = subprocess.Popen(
         command,
         stdout=subprocess.PIPE,
@@ -174,7 +181,8 @@ def run_launched(
     if returncode != 0:
         last = "\n".join(tail)
         raise RuntimeError(
-            f"{stage}: accelerate launch exited with {returncode} (a rank failed or was killed); its last lines:\n{last}"
+            f"{stage}: accelerate launch exited with {returncode} (a rank failed or was killed); its last "
+            f"lines:\n{last}"
         )
     return json.loads((work_dir / RESULT_FILE).read_text())
 

@@ -46,7 +46,8 @@ def coordinated() -> bool:
 
 
 TEMPORARY_SERVER_ENV = "RLHF_TEMPORARY_PREFECT_API_URL"
-"""Set by `rlhf run`/`rlhf eval` to the API URL of the temporary server they started (rlhf_pipeline.cli): not a server to coordinate through."""
+"""Set by `rlhf run`/`rlhf eval` to the API URL of the temporary server they started (rlhf_pipeline.cli): not a server
+to coordinate through."""
 
 
 def ensure_device_limit(slots: int = 1) -> None:
@@ -86,7 +87,8 @@ def device_slot(stage: str, log: Callable[[str], None] = print) -> Iterator[None
 
 
 def device_hold(stage: str, device: bool, log: Callable[[str], None] = print) -> Callable[[], ContextManager[None]]:
-    """What `tasks.store.run_stage` holds while the stage builds: a device slot where the table says it uses the device."""
+    """What `tasks.store.run_stage` holds while the stage builds: a device slot where the table says it uses the
+    device."""
     return (lambda: device_slot(stage, log)) if device else contextlib.nullcontext
 
 

@@ -29,8 +29,8 @@ class PipelineRun:
         registered: dict | None = None,
         states: dict[str, str] | None = None,
     ) -> dict:
-        """Log the evaluation (and the final model, if the registry did not) to the parent run; return where everything is
-        (`stages`: each one's state in this run, e.g. Cached, given in `states`, and the seconds its build took)."""
+        """Log the evaluation (and the final model, if the registry did not) to the parent run; return where everything
+        is (`stages`: each one's state in this run, e.g. Cached, given in `states`, and the seconds its build took)."""
         run_id = self.ctx.parent_run_id
         metrics = report.manifest()["metrics"]
         tracking.log_metrics(run_id, metrics)

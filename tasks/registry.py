@@ -75,13 +75,15 @@ def register_policy(
     tracking.log_metrics(run_id, {"registry/gate/promoted": float(promoted)})
     tracking.end_run(run_id)
     prefect_log(
-        f"registry: {cfg.model_name} v{version} is candidate; champion {'moved' if promoted and champion != version else 'stays'} ({reason})"
+        f"registry: {cfg.model_name} v{version} is candidate; champion "
+        f"{'moved' if promoted and champion != version else 'stays'} ({reason})"
     )
     return outcome
 
 
 def register_task():
-    """`register_policy` as the flow's `registry` task (transient errors retried, never cached: the gate reads the live registry)."""
+    """`register_policy` as the flow's `registry` task (transient errors retried, never cached: the gate reads the live
+    registry)."""
     from prefect import task
     from prefect.cache_policies import NO_CACHE
 

@@ -27,7 +27,8 @@ def resolve_model(source: str | None, role: str) -> tuple[ArtifactRef, dict[str,
         ref_dir = folder.parent
     else:
         raise ValueError(
-            f"{role} model {source!r}: expected a model folder named 'model' (config.json inside) or a stage artifact directory holding one"
+            f"{role} model {source!r}: expected a model folder named 'model' (config.json inside) or a stage artifact "
+            "directory holding one"
         )
     manifest = ref_dir / MANIFEST
     digest = (
@@ -40,7 +41,10 @@ def resolve_model(source: str | None, role: str) -> tuple[ArtifactRef, dict[str,
 
 
 MODEL_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<version>\d+)|@(?P<alias>[A-Za-z0-9_-]+))$")
-ACCEPTED = "'models:/<name>/<version>' (e.g. models:/rlhf-policy/3), 'models:/<name>@<alias>' (e.g. models:/rlhf-policy@champion), or a model folder"
+ACCEPTED = (
+    "'models:/<name>/<version>' (e.g. models:/rlhf-policy/3), 'models:/<name>@<alias>' (e.g. "
+    "models:/rlhf-policy@champion), or a model folder"
+)
 
 
 def check_model_source(source: str) -> str:

@@ -11,10 +11,11 @@ from rlhf_pipeline.trainers.loop import PEAK_GPU
 
 
 class PeakMemory:
-    """The most resident memory the build held: this process and every process under it (a launch's ranks), sampled by a thread
-    every `interval` seconds, and this process's own exact peak where Linux keeps it (VmHWM, reset at the start through
-    /proc/self/clear_refs); what this process held when the build began; and the most GPU memory torch allocated (in this
-    process, or rank 0's from its `training.json`). Sampling more often than every 0.5 s cost measurable CPU (bench.overhead)."""
+    """The most resident memory the build held: this process and every process under it (a launch's ranks), sampled by a
+    thread every `interval` seconds, and this process's own exact peak where Linux keeps it (VmHWM, reset at the start
+    through /proc/self/clear_refs); what this process held when the build began; and the most GPU memory torch allocated
+    (in this process, or rank 0's from its `training.json`). Sampling more often than every 0.5 s cost measurable CPU
+    (bench.overhead)."""
 
     def __init__(self, interval: float = 0.5):
         import threading

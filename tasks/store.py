@@ -97,7 +97,8 @@ def run_stage(
     re-run that changes only a report (timestamps, a new rule) re-trains nothing.
     `parts` names paths whose digests are kept one by one (`ArtifactRef.select`).
     `trainer` is the module whose read_source (and imports) is the stage's code version;
-    `hold()` is held while the build runs (the caller's device slot); `extra_tags` go on its MLflow run (e.g. `rlhf.round` of a feedback round).
+    `hold()` is held while the build runs (the caller's device slot); `extra_tags` go on its MLflow run (e.g.
+    `rlhf.round` of a feedback round).
     """
     fingerprints = fingerprints or {}
     check_tokenizers(stage, upstream)
@@ -229,17 +230,20 @@ def resource_metrics(stage: str, resources: dict[str, float]) -> dict[str, float
 
 
 def outcome_tags(stage: str, training: dict | None, log: Callable[[str], None]) -> dict[str, str]:
-    """MLflow tags (and a log line) for how a training stage ended: stopped early by a callback, the best checkpoint published."""
+    """MLflow tags (and a log line) for how a training stage ended: stopped early by a callback, the best checkpoint
+    published."""
     tags: dict[str, str] = {}
     if training and training.get("stopped_early"):
         tags["rlhf.stopped_early"] = f"step {training['global_step']} of {training['max_steps']}"
         log(
-            f"{stage}: stopped early by a callback at step {training['global_step']} of {training['max_steps']}; publishing what it has"
+            f"{stage}: stopped early by a callback at step {training['global_step']} of {training['max_steps']}; "
+            "publishing what it has"
         )
     if training and training.get("best_checkpoint"):
         tags["rlhf.best_checkpoint"] = f"{training['best_checkpoint']} ({training['best_metric']:.6g})"
         log(
-            f"{stage}: publishing the best checkpoint, {training['best_checkpoint']} (metric {training['best_metric']:.6g}), not the last"
+            f"{stage}: publishing the best checkpoint, {training['best_checkpoint']} (metric "
+            f"{training['best_metric']:.6g}), not the last"
         )
     return tags
 
@@ -258,8 +262,9 @@ def check_tokenizers(stage: str, upstream: dict[str, ArtifactRef]) -> dict[str, 
     if len(set(digests.values())) > 1:
         listed = "; ".join(f"{name} ({upstream[name].path / 'model'}): {digest}" for name, digest in digests.items())
         raise ValueError(
-            f"{stage}: its input models do not share a tokenizer, so one model's token ids would be read with another's vocabulary "
-            f"(tokenizer file digests: {listed}); train them from the same sft model, or pass models built from one base"
+            f"{stage}: its input models do not share a tokenizer, so one model's token ids would be read with "
+            f"another's vocabulary (tokenizer file digests: {listed}); train them from the same sft model, or pass "
+            "models built from one base"
         )
     return digests
 
@@ -284,7 +289,8 @@ def _key_lock(stage_root: Path, key: str, stage: str, log: Callable[[str], None]
 
 
 def _log_file(run_id: str, stage_dir: Path, name: str) -> None:
-    """Log `stage_dir/name` (file or folder) at the same relative place in the MLflow run; nothing if the stage wrote none."""
+    """Log `stage_dir/name` (file or folder) at the same relative place in the MLflow run; nothing if the stage wrote
+    none."""
     path = stage_dir / name
     if not path.exists():
         return

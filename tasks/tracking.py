@@ -65,7 +65,8 @@ def client():
 
 
 KIND_TAG, TRAINING = "mlflow.experimentKind", "custom_model_development"
-"""MLflow 3's experiment kind: the UI opens a model-training experiment on its runs table and curves, not on GenAI traces."""
+"""MLflow 3's experiment kind: the UI opens a model-training experiment on its runs table and curves, not on GenAI
+traces."""
 
 
 def experiment_id(name: str) -> str:
@@ -199,7 +200,8 @@ def run_url(run_id: str) -> str | None:
 
 
 def experiment_url(experiment: str, ui: str | None = None) -> str | None:
-    """The experiment's runs table in the MLflow UI (`ui`, default: `ui_url()`), nested stage runs under their parent."""
+    """The experiment's runs table in the MLflow UI (`ui`, default: `ui_url()`), nested stage runs under their
+    parent."""
     ui = (ui or ui_url() or "").rstrip("/")
     return f"{ui}/#/experiments/{experiment}/runs?{TRAINING_VIEW}" if ui else None
 

@@ -1,5 +1,5 @@
-"""The training stages (every row of the table whose task is `TRAIN_STAGE`): one task, and the trainer contract, described
-here once (docs/ARCHITECTURE.md, "The trainer contract").
+"""The training stages (every row of the table whose task is `TRAIN_STAGE`): one task, and the trainer contract,
+described here once (docs/ARCHITECTURE.md, "The trainer contract").
 
 A stage's trainer is `train(cfg, ...)` in the module the table names; the task fills its parameters by name, so a new
 stage needs a trainer and a row, not new plumbing:
@@ -30,12 +30,13 @@ from rlhf_pipeline.tasks.store import run_stage
 from rlhf_pipeline.trainers.config import Block, StageConfig
 
 MODEL_INPUTS = {"sft_model": "sft", "reward_model": "rm", "policy_model": "policy"}
-"""Trainer parameter -> the upstream stage whose `model/` folder it receives (`policy`: the previous round's, in a feedback round)."""
+"""Trainer parameter -> the upstream stage whose `model/` folder it receives (`policy`: the previous round's, in a
+feedback round)."""
 SETTINGS = ("model", "rewards", "feedback")
 """Run-level blocks a trainer may take besides its own config (`feedback`: only in a feedback round)."""
 LOGGED = ("samples.jsonl", "feedback_pairs.jsonl", "heldout.jsonl")
-"""Files a trainer may write beside its model that are also logged to its MLflow run (ppo's sample tables, a feedback round's
-pairs, the held-out probes)."""
+"""Files a trainer may write beside its model that are also logged to its MLflow run (ppo's sample tables, a feedback
+round's pairs, the held-out probes)."""
 PROVIDED = {"cfg", "data_dir", "out_dir", "work_dir", "log_metrics", *MODEL_INPUTS, *SETTINGS}
 
 
@@ -56,8 +57,8 @@ def settings_of(stage: Stage) -> tuple[str, ...]:
 
 
 def code_fingerprints(config: StageConfig, settings: dict[str, Block]) -> dict[str, str]:
-    """The source digest of every import path the stage runs (its optimizer factory, callbacks, compute_metrics; the reward
-    functions of `rewards`): editing one re-runs the stages that use it and nothing else."""
+    """The source digest of every import path the stage runs (its optimizer factory, callbacks, compute_metrics; the
+    reward functions of `rewards`): editing one re-runs the stages that use it and nothing else."""
     from rlhf_pipeline.trainers.custom import source_digests
 
     paths = [*config.code_paths(), *(path for block in settings.values() for path in block.code_paths())]
@@ -73,7 +74,8 @@ def train_stage(
     round_: int = 0,
 ) -> StageOutcome:
     """Build (or reuse) one training stage of the table from its config, the blocks it takes and its upstream artifacts;
-    `round_` > 0: a feedback round's (its rm samples the previous round's `policy` upstream, reading the training prompts)."""
+    `round_` > 0: a feedback round's (its rm samples the previous round's `policy` upstream, reading the training
+    prompts)."""
     row = BY_NAME[stage]
     wanted = trainer_parameters(row)
     data = upstream["data"]

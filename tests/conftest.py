@@ -35,8 +35,8 @@ def state_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def screenshots() -> Path:
-    """Where the browser tests keep their screenshots: `RLHF_TEST_ARTIFACTS`, else test-artifacts/ of the checkout (gitignored),
-    so a CI run leaves them beside the code it tested."""
+    """Where the browser tests keep their screenshots: `RLHF_TEST_ARTIFACTS`, else test-artifacts/ of the checkout
+    (gitignored), so a CI run leaves them beside the code it tested."""
     folder = Path(os.environ.get("RLHF_TEST_ARTIFACTS") or Path(__file__).resolve().parents[1] / "test-artifacts")
     folder.mkdir(parents=True, exist_ok=True)
     return folder

@@ -19,7 +19,8 @@ from pathlib import Path
 # Qwen2.5's chat template, shortened to the part without tools (no {% generation %} marks, as shipped).
 QWEN_TEMPLATE = (
     "{%- for message in messages %}"
-    "{%- if loop.first and message['role'] != 'system' %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}"
+    "{%- if loop.first and message['role'] != 'system' %}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
@@ -61,7 +62,8 @@ def train_tokenizer(specials: list[str], vocab_size: int = 400):
 
 
 def gpt2_folder(path: Path) -> Path:
-    """A GPT-2-style causal LM folder: BPE tokenizer with `<|endoftext|>` as BOS/EOS/UNK, no pad token, no chat template."""
+    """A GPT-2-style causal LM folder: BPE tokenizer with `<|endoftext|>` as BOS/EOS/UNK, no pad token, no chat
+    template."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 

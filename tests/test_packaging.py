@@ -63,7 +63,8 @@ def test_the_installed_wheel_runs_the_pipeline_from_an_unrelated_folder(wheel, t
         [
             sys.executable,
             "-c",
-            "import rlhf_pipeline.flows.params as p, rlhf_pipeline.trainers.data as d; print(p.CONFIG_DIR); print(d.BUNDLED_ROOT)",
+            "import rlhf_pipeline.flows.params as p, rlhf_pipeline.trainers.data as d; print(p.CONFIG_DIR); "
+            "print(d.BUNDLED_ROOT)",
         ],
         env=env,
         cwd=elsewhere,
@@ -75,7 +76,7 @@ def test_the_installed_wheel_runs_the_pipeline_from_an_unrelated_folder(wheel, t
     preset = tmp_path / "fast.yaml"  # the tests' preset, outside any checkout
     preset.write_text((ROOT / "tests" / "ci.yaml").read_text())
     done = subprocess.run(
-        [sys.executable, "-m", "rlhf_pipeline.cli", "run", "--config", str(preset), "--set", "registry.enabled=false"],
+        [sys.executable, "-m", "rlhf_pipeline", "run", "--config", str(preset), "--set", "registry.enabled=false"],
         env=env,
         cwd=elsewhere,
         capture_output=True,

@@ -1,4 +1,5 @@
-"""Training code of a user's own, named by import path in the tests (`tests.user_code:<name>`), as a user names theirs."""
+"""Training code of a user's own, named by import path in the tests (`tests.user_code:<name>`), as a user names
+theirs."""
 
 from __future__ import annotations
 
@@ -98,7 +99,8 @@ def token_accuracy(eval_prediction) -> dict[str, float]:
 
 
 class RecordBatches(TrainerCallback):
-    """Writes to `out` the shape of every training batch the model was called with, and whether it came with an attention mask."""
+    """Writes to `out` the shape of every training batch the model was called with, and whether it came with an
+    attention mask."""
 
     def __init__(self, out: str):
         self.out, self.batches = Path(out), []

@@ -42,7 +42,8 @@ def load_base_model(model: ModelConfig, bnb_config=None) -> tuple[PreTrainedMode
     if bnb_config is not None:
         if model.name_or_path == TINY:
             raise ValueError(
-                "lora.quantization (QLoRA) loads a pretrained checkpoint in 4 bits: the tiny model is built in memory, not loaded"
+                "lora.quantization (QLoRA) loads a pretrained checkpoint in 4 bits: the tiny model is built in "
+                "memory, not loaded"
             )
         import peft
 
@@ -82,8 +83,9 @@ def _grow_embeddings(policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
 
 
 def added_token_ids(model: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """Ids of the special tokens `model.chat_template` added to the checkpoint's own tokenizer (ChatML's on a GPT-2 one). Their
-    embedding rows are new, or padding rows never trained, so a frozen base under LoRA could neither read nor emit them."""
+    """Ids of the special tokens `model.chat_template` added to the checkpoint's own tokenizer (ChatML's on a GPT-2
+    one). Their embedding rows are new, or padding rows never trained, so a frozen base under LoRA could neither read
+    nor emit them."""
     from rlhf_pipeline.trainers import templates
 
     if model.chat_template is None:
@@ -103,8 +105,9 @@ def added_token_ids(model: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> l
 
 
 def trainable_tokens(policy: PreTrainedModel, token_ids: list[int]) -> list[int] | dict[str, list[int]] | None:
-    """peft's `trainable_token_indices` for `token_ids`: their rows of the input embeddings train beside the adapter, and of the
-    output embeddings too when they are not tied to the input ones (an untied lm_head must learn to emit an added end of turn)."""
+    """peft's `trainable_token_indices` for `token_ids`: their rows of the input embeddings train beside the adapter,
+    and of the output embeddings too when they are not tied to the input ones (an untied lm_head must learn to emit an
+    added end of turn)."""
     if not token_ids:
         return None
     embeddings, head = policy.get_input_embeddings(), policy.get_output_embeddings()

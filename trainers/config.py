@@ -36,7 +36,8 @@ class Block(StrictModel):
 
 
 class StageConfig(Block):
-    """What every stage's config answers (docs/ARCHITECTURE.md, "The trainer contract"); a stage overrides what applies."""
+    """What every stage's config answers (docs/ARCHITECTURE.md, "The trainer contract"); a stage overrides what
+    applies."""
 
     @property
     def evaluates(self) -> bool:
@@ -48,7 +49,8 @@ class StageConfig(Block):
         return ()
 
     def row_token_limit(self) -> int | None:
-        """The most tokens one row of the datasets it reads may take (the data stage's `fits_max_length`); None: no limit."""
+        """The most tokens one row of the datasets it reads may take (the data stage's `fits_max_length`); None: no
+        limit."""
         return None
 
 
@@ -67,7 +69,9 @@ class TinyModelConfig(StrictModel):
 class ModelConfig(Block):
     name_or_path: str = Field(
         TINY,
-        description="Base model: 'tiny' (built locally from `tiny`), a hub id such as 'Qwen/Qwen2.5-0.5B', or a local folder.",
+        description=(
+            "Base model: 'tiny' (built locally from `tiny`), a hub id such as 'Qwen/Qwen2.5-0.5B', or a local folder."
+        ),
     )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of the base model.")
     trust_remote_code: bool = Field(
@@ -76,14 +80,20 @@ class ModelConfig(Block):
     seed: int = Field(0, description="Seed of the tiny model's initial weights (same seed, same base model).")
     chat_template: str | None = Field(
         None,
-        description="Chat template for conversational data: 'chatml' or a Jinja file; None: the tokenizer's own. Its special tokens are "
-        "added (embeddings resized) and it is saved with every stage's tokenizer. A base model without a template needs one.",
+        description=(
+            "Chat template for conversational data: 'chatml' or a Jinja file; None: the tokenizer's own. Its special "
+            "tokens are added (embeddings resized) and it is saved with every stage's tokenizer. A base model without "
+            "a template needs one."
+        ),
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32",
-        description="Dtype the base weights are loaded, trained and saved in. float32 (default): master weights in full precision, so a "
-        "bf16/fp16 checkpoint is upcast and mixed precision comes from each stage's `bf16`; bfloat16/float16: pure low-precision "
-        "training (half the memory; AdamW updates smaller than the weights' precision are lost).",
+        description=(
+            "Dtype the base weights are loaded, trained and saved in. float32 (default): master weights in full "
+            "precision, so a bf16/fp16 checkpoint is upcast and mixed precision comes from each stage's `bf16`; "
+            "bfloat16/float16: pure low-precision training (half the memory; AdamW updates smaller than the weights' "
+            "precision are lost)."
+        ),
     )
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Architecture of the tiny model.")
 
@@ -100,20 +110,29 @@ class LoraConfig(StrictModel):
     )
     keep_adapter: bool = Field(
         False,
-        description="Save the adapter alone (adapter_model.safetensors) instead of merging it; the base model is found by its hub id or "
-        "path, or saved beside the adapter (model/base) when it has neither (the tiny model). Later stages then choose `handoff`.",
+        description=(
+            "Save the adapter alone (adapter_model.safetensors) instead of merging it; the base model is found by its "
+            "hub id or path, or saved beside the adapter (model/base) when it has neither (the tiny model). Later "
+            "stages then choose `handoff`."
+        ),
     )
     handoff: Literal["merge", "stack"] | None = Field(
         None,
-        description="How this stage continues from an upstream stage that kept its LoRA adapter (sft.lora.keep_adapter): 'merge' folds it "
-        "into the weights (then this block's own LoRA, if enabled, trains on top); 'stack' trains that adapter on, with a frozen copy "
-        "of it as the reference (TRL's 'ref' adapter; this block's r/alpha do not apply). Must be chosen when the upstream kept one.",
+        description=(
+            "How this stage continues from an upstream stage that kept its LoRA adapter (sft.lora.keep_adapter): "
+            "'merge' folds it into the weights (then this block's own LoRA, if enabled, trains on top); 'stack' "
+            "trains that adapter on, with a frozen copy of it as the reference (TRL's 'ref' adapter; this block's "
+            "r/alpha do not apply). Must be chosen when the upstream kept one."
+        ),
     )
 
     quantization: Literal["none", "4bit"] = Field(
         "none",
-        description="QLoRA: the frozen base in 4 bits (bitsandbytes NF4 with double quantization, bf16 compute), the adapters trained "
-        "on top; CUDA GPU and bitsandbytes only. In the stages after sft it applies to a stacked adapter's base.",
+        description=(
+            "QLoRA: the frozen base in 4 bits (bitsandbytes NF4 with double quantization, bf16 compute), the adapters "
+            "trained on top; CUDA GPU and bitsandbytes only. In the stages after sft it applies to a stacked "
+            "adapter's base."
+        ),
     )
 
     @model_validator(mode="after")
@@ -123,20 +142,24 @@ class LoraConfig(StrictModel):
 
             if self.handoff == "merge":
                 raise ValueError(
-                    f"lora.quantization={self.quantization!r} with handoff=merge: an adapter cannot be merged into 4-bit weights; stack it"
+                    f"lora.quantization={self.quantization!r} with handoff=merge: an adapter cannot be merged into "
+                    "4-bit weights; stack it"
                 )
             if not (self.enabled or self.handoff == "stack"):
                 raise ValueError(
-                    f"lora.quantization={self.quantization!r} quantizes the frozen base under adapters: set lora.enabled=true"
+                    f"lora.quantization={self.quantization!r} quantizes the frozen base under adapters: set "
+                    "lora.enabled=true"
                 )
             if importlib.util.find_spec("bitsandbytes") is None:
                 raise ValueError(
-                    f"lora.quantization={self.quantization!r} (QLoRA) needs bitsandbytes and a CUDA GPU; bitsandbytes is not installed"
+                    f"lora.quantization={self.quantization!r} (QLoRA) needs bitsandbytes and a CUDA GPU; bitsandbytes "
+                    "is not installed"
                 )
         return self
 
     def bnb_config(self):
-        """transformers' BitsAndBytesConfig for QLoRA (None without quantization); the device is checked before any weights load."""
+        """transformers' BitsAndBytesConfig for QLoRA (None without quantization); the device is checked before any
+        weights load."""
         if self.quantization == "none":
             return None
         import torch
@@ -144,7 +167,8 @@ class LoraConfig(StrictModel):
 
         if not torch.cuda.is_available():
             raise ValueError(
-                f"lora.quantization={self.quantization!r} (QLoRA): bitsandbytes quantizes on a CUDA GPU, and this machine trains on cpu"
+                f"lora.quantization={self.quantization!r} (QLoRA): bitsandbytes quantizes on a CUDA GPU, and this "
+                "machine trains on cpu"
             )
         return BitsAndBytesConfig(
             load_in_4bit=True,
@@ -156,7 +180,8 @@ class LoraConfig(StrictModel):
     def peft_config(
         self, task_type: str = "CAUSAL_LM", trainable_tokens: list[int] | dict[str, list[int]] | None = None
     ):
-        """A peft.LoraConfig, or None when LoRA is off; `trainable_tokens` (`base.trainable_tokens`): embedding rows that train too."""
+        """A peft.LoraConfig, or None when LoRA is off; `trainable_tokens` (`base.trainable_tokens`): embedding rows
+        that train too."""
         if not self.enabled:
             return None
         import peft
@@ -203,15 +228,20 @@ class Customisation(StageConfig):
 
     optimizer_factory: str | None = Field(
         None,
-        description="'package.module:function' of fn(model, args) -> (optimizer, lr_scheduler or None), passed to the trainer as its "
-        "optimizers (args: the stage's transformers TrainingArguments; scheduler None: the stage's lr_scheduler_type drives the "
-        "optimizer). Its state is checkpointed and restored on resume. For ppo, model holds .policy and .value_model.",
+        description=(
+            "'package.module:function' of fn(model, args) -> (optimizer, lr_scheduler or None), passed to the trainer "
+            "as its optimizers (args: the stage's transformers TrainingArguments; scheduler None: the stage's "
+            "lr_scheduler_type drives the optimizer). Its state is checkpointed and restored on resume. For ppo, "
+            "model holds .policy and .value_model."
+        ),
     )
     callbacks: list[CallbackSpec] = Field(
         default_factory=list,
-        description="transformers TrainerCallbacks run beside the pipeline's own (ppo calls on_train_begin, on_step_end, on_log, on_save and "
-        "on_train_end at the matching points). One that sets control.should_training_stop ends the stage early: it publishes what it has, "
-        "tagged stopped early.",
+        description=(
+            "transformers TrainerCallbacks run beside the pipeline's own (ppo calls on_train_begin, on_step_end, "
+            "on_log, on_save and on_train_end at the matching points). One that sets control.should_training_stop "
+            "ends the stage early: it publishes what it has, tagged stopped early."
+        ),
     )
 
     @field_validator("optimizer_factory")
@@ -236,7 +266,10 @@ class EvalDuringTraining(StageConfig):
 
     eval_strategy: Literal["no", "steps", "epoch"] = Field(
         "no",
-        description="Evaluate on the stage's held-out split every eval_steps ('steps') or epoch; logged as <stage>/eval/<name> curves.",
+        description=(
+            "Evaluate on the stage's held-out split every eval_steps ('steps') or epoch; logged as "
+            "<stage>/eval/<name> curves."
+        ),
     )
     eval_steps: int | None = Field(
         None, ge=1, description="Steps between evaluations (eval_strategy='steps'). None: logging_steps."
@@ -244,16 +277,24 @@ class EvalDuringTraining(StageConfig):
     per_device_eval_batch_size: int = Field(8, ge=1, description="Examples per device per evaluation forward pass.")
     compute_metrics: str | None = Field(
         None,
-        description="'package.module:function' of fn(eval_prediction) -> {name: value} (transformers' compute_metrics), logged as "
-        "<stage>/eval/<name> beside the trainer's own eval metrics.",
+        description=(
+            "'package.module:function' of fn(eval_prediction) -> {name: value} (transformers' compute_metrics), "
+            "logged as <stage>/eval/<name> beside the trainer's own eval metrics."
+        ),
     )
     load_best_model_at_end: bool = Field(
         False,
-        description="Publish the checkpoint with the best metric_for_best_model instead of the last (needs save_steps a multiple of eval_steps).",
+        description=(
+            "Publish the checkpoint with the best metric_for_best_model instead of the last (needs save_steps a "
+            "multiple of eval_steps)."
+        ),
     )
     metric_for_best_model: str | None = Field(
         None,
-        description="Eval metric that picks the best checkpoint, without the eval_ prefix (e.g. 'loss', 'accuracy'). None: 'loss'.",
+        description=(
+            "Eval metric that picks the best checkpoint, without the eval_ prefix (e.g. 'loss', 'accuracy'). None: "
+            "'loss'."
+        ),
     )
     greater_is_better: bool | None = Field(
         None, description="Whether a larger metric_for_best_model is better. None: False for a loss, True otherwise."
@@ -284,8 +325,8 @@ class EvalDuringTraining(StageConfig):
             every, saves = self.eval_steps or getattr(self, "logging_steps", 1), getattr(self, "save_steps", 1)
             if saves % every:
                 raise ValueError(
-                    f"load_best_model_at_end picks among the checkpoints, which are saved every save_steps={saves}: it must be a multiple of "
-                    f"eval_steps={every}, so each checkpoint has an evaluation"
+                    f"load_best_model_at_end picks among the checkpoints, which are saved every save_steps={saves}: "
+                    f"it must be a multiple of eval_steps={every}, so each checkpoint has an evaluation"
                 )
         return self
 
@@ -331,7 +372,8 @@ def check_precision_fields(bf16: bool | None, fp16: bool) -> None:
 
 
 def check_optimizer_name(optim: str, default: str) -> None:
-    """A transformers optimizer name (`OptimizerNames`), with a did-you-mean; a bitsandbytes one needs bitsandbytes installed."""
+    """A transformers optimizer name (`OptimizerNames`), with a did-you-mean; a bitsandbytes one needs bitsandbytes
+    installed."""
     if optim == default:
         return
     from transformers.training_args import OptimizerNames
@@ -395,12 +437,16 @@ class TrainingFields(StageConfig):
     ] = Field("linear", description="Learning-rate schedule after warm-up (transformers' names).")
     lr_scheduler_kwargs: dict[str, Any] = Field(
         default_factory=dict,
-        description="Arguments of the schedule, e.g. {min_lr_rate: 0.1} for cosine_with_min_lr, {num_cycles: 2} for restarts.",
+        description=(
+            "Arguments of the schedule, e.g. {min_lr_rate: 0.1} for cosine_with_min_lr, {num_cycles: 2} for restarts."
+        ),
     )
     optim: str = Field(
         "adamw_torch_fused",
-        description="Optimizer by transformers' name (default: transformers' own): adamw_torch_fused, adamw_torch, adafactor, sgd, adagrad, rmsprop, "
-        "adamw_8bit / paged_adamw_8bit (bitsandbytes, GPU), ...",
+        description=(
+            "Optimizer by transformers' name (default: transformers' own): adamw_torch_fused, adamw_torch, adafactor, "
+            "sgd, adagrad, rmsprop, adamw_8bit / paged_adamw_8bit (bitsandbytes, GPU), ..."
+        ),
     )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
@@ -424,7 +470,10 @@ class TrainingFields(StageConfig):
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters (peft).")
     trl_overrides: dict[str, Any] = Field(
         default_factory=dict,
-        description="Any other argument of the TRL config of this stage, passed through unchanged (not one this block declares).",
+        description=(
+            "Any other argument of the TRL config of this stage, passed through unchanged (not one this block "
+            "declares)."
+        ),
     )
 
     trl_config: ClassVar[str] = ""
@@ -432,7 +481,8 @@ class TrainingFields(StageConfig):
 
     @model_validator(mode="after")
     def _known_optimizer_and_one_precision(self):
-        """A misspelt optimizer, a bitsandbytes one without bitsandbytes, or two precisions at once fail here, not once the weights are loaded."""
+        """A misspelt optimizer, a bitsandbytes one without bitsandbytes, or two precisions at once fail here, not once
+        the weights are loaded."""
         check_precision_fields(self.bf16, self.fp16)
         check_optimizer_name(self.optim, "adamw_torch_fused")
         return self
@@ -452,7 +502,8 @@ class TrainingFields(StageConfig):
                     f"{key!r} is this block's field `{key}`: set it there" for key in shadowed if key not in managed
                 )
                 + "".join(
-                    f"{'; ' if len(shadowed) > len(managed) else ''}{key!r} is managed by the pipeline (checkpoints, device, tracking)"
+                    f"{'; ' if len(shadowed) > len(managed) else ''}{key!r} is managed by the pipeline (checkpoints, "
+                    "device, tracking)"
                     for key in managed
                 )
             )
@@ -503,7 +554,8 @@ class TrainingFields(StageConfig):
             "activation_checkpointing": False,
             "report_to": "none",
             "save_only_model": False,
-            # Under accelerate: every trained parameter takes part in each step (frozen ones have no grad), so DDP need not search.
+            # Under accelerate: every trained parameter takes part in each step (frozen ones have no grad), so DDP need
+            # not search.
             "ddp_find_unused_parameters": False,
             **self.trl_overrides,
         }

@@ -25,7 +25,8 @@ from typing import Any, Callable
 
 
 def import_object(path: str, what: str) -> Any:
-    """The object `package.module:name` names; a malformed path, a module that does not import or a missing name fails naming the path."""
+    """The object `package.module:name` names; a malformed path, a module that does not import or a missing name fails
+    naming the path."""
     module_name, _, name = path.partition(":")
     if not module_name or not name:
         raise ValueError(f"{what} {path!r}: expected 'package.module:name'")
@@ -93,13 +94,15 @@ def source_digests(paths: Iterable[str], what: str = "import path") -> dict[str,
 
 
 def make_optimizer(path: str, model, args) -> tuple[Any, Any]:
-    """Call the factory and check what it returns: an optimizer over the model's trainable parameters, and a scheduler or None."""
+    """Call the factory and check what it returns: an optimizer over the model's trainable parameters, and a scheduler
+    or None."""
     import torch
 
     got = import_callable(path, "optimizer_factory", positional=2)(model, args)
     if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], torch.optim.Optimizer)):
         raise ValueError(
-            f"optimizer_factory {path!r} returned {type(got).__name__}; it must return (torch.optim.Optimizer, lr_scheduler or None)"
+            f"optimizer_factory {path!r} returned {type(got).__name__}; it must return (torch.optim.Optimizer, "
+            "lr_scheduler or None)"
         )
     optimizer, scheduler = got
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -107,7 +110,8 @@ def make_optimizer(path: str, model, args) -> tuple[Any, Any]:
     missing = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in held]
     if len(missing) == len(trainable):
         raise ValueError(
-            f"optimizer_factory {path!r} returned an optimizer that holds none of the model's {len(trainable)} trainable parameters"
+            f"optimizer_factory {path!r} returned an optimizer that holds none of the model's {len(trainable)} "
+            "trainable parameters"
         )
     if scheduler is not None and not hasattr(scheduler, "step"):
         raise ValueError(f"optimizer_factory {path!r} returned a scheduler without step() ({type(scheduler).__name__})")
@@ -115,16 +119,17 @@ def make_optimizer(path: str, model, args) -> tuple[Any, Any]:
 
 
 def install(trainer, cfg) -> None:
-    """The factory's optimizer (and scheduler) on a TRL trainer, as its `optimizers=` would: built here, after the trainer has
-    wrapped the model (peft adapters, device), so it holds the parameters that actually train; the trainer checkpoints and restores
-    its state like its own."""
+    """The factory's optimizer (and scheduler) on a TRL trainer, as its `optimizers=` would: built here, after the
+    trainer has wrapped the model (peft adapters, device), so it holds the parameters that actually train; the trainer
+    checkpoints and restores its state like its own."""
     if cfg.optimizer_factory:
         trainer.optimizer, trainer.lr_scheduler = make_optimizer(cfg.optimizer_factory, trainer.model, trainer.args)
 
 
 class Hooks:
-    """TrainerCallback hooks for a loop of our own (ppo): the same events, arguments and control as transformers' Trainer
-    gives them, so one callback works in every stage. `control.should_training_stop` is the caller's to honour."""
+    """TrainerCallback hooks for a loop of our own (ppo): the same events, arguments and control as transformers'
+    Trainer gives them, so one callback works in every stage. `control.should_training_stop` is the caller's to
+    honour."""
 
     def __init__(self, callbacks: list, args, max_steps: int, global_step: int, **handles):
         self.callbacks, self.args, self.handles = callbacks, args, handles

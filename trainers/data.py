@@ -30,13 +30,19 @@ Kind = Literal["sft", "preference", "prompt"]
 
 class DatasetSpec(StrictModel):
     path: str = Field(
-        description="A local .jsonl/.json/.parquet/.csv file, a glob of them (`prefs/*.jsonl`: new files are picked up), or a Hugging Face hub dataset id."
+        description=(
+            "A local .jsonl/.json/.parquet/.csv file, a glob of them (`prefs/*.jsonl`: new files are picked up), or a "
+            "Hugging Face hub dataset id."
+        )
     )
     split: str = Field("train", description="Split to read (hub datasets; local files have one split, 'train').")
     name: str | None = Field(None, description="Hub dataset configuration name.")
     revision: str | None = Field(
         None,
-        description="Hub revision (a commit, tag or branch; a branch is resolved to its current commit, so new data re-runs the stages).",
+        description=(
+            "Hub revision (a commit, tag or branch; a branch is resolved to its current commit, so new data re-runs "
+            "the stages)."
+        ),
     )
 
 
@@ -129,7 +135,8 @@ def dataset_fingerprint(spec: DatasetSpec) -> str:
 
 
 def hub_commit(spec: DatasetSpec) -> str | None:
-    """The commit a hub revision (a branch such as `main`) points at now, so new data re-keys the stages; None offline."""
+    """The commit a hub revision (a branch such as `main`) points at now, so new data re-keys the stages; None
+    offline."""
     import os
 
     if os.environ.get("HF_HUB_OFFLINE") == "1":

@@ -44,8 +44,10 @@ class DpoConfig(EvalDuringTraining, TrainingConfig):
     label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="Assumed label noise (cDPO / robust loss).")
     ref_model_quantization: Literal["none", "8bit", "4bit"] = Field(
         "none",
-        description="Load the frozen reference model in 8 or 4 bits (bitsandbytes, CUDA GPU only), as TRL's guide does to save memory; "
-        "not with lora, whose reference is the policy with its adapters off.",
+        description=(
+            "Load the frozen reference model in 8 or 4 bits (bitsandbytes, CUDA GPU only), as TRL's guide does to "
+            "save memory; not with lora, whose reference is the policy with its adapters off."
+        ),
     )
 
     def held_out(self) -> tuple[str, ...]:
@@ -58,12 +60,13 @@ class DpoConfig(EvalDuringTraining, TrainingConfig):
 
             if self.lora.enabled:
                 raise ValueError(
-                    f"ref_model_quantization={self.ref_model_quantization!r} with lora: the reference is the policy with its adapters off, "
-                    "so there is no separate reference to quantize"
+                    f"ref_model_quantization={self.ref_model_quantization!r} with lora: the reference is the policy "
+                    "with its adapters off, so there is no separate reference to quantize"
                 )
             if importlib.util.find_spec("bitsandbytes") is None:
                 raise ValueError(
-                    f"ref_model_quantization={self.ref_model_quantization!r} needs bitsandbytes (and a CUDA GPU), which is not installed"
+                    f"ref_model_quantization={self.ref_model_quantization!r} needs bitsandbytes (and a CUDA GPU), "
+                    "which is not installed"
                 )
         return self
 
@@ -71,7 +74,8 @@ class DpoConfig(EvalDuringTraining, TrainingConfig):
     def _weights_match_losses(self):
         if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_type):
             raise ValueError(
-                f"loss_weights has {len(self.loss_weights)} entries but loss_type has {len(self.loss_type)} ({self.loss_type}): give one weight per loss type"
+                f"loss_weights has {len(self.loss_weights)} entries but loss_type has {len(self.loss_type)} "
+                f"({self.loss_type}): give one weight per loss type"
             )
         return self
 
@@ -120,7 +124,8 @@ def train(
 
 
 def quantized_reference(sft_model: Path, bits: str):
-    """The SFT model in 8 or 4 bits (bitsandbytes) on the GPU, frozen: DPO's reference (TRL's "training customization" guide)."""
+    """The SFT model in 8 or 4 bits (bitsandbytes) on the GPU, frozen: DPO's reference (TRL's "training customization"
+    guide)."""
     import torch
 
     if not torch.cuda.is_available():

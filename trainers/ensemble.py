@@ -2,7 +2,8 @@
 
 An `rm` artifact trained with `ensemble_size` k > 1 holds every member beside the served model:
 
-    rm/<key>/model/              what the stages read as "the reward model": member 0, or the members' weight average (WARM)
+    rm/<key>/model/              what the stages read as "the reward model": member 0, or the members' weight average
+                                 (WARM)
     rm/<key>/members/<i>/model/  member i (seed + i, its own bootstrap resample of the pairs), a whole model folder
     rm/<key>/ensemble.json       {"members": k, "served": "ensemble" | "average"}
 
@@ -65,7 +66,8 @@ def aggregate(
 
 
 def load_members(dirs: list[Path], device: str | torch.device = "cpu") -> list:
-    """Each folder's sequence classifier, in eval mode without gradients, its pad id set (it pools at the last real token)."""
+    """Each folder's sequence classifier, in eval mode without gradients, its pad id set (it pools at the last real
+    token)."""
     from rlhf_pipeline.trainers.models import load_sequence_classifier, load_tokenizer
 
     models = []

@@ -35,12 +35,17 @@ class EvalConfig(StageConfig):
     max_prompts: int | None = Field(None, ge=1, description="Evaluate only the first N held-out prompts; None: all.")
     answer_column: str | None = Field(
         "answer",
-        description="Reference column of the held-out prompts: exact match is reported when they have it (most chat data has none); None: never.",
+        description=(
+            "Reference column of the held-out prompts: exact match is reported when they have it (most chat data has "
+            "none); None: never."
+        ),
     )
     gold_metric: RewardFunctionSpec | None = Field(
         None,
-        description="A reward function ('module:function', TRL's signature) used as the gold metric instead of exact match, "
-        "e.g. a verifier; reported as `<model>_gold` with intervals.",
+        description=(
+            "A reward function ('module:function', TRL's signature) used as the gold metric instead of exact match, "
+            "e.g. a verifier; reported as `<model>_gold` with intervals."
+        ),
     )
     max_length_drift: float = Field(
         0.5, gt=0, description="Warn when the policy's mean answer length moves more than this share from SFT's."
@@ -57,8 +62,11 @@ class EvalConfig(StageConfig):
     num_samples_logged: int = Field(50, ge=0, description="Rows of the samples table (prompt, answers, rewards).")
     judge: JudgeConfig | None = Field(
         None,
-        description="A pairwise judge (a function 'module:function' or a local causal LM): the policy's win rate against SFT and the "
-        "champion, each pair judged in both orders (`judge_win_rate_vs_<rival>`, with position bias); None: no judge.",
+        description=(
+            "A pairwise judge (a function 'module:function' or a local causal LM): the policy's win rate against SFT "
+            "and the champion, each pair judged in both orders (`judge_win_rate_vs_<rival>`, with position bias); "
+            "None: no judge."
+        ),
     )
 
     def code_paths(self) -> list[str]:

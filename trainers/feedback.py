@@ -34,17 +34,26 @@ class FeedbackConfig(Block):
         0,
         ge=0,
         le=10,
-        description="Rounds of feedback after the first policy: sample it, label pairs, retrain rm, train the policy again. 0: none.",
+        description=(
+            "Rounds of feedback after the first policy: sample it, label pairs, retrain rm, train the policy again. "
+            "0: none."
+        ),
     )
     labeller: str | None = Field(
         None,
-        description="'module:function' judging pairs of the policy's samples: fn(prompts, first, second, **columns) -> 1.0 (first better), 0.0 "
-        "(second), None (drop). E.g. rlhf_pipeline.trainers.sort_task:reference_labeller (a rater who knows the answer).",
+        description=(
+            "'module:function' judging pairs of the policy's samples: fn(prompts, first, second, **columns) -> 1.0 "
+            "(first better), 0.0 (second), None (drop). E.g. rlhf_pipeline.trainers.sort_task:reference_labeller (a "
+            "rater who knows the answer)."
+        ),
     )
     labels_dir: str | None = Field(
         None,
-        description="Instead of a labeller, people: each round writes <labels_dir>/round-<r>/pairs.jsonl (id, prompt, first, second) and "
-        'waits for round-<r>/labels.jsonl, one {"id": ..., "label": 1 | 0 | null} per pair (written whole, e.g. renamed into place).',
+        description=(
+            "Instead of a labeller, people: each round writes <labels_dir>/round-<r>/pairs.jsonl (id, prompt, first, "
+            'second) and waits for round-<r>/labels.jsonl, one {"id": ..., "label": 1 | 0 | null} per pair (written '
+            "whole, e.g. renamed into place)."
+        ),
     )
     wait_timeout_s: float = Field(
         86400.0, gt=0, description="How long a round waits for labels.jsonl before the stage fails (labels_dir)."
@@ -54,8 +63,11 @@ class FeedbackConfig(Block):
     seed: int = Field(0, description="Seed of the prompt choice and the samples (each round draws its own).")
     from_sft: bool = Field(
         False,
-        description="Train each round's policy from the SFT model (its KL reference too) with the round's reward model, instead of from "
-        "the last round's policy (then also its reference: drift from SFT adds up over the rounds).",
+        description=(
+            "Train each round's policy from the SFT model (its KL reference too) with the round's reward model, "
+            "instead of from the last round's policy (then also its reference: drift from SFT adds up over the "
+            "rounds)."
+        ),
     )
 
     @field_validator("labeller")
@@ -73,7 +85,8 @@ class FeedbackConfig(Block):
             raise ValueError("feedback.labeller and feedback.labels_dir both label the pairs: set one")
         if self.rounds and self.labeller is None and self.labels_dir is None:
             raise ValueError(
-                f"feedback.rounds={self.rounds} needs a labeller ('module:function') or a labels_dir where people label the policy's samples"
+                f"feedback.rounds={self.rounds} needs a labeller ('module:function') or a labels_dir where people "
+                "label the policy's samples"
             )
         return self
 
@@ -142,9 +155,9 @@ def collect_pairs(
 def wait_for_labels(
     folder: Path, prompts: list, first: list, second: list, timeout_s: float, poll_s: float = 5.0
 ) -> list[float | None]:
-    """People's labels: the pairs go to `folder/pairs.jsonl` (ids 0..n-1), and the round waits for `folder/labels.jsonl`.
-    A resumed round finds the labels already there. A label file that misses a pair, or holds a label that is not 1, 0
-    or null, fails naming the file and the line."""
+    """People's labels: the pairs go to `folder/pairs.jsonl` (ids 0..n-1), and the round waits for
+    `folder/labels.jsonl`. A resumed round finds the labels already there. A label file that misses a pair, or holds a
+    label that is not 1, 0 or null, fails naming the file and the line."""
     import os
     import time
 
@@ -177,13 +190,15 @@ def wait_for_labels(
         row = json.loads(line)
         if not isinstance(row, dict) or "id" not in row or row.get("label") not in (1, 0, 1.0, 0.0, None):
             raise ValueError(
-                f'{labels_file} line {number}: each line is {{"id": <pair id>, "label": 1 | 0 | null}}, got {line[:200]!r}'
+                f'{labels_file} line {number}: each line is {{"id": <pair id>, "label": 1 | 0 | null}}, got '
+                f"{line[:200]!r}"
             )
         labels[int(row["id"])] = None if row["label"] is None else float(row["label"])
     missing = [i for i in range(len(prompts)) if i not in labels]
     if missing:
         raise ValueError(
-            f"{labels_file} has no label for pairs {missing[:10]}{' ...' if len(missing) > 10 else ''} of {pairs} (a null label drops a pair)"
+            f"{labels_file} has no label for pairs {missing[:10]}{' ...' if len(missing) > 10 else ''} of {pairs} (a "
+            "null label drops a pair)"
         )
     return [labels[i] for i in range(len(prompts))]
 
@@ -196,7 +211,8 @@ def with_pairs(dataset, pairs: list[dict]):
         return dataset
     if "prompt" not in dataset.column_names:
         raise ValueError(
-            f"feedback pairs have a prompt, and the preference data has none (columns: {dataset.column_names}): give it a prompt column"
+            f"feedback pairs have a prompt, and the preference data has none (columns: {dataset.column_names}): give "
+            "it a prompt column"
         )
     keep = ["prompt", "chosen", "rejected"]
     base = dataset.select_columns(keep)

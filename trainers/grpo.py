@@ -17,7 +17,10 @@ class GrpoConfig(online.OnlineConfig):
     beta: float = Field(
         0.04,
         ge=0,
-        description="KL coefficient to the reference model. TRL's default is 0 (no reference); 0.04 keeps the policy near SFT and reports the KL.",
+        description=(
+            "KL coefficient to the reference model. TRL's default is 0 (no reference); 0.04 keeps the policy near SFT "
+            "and reports the KL."
+        ),
     )
     loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo"] = Field(
         "dapo", description="TRL GRPO loss normalisation."

@@ -12,11 +12,13 @@ from rlhf_pipeline.trainers.models import has_adapter, load_adapter_model, load_
 
 
 def upstream_policy(sft_model: Path, lora: LoraConfig, task_type: str = "CAUSAL_LM"):
-    """The policy a stage starts from, and the peft config to hand its TRL trainer: an upstream adapter merged (then this stage's
-    own LoRA, if any) or stacked (trained on; TRL keeps a frozen 'ref' copy as the reference, and takes no new peft config)."""
+    """The policy a stage starts from, and the peft config to hand its TRL trainer: an upstream adapter merged (then
+    this stage's own LoRA, if any) or stacked (trained on; TRL keeps a frozen 'ref' copy as the reference, and takes no
+    new peft config)."""
     if has_adapter(sft_model) and lora.handoff is None:
         raise ValueError(
-            f"{sft_model} holds sft's LoRA adapter (sft.lora.keep_adapter): choose lora.handoff=merge or stack for this stage"
+            f"{sft_model} holds sft's LoRA adapter (sft.lora.keep_adapter): choose lora.handoff=merge or stack for "
+            "this stage"
         )
     stacked = has_adapter(sft_model) and lora.handoff == "stack"
     if stacked and lora.quantization != "none":  # QLoRA: the stacked adapter on a 4-bit base
@@ -55,8 +57,9 @@ def quantized_loading(bnb_config) -> dict[str, Any]:
 
 
 def unsharded_copy(model, state_dict: dict):
-    """A CPU copy of a peft model whose weights are sharded over the ranks (ZeRO-3 leaves each rank's parameters empty, FSDP2
-    makes them DTensors), built from its gathered full `state_dict`: every adapter, score head and base weight, loaded strictly."""
+    """A CPU copy of a peft model whose weights are sharded over the ranks (ZeRO-3 leaves each rank's parameters empty,
+    FSDP2 makes them DTensors), built from its gathered full `state_dict`: every adapter, score head and base weight,
+    loaded strictly."""
     import copy
 
     import torch

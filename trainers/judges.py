@@ -49,7 +49,8 @@ DEFAULT_TEMPLATE = (
     "[Answer A]\n{a}\n\n"
     "[Answer B]\n{b}\n\n"
     'Reply with one letter, "A" or "B".\n'
-    # Ends in a space: the verdict is then " A" as written text has it (GPT-2 and Llama vocabularies hold " A" as one token).
+    # Ends in a space: the verdict is then " A" as written text has it (GPT-2 and Llama vocabularies hold " A" as one
+    # token).
     "Better answer: "
 )
 
@@ -68,14 +69,18 @@ class JudgeConfig(StrictModel):
     """A pairwise judge: a Python function or a causal LM asked which of two answers is better."""
 
     path: str = Field(
-        description="'package.module:function' of a function judge(prompts, completions_a, completions_b) -> list[float] returning "
-        "P(a is better) per pair, or a causal LM used as the judge: a local model folder or a hub id.",
+        description=(
+            "'package.module:function' of a function judge(prompts, completions_a, completions_b) -> list[float] "
+            "returning P(a is better) per pair, or a causal LM used as the judge: a local model folder or a hub id."
+        ),
     )
     template: str = Field(
         DEFAULT_TEMPLATE,
-        description="Prompt shown to an LM judge, with placeholders {prompt}, {a} and {b} (write literal braces as {{ and }}); the "
-        "verdict letter follows it directly, so its last characters decide whether the verdict token is 'A' or ' A'. Sent as a user "
-        "turn when the judge's tokenizer has a chat template.",
+        description=(
+            "Prompt shown to an LM judge, with placeholders {prompt}, {a} and {b} (write literal braces as "
+            "{{ and }}); the verdict letter follows it directly, so its last characters decide whether the verdict "
+            "token is 'A' or ' A'. Sent as a user turn when the judge's tokenizer has a chat template."
+        ),
     )
     batch_size: int = Field(
         16, ge=1, description="Pairs per forward pass of an LM judge, per call of a function judge."
@@ -98,7 +103,8 @@ class JudgeConfig(StrictModel):
                 "judge template must contain {prompt}, {a} and {b}"
                 + (f"; it lacks {', '.join('{' + n + '}' for n in missing)}" if missing else "")
                 + (
-                    f"; it has unknown placeholders {', '.join('{' + n + '}' for n in unknown)} (write literal braces as {{{{ and }}}})"
+                    f"; it has unknown placeholders {', '.join('{' + n + '}' for n in unknown)} (write literal braces "
+                    "as {{ and }})"
                     if unknown
                     else ""
                 )
@@ -149,7 +155,8 @@ def load_judge(cfg: JudgeConfig, sample: tuple[list, list, list] | None = None) 
 
 
 class FunctionJudge:
-    """A Python function judge, called `batch_size` pairs at a time; every result is checked (count, range) before it is used."""
+    """A Python function judge, called `batch_size` pairs at a time; every result is checked (count, range) before it is
+    used."""
 
     def __init__(self, cfg: JudgeConfig):
         from rlhf_pipeline.trainers.custom import import_callable
@@ -178,16 +185,19 @@ class FunctionJudge:
     def _checked(self, got, n: int) -> list:
         if isinstance(got, (str, bytes, dict)) or not hasattr(got, "__len__"):
             raise ValueError(
-                f"judge function {self.path!r} returned {type(got).__name__} {str(got)[:60]!r} for {n} pairs; it must return a list"
+                f"judge function {self.path!r} returned {type(got).__name__} {str(got)[:60]!r} for {n} pairs; it must "
+                "return a list"
             )
         if len(got) != n:
             raise ValueError(
-                f"judge function {self.path!r} returned {len(got)} values for {n} pairs; it must return one probability in [0, 1] per pair"
+                f"judge function {self.path!r} returned {len(got)} values for {n} pairs; it must return one "
+                "probability in [0, 1] per pair"
             )
         values = [_probability(x) for x in got]
         if None in values:
             raise ValueError(
-                f"judge function {self.path!r} returned {got[values.index(None)]!r}; it must return P(a is better) in [0, 1] per pair"
+                f"judge function {self.path!r} returned {got[values.index(None)]!r}; it must return P(a is better) in "
+                "[0, 1] per pair"
             )
         return values
 
@@ -254,11 +264,12 @@ class LMJudge:
                 f"judge {self.path!r}: its tokenizer gives {text[-20:]!r} + 'A' and + 'B' no distinct next token"
             )
         first_a, first_b = (self.tokenizer.decode([ids[cut]]) for ids in (ids_a, ids_b))
-        # The verdict tokens must differ only in the letter (" A" / " B"); an uneven split (" A" / " ", "B") would compare unlike things.
+        # The verdict tokens must differ only in the letter (" A" / " B"); an uneven split (" A" / " ", "B") would
+        # compare unlike things.
         if not (first_a.endswith("A") and first_b.endswith("B") and first_a[:-1] == first_b[:-1]):
             raise ValueError(
-                f"judge {self.path!r}: after the template's last characters {text[-20:]!r} its tokenizer splits the verdicts unevenly "
-                f"({first_a!r} vs {first_b!r}); end the template differently (e.g. with a newline)"
+                f"judge {self.path!r}: after the template's last characters {text[-20:]!r} its tokenizer splits the "
+                f"verdicts unevenly ({first_a!r} vs {first_b!r}); end the template differently (e.g. with a newline)"
             )
         return ids_a[:cut], ids_a[cut], ids_b[cut]
 
@@ -277,7 +288,8 @@ class LMJudge:
             input_ids, attention = pad(
                 [ids for ids, _, _ in batch], self.tokenizer.pad_token_id, left=True, device=device
             )
-            # Left padding shifts every position; counting positions from the first real token keeps absolute-position models (GPT-2) exact.
+            # Left padding shifts every position; counting positions from the first real token keeps absolute-position
+            # models (GPT-2) exact.
             position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
             with torch.no_grad():
                 last = (
@@ -309,7 +321,8 @@ def render_completion(completion) -> str:
 def _same_length(prompts: Sequence, completions_a: Sequence, completions_b: Sequence) -> None:
     if not len(prompts) == len(completions_a) == len(completions_b):
         raise ValueError(
-            f"a judge needs as many prompts as answers, got {len(prompts)} prompts, {len(completions_a)} and {len(completions_b)} answers"
+            f"a judge needs as many prompts as answers, got {len(prompts)} prompts, {len(completions_a)} and "
+            f"{len(completions_b)} answers"
         )
 
 
@@ -324,18 +337,19 @@ class JudgedWinRate:
     """Mean per-item preference for a (a probability; identical answers count 0.5), 95% bootstrap interval over items;
     `ties` counts items judged exactly 0.5."""
     position_bias: float
-    """Mean P(the answer shown first is better) over both orders of the judged items, minus 0.5: 0 unbiased, +0.5 always the first,
-    -0.5 always the second (0 when no item was judged)."""
+    """Mean P(the answer shown first is better) over both orders of the judged items, minus 0.5: 0 unbiased, +0.5 always
+    the first, -0.5 always the second (0 when no item was judged)."""
     order_disagreement: float
-    """Share of judged items whose verdict (a, b or tie) changes when the order is swapped (Zheng et al. 2023's inconsistency;
-    0 when no item was judged)."""
+    """Share of judged items whose verdict (a, b or tie) changes when the order is swapped (Zheng et al. 2023's
+    inconsistency; 0 when no item was judged)."""
     judged: int
     """Items sent to the judge (identical answers are not)."""
     preferences: tuple[float, ...]
     """Per-item preference for a: mean of p(a, b) and 1 - p(b, a)."""
 
     def metrics(self, name: str) -> dict[str, float]:
-        """`{name, name_low, name_high, name_position_bias, name_order_disagreement}`, e.g. name = 'eval/heldout/judge_win_rate_vs_sft'."""
+        """`{name, name_low, name_high, name_position_bias, name_order_disagreement}`, e.g. name =
+        'eval/heldout/judge_win_rate_vs_sft'."""
         w = self.win_rate
         return {
             name: w.rate,

@@ -33,7 +33,10 @@ class KtoConfig(TrainingConfig):
     )
     loss_type: KtoLoss = Field(
         "kto",
-        description="'kto': the KTO loss (Eq. 7, with the batch KL reference point); 'apo_zero_unpaired': unpaired APO-zero (no KL term).",
+        description=(
+            "'kto': the KTO loss (Eq. 7, with the batch KL reference point); 'apo_zero_unpaired': unpaired APO-zero "
+            "(no KL term)."
+        ),
     )
 
     @model_validator(mode="after")
@@ -45,16 +48,17 @@ class KtoConfig(TrainingConfig):
         # completion, and the KL term would equal the implied reward.
         if self.per_device_train_batch_size < 2:
             raise ValueError(
-                f"per_device_train_batch_size={self.per_device_train_batch_size} with loss_type='kto': the KL estimate pairs each "
-                "prompt with another row's completion of the same per-device batch, so it needs at least 2 rows "
-                "(or use loss_type='apo_zero_unpaired', which has no KL term)"
+                f"per_device_train_batch_size={self.per_device_train_batch_size} with loss_type='kto': the KL "
+                "estimate pairs each prompt with another row's completion of the same per-device batch, so it needs "
+                "at least 2 rows (or use loss_type='apo_zero_unpaired', which has no KL term)"
             )
         # The mismatched completions are fixed per batch of the dataset order; only sequential sampling keeps them.
         sampling = self.trl_overrides.get("train_sampling_strategy", "sequential")
         if sampling != "sequential":
             raise ValueError(
-                f"trl_overrides.train_sampling_strategy={sampling!r} with loss_type='kto': TRL precomputes each row's KL "
-                "completion from its neighbours in dataset order, which needs 'sequential' (the rows are shuffled once, with `seed`, instead)"
+                f"trl_overrides.train_sampling_strategy={sampling!r} with loss_type='kto': TRL precomputes each row's "
+                "KL completion from its neighbours in dataset order, which needs 'sequential' (the rows are shuffled "
+                "once, with `seed`, instead)"
             )
         return self
 

@@ -48,7 +48,8 @@ def metric_name(stage: str, key: str) -> str:
 
 
 def stage_callbacks(stage: str, log_metrics: LogMetrics | None, cfg: Customisation | None = None) -> list:
-    """The TrainerCallbacks of every TRL stage: metrics and progress, complete-checkpoint markers, then the user's (`cfg.callbacks`)."""
+    """The TrainerCallbacks of every TRL stage: metrics and progress, complete-checkpoint markers, then the user's
+    (`cfg.callbacks`)."""
     from transformers import TrainerCallback
 
     class MarkComplete(TrainerCallback):
@@ -129,8 +130,9 @@ def is_main_process(trainer) -> bool:
 
 
 def save_on_main(trainer, tokenizer, out_dir: Path, keep_adapter: bool = False) -> None:
-    """Rank 0 saves the model (`save_model`); every rank waits for it, so none exits before the artifact is whole. Under DeepSpeed
-    or FSDP the weights are sharded: every rank takes part in gathering the full state dict first (ZeRO-3's 16-bit gather)."""
+    """Rank 0 saves the model (`save_model`); every rank waits for it, so none exits before the artifact is whole. Under
+    DeepSpeed or FSDP the weights are sharded: every rank takes part in gathering the full state dict first (ZeRO-3's
+    16-bit gather)."""
     model, state_dict = trainer.model, None
     if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
         state_dict = trainer.accelerator.get_state_dict(
@@ -168,7 +170,8 @@ def final_train_metrics(stage: str, trainer) -> dict[str, float]:
 
 
 OUTCOME = "training.json"
-"""Written beside the model by every training stage: steps trained of the planned, stopped early or not, the checkpoint published."""
+"""Written beside the model by every training stage: steps trained of the planned, stopped early or not, the checkpoint
+published."""
 
 
 PEAK_GPU = "peak_gpu_bytes"

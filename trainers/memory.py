@@ -118,7 +118,8 @@ def empty_model_builder(params, tokenizer):
             empty = auto.from_config(
                 classifier_config if classifier else config, dtype="float32", trust_remote_code=model.trust_remote_code
             )
-        empty.tie_weights()  # init_empty_weights copies the parameter that tying shares: a tied LM head would count twice
+        # init_empty_weights copies the parameter that tying shares: a tied LM head would count twice
+        empty.tie_weights()
         return empty
 
     return build

@@ -205,7 +205,8 @@ def kl_to_reference(policy_logprobs: Sequence[float], reference_logprobs: Sequen
     """
     if len(policy_logprobs) != len(reference_logprobs) or not policy_logprobs:
         raise ValueError(
-            f"kl_to_reference needs two equally long, non-empty lists, got {len(policy_logprobs)} and {len(reference_logprobs)}"
+            f"kl_to_reference needs two equally long, non-empty lists, got {len(policy_logprobs)} and "
+            f"{len(reference_logprobs)}"
         )
     return sum(p - r for p, r in zip(policy_logprobs, reference_logprobs)) / len(policy_logprobs)
 
@@ -231,15 +232,17 @@ def hacking_warnings(
     warnings = []
     if task_delta is not None and reward_delta > 0 and task_delta < 0:
         warnings.append(
-            f"reward-model score rose by {reward_delta:+.2f} while {task_name} fell by {task_delta:+.2f}: the policy may be gaming the reward model"
+            f"reward-model score rose by {reward_delta:+.2f} while {task_name} fell by {task_delta:+.2f}: the policy "
+            "may be gaming the reward model"
         )
     if abs(length_drift) > max_length_drift:
         warnings.append(
-            f"mean answer length changed by {length_drift:+.0%} against the SFT model (bound ±{max_length_drift:.0%}): "
-            "reward models often prefer longer answers"
+            f"mean answer length changed by {length_drift:+.0%} against the SFT model "
+            f"(bound ±{max_length_drift:.0%}): reward models often prefer longer answers"
         )
     if not math.isfinite(kl) or kl > max_kl:
         warnings.append(
-            f"KL to the reference model is {kl:.3g} nats per sample (bound {max_kl:.3g}): the policy has drifted far from it"
+            f"KL to the reference model is {kl:.3g} nats per sample (bound {max_kl:.3g}): the policy has drifted far "
+            "from it"
         )
     return warnings

@@ -56,7 +56,8 @@ LOADING_KEYS = frozenset(
         "model_max_length",
     }
 )
-"""Keys `from_pretrained` writes back into tokenizer_config.json on a re-save: how it was loaded, not how it tokenizes."""
+"""Keys `from_pretrained` writes back into tokenizer_config.json on a re-save: how it was loaded, not how it
+tokenizes."""
 
 
 def tokenizer_digest(folder: str | Path) -> str:
@@ -102,8 +103,8 @@ def load_causal_lm(path: str | Path, handoff: str | None = "merge") -> tuple[Pre
 
 
 def load_sequence_classifier(path: str | Path, num_labels: int = 1):
-    """A reward or value model from an earlier stage's folder: a whole model, or an adapter merged onto its base (a reward
-    model's adapter carries its score head; a causal LM's adapter gets a fresh one)."""
+    """A reward or value model from an earlier stage's folder: a whole model, or an adapter merged onto its base (a
+    reward model's adapter carries its score head; a causal LM's adapter gets a fresh one)."""
     from transformers import AutoModelForSequenceClassification
 
     if has_adapter(path):
@@ -112,7 +113,8 @@ def load_sequence_classifier(path: str | Path, num_labels: int = 1):
 
 
 def load_adapter_model(folder: str | Path, auto_class, handoff: str | None, **kwargs):
-    """The base model (`<folder>/base`, else the adapter's `base_model_name_or_path`) with the folder's adapter on it."""
+    """The base model (`<folder>/base`, else the adapter's `base_model_name_or_path`) with the folder's adapter on
+    it."""
     import json
 
     from peft import PeftConfig, PeftModel
@@ -129,7 +131,8 @@ def load_adapter_model(folder: str | Path, auto_class, handoff: str | None, **kw
     )
     if not base:
         raise ValueError(
-            f"{folder} holds a LoRA adapter whose base model is neither saved beside it (base/) nor named in {ADAPTER_CONFIG}"
+            f"{folder} holds a LoRA adapter whose base model is neither saved beside it (base/) nor named in "
+            f"{ADAPTER_CONFIG}"
         )
     config = PeftConfig.from_pretrained(str(folder))
     if config.task_type == "CAUSAL_LM" and not auto_class.__name__.endswith("CausalLM"):
@@ -151,9 +154,9 @@ def load_adapter_model(folder: str | Path, auto_class, handoff: str | None, **kw
 
 
 def head_bias_through_trainable_tokens(model):
-    """TRL's fused LM head (sft, dpo, kto, grpo, rloo) reads `lm_head.weight` and `lm_head.bias`. peft's trainable-tokens wrapper
-    serves `weight` (the base rows with the trained ones copied in) but not `bias`: give it the wrapped head's, unregistered, so
-    the state dict keeps its keys."""
+    """TRL's fused LM head (sft, dpo, kto, grpo, rloo) reads `lm_head.weight` and `lm_head.bias`. peft's
+    trainable-tokens wrapper serves `weight` (the base rows with the trained ones copied in) but not `bias`: give it the
+    wrapped head's, unregistered, so the state dict keeps its keys."""
     from peft.utils.other import TrainableTokensWrapper
 
     for module in model.modules():
@@ -196,8 +199,8 @@ def save_model(
 
 
 def _save_base(model, out_dir: Path) -> None:
-    """Beside a kept adapter, the base it applies to when nothing else names it (a model built in memory, or a stacked adapter's base
-    read from an upstream `base/`): later stages load the base from `<model>/base`."""
+    """Beside a kept adapter, the base it applies to when nothing else names it (a model built in memory, or a stacked
+    adapter's base read from an upstream `base/`): later stages load the base from `<model>/base`."""
     import copy
 
     name = model.peft_config[model.active_adapter].base_model_name_or_path

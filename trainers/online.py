@@ -27,7 +27,10 @@ class OnlineConfig(ProbeFields, TrainingConfig):
     epsilon: float = Field(0.2, gt=0, description="Clipping range of the policy ratio.")
     use_vllm: bool = Field(
         False,
-        description="Generate the rollouts with vLLM in the training processes (TRL's colocate mode; CUDA GPU, the [vllm] extra). Off: transformers' generate.",
+        description=(
+            "Generate the rollouts with vLLM in the training processes (TRL's colocate mode; CUDA GPU, the [vllm] "
+            "extra). Off: transformers' generate."
+        ),
     )
     vllm_gpu_memory_utilization: float = Field(
         0.3, gt=0, le=1, description="Share of each GPU's memory vLLM may take (colocate mode)."
@@ -40,7 +43,8 @@ class OnlineConfig(ProbeFields, TrainingConfig):
 
             if importlib.util.find_spec("vllm") is None:
                 raise ValueError(
-                    "use_vllm=true needs vLLM, which is not installed: pip install 'rlhf-pipeline[vllm]' (the vLLM TRL 1.16 supports) on a CUDA machine"
+                    "use_vllm=true needs vLLM, which is not installed: pip install 'rlhf-pipeline[vllm]' (the vLLM "
+                    "TRL 1.16 supports) on a CUDA machine"
                 )
         return self
 
@@ -139,7 +143,8 @@ def train(
     trainer = trainer_cls(
         model=policy,
         reward_funcs=reward_funcs,
-        # A reward model passed as a model (rm's adapter, merged) reads the policy's tokenizer, which it shares (checked at the edge).
+        # A reward model passed as a model (rm's adapter, merged) reads the policy's tokenizer, which it shares (checked
+        # at the edge).
         reward_processing_classes=[tokenizer if isinstance(f, PreTrainedModel) else None for f in reward_funcs],
         args=args,
         train_dataset=prompts,

@@ -113,8 +113,9 @@ def accuracy_bars(values: dict[str, Interval], path: Path, title: str = "Exact m
 
 
 def overoptimisation(curves: list[dict], path: Path, stage: str, kept_step: int | None = None) -> Path:
-    """Gao et al. 2022's axes: the held-out proxy reward and the gold metric against sqrt(KL(policy || SFT)), one point per
-    probe of the online stage (`heldout.jsonl`), the published probe ringed; the ensemble's disagreement beside them."""
+    """Gao et al. 2022's axes: the held-out proxy reward and the gold metric against sqrt(KL(policy || SFT)), one point
+    per probe of the online stage (`heldout.jsonl`), the published probe ringed; the ensemble's disagreement beside
+    them."""
     points = sorted((c for c in curves if "sqrt_kl" in c), key=lambda c: c["step"])
     if not points:
         raise ValueError("overoptimisation: no probe with a KL in the curves")

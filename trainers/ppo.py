@@ -64,8 +64,10 @@ class PpoFields(StageConfig):
     rollout_batch_size: int = Field(
         64,
         ge=1,
-        description="Prompts rolled out per update (one completion each): the whole rollout batch, split into `num_mini_batches` "
-        "(TRL's old PPOTrainer called a per-device share of it per_device_train_batch_size).",
+        description=(
+            "Prompts rolled out per update (one completion each): the whole rollout batch, split into "
+            "`num_mini_batches` (TRL's old PPOTrainer called a per-device share of it per_device_train_batch_size)."
+        ),
     )
     num_mini_batches: int = Field(
         1, ge=1, description="Optimizer steps per PPO epoch; each takes rollout_batch_size / num_mini_batches rollouts."
@@ -86,35 +88,46 @@ class PpoFields(StageConfig):
     target_kl: float | None = Field(
         None,
         gt=0,
-        description="Adaptive KL (Ziegler et al. 2019): kl_coef follows the rollouts' KL towards this target (nats per completion), "
-        "logged as ppo/train/kl_coef. None: kl_coef stays fixed.",
+        description=(
+            "Adaptive KL (Ziegler et al. 2019): kl_coef follows the rollouts' KL towards this target (nats per "
+            "completion), logged as ppo/train/kl_coef. None: kl_coef stays fixed."
+        ),
     )
     kl_horizon: int = Field(
         10000,
         ge=1,
-        description="Adaptive KL's horizon in episodes: kl_coef moves by at most 20% x rollout_batch_size / kl_horizon per update.",
+        description=(
+            "Adaptive KL's horizon in episodes: kl_coef moves by at most 20% x rollout_batch_size / kl_horizon per "
+            "update."
+        ),
     )
     whiten_rewards: bool = Field(
         False, description="Rescale the per-token rewards to unit variance before GAE (mean kept)."
     )
     kl_estimator: Literal["k1", "k3"] = Field(
         "k1",
-        description="Per-token KL estimate in the penalty (TRL PPOConfig; Schulman's k-estimators): 'k1' log(p/p_ref), unbiased; "
-        "'k3' (r - 1) - log r with r = p_ref/p, unbiased, never negative, lower variance.",
+        description=(
+            "Per-token KL estimate in the penalty (TRL PPOConfig; Schulman's k-estimators): 'k1' log(p/p_ref), "
+            "unbiased; 'k3' (r - 1) - log r with r = p_ref/p, unbiased, never negative, lower variance."
+        ),
     )
     missing_eos_penalty: float | None = Field(
         None,
         ge=0,
-        description="Subtracted from the score of a completion that reaches no stop token within response_length (N+ §7). None: 1.0 (TRL's "
-        "examples) when the reward model is among the rewards, since it scores a cut-off text as if finished, else 0 (reward functions judge "
-        "the text itself); a value given, 0 included, always wins.",
+        description=(
+            "Subtracted from the score of a completion that reaches no stop token within response_length (N+ §7). "
+            "None: 1.0 (TRL's examples) when the reward model is among the rewards, since it scores a cut-off text as "
+            "if finished, else 0 (reward functions judge the text itself); a value given, 0 included, always wins."
+        ),
     )
     response_length: int = Field(53, ge=1, description="Most new tokens sampled per completion.")
     stop_token: Literal["eos"] | None = Field(
         None,
-        description="Where a completion ends (TRL PPOConfig; excludes stop_token_id). 'eos': the tokenizer's EOS only. None: the EOS and the chat "
-        "template's end of turn (e.g. <|im_end|>), unless stop_token_id is set (TRL's None stopped nowhere). The response is cut after its "
-        "first stop token and padded after it.",
+        description=(
+            "Where a completion ends (TRL PPOConfig; excludes stop_token_id). 'eos': the tokenizer's EOS only. None: "
+            "the EOS and the chat template's end of turn (e.g. <|im_end|>), unless stop_token_id is set (TRL's None "
+            "stopped nowhere). The response is cut after its first stop token and padded after it."
+        ),
     )
     stop_token_id: int | None = Field(
         None, ge=0, description="End completions at this token id only (TRL PPOConfig); excludes stop_token."
@@ -122,8 +135,10 @@ class PpoFields(StageConfig):
     num_sample_generations: int = Field(
         10,
         ge=0,
-        description="Sample tables over the run (TRL PPOConfig), evenly spaced from update 1: prompt, completion and scores of a few rollouts, "
-        "appended to samples.jsonl in the stage's artifact. 0: none.",
+        description=(
+            "Sample tables over the run (TRL PPOConfig), evenly spaced from update 1: prompt, completion and scores "
+            "of a few rollouts, appended to samples.jsonl in the stage's artifact. 0: none."
+        ),
     )
     temperature: float = Field(
         0.7, gt=0, description="Sampling temperature; log-probabilities are computed at the same temperature."
@@ -138,8 +153,11 @@ class PpoFields(StageConfig):
     )
     optim: str = Field(
         "adamw_torch",
-        description="Optimizer of policy and value model by transformers' name (default adamw_torch, eps 1e-5 as in the N+ code): adamw_torch_fused, "
-        "adafactor, sgd, rmsprop, adamw_8bit (bitsandbytes, GPU), ...; optimizer_factory for anything else.",
+        description=(
+            "Optimizer of policy and value model by transformers' name (default adamw_torch, eps 1e-5 as in the N+ "
+            "code): adamw_torch_fused, adafactor, sgd, rmsprop, adamw_8bit (bitsandbytes, GPU), ...; "
+            "optimizer_factory for anything else."
+        ),
     )
     bf16: bool | None = Field(None, description="bfloat16 autocast. None: on when a CUDA device supports it.")
     fp16: bool = Field(
@@ -151,7 +169,10 @@ class PpoFields(StageConfig):
     num_threads: int | None = Field(
         None,
         ge=1,
-        description="torch CPU threads while training (restored after); None: torch's default. Small models on a busy CPU run fastest with 1.",
+        description=(
+            "torch CPU threads while training (restored after); None: torch's default. Small models on a busy CPU run "
+            "fastest with 1."
+        ),
     )
     save_value_model: bool = Field(
         False, description="Also write the trained value model to `value_model/` beside the policy."
@@ -175,15 +196,18 @@ class PpoFields(StageConfig):
         batch, minis = self.rollout_batch_size, self.num_mini_batches
         if batch % minis:
             raise ValueError(
-                f"rollout_batch_size={batch} must be divisible by num_mini_batches={minis} (mini-batches of {batch / minis:.2f} rollouts)"
+                f"rollout_batch_size={batch} must be divisible by num_mini_batches={minis} (mini-batches of "
+                f"{batch / minis:.2f} rollouts)"
             )
         if self.total_episodes is not None and self.total_episodes < batch:
             raise ValueError(
-                f"total_episodes={self.total_episodes} is less than one rollout batch (rollout_batch_size={batch}): no update would run"
+                f"total_episodes={self.total_episodes} is less than one rollout batch (rollout_batch_size={batch}): "
+                "no update would run"
             )
         if self.stop_token is not None and self.stop_token_id is not None:
             raise ValueError(
-                f"stop_token={self.stop_token!r} and stop_token_id={self.stop_token_id} exclude each other (as in TRL): set one"
+                f"stop_token={self.stop_token!r} and stop_token_id={self.stop_token_id} exclude each other (as in "
+                "TRL): set one"
             )
         return self
 
@@ -230,15 +254,16 @@ def stop_ids(cfg: PpoFields, tokenizer) -> list[int]:
 def _sample(
     policy, tokenizer, prompt_ids: list[list[int]], cfg: PpoFields, stops: list[int], device
 ) -> tuple[dict, torch.Tensor, torch.Tensor]:
-    """Left-padded prompts (N+ §4) -> inputs for prompt + completion, completion mask, whether each reached a stop token.
-    No top-k/top-p/repetition penalty (own_sampling: not even the model's generation_config's), so we sample from
+    """Left-padded prompts (N+ §4) -> inputs for prompt + completion, completion mask, whether each reached a stop
+    token. No top-k/top-p/repetition penalty (own_sampling: not even the model's generation_config's), so we sample from
     exactly the distribution whose log-probs we compute (N+ §7)."""
     import torch
 
     from rlhf_pipeline.trainers.text import own_sampling, pad
 
     queries, query_mask = pad(prompt_ids, tokenizer.pad_token_id, left=True, device=device)
-    # peft's generate copies its wrapper's generation_config into the inner model: swap the inner model's, so it is restored.
+    # peft's generate copies its wrapper's generation_config into the inner model: swap the inner model's, so it is
+    # restored.
     with own_sampling(policy.get_base_model() if hasattr(policy, "get_base_model") else policy, tokenizer):
         generated = policy.generate(
             input_ids=queries,
@@ -330,7 +355,8 @@ def train(
     ) -> list:  # messages for conversational prompts, as TRL passes them
         return as_completions([prompts[i] for i in rows], texts)
 
-    # The reward model's tokenizer is checked, and a broken reward function fails with its name, before the policy loads.
+    # The reward model's tokenizer is checked, and a broken reward function fails with its name, before the policy
+    # loads.
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ranks = Ranks(cpu=device.type == "cpu")
     if device.type == "cuda":
@@ -338,7 +364,8 @@ def train(
         torch.cuda.set_device(device)
     if batch_size % ranks.world or (batch_size // ranks.world) % cfg.num_mini_batches:
         raise ValueError(
-            f"rollout_batch_size={batch_size} must split into {ranks.world} ranks x num_mini_batches={cfg.num_mini_batches} equal mini-batches"
+            f"rollout_batch_size={batch_size} must split into {ranks.world} ranks x "
+            f"num_mini_batches={cfg.num_mini_batches} equal mini-batches"
         )
     local_batch = batch_size // ranks.world  # this rank's rollouts per update
     bf16 = device_precision(cfg.bf16, cfg.fp16, cfg.tf32)  # a precision the device lacks fails here, naming it
@@ -420,7 +447,8 @@ def train(
     hooks.state.is_world_process_zero, hooks.state.is_local_process_zero = ranks.main, ranks.local == 0
     if ranks.world > 1 and ranks.main:
         PROGRESS.info(
-            f"ppo: world size {ranks.world} (data-parallel, {'gloo' if device.type == 'cpu' else 'nccl'}), {local_batch} rollouts per rank per update"
+            f"ppo: world size {ranks.world} (data-parallel, {'gloo' if device.type == 'cpu' else 'nccl'}), "
+            f"{local_batch} rollouts per rank per update"
         )
     hooks("on_train_begin")
     started, first = time.monotonic(), state["update"]
@@ -574,7 +602,8 @@ def train(
         if kept:  # which probe's policy is published, and why
             add_outcome(out_dir, kept)
             PROGRESS.info(
-                f"ppo: published the policy of update {kept['kept_step']} (held-out proxy reward - disagreement {kept['kept_score']:.4f})"
+                f"ppo: published the policy of update {kept['kept_step']} (held-out proxy reward - disagreement "
+                f"{kept['kept_score']:.4f})"
             )
             metrics = metrics | {"ppo/heldout/kept_step": float(kept["kept_step"])}
         keeper.publish(out_dir)
@@ -588,8 +617,9 @@ def train(
 
 
 def _models(cfg: PpoConfig, sft_model: Path, reward_model: Path | None, tokenizer, device, ranks: Ranks):
-    """The policy (from SFT, with LoRA as configured), the frozen reference (None under LoRA: the policy with its adapters
-    off, or the frozen copy of a stacked adapter) and the value model, on `device` and identical on every rank."""
+    """The policy (from SFT, with LoRA as configured), the frozen reference (None under LoRA: the policy with its
+    adapters off, or the frozen copy of a stacked adapter) and the value model, on `device` and identical on every
+    rank."""
     import numpy as np
     import torch
 
@@ -599,9 +629,11 @@ def _models(cfg: PpoConfig, sft_model: Path, reward_model: Path | None, tokenize
     random.seed(cfg.seed)  # the same on every rank: the value head's fresh init must not differ between ranks
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    # In the dtype its folder was saved in (float32 unless model.dtype says otherwise); an sft adapter merged or stacked (lora.handoff).
+    # In the dtype its folder was saved in (float32 unless model.dtype says otherwise); an sft adapter merged or stacked
+    # (lora.handoff).
     policy, _, peft_config = upstream_policy(sft_model, cfg.lora)
-    reference = None  # under LoRA the reference is the policy with its adapters disabled, or with the frozen copy of a stacked one
+    # under LoRA the reference is the policy with its adapters disabled, or with the frozen copy of a stacked one
+    reference = None
     if peft_config is None and has_adapter(
         sft_model
     ):  # stacked: the sft adapter trains on; a frozen copy of it is the reference
@@ -616,10 +648,12 @@ def _models(cfg: PpoConfig, sft_model: Path, reward_model: Path | None, tokenize
         policy = peft.get_peft_model(policy, peft_config)
     else:
         reference = load_causal_lm(sft_model, cfg.lora.handoff)[0].requires_grad_(False)
-    # Value model: the reward model, trained on (InstructGPT §3.5, N+ §7); else the SFT model with a fresh scalar head.
+    # Value model: the reward model, trained on (InstructGPT §3.5, N+ §7); else the SFT model with a fresh scalar
+    # head.
     value_model = load_sequence_classifier(reward_model or sft_model)
     value_model.config.pad_token_id = tokenizer.pad_token_id
-    for model in (policy, reference, value_model):  # eval(): dropout off (N+ §4), so rollout and update log-probs agree
+    # eval(): dropout off (N+ §4), so rollout and update log-probs agree
+    for model in (policy, reference, value_model):
         if model is not None:
             model.to(device).eval()
     if ranks.world > 1:  # each rank then samples rollouts of its own; rank 0's weights are every rank's (as DDP starts)
@@ -639,9 +673,10 @@ def _optimizer(
 
     from rlhf_pipeline.trainers.custom import make_optimizer
 
-    # The stage's TrainingArguments, as a TRL stage's: what an optimizer_factory, a named optimizer and the callbacks receive
-    # (steps are updates). Built only for them: importing transformers' training_args (with peft and accelerate) takes
-    # ~2.4 s of a cold start on 2 cores, a launched rank's or a standalone run's, and the default loop needs none of it.
+    # The stage's TrainingArguments, as a TRL stage's: what an optimizer_factory, a named optimizer and the callbacks
+    # receive (steps are updates). Built only for them: importing transformers' training_args (with peft and accelerate)
+    # takes ~2.4 s of a cold start on 2 cores, a launched rank's or a standalone run's, and the default loop needs none
+    # of it.
     args = None
     if callbacks or cfg.optimizer_factory or cfg.optim != "adamw_torch":
         from transformers import TrainingArguments
@@ -663,14 +698,16 @@ def _optimizer(
         )
     scheduler = None  # None: the linear/constant schedule below, over the updates
     if cfg.optimizer_factory:
-        # One optimizer for both trained models (as ours); a scheduler it returns is stepped once per update, as TRL's PPOTrainer did.
+        # One optimizer for both trained models (as ours); a scheduler it returns is stepped once per update, as TRL's
+        # PPOTrainer did.
         optimizer, scheduler = make_optimizer(
             cfg.optimizer_factory, torch.nn.ModuleDict({"policy": policy, "value_model": value_model}), args
         )
     elif cfg.optim != "adamw_torch":
         optimizer = named_optimizer(args, params, policy)
     else:
-        # eps 1e-5 as in CleanRL / N+ code; fused: one kernel over all parameters (3x faster steps on CPU than torch's default there)
+        # eps 1e-5 as in CleanRL / N+ code; fused: one kernel over all parameters (3x faster steps on CPU than torch's
+        # default there)
         fused = device.type in ("cpu", "cuda") and all(
             p.dtype in (torch.float32, torch.float16, torch.bfloat16) for p in params
         )
@@ -679,22 +716,25 @@ def _optimizer(
 
 
 def _reference_of(policy):
-    """The reference policy, inside the LoRA policy: the frozen 'ref' copy of a stacked adapter, else the adapters disabled."""
+    """The reference policy, inside the LoRA policy: the frozen 'ref' copy of a stacked adapter, else the adapters
+    disabled."""
     from trl.trainer.utils import use_adapter
 
     return use_adapter(policy, "ref" if "ref" in policy.peft_config else None)
 
 
 def named_optimizer(args, params: list, policy):
-    """The optimizer transformers builds for `args.optim` (its own classes and arguments), over policy and value parameters
-    without weight decay (as ours). Optimizers that take over the model (GaLore, LOMO, ...) are the Trainer's alone."""
+    """The optimizer transformers builds for `args.optim` (its own classes and arguments), over policy and value
+    parameters without weight decay (as ours). Optimizers that take over the model (GaLore, LOMO, ...) are the Trainer's
+    alone."""
     from transformers import Trainer
 
     cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, policy)
     taken = sorted({"params", "model", "optimizer_dict"} & set(kwargs))
     if taken or not isinstance(cls, type):
         raise ValueError(
-            f"ppo.optim={args.optim!r} builds its optimizer from the model itself; our ppo takes optimizers over parameters (use optimizer_factory)"
+            f"ppo.optim={args.optim!r} builds its optimizer from the model itself; our ppo takes optimizers over "
+            "parameters (use optimizer_factory)"
         )
     return cls([{"params": params, "weight_decay": 0.0}], **kwargs)
 

@@ -18,7 +18,8 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """Mean 0, (population) std 1 over the real tokens, padding 0; shift_mean=False only rescales (reward whitening, N+ §7)."""
+    """Mean 0, (population) std 1 over the real tokens, padding 0; shift_mean=False only rescales (reward whitening, N+
+    §7)."""
     import torch
 
     mean = masked_mean(x, mask)
@@ -30,8 +31,8 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torc
 
 
 def kl_per_token(logprobs, ref_logprobs, mask, kl_estimator: str = "k1") -> torch.Tensor:
-    """KL(pi_RL || pi_SFT) estimated on each sampled token (Schulman 2020, as TRL's PPOTrainer): with log r = ref_logp - logp,
-    k1 = -log r, k3 = (r - 1) - log r. Padding is 0."""
+    """KL(pi_RL || pi_SFT) estimated on each sampled token (Schulman 2020, as TRL's PPOTrainer): with log r = ref_logp -
+    logp, k1 = -log r, k3 = (r - 1) - log r. Padding is 0."""
     import torch
 
     log_r = ref_logprobs - logprobs
@@ -40,7 +41,8 @@ def kl_per_token(logprobs, ref_logprobs, mask, kl_estimator: str = "k1") -> torc
 
 
 def adapted_kl_coef(kl_coef: float, kl: float, target: float, batch_size: int, horizon: int) -> float:
-    """Ziegler et al. 2019 (section 2.2): e = clip(KL / target - 1, -0.2, 0.2); beta <- beta * (1 + e * batch_size / horizon)."""
+    """Ziegler et al. 2019 (section 2.2): e = clip(KL / target - 1, -0.2, 0.2); beta <- beta * (1 + e * batch_size /
+    horizon)."""
     error = min(max(kl / target - 1.0, -0.2), 0.2)
     return kl_coef * (1.0 + error * batch_size / horizon)
 

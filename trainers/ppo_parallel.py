@@ -45,7 +45,8 @@ class Ranks:
 
     Our PPO is data-parallel by hand: each rank rolls out its share of every rollout batch, gradients are all-reduced
     (averaged) before clipping, so the weights stay identical on every rank, logged statistics are averaged over the
-    ranks, and rank 0 writes checkpoints and the artifact. Engines that shard the model (DeepSpeed, FSDP) are refused."""
+    ranks, and rank 0 writes checkpoints and the artifact. Engines that shard the model (DeepSpeed, FSDP) are
+    refused."""
 
     def __init__(self, cpu: bool):
         import torch.distributed as dist
@@ -193,7 +194,8 @@ def load_checkpoint(checkpoint: Path, policy, value_model, optimizer, scheduler,
         weights = load_file(checkpoint / f"{name}.safetensors")
         if set(weights) != {n for n, p in model.named_parameters() if p.requires_grad}:
             raise ValueError(
-                f"{checkpoint / name}.safetensors does not hold this model's trained weights (was the config, e.g. lora, changed?)"
+                f"{checkpoint / name}.safetensors does not hold this model's trained weights (was the config, e.g. "
+                "lora, changed?)"
             )
         model.load_state_dict(weights, strict=False)
     optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=True))
@@ -201,7 +203,8 @@ def load_checkpoint(checkpoint: Path, policy, value_model, optimizer, scheduler,
         scheduler.load_state_dict(torch.load(checkpoint / "scheduler.pt", weights_only=True))
     if not (checkpoint / rng_file(rank)).is_file():
         raise ValueError(
-            f"{checkpoint} has no RNG state of rank {rank}: it was written by fewer ranks; resume with the same launch.num_processes"
+            f"{checkpoint} has no RNG state of rank {rank}: it was written by fewer ranks; resume with the same "
+            "launch.num_processes"
         )
     rng = torch.load(checkpoint / rng_file(rank), weights_only=False)  # our own file; python/numpy states are tuples
     torch.set_rng_state(rng["torch"])

@@ -6,7 +6,8 @@ Every `eval_steps` the policy answers a fixed sample of the held-out prompts (`p
 - exact_match: against the reference answers, where the prompts have them (the gold metric);
 - kl, sqrt_kl: KL(policy || SFT) on policy samples (k1, nats per answer), the x axis of Gao et al.'s curves.
 They are logged as `<stage>/heldout/<name>` curves and appended to `heldout.jsonl` (the eval stage plots them). With
-`keep_best`, the stage publishes the policy of the probe with the best `score` = proxy_reward - disagreement, and says which.
+`keep_best`, the stage publishes the policy of the probe with the best `score` = proxy_reward - disagreement, and says
+which.
 """
 
 from __future__ import annotations
@@ -31,14 +32,19 @@ class ProbeFields(StageConfig):
     eval_steps: int | None = Field(
         None,
         ge=1,
-        description="Steps (ppo: updates) between held-out probes: proxy reward, ensemble disagreement, exact match, KL to SFT, "
-        "logged as <stage>/heldout/* curves. None: no probes.",
+        description=(
+            "Steps (ppo: updates) between held-out probes: proxy reward, ensemble disagreement, exact match, KL to "
+            "SFT, logged as <stage>/heldout/* curves. None: no probes."
+        ),
     )
     eval_prompts: int = Field(200, ge=1, description="Held-out prompts each probe answers (the first of prompts_eval).")
     keep_best: bool | None = Field(
         None,
-        description="With eval_steps: publish the policy of the probe with the best proxy_reward - disagreement, not the last one. None: "
-        "only when a reward-model ensemble measures the disagreement (with one reward model the best proxy is the most over-optimised).",
+        description=(
+            "With eval_steps: publish the policy of the probe with the best proxy_reward - disagreement, not the last "
+            "one. None: only when a reward-model ensemble measures the disagreement (with one reward model the best "
+            "proxy is the most over-optimised)."
+        ),
     )
 
     @property
@@ -74,7 +80,8 @@ class Probe:
         self.stage, self.prompts, self.max_new_tokens = stage, rows["prompt"], max_new_tokens
         self.answers = rows["answer"] if "answer" in rows.column_names else None
         self.tokenizer = load_tokenizer(sft_model)
-        # `reference`: a callable giving a context in which the policy is its own reference (LoRA), else the SFT model is loaded.
+        # `reference`: a callable giving a context in which the policy is its own reference (LoRA), else the SFT model
+        # is loaded.
         self.reference_context = reference
         self.reference = (
             None if reference is not None else load_causal_lm(sft_model)[0].to(device).eval().requires_grad_(False)
@@ -123,7 +130,8 @@ class Probe:
 
 
 class Keeper:
-    """The curves file and the best probe's policy weights, in the stage's working folder (so a resumed run keeps both)."""
+    """The curves file and the best probe's policy weights, in the stage's working folder (so a resumed run keeps
+    both)."""
 
     def __init__(self, work_dir: Path, keep_best: bool | None, reward_model: Path | None = None):
         if keep_best is None:  # on when the members can disagree
@@ -152,7 +160,8 @@ class Keeper:
         return json.loads(path.read_text())["score"] if path.is_file() else None
 
     def record(self, step: int, values: dict[str, float], policy) -> None:
-        """Append the probe; with keep_best and a better score than the best so far, keep the policy's trained weights."""
+        """Append the probe; with keep_best and a better score than the best so far, keep the policy's trained
+        weights."""
         self.work_dir.mkdir(parents=True, exist_ok=True)
         with self.curves.open("a") as f:
             f.write(json.dumps({"step": step, **values}) + "\n")
@@ -172,7 +181,8 @@ class Keeper:
         os.replace(tmp, self.best)
 
     def restore(self, policy, last_step: int) -> dict:
-        """Load the best probe's weights into `policy` unless it is the last step's; what was kept, for training.json."""
+        """Load the best probe's weights into `policy` unless it is the last step's; what was kept, for
+        training.json."""
         step = self.best_step()
         if not self.keep_best or step is None:
             return {}
@@ -196,8 +206,9 @@ def trainable(model) -> dict:
 
 
 def probe_callback(stage: str, cfg: ProbeFields, probe_args: dict, work_dir: Path, log_metrics):
-    """GRPO's and RLOO's probes: a TrainerCallback probing every `eval_steps` steps on rank 0, and at the end of training
-    putting the best probe's weights back into the model the stage then saves (`kept`: what was kept, for training.json)."""
+    """GRPO's and RLOO's probes: a TrainerCallback probing every `eval_steps` steps on rank 0, and at the end of
+    training putting the best probe's weights back into the model the stage then saves (`kept`: what was kept, for
+    training.json)."""
     from transformers import TrainerCallback
 
     class ProbeCallback(TrainerCallback):

@@ -110,8 +110,8 @@ def _forward_progress() -> None:
 
 
 def die_with_parent() -> None:
-    """This process ends (SIGTERM) when the one that started it dies, even by SIGKILL (Linux prctl PR_SET_PDEATHSIG): no orphans.
-    Called in every rank, and in the launcher before it execs."""
+    """This process ends (SIGTERM) when the one that started it dies, even by SIGKILL (Linux prctl PR_SET_PDEATHSIG): no
+    orphans. Called in every rank, and in the launcher before it execs."""
     try:
         import ctypes
 

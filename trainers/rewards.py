@@ -49,8 +49,11 @@ class RewardsConfig(Block):
     )
     reward_model_aggregate: Literal["mean", "min", "mean_minus_std"] = Field(
         "mean",
-        description="How an ensemble's members (rm.ensemble_size > 1) make one reward: their mean, their minimum (worst case, Coste et al. "
-        "2023), or mean - reward_model_std_coef * std (uncertainty-weighted). One reward model: its score.",
+        description=(
+            "How an ensemble's members (rm.ensemble_size > 1) make one reward: their mean, their minimum (worst case, "
+            "Coste et al. 2023), or mean - reward_model_std_coef * std (uncertainty-weighted). One reward model: its "
+            "score."
+        ),
     )
     reward_model_std_coef: float = Field(
         1.0, ge=0, description="The std's weight in reward_model_aggregate='mean_minus_std'."
@@ -74,7 +77,8 @@ class RewardsConfig(Block):
 
 
 def import_function(path: str, what: str = "reward function") -> Callable:
-    """The function `package.module:function` names, callable as fn(prompts=, completions=, **columns); fails naming the path."""
+    """The function `package.module:function` names, callable as fn(prompts=, completions=, **columns); fails naming the
+    path."""
     from rlhf_pipeline.trainers.custom import import_callable
 
     return import_callable(path, what, keywords=("prompts", "completions"), more=True)
@@ -87,7 +91,8 @@ def load_function(spec: RewardFunctionSpec) -> RewardFunction:
 
 
 def as_completions(prompts: list, texts: list[str]) -> list:
-    """Completions as TRL hands them to reward functions: a reply message for a conversational prompt, the text otherwise."""
+    """Completions as TRL hands them to reward functions: a reply message for a conversational prompt, the text
+    otherwise."""
     return [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(prompts, texts)]
 
 
@@ -104,7 +109,8 @@ def check_function(
     if not isinstance(scores, (list, tuple)) or len(scores) != len(completions):
         got = f"{len(scores)} scores" if isinstance(scores, (list, tuple)) else type(scores).__name__
         raise ValueError(
-            f"reward function {spec.path!r} returned {got} for {len(completions)} completions; it must return one float (or None) per completion"
+            f"reward function {spec.path!r} returned {got} for {len(completions)} completions; it must return one "
+            "float (or None) per completion"
         )
     bad = [s for s in scores if s is not None and not (isinstance(s, (int, float)) and math.isfinite(s))]
     if bad:
@@ -173,8 +179,9 @@ def check_shared_tokenizer(policy_model: Path, reward_model: Path) -> None:
     policy, reward = tokenizer_digest(policy_model), tokenizer_digest(reward_model)
     if policy and reward and policy != reward:
         raise ValueError(
-            f"the reward model {reward_model} has another tokenizer (digest {reward}) than the policy {policy_model} (digest {policy}); "
-            "it scores the policy's token ids as they are, so train it from the same SFT model (or give it the same tokenizer files)"
+            f"the reward model {reward_model} has another tokenizer (digest {reward}) than the policy {policy_model} "
+            f"(digest {policy}); it scores the policy's token ids as they are, so train it from the same SFT model "
+            "(or give it the same tokenizer files)"
         )
 
 
@@ -239,7 +246,8 @@ class RewardScorer:
         return total, components
 
     def ensemble_scores(self, ids: list[list[int]], batch_size: int = 64) -> tuple[list[float], list[float]]:
-        """The (aggregated) reward-model score of each row of token ids, and the members' disagreement (0 for one model)."""
+        """The (aggregated) reward-model score of each row of token ids, and the members' disagreement (0 for one
+        model)."""
         from rlhf_pipeline.trainers.ensemble import aggregate
 
         return aggregate(

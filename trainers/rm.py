@@ -25,17 +25,26 @@ class RewardModelConfig(EvalDuringTraining, TrainingConfig):
         1,
         ge=1,
         le=16,
-        description="Reward models trained (seed + i, each on its own bootstrap resample of the pairs) and kept in one rm artifact; "
-        "the online stages aggregate them (rewards.reward_model_aggregate) and eval reports their disagreement.",
+        description=(
+            "Reward models trained (seed + i, each on its own bootstrap resample of the pairs) and kept in one rm "
+            "artifact; the online stages aggregate them (rewards.reward_model_aggregate) and eval reports their "
+            "disagreement."
+        ),
     )
     ensemble_bootstrap: bool = Field(
         True,
-        description="Each member after the first trains on a bootstrap resample of the pairs (else all of them, in its own order).",
+        description=(
+            "Each member after the first trains on a bootstrap resample of the pairs (else all of them, in its own "
+            "order)."
+        ),
     )
     weight_average: bool = Field(
         False,
-        description="WARM (Rame et al. 2024): serve the members' weight average as the one reward model (the members share the score "
-        "head's initialisation); the members still measure disagreement in eval. Needs ensemble_size > 1.",
+        description=(
+            "WARM (Rame et al. 2024): serve the members' weight average as the one reward model (the members share "
+            "the score head's initialisation); the members still measure disagreement in eval. "
+            "Needs ensemble_size > 1."
+        ),
     )
 
     @model_validator(mode="after")
@@ -44,7 +53,8 @@ class RewardModelConfig(EvalDuringTraining, TrainingConfig):
             raise ValueError("rm.weight_average averages the members of an ensemble: set rm.ensemble_size to 2 or more")
         if self.ensemble_size > 1 and self.lora.enabled and self.lora.keep_adapter:
             raise ValueError(
-                "rm.ensemble_size > 1 keeps whole members (their weights are averaged and aggregated): set rm.lora.keep_adapter=false"
+                "rm.ensemble_size > 1 keeps whole members (their weights are averaged and aggregated): set "
+                "rm.lora.keep_adapter=false"
             )
         return self
 
@@ -63,12 +73,13 @@ def train(
     policy_model: Path | None = None,
     reward_model: Path | None = None,
 ) -> dict[str, float]:
-    """Train a scalar reward head on `preference` (`ensemble_size` of them); report pairwise accuracy on `preference_eval` if present.
+    """Train a scalar reward head on `preference` (`ensemble_size` of them); report pairwise accuracy on
+    `preference_eval` if present.
 
     An ensemble's members train one after another, each resuming from its own checkpoints (`work_dir/member-<i>`).
-    A feedback round (`feedback` with the previous round's `policy_model`, and `reward_model`, the previous round's rm when
-    there was one) first samples that policy and has its pairs labelled (trainers/feedback.py); they train beside the
-    preference data and are kept in `feedback_pairs.jsonl` for the next round."""
+    A feedback round (`feedback` with the previous round's `policy_model`, and `reward_model`, the previous round's rm
+    when there was one) first samples that policy and has its pairs labelled (trainers/feedback.py); they train beside
+    the preference data and are kept in `feedback_pairs.jsonl` for the next round."""
     pairs: list[dict] = []
     if feedback is not None and policy_model is not None:
         import json
@@ -134,7 +145,8 @@ def train(
 
 
 def _member_metrics(values: dict[str, float], i: int) -> dict[str, float]:
-    """rm/<split>/<name> -> rm/member_<i>/<split>_<name>: every member's curves, beside the first's as the stage's own."""
+    """rm/<split>/<name> -> rm/member_<i>/<split>_<name>: every member's curves, beside the first's as the stage's
+    own."""
     return {f"rm/member_{i}/{name.removeprefix('rm/').replace('/', '_')}": v for name, v in values.items()}
 
 
@@ -168,7 +180,8 @@ def _train_one(
     tokenizer = load_tokenizer(sft_model)
     if has_adapter(sft_model) and cfg.lora.handoff != "merge":
         raise ValueError(
-            f"{sft_model} holds sft's LoRA adapter: the reward model starts from it merged (rm.lora.handoff=merge; a score head is added)"
+            f"{sft_model} holds sft's LoRA adapter: the reward model starts from it merged (rm.lora.handoff=merge; a "
+            "score head is added)"
         )
     if head_seed is not None:  # an ensemble member's fresh score head: its own initialisation, or WARM's shared one
         torch.manual_seed(head_seed)
@@ -178,7 +191,8 @@ def _train_one(
     eval_dataset = load_split(data_dir, "preference_eval") if eval_path.is_file() else None
     if cfg.evaluates and eval_dataset is None:
         raise ValueError(
-            f"rm.eval_strategy={cfg.eval_strategy!r} evaluates on preference_eval, which the data stage did not write ({eval_path})"
+            f"rm.eval_strategy={cfg.eval_strategy!r} evaluates on preference_eval, which the data stage did not write "
+            f"({eval_path})"
         )
     trainer = trl.RewardTrainer(
         model=model,
@@ -202,7 +216,8 @@ def _train_one(
 
 
 def _resampled(dataset, seed: int | None):
-    """A bootstrap resample (as many rows, drawn with replacement) for an ensemble member; member 0 and None: the pairs as they are."""
+    """A bootstrap resample (as many rows, drawn with replacement) for an ensemble member; member 0 and None: the pairs
+    as they are."""
     if not seed:
         return dataset
     import numpy as np

@@ -28,22 +28,29 @@ class SftConfig(EvalDuringTraining, TrainingConfig):
     packing: bool = Field(False, description="Pack several examples into one sequence of max_length.")
     padding_free: bool = Field(
         False,
-        description="Concatenate each batch's rows into one, position_ids restarting per row (TRL SFTConfig.padding_free): no pad tokens, the "
-        "same batches and losses. Faster when row lengths vary widely (bench.throughput: 2.3x on 16..512-token rows, CPU); slower on short, "
-        "even rows under sdpa/eager, whose mask then spans the whole flattened batch (the tiny preset: 0.5x). Best with flash attention.",
+        description=(
+            "Concatenate each batch's rows into one, position_ids restarting per row (TRL SFTConfig.padding_free): no "
+            "pad tokens, the same batches and losses. Faster when row lengths vary widely (bench.throughput: 2.3x on "
+            "16..512-token rows, CPU); slower on short, even rows under sdpa/eager, whose mask then spans the whole "
+            "flattened batch (the tiny preset: 0.5x). Best with flash attention."
+        ),
     )
     eval_split: float | None = Field(
         None,
         gt=0,
         lt=1,
-        description="Share of the demonstrations held out (seeded) for evaluation during training. None: the data block's `sft_eval` dataset.",
+        description=(
+            "Share of the demonstrations held out (seeded) for evaluation during training. None: the data block's "
+            "`sft_eval` dataset."
+        ),
     )
 
     @model_validator(mode="after")
     def _split_only_to_evaluate(self):
         if self.eval_split is not None and not self.evaluates:
             raise ValueError(
-                f"eval_split={self.eval_split} holds out demonstrations for evaluation during training: set eval_strategy='steps' too"
+                f"eval_split={self.eval_split} holds out demonstrations for evaluation during training: set "
+                "eval_strategy='steps' too"
             )
         return self
 
@@ -70,8 +77,8 @@ def train(
     # The TRL config first: a combination TRL refuses fails before any weights load.
     args = trl.SFTConfig(
         **cfg.trl_arguments(work_dir),
-        # TRL does not truncate padding-free rows and refuses a max_length it cannot enforce; the data stage's fits_max_length
-        # rule already holds every row to max_length.
+        # TRL does not truncate padding-free rows and refuses a max_length it cannot enforce; the data stage's
+        # fits_max_length rule already holds every row to max_length.
         max_length=None if cfg.padding_free and not cfg.packing else cfg.max_length,
         completion_only_loss=cfg.completion_only_loss,
         assistant_only_loss=cfg.assistant_only_loss,

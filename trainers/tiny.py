@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 
 EOS, PAD = "<|endoftext|>", "<|pad|>"
 ROLES = ("system", "user", "assistant", "tool")
-"""The roles of a conversation (TRL's conversational formats), each a special token of the tiny template; the data rules accept these."""
+"""The roles of a conversation (TRL's conversational formats), each a special token of the tiny template; the data rules
+accept these."""
 
 # Assistant turns end with EOS: TRL adds no EOS to conversational rows
 # (docs/ARCHITECTURE.md, "Library facts the code relies on", TRL and transformers),

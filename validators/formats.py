@@ -204,7 +204,8 @@ def _columns_for(kind: str, found: list[str], fail) -> tuple[tuple[str, ...], st
                 return ("prompt", "completion", LABEL), "explicit"
             # TRL extracts an implicit prompt from chosen/rejected only; an unpaired row must name its prompt.
             raise fail(
-                f"unpaired preference data (TRL's KTO format) needs 'prompt', 'completion' and 'label' columns; {listed}, missing ['prompt']"
+                "unpaired preference data (TRL's KTO format) needs 'prompt', 'completion' and 'label' columns; "
+                f"{listed}, missing ['prompt']"
             )
         missing = [c for c in ("chosen", "rejected") if not has(c)]
         raise fail(

@@ -262,7 +262,8 @@ def _check_shared_prefix(fmt: DatasetFormat, row: Row, typed: Row) -> tuple[Any,
         return shared, None
     return (
         0,
-        f"chosen and rejected share no leading turn: chosen starts {_first_turn(chosen)}, rejected starts {_first_turn(rejected)}",
+        f"chosen and rejected share no leading turn: chosen starts {_first_turn(chosen)}, rejected starts "
+        f"{_first_turn(rejected)}",
     )
 
 
@@ -318,7 +319,8 @@ def label_checks(fmt: DatasetFormat, batches) -> dict[str, Check]:
         missing = "undesirable" if label else "desirable"
         return (
             0,
-            f"all {counts[label]} labels are {label}: no {missing} row (label {not label}) for KTO to contrast this one with",
+            f"all {counts[label]} labels are {label}: no {missing} row (label {not label}) for KTO to contrast this "
+            "one with",
         )
 
     def unambiguous(fmt: DatasetFormat, row: Row, typed: Row) -> tuple[Any, str | None]:
@@ -330,7 +332,8 @@ def label_checks(fmt: DatasetFormat, batches) -> dict[str, Check]:
             return True, None
         return (
             False,
-            f"row {other} has the same prompt and completion {short_repr(_answer(typed['completion']))} labelled {not label}",
+            f"row {other} has the same prompt and completion {short_repr(_answer(typed['completion']))} labelled "
+            f"{not label}",
         )
 
     return {"label_is_boolean": _check_label, "both_labels_present": both_labels, "no_conflicting_labels": unambiguous}

@@ -146,10 +146,14 @@ def check_datasets(
 
 
 def _required_columns(name: str, missing: list[str], found: list[str], num_rows: int):
-    """Rule `required_columns`: the run's gate reads a metric that needs these columns (exact match: the reference answers)."""
+    """Rule `required_columns`: the run's gate reads a metric that needs these columns (exact match: the reference
+    answers)."""
     from rlhf_pipeline.validators.report import RuleResult
 
-    why = f"no column {missing} (columns: {found}); the run's registry gate needs it: set eval.answer_column or registry.gate_metric"
+    why = (
+        f"no column {missing} (columns: {found}); the run's registry gate needs it: set eval.answer_column or "
+        "registry.gate_metric"
+    )
     return RuleResult(
         "required_columns",
         f"{name} must have the columns {missing} the run's gate metric reads",
@@ -163,10 +167,14 @@ def _unpaired_for(readers: tuple[str, ...], num_rows: int):
     """Rule `paired_for_readers`: rm and dpo compare a chosen with a rejected answer; unpaired rows have neither."""
     from rlhf_pipeline.validators.report import RuleResult
 
-    why = f"an unpaired row (prompt/completion/label), but {', '.join(readers)} of this run need pairs (prompt/chosen/rejected)"
+    why = (
+        f"an unpaired row (prompt/completion/label), but {', '.join(readers)} of this run need pairs "
+        "(prompt/chosen/rejected)"
+    )
     return RuleResult(
         "paired_for_readers",
-        f"rows are preference pairs, as {', '.join(readers)} read them; unpaired feedback trains algorithm=kto (with eval.use_reward_model=false, no rm)",
+        f"rows are preference pairs, as {', '.join(readers)} read them; unpaired feedback trains algorithm=kto (with "
+        "eval.use_reward_model=false, no rm)",
         False,
         num_rows,
         [{"row": row, "value": why} for row in range(min(num_rows, 5))],

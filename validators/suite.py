@@ -51,7 +51,8 @@ class SuiteRun:
 
 
 def derived_frame(derived: Derived, rules: list[Rule], num_rows: int, start: int = 0) -> pd.DataFrame:
-    """The derived scalars of dataset rows start .. start + num_rows - 1 as a DataFrame, with dtypes GX judges reliably and fast.
+    """The derived scalars of dataset rows start .. start + num_rows - 1 as a DataFrame, with dtypes GX judges reliably
+    and fast.
 
     Counts are int64, or nullable Int64 where some row has none (GX then compares in Python, ~1 µs a
     row); flags and roles are categoricals, whose in-set check runs at C speed (pandas 3 turns
@@ -81,7 +82,8 @@ def derived_frame(derived: Derived, rules: list[Rule], num_rows: int, start: int
 
 
 class Suite:
-    """One expectation per rule, run on a dataset's batches: `validate` each frame of derived scalars, then `finish` once."""
+    """One expectation per rule, run on a dataset's batches: `validate` each frame of derived scalars, then `finish`
+    once."""
 
     def __init__(self, kind: str, rules: list[Rule], *, source: str, docs_dir: pathlib.Path | None = None) -> None:
         gx = _import_great_expectations()
@@ -259,7 +261,8 @@ def _merge(total, batch):
 
 
 def _restate(result: dict) -> None:
-    """The figures GX derives from a map expectation's counts and lists (as _format_map_output does), for merged counts."""
+    """The figures GX derives from a map expectation's counts and lists (as _format_map_output does), for merged
+    counts."""
     elements, unexpected, missing = (
         result.get("element_count") or 0,
         result.get("unexpected_count") or 0,

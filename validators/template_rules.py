@@ -31,8 +31,9 @@ def template_problem(tokenizer: Any, model_name: str, assistant_only: bool) -> s
         return f"the tokenizer of {model_name} has no chat template to render conversations with: {FIX}"
     if assistant_only and not has_generation_marks(tokenizer):
         return (
-            f"sft.assistant_only_loss trains the tokens inside {{% generation %}} marks, and the chat template of {model_name} has none: "
-            "set model.chat_template=chatml (marked), add the marks to a Jinja file, or set sft.assistant_only_loss=false"
+            "sft.assistant_only_loss trains the tokens inside {% generation %} marks, and the chat template of "
+            f"{model_name} has none: set model.chat_template=chatml (marked), add the marks to a Jinja file, or set "
+            "sft.assistant_only_loss=false"
         )
     return None
 

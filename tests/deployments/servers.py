@@ -28,7 +28,8 @@ def free_port() -> int:
 
 @contextmanager
 def running_service(tmp: Path, serve_args: list[str] = ()) -> Iterator[dict]:
-    """A Prefect server on a free port and `rlhf serve [serve_args]` against it; both stopped, and checked dead, on exit."""
+    """A Prefect server on a free port and `rlhf serve [serve_args]` against it; both stopped, and checked dead, on
+    exit."""
     port, mlflow_ui = free_port(), "http://127.0.0.1:9"  # no MLflow UI runs: links are only written
     env = {
         **os.environ,
@@ -53,7 +54,7 @@ def running_service(tmp: Path, serve_args: list[str] = ()) -> Iterator[dict]:
         processes.append(server)
         wait_until_up(f"{env['PREFECT_API_URL']}/health", server, timeout=180)
         serve = subprocess.Popen(
-            [sys.executable, "-m", "rlhf_pipeline.cli", "serve", *serve_args],
+            [sys.executable, "-m", "rlhf_pipeline", "serve", *serve_args],
             env=env,
             stdout=logs["serve"],
             stderr=subprocess.STDOUT,

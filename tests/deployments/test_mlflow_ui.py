@@ -1,5 +1,6 @@
 """MLflow's own UI in a real headless browser: our experiment opens on its runs table, the stage runs nested under the
-flow run's parent run (issue 16). A real `mlflow server` on its own SQLite store, stopped by its pid; Debian's Chromium."""
+flow run's parent run (issue 16). A real `mlflow server` on its own SQLite store, stopped by its pid; Debian's
+Chromium."""
 
 from __future__ import annotations
 

@@ -179,12 +179,13 @@ def test_prefect_yaml_registers_the_same_deployments_on_a_process_pool(service):
 
 
 def test_rlhf_deploy_registers_the_served_deployments_on_a_pool_with_forms_that_lead(service):
-    """`prefect deploy` builds each form in the flow's signature order; `rlhf deploy --pool` registers what `rlhf serve` serves
-    (whole parameter sets, leading forms) for a pool's workers. (A process worker ran its rlhf/full to Completed in 30 s: note.)"""
+    """`prefect deploy` builds each form in the flow's signature order; `rlhf deploy --pool` registers what `rlhf serve`
+    serves (whole parameter sets, leading forms) for a pool's workers. (A process worker ran its rlhf/full to Completed
+    in 30 s: note.)"""
     from rlhf_pipeline.flows.params import load_params
 
     before = deployment(service, "rlhf/full")  # as served, then replaced by prefect.yaml's
-    rlhf_cli = [sys.executable, "-m", "rlhf_pipeline.cli", "deploy"]
+    rlhf_cli = [sys.executable, "-m", "rlhf_pipeline", "deploy"]
     missing = subprocess.run(
         [*rlhf_cli, "--pool", "no-such-pool"], env=service["env"], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
@@ -221,7 +222,7 @@ def test_rlhf_up_starts_prefect_mlflow_and_serve_and_stops_them_all(tmp_path):
     env.pop("MLFLOW_TRACKING_URI")  # the default: SQLite under the state folder, shown by the MLflow UI
     with open(tmp_path / "up.log", "w") as log:
         up = subprocess.Popen(
-            [sys.executable, "-m", "rlhf_pipeline.cli", "up", "--port", str(port), "--mlflow-port", str(mlflow_port)],
+            [sys.executable, "-m", "rlhf_pipeline", "up", "--port", str(port), "--mlflow-port", str(mlflow_port)],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -32,7 +32,8 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
-# On top of tests/ci.yaml: 8 sft steps of 16 rows instead of 64 took sft from 24-34 s to 13 s on this busy 2-core machine.
+# On top of tests/ci.yaml: 8 sft steps of 16 rows instead of 64 took sft from 24-34 s to 13 s on this busy 2-core
+# machine.
 SMALLER_BATCHES = {"sft": {"per_device_train_batch_size": 16}, "rm": {"per_device_train_batch_size": 16}}
 ALGORITHM, BETA = "grpo", 0.123  # rlhf/full runs ppo; grpo (2 steps, ~1.5 s) is the quickest choice with dpo and rloo
 
@@ -52,7 +53,8 @@ def process_tree(pids) -> list[int]:
 
 
 def differences(got, want, path: str = "") -> list[str]:
-    """Each leaf where `got` differs from `want`, as 'grpo.beta: 0.5 != 0.123' (1 equals 1.0: the UI sends whole floats as integers)."""
+    """Each leaf where `got` differs from `want`, as 'grpo.beta: 0.5 != 0.123' (1 equals 1.0: the UI sends whole floats
+    as integers)."""
     if isinstance(got, dict) and isinstance(want, dict):
         return [
             line
@@ -85,7 +87,8 @@ def body(response) -> str:
 
 
 def submit_from_the_form(url: str, deployed: dict, artifacts: Path, service_pids: set[int]) -> list[int]:
-    """Change `algorithm` and `grpo.beta` on the form, screenshot it, submit; returns the browser's pids (closed by then)."""
+    """Change `algorithm` and `grpo.beta` on the form, screenshot it, submit; returns the browser's pids (closed by
+    then)."""
     from playwright.sync_api import expect, sync_playwright
 
     with sync_playwright() as playwright:
@@ -108,7 +111,8 @@ def submit_from_the_form(url: str, deployed: dict, artifacts: Path, service_pids
                 expect(block).to_be_visible()
             tops = [block.bounding_box()["y"] for block in blocks]
             assert all(tops[0] < top for top in tops[1:]), tops
-            # A click on prefect-design's select button leaves its list closed here (a click on its chevron, Space or ArrowDown opens it).
+            # A click on prefect-design's select button leaves its list closed here (a click on its chevron, Space or
+            # ArrowDown opens it).
             algorithm.press("ArrowDown")
             page.get_by_role("listbox").get_by_role("option", name=ALGORITHM, exact=True).click()
             expect(algorithm).to_have_text(ALGORITHM)
@@ -164,7 +168,8 @@ def node_boxes(png: bytes) -> list[tuple[int, int, int, int]]:
 
 def the_flow_run_graph(url: str, stages: int, artifacts: Path) -> tuple[dict, list]:
     """Open the flow run's page as a person would and wait for its graph: the graph the page itself fetched
-    (`/graph-v2`) and the node boxes drawn, as soon as `stages` of them are (or what is drawn after 60 s); screenshot kept."""
+    (`/graph-v2`) and the node boxes drawn, as soon as `stages` of them are (or what is drawn after 60 s); screenshot
+    kept."""
     from playwright.sync_api import expect, sync_playwright
 
     with sync_playwright() as playwright:

@@ -50,8 +50,8 @@ def graph_of(flow_run_id) -> dict:
 
 
 def data_running_before_the_next_submission(monkeypatch) -> None:
-    """As under a real server, where each submission is an API call: the data stage is running by the time the flow submits the
-    stages after it (a test server is quick enough to submit them all before it starts)."""
+    """As under a real server, where each submission is an API call: the data stage is running by the time the flow
+    submits the stages after it (a test server is quick enough to submit them all before it starts)."""
     import time
 
     import rlhf_pipeline.flows.rlhf as flow_module
@@ -83,12 +83,14 @@ def data_running_before_the_next_submission(monkeypatch) -> None:
 
 def assert_a_flat_graph(graph: dict, stages: list[str], policy: str = "dpo") -> None:
     """Every stage a top-level node of the flow-run graph (`graph_of`; none inside another's collapsed group), with its
-    upstream edges; `data` the only root. Each stage also waits for the one before it (one on the device at a time): among these."""
+    upstream edges; `data` the only root. Each stage also waits for the one before it (one on the device at a time):
+    among these."""
     nodes = {node["id"]: node for _, node in graph["nodes"]}
     label = {node_id: node["label"] for node_id, node in nodes.items()}
     assert sorted(label.values()) == sorted(stages)
     for node in nodes.values():
-        # `encapsulating` puts a node inside another's group: Prefect infers it from a parameter that is a running task's future
+        # `encapsulating` puts a node inside another's group: Prefect infers it from a parameter that is a running
+        # task's future
         assert node["encapsulating"] == [], (node["label"], [label[e["id"]] for e in node["encapsulating"]])
         assert {label[edge["id"]] for edge in node["parents"]} == upstream(policy)[node["label"]] & set(stages), node[
             "label"

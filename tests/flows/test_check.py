@@ -1,4 +1,5 @@
-"""`rlhf check`: the preflight a user runs on a preset before renting a GPU, in-process on the fixtures of what users bring."""
+"""`rlhf check`: the preflight a user runs on a preset before renting a GPU, in-process on the fixtures of what users
+bring."""
 
 from __future__ import annotations
 

@@ -62,7 +62,8 @@ def assert_a_clean_console(stdout: str, stderr: str, trained: list[str]) -> None
 
 
 def progress_in_the_prefect_ui(database: Path) -> dict[str, int]:
-    """The progress lines of each stage in the logs the Prefect UI shows: the temporary server's store, read after the run."""
+    """The progress lines of each stage in the logs the Prefect UI shows: the temporary server's store, read after the
+    run."""
     with contextlib.closing(sqlite3.connect(database)) as store:
         rows = store.execute("SELECT message FROM log WHERE name = 'rlhf_pipeline.trainers.progress'").fetchall()
     return dict(Counter(message.split(":", 1)[0] for (message,) in rows if ": step " in message))
@@ -81,7 +82,7 @@ def test_rlhf_run_creates_prefect_home_state_and_tracking_folders_that_do_not_ex
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     done = subprocess.run(
-        [sys.executable, "-m", "rlhf_pipeline.cli", "run", "--config", CI_PRESET, "--set", "registry.enabled=false"],
+        [sys.executable, "-m", "rlhf_pipeline", "run", "--config", CI_PRESET, "--set", "registry.enabled=false"],
         env=env,
         cwd=elsewhere,
         capture_output=True,

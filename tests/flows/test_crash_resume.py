@@ -41,7 +41,7 @@ def start(state: Path, log: Path) -> subprocess.Popen:
         "MLFLOW_TRACKING_URI": f"sqlite:///{state / 'mlflow.db'}",
         "PREFECT_HOME": str(state / "prefect"),
     }
-    args = [sys.executable, "-m", "rlhf_pipeline.cli", "run", *(f"--set={item}" for item in SETTINGS)]
+    args = [sys.executable, "-m", "rlhf_pipeline", "run", *(f"--set={item}" for item in SETTINGS)]
     with open(log, "a") as out:
         return subprocess.Popen(args, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 

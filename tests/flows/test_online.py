@@ -24,7 +24,8 @@ HELDOUT_CURVES = ("kl", "sqrt_kl", "exact_match", "proxy_reward", "disagreement"
 
 
 def assert_heldout_curves(summary: dict, stage: str, steps: int) -> None:
-    """The stage's MLflow run holds one point per step of each held-out curve; eval plotted them on Gao et al.'s axes."""
+    """The stage's MLflow run holds one point per step of each held-out curve; eval plotted them on Gao et al.'s
+    axes."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient()

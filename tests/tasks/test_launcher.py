@@ -1,4 +1,5 @@
-"""Training stages under `accelerate launch` with 2 CPU processes (gloo), as the flow runs them (`train_stage`), without Prefect."""
+"""Training stages under `accelerate launch` with 2 CPU processes (gloo), as the flow runs them (`train_stage`), without
+Prefect."""
 
 from __future__ import annotations
 
@@ -114,7 +115,8 @@ def test_a_config_a_rank_refuses_fails_at_once_with_the_same_error(ctx, data, tm
     policy, tokenizer = load_base_model(SMALL_MODEL)
     save_model(policy, tokenizer, tmp_path / "sft" / "model")
     sft = ArtifactRef(stage="sft", key="s", uri=str(tmp_path / "sft"))
-    # Checked where the parameters were made (a head node with bitsandbytes), refused in the ranks' environment (without it).
+    # Checked where the parameters were made (a head node with bitsandbytes), refused in the ranks' environment (without
+    # it).
     config = DpoConfig.model_construct(**{**dict(DpoConfig(max_steps=2, **FAST)), "ref_model_quantization": "8bit"})
     with pytest.raises(ValueError, match=r"(?s)dpo \(rank [01]\): .*ref_model_quantization='8bit' needs bitsandbytes"):
         train_stage("dpo", config, {}, {"data": data, "sft": sft}, ctx)
@@ -205,15 +207,18 @@ def test_engine_configs_and_the_kubernetes_job_template_ship_with_the_package():
     ):  # this machine: ZeRO is refused with the parameters, naming the extra
         with pytest.raises(
             ValueError,
-            match=r"launch.engine='zero3' runs DeepSpeed ZeRO, which is not installed: pip install 'rlhf-pipeline\[deepspeed\]'",
+            match=(
+                r"launch.engine='zero3' runs DeepSpeed ZeRO, which is not installed: pip install "
+                r"'rlhf-pipeline\[deepspeed\]'"
+            ),
         ):
             LaunchConfig(engine="zero3")
 
 
 def test_sft_dpo_and_ppo_on_two_ranks_reach_the_held_out_exact_match_of_one_process_within_3_points(ctx, tmp_path):
-    """The embedded default's sft (300 steps of 64), once in this process and once on 2 ranks of 32: the same held-out figure.
-    Then dpo and ppo from the in-process sft, on shorter budgets than the preset's (so each is still moving), in both ways.
-    (The preset's full budgets side by side: `python -m bench.launch_parity`.)"""
+    """The embedded default's sft (300 steps of 64), once in this process and once on 2 ranks of 32: the same held-out
+    figure. Then dpo and ppo from the in-process sft, on shorter budgets than the preset's (so each is still moving), in
+    both ways. (The preset's full budgets side by side: `python -m bench.launch_parity`.)"""
     from rlhf_pipeline.flows.params import load_params
     from rlhf_pipeline.trainers.loop import load_split
     from rlhf_pipeline.trainers.models import load_causal_lm

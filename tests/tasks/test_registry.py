@@ -40,7 +40,8 @@ HACKED = {  # the reward model's score up, exact match down: a policy that games
 def test_the_hacking_gate_reads_the_gold_metric_else_the_ensemble_disagreement():
     cfg = RegistryConfig()
     assert hacking(cfg, HACKED) == (
-        "reward hacking: the held-out reward-model score rose from 1.6600 (sft) to 4.9900 (policy) while exact match fell from 0.6230 to 0.4550 (tolerance 0.0)"
+        "reward hacking: the held-out reward-model score rose from 1.6600 (sft) to 4.9900 (policy) while exact match "
+        "fell from 0.6230 to 0.4550 (tolerance 0.0)"
     )
     assert hacking(cfg, {**HACKED, "eval/heldout/policy_exact_match": 0.7}) is None  # both rose: an honest gain
     assert (
@@ -73,8 +74,8 @@ def test_the_hacking_gate_reads_the_gold_metric_else_the_ensemble_disagreement()
         "eval/heldout/exact_match_gain_vs_champion": -0.2633,
     }
     assert hacking(cfg, worse) == (
-        "reward hacking: the reward model prefers the policy to the champion (win rate 0.6167) while exact match is -0.2633 against "
-        "the champion's (tolerance 0.0)"
+        "reward hacking: the reward model prefers the policy to the champion (win rate 0.6167) while exact match is "
+        "-0.2633 against the champion's (tolerance 0.0)"
     )
     assert hacking(cfg, {**worse, "eval/heldout/exact_match_gain_vs_champion": 0.01}) is None
 

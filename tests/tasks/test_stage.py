@@ -141,8 +141,9 @@ def test_models_with_different_tokenizers_are_refused_at_the_edge_before_the_sta
 
 
 def test_the_manifest_and_the_mlflow_run_record_the_builds_peak_memory_and_wall_time_with_its_child_processes(ctx):
-    """A build that holds 200 MiB itself and starts a child process holding 300 MiB: the peak counts both, above the process's
-    memory before the build; a build that allocates nothing records about none, beside a child that was there before."""
+    """A build that holds 200 MiB itself and starts a child process holding 300 MiB: the peak counts both, above the
+    process's memory before the build; a build that allocates nothing records about none, beside a child that was there
+    before."""
     import subprocess
     import sys
     import time

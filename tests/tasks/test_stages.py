@@ -28,7 +28,8 @@ def test_every_trainer_takes_what_its_row_says(stage):
         MODEL_INPUTS[p] for p in parameters if p in MODEL_INPUTS and signature[p].default is inspect.Parameter.empty
     }
     assert takes <= set(BY_NAME[stage].upstream), f"{stage} takes {takes} but its row lists {BY_NAME[stage].upstream}"
-    # Inputs with a default come only in a feedback round: its rm samples the last round's policy and carries its rm's pairs.
+    # Inputs with a default come only in a feedback round: its rm samples the last round's policy and carries its rm's
+    # pairs.
     extra = {MODEL_INPUTS[p] for p in parameters if p in MODEL_INPUTS} - takes - set(BY_NAME[stage].upstream)
     assert extra == ({"policy", "rm"} if stage == "rm" else set()), (stage, extra)
     assert {"cfg", "data_dir", "out_dir", "work_dir"} <= set(parameters)
@@ -85,12 +86,13 @@ def test_editing_the_console_re_keys_no_stage(monkeypatch):
     original = code_version_module.read_source
 
     def edit(suffix: str) -> None:
-        edited = lambda file: original(file) + (b"\nREFRESH = 1.0\n" if file.as_posix().endswith(suffix) else b"")  # noqa: E731
+        edited = lambda file: original(file) + (b"\nREFRESH = 1.0\n" if file.as_posix().endswith(suffix) else b"")
         monkeypatch.setattr(code_version_module, "read_source", edited)
 
     edit("rlhf_pipeline/console.py")
     assert {s.name: code_version(s.trainer) for s in STAGES} == before
-    # The control: the console is code the CLI runs, and an edit of what the trainers emit re-keys every stage that trains or evaluates.
+    # The control: the console is code the CLI runs, and an edit of what the trainers emit re-keys every stage that
+    # trains or evaluates.
     assert "rlhf_pipeline.console" in project_imports("rlhf_pipeline.cli")
     edit("trainers/progress.py")
     after = {s.name: code_version(s.trainer) for s in STAGES}

@@ -1,4 +1,5 @@
-"""Training stages as the flow runs them (`tasks.training.train_stage`), without Prefect: what the user's code does to the artifact and its key."""
+"""Training stages as the flow runs them (`tasks.training.train_stage`), without Prefect: what the user's code does to
+the artifact and its key."""
 
 from __future__ import annotations
 

@@ -38,7 +38,8 @@ def test_an_sgd_factory_trains_sft_and_a_killed_stage_resumes_with_its_state(tmp
     )
     # The first attempt dies by SIGKILL at step 3, after checkpoint-2, in a process of its own.
     script = (
-        "import sys, json; from pathlib import Path; from rlhf_pipeline.trainers import sft; from tests.helpers import SMALL_MODEL\n"
+        "import sys, json; from pathlib import Path; from rlhf_pipeline.trainers import sft; from tests.helpers "
+        "import SMALL_MODEL\n"
         "cfg = sft.SftConfig.model_validate_json(sys.argv[1])\n"
         "sft.train(cfg, SMALL_MODEL, Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]))\n"
     )

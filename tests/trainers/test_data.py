@@ -66,7 +66,10 @@ def test_unpaired_preferences_get_a_clear_error(tmp_path):
     path = write_jsonl(tmp_path / "kto.jsonl", [{"prompt": "a", "completion": "b", "label": True}] * 3)
     with pytest.raises(
         ValueError,
-        match=r"kto\.jsonl: rule 'both_labels_present' failed for 3 of 3 rows .* row 0 \(0-based\): all 3 labels are True",
+        match=(
+            r"kto\.jsonl: rule 'both_labels_present' failed for 3 of 3 rows .* row 0 \(0-based\): all 3 labels are "
+            r"True"
+        ),
     ):
         validate_dataset("preference", load_source(DatasetSpec(path=str(path))), source=str(path))
 

@@ -1,4 +1,5 @@
-"""An SFT LoRA adapter carried into the later stages, merged or stacked (lora.handoff), and reward-model adapters with their score head."""
+"""An SFT LoRA adapter carried into the later stages, merged or stacked (lora.handoff), and reward-model adapters with
+their score head."""
 
 from __future__ import annotations
 
@@ -211,9 +212,10 @@ def test_qlora_needs_bitsandbytes_and_a_gpu_and_says_which_is_missing(adapter, t
 
 
 def test_a_sharded_lora_model_is_saved_from_its_gathered_state_dict(adapter, tmp_path):
-    """Under ZeRO-3 or FSDP a rank holds only its shard, so `save_on_main` rebuilds the peft model from the gathered state dict
-    (`unsharded_copy`). The originals' own weights are emptied after the gather, as ZeRO-3 leaves them: the copy can only come from
-    the dict. A stacked policy with TRL's frozen "ref" adapter, and a reward model with its score head."""
+    """Under ZeRO-3 or FSDP a rank holds only its shard, so `save_on_main` rebuilds the peft model from the gathered
+    state dict (`unsharded_copy`). The originals' own weights are emptied after the gather, as ZeRO-3 leaves them: the
+    copy can only come from the dict. A stacked policy with TRL's frozen "ref" adapter, and a reward model with its
+    score head."""
     from peft import LoraConfig as PeftLora
     from peft import get_peft_model
 
@@ -250,8 +252,9 @@ def test_a_sharded_lora_model_is_saved_from_its_gathered_state_dict(adapter, tmp
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_lora_trains_the_rows_of_the_tokens_a_chat_template_added_and_later_stages_load_them(tmp_path, tied):
-    """A GPT-2-style checkpoint without ChatML's tokens, `model.chat_template=chatml`: sft under LoRA trains their embedding rows
-    (and the untied lm_head's) as peft trainable tokens, and the kept adapter loads onto the named base, whose vocabulary lacks them."""
+    """A GPT-2-style checkpoint without ChatML's tokens, `model.chat_template=chatml`: sft under LoRA trains their
+    embedding rows (and the untied lm_head's) as peft trainable tokens, and the kept adapter loads onto the named base,
+    whose vocabulary lacks them."""
     from datasets import Dataset
     from transformers import GPT2LMHeadModel
 

@@ -28,7 +28,8 @@ def first_is_better(prompts, completions_a, completions_b):
 
 
 def leaning_judge(prompts, completions_a, completions_b):
-    """Prefers the longer answer, but with +0.1 towards the first position: 0.9 when the first is longer, 0.3 when it is shorter."""
+    """Prefers the longer answer, but with +0.1 towards the first position: 0.9 when the first is longer, 0.3 when it is
+    shorter."""
     return [0.6 + (0.3 if len(a) > len(b) else -0.3) for a, b in zip(completions_a, completions_b)]
 
 

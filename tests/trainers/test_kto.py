@@ -11,7 +11,8 @@ CONFIG = dict(FAST, max_steps=8, per_device_train_batch_size=8)
 
 
 def kto_from_base(tmp_path, data_dir, untrained_sft):
-    """Train KTO from the untrained small model; check that every trainable tensor moved; return (metrics, logged, before, after)."""
+    """Train KTO from the untrained small model; check that every trainable tensor moved; return (metrics, logged,
+    before, after)."""
     policy, tokenizer = load_causal_lm(untrained_sft)
     weights_before = trainable(policy)
     logged: list[dict[str, float]] = []

@@ -67,7 +67,10 @@ def test_sample_tables_are_spaced_as_trl_spaced_them():
 
 
 def test_import_is_cheap():
-    code = "import sys, rlhf_pipeline.trainers.ppo; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
+    code = (
+        "import sys, rlhf_pipeline.trainers.ppo; assert 'torch' not in sys.modules and 'transformers' not in "
+        "sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

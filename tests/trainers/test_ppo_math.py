@@ -83,7 +83,8 @@ def test_kl_shaped_rewards_put_the_score_on_the_last_real_token():
     ref_logprobs = torch.tensor([[-1.5, -1.0, -0.5], [-2.0, -3.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])  # the second completion ended (EOS) at token 1
     rewards, kl = ppo_math.kl_shaped_rewards(scores, logprobs, ref_logprobs, mask, kl_coef=0.1)
-    # kl = logp - ref on real tokens: (.5, 0, -.5) and (0, 1, padding); reward = -.1 * kl, + score at the last real token
+    # kl = logp - ref on real tokens: (.5, 0, -.5) and (0, 1, padding); reward = -.1 * kl, + score at the last real
+    # token
     assert_close(kl, [[0.5, 0.0, -0.5], [0.0, 1.0, 0.0]])
     assert_close(rewards, [[-0.05, 0.0, 0.05 + 2.0], [0.0, -0.1 - 1.0, 0.0]])
 

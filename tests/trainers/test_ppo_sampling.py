@@ -1,6 +1,7 @@
 """PPO on what users bring: where rollouts stop, what the reward model reads, and that sampling follows the stage alone.
 
-The models are the GPT-2 and Qwen2 fixtures (tests/foreign_models.py) turned into SFT folders the way the pipeline builds them.
+The models are the GPT-2 and Qwen2 fixtures (tests/foreign_models.py) turned into SFT folders the way the pipeline
+builds them.
 """
 
 import contextlib

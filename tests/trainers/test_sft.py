@@ -132,8 +132,8 @@ def test_an_optimizer_and_schedule_by_transformers_name_train_and_are_checkpoint
 
 
 def test_padding_free_batches_train_the_same_losses_as_padded_ones(tmp_path):
-    """padding_free concatenates each batch's rows (no pad tokens; transformers masks the rows apart by their position_ids):
-    the same rows, steps and seed log the same losses as padded batches, step by step."""
+    """padding_free concatenates each batch's rows (no pad tokens; transformers masks the rows apart by their
+    position_ids): the same rows, steps and seed log the same losses as padded batches, step by step."""
     from rlhf_pipeline.trainers.config import CallbackSpec
 
     data = write_data_dir(tmp_path / "data")

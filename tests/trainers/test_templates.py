@@ -58,7 +58,8 @@ def test_chatml_gives_a_base_model_a_template_its_tokens_and_a_stop_at_the_end_o
 def test_a_jinja_file_is_a_template_and_an_unknown_name_is_refused(folders, tmp_path):
     jinja = tmp_path / "mine.jinja"
     jinja.write_text(
-        "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}<|endoftext|>{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
+        "{% for m in messages %}[{{ m['role'] }}] "
+        "{{ m['content'] }}<|endoftext|>{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
     )
     tokenizer = load_base_tokenizer(ModelConfig(name_or_path=str(folders["gpt2"]), chat_template=str(jinja)))
     assert (

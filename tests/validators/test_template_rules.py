@@ -76,8 +76,10 @@ def test_assistant_only_loss_needs_marks_that_cover_the_end_of_turn(folders, tmp
     # Marks that leave the end-of-turn token out: the model would never learn to stop.
     leaky = tmp_path / "leaky.jinja"
     leaky.write_text(
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}{% endgeneration %}"
-        "<|im_end|>\n{% else %}{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}{% generation %}"
+        "{{ m['content'] }}{% endgeneration %}"
+        "<|im_end|>\n{% else %}{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}"
+        "<|im_start|>assistant\n{% endif %}"
     )
     leaking = load_base_tokenizer(ModelConfig(name_or_path=str(folders["qwen2"]), chat_template=str(leaky)))
     with pytest.raises(DataValidationError) as failure:

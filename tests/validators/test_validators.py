@@ -340,7 +340,10 @@ def test_unknown_kind_is_a_programming_error():
 
 
 def test_import_is_cheap():
-    code = "import sys, rlhf_pipeline.validators; print(sorted(m for m in ('great_expectations', 'datasets', 'pandas', 'torch') if m in sys.modules))"
+    code = (
+        "import sys, rlhf_pipeline.validators; print(sorted(m for m in ('great_expectations', 'datasets', 'pandas', "
+        "'torch') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO_ROOT)
     assert out.stdout.strip() == "[]"
 
