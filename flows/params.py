@@ -32,7 +32,9 @@ class RunSettings(StrictModel):
 
     algorithm: Algorithm = Field(
         "dpo",
-        description="Policy-optimisation stage after SFT: offline on preferences (dpo, kto) or online RL against `rewards` (grpo, rloo, ppo).",
+        description="Policy-optimisation stage after SFT: offline on preferences "
+        f"({', '.join(s.name for s in STAGES if s.algorithm and not s.online)}) or online RL against `rewards` "
+        f"({', '.join(s.name for s in STAGES if s.online)}).",
     )
     preset: str | None = Field(
         DEFAULT_PRESET,
@@ -47,7 +49,8 @@ class RunSettings(StrictModel):
     )
     feedback: FeedbackConfig = Field(
         default_factory=FeedbackConfig,
-        description="Iterated feedback after the policy stage: sample the policy, label pairs, retrain rm, train the policy again (rounds).",
+        description="Iterated feedback after the policy stage: sample the policy, label pairs, retrain rm, train the "
+        "policy again (rounds).",
     )
     retry: RetryConfig = Field(
         default_factory=RetryConfig,
@@ -67,14 +70,16 @@ class RunSettings(StrictModel):
         """Feedback rounds retrain the reward model the policy optimises: an online algorithm that reads it."""
         if self.feedback.rounds and not (BY_NAME[self.algorithm].online and self.rewards.uses_reward_model):
             raise ValueError(
-                f"feedback.rounds={self.feedback.rounds} retrains the reward model and then the policy against it: it needs an online "
+                f"feedback.rounds={self.feedback.rounds} retrains the reward model and then the policy against it: "
+                "it needs an online "
                 f"algorithm (grpo, rloo, ppo) with rewards.reward_model_weight > 0 (algorithm={self.algorithm}, "
                 f"reward_model_weight={self.rewards.reward_model_weight})"
             )
         return self
 
     def plan(self) -> list[str]:
-        """The stages this run builds, in order: data, sft, rm (when used), the algorithm's, eval, registry (when enabled)."""
+        """The stages this run builds, in order: data, sft, rm (when used), the algorithm's, eval, registry (when
+        enabled)."""
         wanted = {"data", "sft", self.algorithm, "eval"}
         if self.needs_reward_model:
             wanted.add("rm")
@@ -93,7 +98,8 @@ class RunSettings(StrictModel):
         return tuple(name for name in names if name != "rm" or uses_reward_model)
 
     def token_limits(self) -> dict[str, int]:
-        """The most tokens a row of each dataset may take in the stages of this run that read it (the data stage's `fits_max_length`)."""
+        """The most tokens a row of each dataset may take in the stages of this run that read it (the data stage's
+        `fits_max_length`)."""
         limits: dict[str, int] = {}
         for stage in self.plan():
             limit = self.config(stage).row_token_limit()
@@ -120,7 +126,8 @@ class RunSettings(StrictModel):
 
     @model_validator(mode="after")
     def _adapter_handoff_chosen(self):
-        """sft that keeps its LoRA adapter hands it on merged or stacked: each stage after it says which, before anything trains."""
+        """sft that keeps its LoRA adapter hands it on merged or stacked: each stage after it says which, before
+        anything trains."""
         if self.sft.lora.handoff is not None:
             raise ValueError(
                 "sft.lora.handoff: sft starts from the base model; handoff is chosen by the stages after it"
@@ -133,12 +140,14 @@ class RunSettings(StrictModel):
                 continue
             if lora.handoff is None:
                 raise ValueError(
-                    f"sft keeps its LoRA adapter (sft.lora.keep_adapter=true): choose how {stage} continues from it: {stage}.lora.handoff=merge "
+                    f"sft keeps its LoRA adapter (sft.lora.keep_adapter=true): choose how {stage} continues from it: "
+                    f"{stage}.lora.handoff=merge "
                     "(folded into the weights) or stack (the adapter trains on, a frozen copy is the reference)"
                 )
             if stage == "rm" and lora.handoff == "stack":
                 raise ValueError(
-                    "rm.lora.handoff=stack: the reward model starts from sft's adapter merged (a score head is added): use merge"
+                    "rm.lora.handoff=stack: the reward model starts from sft's adapter merged (a score head is added): "
+                    "use merge"
                 )
         return self
 
@@ -166,7 +175,8 @@ class RunSettings(StrictModel):
 
     def eval_metrics(self) -> set[str]:
         """The metrics this run's eval will report, decided from the parameters and the held-out prompts' columns
-        (a hub dataset's columns are unknown here: it is assumed to have the reference column only if eval names one)."""
+        (a hub dataset's columns are unknown here: it is assumed to have the reference column only if eval names
+        one)."""
         from rlhf_pipeline.trainers.data import peek_columns
         from rlhf_pipeline.trainers.eval import planned_metrics
 
@@ -198,7 +208,8 @@ class RunSettings(StrictModel):
         why = []
         if "exact_match" in registry.gate_metric:
             why.append(
-                f"exact match needs reference answers, and {spec.path} has no column {cfg.answer_column!r} (eval.answer_column)"
+                f"exact match needs reference answers, and {spec.path} has no column {cfg.answer_column!r} "
+                "(eval.answer_column)"
             )
         if "win_rate" in registry.gate_metric and not cfg.use_reward_model:
             why.append("win rates are judged by the reward model, and eval.use_reward_model is false")
@@ -215,12 +226,16 @@ class RunSettings(StrictModel):
         raise ValueError(
             f"registry.gate_metric={registry.gate_metric!r} is not a metric this run's eval reports"
             + (f" ({'; '.join(why)})" if why else "")
-            + f"; it reports e.g. {', '.join(candidates) or 'no comparable metric: enable eval.use_reward_model or name an eval.gold_metric'}"
+            + "; it reports e.g. "
+            + (
+                ", ".join(candidates)
+                or "no comparable metric: enable eval.use_reward_model or name an eval.gold_metric"
+            )
         )
 
     def required_columns(self) -> dict[str, tuple[str, ...]]:
-        """Columns the data stage must find because the gate reads a metric made from them (checked there for a hub dataset,
-        whose columns the parameters cannot see)."""
+        """Columns the data stage must find because the gate reads a metric made from them (checked there for a hub
+        dataset, whose columns the parameters cannot see)."""
         registry, cfg = self.config("registry"), self.config("eval")
         if (
             registry.enabled
@@ -244,13 +259,15 @@ class RunSettings(StrictModel):
             length = getattr(self.config(stage.name), "max_length", None)
             if length is not None and length > limit:
                 raise ValueError(
-                    f"{stage.name}.max_length={length} exceeds the tiny model's model.tiny.max_position_embeddings={limit}: lower one or raise the other"
+                    f"{stage.name}.max_length={length} exceeds the tiny model's "
+                    f"model.tiny.max_position_embeddings={limit}: lower one or raise the other"
                 )
         return self
 
 
 def _stage_blocks() -> dict[str, Any]:
-    """One field per stage of the table, in its order, with the row's description; `rewards` sits with the online stages."""
+    """One field per stage of the table, in its order, with the row's description; `rewards` sits with the online
+    stages."""
     fields: dict[str, Any] = {}
     for stage in STAGES:
         fields[stage.name] = (stage.config, Field(default_factory=stage.config, description=stage.description))

@@ -1,4 +1,4 @@
-"""The `rlhf` flow: data -> sft -> rm -> dpo | kto | grpo | rloo | ppo -> eval -> registry, wired from the table of stages.
+"""The `rlhf` flow: data -> sft -> rm -> the policy stage (`algorithm`) -> eval -> registry, as straight-line calls.
 
     rlhf run [--config PRESET] [--set key.path=value ...] [--no-cache]
     prefect deployment run rlhf/full -p algorithm=grpo -p grpo='{"beta": 0.1}'
@@ -28,7 +28,7 @@ DEFAULTS = load_params()  # the embedded preset: what the form and `rlhf run` st
 
 
 def _rlhf(**blocks) -> dict:
-    """Post-train a model with RLHF: validate data, SFT, reward model, DPO/KTO/ORPO/GRPO/RLOO/PPO, evaluate, register."""
+    """Post-train a model with RLHF: validate data, SFT, reward model, policy optimisation, evaluate, register."""
     params = from_flow_parameters(PipelineParams, blocks)
     plan = params.plan()
     with pipeline_run(params) as run:
@@ -36,7 +36,8 @@ def _rlhf(**blocks) -> dict:
         built: dict = {}  # stage -> its future: the arguments wire the DAG the Prefect UI draws
 
         def train(stage: str, after, inputs: dict | None = None, round_: int = 0):
-            """Submit one training stage; it waits for the stage before it, so one stage trains on the device at a time."""
+            """Submit one training stage; it waits for the stage before it, so one stage trains on the device at a
+            time."""
             inputs = inputs or {name: built[name] for name in params.upstream(stage)}
             settings = {
                 block: getattr(params, block) for block in settings_of(BY_NAME[stage]) if round_ or block != "feedback"
@@ -61,8 +62,8 @@ def _rlhf(**blocks) -> dict:
         sft = train("sft", after=data)
         rm = train("rm", after=sft) if "rm" in plan else None
         policy = train(params.algorithm, after=rm or sft)
-        # Feedback rounds: rm samples the last policy and learns its labelled pairs, then the policy trains again, from SFT
-        # or from the last round's policy (which is then also its KL reference: iterated RLHF).
+        # Feedback rounds: rm samples the last policy and learns its labelled pairs, then the policy trains again,
+        # from SFT or from the last round's policy (which is then also its KL reference: iterated RLHF).
         for round_ in range(1, params.feedback.rounds + 1):
             rm = train("rm", after=policy, inputs={"data": data, "sft": sft, "policy": policy, "rm": rm}, round_=round_)
             start = sft if params.feedback.from_sft else policy
