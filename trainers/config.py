@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import warnings
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Literal
 
@@ -408,12 +409,15 @@ def device_precision(bf16: bool | None, fp16: bool, tf32: bool | None) -> bool:
 
 
 def trl_config_fields(name: str) -> set[str]:
-    """The fields of a TRL config class (imported only when a stage has overrides to check)."""
+    """The fields of a TRL config class, named by its path under `trl` ("DPOConfig", "experimental.orpo.ORPOConfig");
+    imported only when a stage has overrides to check."""
     import dataclasses
+    import importlib
 
-    import trl
-
-    return {field.name for field in dataclasses.fields(getattr(trl, name))}
+    module, _, cls = f"trl.{name}".rpartition(".")
+    with warnings.catch_warnings():  # TRL's experimental trainers warn on import that their API may change: we pin TRL
+        warnings.filterwarnings("ignore", message=r"You are importing from 'trl\.experimental'")
+        return {field.name for field in dataclasses.fields(getattr(importlib.import_module(module), cls))}
 
 
 class TrainingFields(StageConfig):
@@ -477,7 +481,8 @@ class TrainingFields(StageConfig):
     )
 
     trl_config: ClassVar[str] = ""
-    """The TRL config class the stage builds (`SFTConfig`...): `trl_overrides` may only name its fields."""
+    """The TRL config class the stage builds, by its path under `trl` (`SFTConfig`, `experimental.orpo.ORPOConfig`):
+    `trl_overrides` may only name its fields."""
 
     @model_validator(mode="after")
     def _known_optimizer_and_one_precision(self):
