@@ -28,6 +28,7 @@ from rlhf_pipeline.trainers.memory import (
     VALUE_MODEL,
     Held,
 )
+from rlhf_pipeline.trainers.orpo import OrpoConfig
 from rlhf_pipeline.trainers.ppo import PpoConfig
 from rlhf_pipeline.trainers.rloo import RlooConfig
 from rlhf_pipeline.trainers.rm import RewardModelConfig
@@ -122,6 +123,19 @@ STAGES: tuple[Stage, ...] = (
         device=True,
         holds=(POLICY, REFERENCE),
         algorithm=True,
+    ),
+    Stage(
+        name="orpo",
+        config=OrpoConfig,
+        trainer="rlhf_pipeline.trainers.orpo",
+        task=TRAIN_STAGE,
+        description="ORPO (TRL ORPOTrainer): preference pairs, no reference model, the SFT loss folded in.",
+        reads=PREFERENCES,
+        upstream=("data", "sft"),
+        device=True,
+        holds=(POLICY,),
+        algorithm=True,
+        pairs=True,
     ),
     Stage(
         name="grpo",
