@@ -94,10 +94,11 @@ def main(argv: list[str]) -> int:
 
 class _ProgressLines(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
-        print(
-            PROGRESS_MARK + json.dumps({"message": record.getMessage(), "progress": record.__dict__["progress"]}),
-            flush=True,
-        )
+        progress = record.__dict__.get("progress")
+        if progress is None:  # a plain line ("sft: world size 2 ..."): the parent logs it as it logs every other line
+            print(record.getMessage(), flush=True)
+            return
+        print(PROGRESS_MARK + json.dumps({"message": record.getMessage(), "progress": progress}), flush=True)
 
 
 def _forward_progress() -> None:
