@@ -53,6 +53,8 @@ class ConsoleBars(logging.Handler):
     def _bar(self, stage: str, total: int, start: int):
         from tqdm.auto import tqdm
 
+        _keep_progress_lines_off_prefects_console()
+
         every = TERMINAL_REFRESH_SECONDS if self.stream.isatty() else PIPE_REFRESH_SECONDS
         return tqdm(
             total=total,
@@ -79,21 +81,17 @@ def install() -> ConsoleBars:
     for logger in (PROGRESS, TICKS):
         if not any(isinstance(h, ConsoleBars) for h in logger.handlers):
             logger.addHandler(handler)
-    # Prefect adds its console handler when a flow starts: filter it then (the first record of a stage comes later).
-    handler.addFilter(_FilterPrefectConsole())
     # TRL 1.16's disable_gradient_checkpointing (trl/models/utils.py) reads transformers 5.24's deprecated property on
     # every checkpoint and generation: a FutureWarning we cannot fix at its cause.
     warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
     return handler
 
 
-class _FilterPrefectConsole(logging.Filter):
-    """Not a filter of the bars' own records: on each, makes sure Prefect's console handlers skip the progress lines."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        for handler in logging.getLogger("rlhf_pipeline").handlers + logging.getLogger().handlers:
-            if type(handler).__name__ == "PrefectConsoleHandler" and not any(
-                isinstance(f, _NotProgress) for f in handler.filters
-            ):
-                handler.addFilter(_NotProgress())
-        return True
+def _keep_progress_lines_off_prefects_console() -> None:
+    """Prefect adds its console handler when a flow starts, so this runs when a stage's bar starts: the bar shows what
+    the progress lines say (our handler sees each record before the ones above it)."""
+    for handler in logging.getLogger("rlhf_pipeline").handlers + logging.getLogger().handlers:
+        if type(handler).__name__ == "PrefectConsoleHandler" and not any(
+            isinstance(f, _NotProgress) for f in handler.filters
+        ):
+            handler.addFilter(_NotProgress())
