@@ -189,7 +189,23 @@ class RunSettings(StrictModel):
             reward_model=cfg.use_reward_model,
             preference_eval=data.preference_eval is not None,
             ensemble=self.config("rm").ensemble_size,
+            sft_trained=self.sft.enabled,
+            demonstrations=data.sft is not None,
         )
+
+    @model_validator(mode="after")
+    def _datasets_named(self):
+        """Every dataset a stage of this run reads is named (sft switched off reads none; a run without rm or an
+        offline algorithm reads no preference pairs)."""
+        data = self.config("data")
+        for stage in self.plan():
+            for dataset in reads(stage, self.config(stage)):
+                if dataset not in OPTIONAL_READS.get(stage, ()) and getattr(data, dataset, None) is None:
+                    hint = (
+                        " (or sft.enabled=false to start from the base model, a chat model)" if stage == "sft" else ""
+                    )
+                    raise ValueError(f"data.{dataset} is null and {stage} reads it: name the dataset{hint}")
+        return self
 
     @model_validator(mode="after")
     def _gate_metric_measured(self):
@@ -263,6 +279,11 @@ class RunSettings(StrictModel):
                     f"model.tiny.max_position_embeddings={limit}: lower one or raise the other"
                 )
         return self
+
+
+OPTIONAL_READS = {"eval": ("sft", "preference_eval"), "rm": ("preference_eval",), "sft": ("sft_eval",)}
+"""Datasets a stage reads only when they are named: eval's perplexity rows and held-out pairs, rm's held-out pairs
+(sft's held-out set is checked by `_held_out_data_given`)."""
 
 
 def _stage_blocks() -> dict[str, Any]:

@@ -341,6 +341,11 @@ def closing_table(summary: dict) -> str:
             ("exact match: base", "base_exact_match"),
             ("gold: policy", "policy_gold"),
             ("gold: sft", "sft_gold"),
+            ("instructions, prompt-level: policy", "policy_if_prompt_strict"),
+            ("instructions, prompt-level: start", "sft_if_prompt_strict"),
+            ("instructions, prompt-level: gain", "if_prompt_strict_gain"),
+            ("instructions, each: policy", "policy_if_instruction_strict"),
+            ("instructions, each: start", "sft_if_instruction_strict"),
             ("win rate vs sft (reward model)", "win_rate_vs_sft"),
             ("win rate vs champion", "win_rate_vs_champion"),
             ("judge win rate vs sft", "judge_win_rate_vs_sft"),
@@ -360,6 +365,24 @@ def closing_table(summary: dict) -> str:
             low, high = metrics.get(f"{held}{name}_low"), metrics.get(f"{held}{name}_high")
             interval = f"[{low:.3f}, {high:.3f}]" if low is not None and high is not None else ""
             lines.append(f"{label:34} {metrics[held + name]:8.3f}  {interval}")
+    from rlhf_pipeline.trainers.ifeval_eval import IFBENCH
+
+    if IFBENCH + "num_prompts" in metrics:
+        lines += [
+            "",
+            f"{'IFBench (' + str(int(metrics[IFBENCH + 'num_prompts'])) + ' prompts)':34} {'value':>8}  95% interval",
+        ]
+        for label, name in (
+            ("prompt-level: policy", "policy_if_prompt_strict"),
+            ("prompt-level: start", "sft_if_prompt_strict"),
+            ("prompt-level: champion", "champion_if_prompt_strict"),
+            ("prompt-level: gain", "if_prompt_strict_gain"),
+            ("each instruction: policy", "policy_if_instruction_strict"),
+            ("each instruction: start", "sft_if_instruction_strict"),
+        ):
+            if IFBENCH + name in metrics:
+                low, high = metrics[f"{IFBENCH}{name}_low"], metrics[f"{IFBENCH}{name}_high"]
+                lines.append(f"{label:34} {metrics[IFBENCH + name]:8.3f}  [{low:.3f}, {high:.3f}]")
     warnings = summary.get("warnings") or []
     lines.append(
         f"{'hacking warnings':34} {len(warnings) if warnings else int(metrics.get(held + 'hacking_warnings', 0)):8d}"

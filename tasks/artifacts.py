@@ -72,6 +72,8 @@ class StageOutcome:
     cached: bool
     metrics: dict[str, float]
     mlflow_run_id: str = ""
+    skipped: bool = False
+    """The stage was switched off: its artifact holds its input unchanged (sft's: the base model)."""
 
 
 Build = Callable[[Path, Path, LogMetrics], dict[str, float]]

@@ -9,6 +9,7 @@ from rlhf_pipeline.tasks.artifacts import RunContext, StageOutcome
 from rlhf_pipeline.tasks.orchestration import device_hold, prefect_log, stage_task
 from rlhf_pipeline.tasks.stages import BY_NAME, pair_readers
 from rlhf_pipeline.tasks.store import run_stage
+from rlhf_pipeline.trainers.checkpoints import content_id
 from rlhf_pipeline.trainers.config import ModelConfig
 from rlhf_pipeline.trainers.data import DataConfig, dataset_fingerprint
 
@@ -38,9 +39,10 @@ def validate_data(
     keyed = config.model_dump(mode="json")
     if model is not None:
         # The tokenizer (and its chat template) decides the template and length rules.
-        tokenizer_id = model.model_dump(
-            mode="json", include={"name_or_path", "revision", "trust_remote_code", "chat_template"}
-        )
+        tokenizer_id = {
+            **model.model_dump(mode="json", include={"name_or_path", "revision", "trust_remote_code", "chat_template"}),
+            "content": content_id(model.name_or_path, model.revision),
+        }
         keyed = {**keyed, "max_tokens": limits, "tokenizer": tokenizer_id, "assistant_only_loss": assistant_only_loss}
     keyed = {**keyed, "pairs_for": {name: list(stages) for name, stages in sorted(pairs_for.items())}}
     if required_columns:

@@ -13,9 +13,11 @@ from rlhf_pipeline.tasks.orchestration import device_hold, prefect_log, stage_ta
 from rlhf_pipeline.tasks.registry import current_champion
 from rlhf_pipeline.tasks.stages import BY_NAME
 from rlhf_pipeline.tasks.store import run_stage
+from rlhf_pipeline.trainers.checkpoints import keyed_model
 from rlhf_pipeline.trainers.config import ModelConfig
 from rlhf_pipeline.trainers.custom import source_digests
 from rlhf_pipeline.trainers.eval import EvalConfig
+from rlhf_pipeline.trainers.sft import SKIPPED
 
 REPORT_FILES = ("summary.json", "summary.md", "samples.jsonl", "plots")
 CURVES = (
@@ -59,6 +61,7 @@ def evaluate(
             out_dir,
             policy_stage=policy.stage,
             champion_model=champion.path / "model" if champion else None,
+            sft_trained=SKIPPED not in sft_model.manifest().get("metrics", {}),
         )
 
     row = BY_NAME["eval"]
@@ -67,7 +70,7 @@ def evaluate(
         upstream["rm"] = reward_model
     if champion:
         upstream["champion"] = champion
-    settings = {"eval": config.model_dump(mode="json"), "model": model.model_dump(mode="json")}
+    settings = {"eval": config.model_dump(mode="json"), "model": keyed_model(model)}
     fingerprints = source_digests(config.code_paths())  # editing the gold metric or a judge function re-runs eval alone
     outcome = run_stage(
         "eval",

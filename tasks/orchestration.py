@@ -154,6 +154,8 @@ def stage_task(stage: str):
         def run(*args, **kwargs) -> ArtifactRef:
             outcome = fn(*args, **kwargs)
             _link_mlflow_run(stage, outcome.mlflow_run_id)
+            if outcome.skipped:
+                return Completed(data=outcome.ref, name="Skipped", message=f"switched off: {outcome.ref.uri}")
             if outcome.cached:
                 return Completed(data=outcome.ref, name="Cached", message=f"manifest found: {outcome.ref.uri}")
             return outcome.ref

@@ -18,6 +18,7 @@ final metrics and emits progress records (`trainers.progress`); it imports no Pr
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 from typing import Any
@@ -27,7 +28,8 @@ from rlhf_pipeline.tasks.launcher import run_launched
 from rlhf_pipeline.tasks.orchestration import device_hold, prefect_log, stage_task
 from rlhf_pipeline.tasks.stages import BY_NAME, STAGES, TRAIN_STAGE, Stage, reads
 from rlhf_pipeline.tasks.store import run_stage
-from rlhf_pipeline.trainers.config import Block, StageConfig
+from rlhf_pipeline.trainers.checkpoints import keyed_model
+from rlhf_pipeline.trainers.config import Block, ModelConfig, StageConfig
 
 MODEL_INPUTS = {"sft_model": "sft", "reward_model": "rm", "policy_model": "policy"}
 """Trainer parameter -> the upstream stage whose `model/` folder it receives (`policy`: the previous round's, in a
@@ -98,16 +100,18 @@ def train_stage(
             return run_launched(stage, row.trainer, arguments, work_dir, log_metrics, prefect_log, ctx.launch)
         return importlib.import_module(row.trainer).train(**arguments, log_metrics=log_metrics)
 
+    switched_off = not getattr(config, "enabled", True)
     keyed = {
-        stage: config.model_dump(mode="json"),
-        **{name: block.model_dump(mode="json") for name, block in settings.items()},
+        # Switched off, the stage's training settings change nothing it writes.
+        stage: {"enabled": False} if switched_off else config.model_dump(mode="json"),
+        **{name: keyed_block(block) for name, block in settings.items()},
     }
     datasets = (
         *reads(stage, config),
         *(("prompts",) if "policy" in upstream and "prompts" not in reads(stage, config) else ()),
     )
     inputs = {**{name: ref for name, ref in upstream.items() if name != "data"}, "data": data.select(datasets)}
-    return run_stage(
+    outcome = run_stage(
         stage,
         keyed,
         inputs,
@@ -120,6 +124,13 @@ def train_stage(
         hold=device_hold(stage, row.device, prefect_log),
         extra_tags={"rlhf.round": str(round_)} if round_ else None,
     )
+    return dataclasses.replace(outcome, skipped=True) if switched_off else outcome
+
+
+def keyed_block(block: Block) -> dict:
+    """A run-level block as it keys a stage; the base model by its content too (`trainers.checkpoints.content_id`):
+    the same name with other weights behind it (an edited local folder, a new hub commit) is another model."""
+    return keyed_model(block) if isinstance(block, ModelConfig) else block.model_dump(mode="json")
 
 
 TASKS = {row.name: stage_task(row.name)(train_stage) for row in STAGES if row.task == TRAIN_STAGE}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from rlhf_pipeline.trainers.checkpoints import local_folder
 from rlhf_pipeline.trainers.config import TINY, ModelConfig
 from rlhf_pipeline.trainers.models import load_tokenizer
 
@@ -26,7 +27,7 @@ def load_base_tokenizer(model: ModelConfig) -> PreTrainedTokenizerBase:
         tokenizer = build_tokenizer()
     else:
         tokenizer = load_tokenizer(
-            model.name_or_path, revision=model.revision, trust_remote_code=model.trust_remote_code
+            local_folder(model.name_or_path), revision=model.revision, trust_remote_code=model.trust_remote_code
         )
     templates.apply(tokenizer, model.chat_template)
     return tokenizer
@@ -51,7 +52,7 @@ def load_base_model(model: ModelConfig, bnb_config=None) -> tuple[PreTrainedMode
 
         tokenizer = load_base_tokenizer(model)
         policy = AutoModelForCausalLM.from_pretrained(
-            model.name_or_path,
+            local_folder(model.name_or_path),
             revision=model.revision,
             trust_remote_code=model.trust_remote_code,
             use_safetensors=True,
@@ -67,7 +68,7 @@ def load_base_model(model: ModelConfig, bnb_config=None) -> tuple[PreTrainedMode
         policy = build_model(model.tiny, tokenizer, seed=model.seed).to(dtype)
     else:
         policy = AutoModelForCausalLM.from_pretrained(
-            model.name_or_path,
+            local_folder(model.name_or_path),
             revision=model.revision,
             trust_remote_code=model.trust_remote_code,
             dtype=dtype,
@@ -99,7 +100,7 @@ def added_token_ids(model: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> l
         own = build_tokenizer().get_vocab()
     else:
         own = load_tokenizer(
-            model.name_or_path, revision=model.revision, trust_remote_code=model.trust_remote_code
+            local_folder(model.name_or_path), revision=model.revision, trust_remote_code=model.trust_remote_code
         ).get_vocab()
     return [tokenizer.convert_tokens_to_ids(token) for token in specials if token not in own]
 

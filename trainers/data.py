@@ -53,24 +53,24 @@ def _bundled(name: str) -> DatasetSpec:
 class DataConfig(StageConfig):
     """The datasets of one pipeline run. Defaults: the bundled "sort the digits" task."""
 
-    sft: DatasetSpec = Field(
+    sft: DatasetSpec | None = Field(
         default_factory=lambda: _bundled("sft"),
-        description="SFT demonstrations (text, messages, or prompt/completion).",
+        description="SFT demonstrations (text, messages, or prompt/completion); None with sft.enabled=false.",
     )
     sft_eval: DatasetSpec | None = Field(
         None, description="Held-out demonstrations sft evaluates on while it trains (sft.eval_strategy); None: none."
     )
-    preference: DatasetSpec = Field(
+    preference: DatasetSpec | None = Field(
         default_factory=lambda: _bundled("preference"),
-        description="Preference pairs (prompt?/chosen/rejected) for rm and dpo.",
+        description="Preference pairs (prompt?/chosen/rejected) for rm and dpo; None when no stage reads them.",
     )
     preference_eval: DatasetSpec | None = Field(
         default_factory=lambda: _bundled("preference_eval"),
         description="Held-out pairs for reward-model accuracy; None to skip.",
     )
-    prompts: DatasetSpec = Field(
+    prompts: DatasetSpec | None = Field(
         default_factory=lambda: _bundled("prompts"),
-        description="Prompt-only rows for online RL (reference columns pass through).",
+        description="Prompt-only rows for online RL (reference columns pass through); None when no stage reads them.",
     )
     prompts_eval: DatasetSpec = Field(
         default_factory=lambda: _bundled("prompts_eval"),

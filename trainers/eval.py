@@ -21,6 +21,7 @@ from pathlib import Path
 from pydantic import Field
 
 from rlhf_pipeline.trainers.config import ModelConfig, StageConfig
+from rlhf_pipeline.trainers.ifeval_eval import InstructionFollowing
 from rlhf_pipeline.trainers.judges import JudgeConfig
 from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, as_completions
 from rlhf_pipeline.trainers.text import generate, reward_scores
@@ -60,6 +61,13 @@ class EvalConfig(StageConfig):
         True, description="Score answers and held-out pairs with the rm stage's model (trains it even for dpo)."
     )
     num_samples_logged: int = Field(50, ge=0, description="Rows of the samples table (prompt, answers, rewards).")
+    instruction_following: InstructionFollowing | None = Field(
+        None,
+        description=(
+            "IFEval's strict prompt- and instruction-level accuracy, per constraint family, on the held-out prompts "
+            "(rows with instruction_id_list/kwargs) and on IFBench's test prompts; None: not measured."
+        ),
+    )
     judge: JudgeConfig | None = Field(
         None,
         description=(
@@ -85,6 +93,8 @@ def planned_metrics(
     champion: bool = True,
     preference_eval: bool = True,
     ensemble: int = 1,
+    sft_trained: bool = True,
+    demonstrations: bool = True,
 ) -> set[str]:
     """The metric names `evaluate` returns for a run with these inputs (`_low`/`_high` bounds included), so a
     gate metric the run cannot produce fails when the parameters are checked, not after the training."""
@@ -99,9 +109,10 @@ def planned_metrics(
             "hacking_warnings",
         )
     }
-    if cfg.perplexity_rows:
+    if cfg.perplexity_rows and demonstrations:
         names |= {"eval/sft_split/sft_perplexity", "eval/sft_split/policy_perplexity"}
-    models = [m for m in MODELS if champion or m != "champion"]
+    # With sft switched off the starting policy is the base model: one row ("sft"), not two identical ones.
+    models = [m for m in MODELS if (champion or m != "champion") and (sft_trained or m != "base")]
     rivals = [m for m in ("sft", "champion") if m in models]
 
     def bounded(name: str) -> set[str]:
@@ -122,6 +133,10 @@ def planned_metrics(
             names |= (
                 {f"{HELDOUT}rm_member_{i}_pairwise_accuracy" for i in range(ensemble)} if preference_eval else set()
             )
+    if cfg.instruction_following is not None:
+        from rlhf_pipeline.trainers.ifeval_eval import planned
+
+        names |= planned(cfg.instruction_following, [m for m in models if m != "base"])
     if cfg.judge is not None:
         for rival in rivals:
             name = f"judge_win_rate_vs_{rival}"
@@ -143,6 +158,7 @@ def evaluate(
     out_dir: Path,
     policy_stage: str = "policy",
     champion_model: Path | None = None,
+    sft_trained: bool = True,
 ) -> dict[str, float]:
     """Compare base, SFT, policy (and the registry's champion) on held-out prompts.
 
@@ -180,7 +196,7 @@ def evaluate(
     metrics: dict[str, float] = {f"{HELDOUT}num_prompts": float(len(prompts))}
 
     loaders = {
-        "base": lambda: load_base_model(base),
+        **({"base": lambda: load_base_model(base)} if sft_trained else {}),  # else the "sft" row is the base model
         "sft": lambda: load_causal_lm(sft_model),
         "policy": lambda: load_causal_lm(policy_model),
     }
@@ -213,6 +229,29 @@ def evaluate(
         gain = stats.bootstrap_mean([p - c for p, c in zip(correct["policy"], correct["champion"])], **boot)
         _put(metrics, f"{HELDOUT}{gold_name}_gain_vs_champion", gain.mean, gain.low, gain.high)
 
+    following = cfg.instruction_following
+    if following is not None:  # IFEval's strict scores: in distribution, then IFBench (one model at a time)
+        from rlhf_pipeline.trainers import ifeval_eval
+
+        rated = {name: c for name, c in completions.items() if name != "base"}
+        if following.heldout:
+            missing = [c for c in ifeval_eval.COLUMNS if c not in prompts_ds.column_names]
+            if missing:
+                raise ValueError(
+                    f"eval.instruction_following.heldout: the held-out prompts have no {missing} columns to check "
+                    "the answers by (set heldout=false)"
+                )
+            metrics.update(ifeval_eval.score(HELDOUT, list(prompts_ds), rated, "ifeval", boot))
+        if following.ifbench_prompts:
+            bench, _, _ = ifeval_eval.evaluate_ifbench(
+                following,
+                {name: load for name, load in loaders.items() if name != "base"},
+                cfg.max_new_tokens,
+                cfg.batch_size,
+                boot,
+            )
+            metrics.update(bench)
+
     # KL(policy || SFT) and diversity, on samples drawn from the policy (the k1 estimate needs them).
     import torch
 
@@ -233,7 +272,7 @@ def evaluate(
         else (stats.mean_length(completions["policy"]) or 1.0) - 1
     )
     metrics[f"{HELDOUT}length_drift"] = drift
-    if cfg.perplexity_rows:
+    if cfg.perplexity_rows and (data_dir / "datasets" / "sft.parquet").is_file():
         rows = load_split(data_dir, "sft")
         rows = rows.select(range(min(cfg.perplexity_rows, len(rows))))
         texts = _sft_texts(rows)

@@ -101,8 +101,10 @@ def empty_model_builder(params, tokenizer):
         with init_empty_weights():
             config = build_model(model.tiny, tokenizer, seed=model.seed).config
     else:
+        from rlhf_pipeline.trainers.checkpoints import local_folder
+
         config = AutoConfig.from_pretrained(
-            model.name_or_path, revision=model.revision, trust_remote_code=model.trust_remote_code
+            local_folder(model.name_or_path), revision=model.revision, trust_remote_code=model.trust_remote_code
         )
     if (
         tokenizer is not None and len(tokenizer) > config.vocab_size

