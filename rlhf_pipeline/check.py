@@ -179,9 +179,11 @@ def held_models(params, stage: str) -> list:
     from dataclasses import replace
 
     from rlhf_pipeline.tasks.stages import BY_NAME
-    from rlhf_pipeline.trainers.memory import REFERENCE, REWARD_MODEL
+    from rlhf_pipeline.trainers.memory import REFERENCE, REWARD_MODEL, Held
 
     cfg = params.config(stage)
+    if not getattr(cfg, "enabled", True):  # switched off (sft): it loads the base model and saves it, untrained
+        return [Held("base model, saved untrained (switched off)", classifier=False, trained=False)]
     lora = getattr(cfg, "lora", None)
     lora = lora if lora is not None and lora.enabled else None
     held = []

@@ -50,6 +50,9 @@ def evaluate(
 
     def build(out_dir, work_dir, log_metrics):
         from rlhf_pipeline.trainers import eval as evaluation
+        from rlhf_pipeline.trainers.loop import match_cpu_threads
+
+        match_cpu_threads()
 
         return evaluation.evaluate(
             config,

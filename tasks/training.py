@@ -84,6 +84,9 @@ def train_stage(
     fingerprints = code_fingerprints(config, settings)
 
     def build(out_dir, work_dir, log_metrics) -> dict[str, float]:
+        from rlhf_pipeline.trainers.loop import match_cpu_threads
+
+        match_cpu_threads()
         given: dict[str, Any] = {
             "cfg": config,
             "data_dir": data.path,

@@ -51,6 +51,15 @@ def write_report(
         plots.reward_distributions(rewards, figures / "reward_distributions.png")
     if win_rates:
         plots.win_rate_bars(win_rates, figures / "win_rates.png", title="Win rate judged by the reward model")
+    for prefix, name in (("eval/heldout/", "held-out prompts"), ("eval/ifbench/", "IFBench")):
+        shares: dict[str, dict[str, float]] = {}
+        for metric, value in metrics.items():
+            if metric.startswith(f"{prefix}if_family/"):
+                model, family = metric.removeprefix(f"{prefix}if_family/").split("/", 1)
+                shares.setdefault(model, {})[family] = value
+        if shares:
+            file = "if_families.png" if prefix == "eval/heldout/" else "ifbench_families.png"
+            plots.family_bars(shares, figures / file, title=f"Constraints followed by family, {name}")
     if judged:
         plots.win_rate_bars(
             judged, figures / "judge_win_rates.png", title="Win rate by the pairwise judge (both orders)"

