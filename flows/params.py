@@ -189,7 +189,7 @@ class RunSettings(StrictModel):
             reward_model=cfg.use_reward_model,
             preference_eval=data.preference_eval is not None,
             ensemble=self.config("rm").ensemble_size,
-            sft_trained=self.sft.enabled,
+            sft_trained=self.config("sft").enabled,
             demonstrations=data.sft is not None,
         )
 

@@ -113,3 +113,27 @@ def test_eval_scores_prompts_instructions_families_and_the_paired_gain():
     assert metrics["eval/heldout/if_family/sft/punctuation"] == 0.0
     expected = planned(InstructionFollowing(ifbench_prompts=0), ["sft", "policy"])
     assert expected == {name for name in metrics if "/if_family/" not in name}
+
+
+def test_the_gate_may_use_instruction_following_and_only_when_eval_measures_it():
+    from pydantic import ValidationError
+
+    from rlhf_pipeline.flows.params import load_params
+
+    gate = "registry.gate_metric=eval/ifbench/if_prompt_strict_gain"
+    params = load_params("smollm2", [gate])
+    assert params.gate().gate_metric == "eval/ifbench/if_prompt_strict_gain"
+    assert "eval/heldout/policy_if_instruction_strict_low" in params.eval_metrics()
+    with pytest.raises(ValidationError, match="eval/ifbench/if_prompt_strict_gain"):
+        load_params("smollm2", [gate, "eval.instruction_following=null"])
+
+
+def test_a_stage_that_reads_a_null_dataset_is_refused_with_the_parameters():
+    from pydantic import ValidationError
+
+    from rlhf_pipeline.flows.params import load_params
+
+    with pytest.raises(ValidationError, match="data.sft is null and sft reads it.*sft.enabled=false"):
+        load_params("smollm2", ["sft.enabled=true"])
+    with pytest.raises(ValidationError, match="data.preference is null and dpo reads it"):
+        load_params("smollm2", ["algorithm=dpo"])
