@@ -186,7 +186,14 @@ def _version(package: str) -> str:
     return metadata.version(package)
 
 
-def converted(path: Path, log: Callable[[str], None] = print) -> Path:
+def _log(line: str) -> None:
+    """A line people read, in the console and the Prefect UI (the progress logger's plain lines)."""
+    from rlhf_pipeline.trainers.progress import PROGRESS
+
+    PROGRESS.info(line)
+
+
+def converted(path: Path, log: Callable[[str], None] = _log) -> Path:
     """The safetensors folder of a GGUF file (float32 weights, tokenizer with its chat template, generation config),
     converted on first use under `cache_root()` and reused by the file's sha256."""
     sha = file_sha256(path)
@@ -236,7 +243,7 @@ def _convert(path: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def local_folder(name_or_path: str, log: Callable[[str], None] = print) -> str:
+def local_folder(name_or_path: str, log: Callable[[str], None] = _log) -> str:
     """What `from_pretrained` loads for `model.name_or_path`: a GGUF file's converted folder, else the name as given."""
     gguf = gguf_file(name_or_path)
     return str(converted(gguf, log)) if gguf is not None else name_or_path
