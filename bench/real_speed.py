@@ -120,7 +120,11 @@ def measure(what: str, side: str, steps: int, data_dir: Path) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"bench-{what}-{side}-") as out:
         done = subprocess.run(
             [sys.executable, "-c", SETUP + SCRIPTS[(what, side)], side, what, str(steps), out],
-            env=clean_env(BENCH_DATA=str(data_dir), RLHF_STATE_DIR=str(Path(out) / "state")),
+            env=clean_env(
+                BENCH_DATA=str(data_dir),
+                RLHF_STATE_DIR=str(Path(out) / "state"),
+                RLHF_MODEL_CACHE=str(data_dir.parent / "models"),  # one conversion for every measurement
+            ),
             cwd=tempfile.gettempdir(),
             capture_output=True,
             text=True,
@@ -132,7 +136,9 @@ def measure(what: str, side: str, steps: int, data_dir: Path) -> dict:
 
 def data_artifact(state: Path) -> Path:
     """The smollm2 preset's data stage, run once (its frozen Parquet datasets are what both sides read)."""
-    env = clean_env(RLHF_STATE_DIR=str(state), PREFECT_HOME=str(state.parent / "prefect"))
+    env = clean_env(
+        RLHF_STATE_DIR=str(state), PREFECT_HOME=str(state.parent / "prefect"), RLHF_MODEL_CACHE=str(state / "models")
+    )
     script = (
         "from rlhf_pipeline.flows.params import load_params\n"
         "from rlhf_pipeline.validators.stage import train\n"
