@@ -332,10 +332,24 @@ def closing_table(summary: dict) -> str:
         seconds = f"{info['seconds']:.1f}" if info.get("seconds") is not None else "-"
         lines.append(f"{stage:16} {info.get('state', '-'):10} {seconds:>8}  {uri}")
     from rlhf_pipeline.trainers.eval import HELDOUT as held
+    from rlhf_pipeline.trainers.ifeval_eval import IFBENCH
 
-    rows = [
-        (label, name)
-        for label, name in (
+    def section(title: str, prefix: str, rows: tuple[tuple[str, str], ...]) -> None:
+        """The rows `metrics` has under `prefix`, each with its 95% interval where it has one."""
+        present = [(label, name) for label, name in rows if prefix + name in metrics]
+        if not present:
+            return
+        count = int(metrics.get(prefix + "num_prompts", 0))
+        lines.extend(["", f"{title + ' (' + str(count) + ' prompts)':34} {'value':>8}  95% interval"])
+        for label, name in present:
+            low, high = metrics.get(f"{prefix}{name}_low"), metrics.get(f"{prefix}{name}_high")
+            interval = f"[{low:.3f}, {high:.3f}]" if low is not None and high is not None else ""
+            lines.append(f"{label:34} {metrics[prefix + name]:8.3f}  {interval}")
+
+    section(
+        "held-out",
+        held,
+        (
             ("exact match: policy", "policy_exact_match"),
             ("exact match: sft", "sft_exact_match"),
             ("exact match: base", "base_exact_match"),
@@ -352,37 +366,20 @@ def closing_table(summary: dict) -> str:
             ("reward: policy", "policy_mean_reward"),
             ("reward: sft", "sft_mean_reward"),
             ("KL(policy || sft), nats", "kl_to_sft"),
-        )
-        if held + name in metrics
-    ]
-    if rows:
-        lines += [
-            "",
-            f"{'held-out (' + str(int(metrics.get(held + 'num_prompts', 0))) + ' prompts)':34} {'value':>8}  95% "
-            "interval",
-        ]
-        for label, name in rows:
-            low, high = metrics.get(f"{held}{name}_low"), metrics.get(f"{held}{name}_high")
-            interval = f"[{low:.3f}, {high:.3f}]" if low is not None and high is not None else ""
-            lines.append(f"{label:34} {metrics[held + name]:8.3f}  {interval}")
-    from rlhf_pipeline.trainers.ifeval_eval import IFBENCH
-
-    if IFBENCH + "num_prompts" in metrics:
-        lines += [
-            "",
-            f"{'IFBench (' + str(int(metrics[IFBENCH + 'num_prompts'])) + ' prompts)':34} {'value':>8}  95% interval",
-        ]
-        for label, name in (
+        ),
+    )
+    section(
+        "IFBench",
+        IFBENCH,
+        (
             ("prompt-level: policy", "policy_if_prompt_strict"),
             ("prompt-level: start", "sft_if_prompt_strict"),
             ("prompt-level: champion", "champion_if_prompt_strict"),
             ("prompt-level: gain", "if_prompt_strict_gain"),
             ("each instruction: policy", "policy_if_instruction_strict"),
             ("each instruction: start", "sft_if_instruction_strict"),
-        ):
-            if IFBENCH + name in metrics:
-                low, high = metrics[f"{IFBENCH}{name}_low"], metrics[f"{IFBENCH}{name}_high"]
-                lines.append(f"{label:34} {metrics[IFBENCH + name]:8.3f}  [{low:.3f}, {high:.3f}]")
+        ),
+    )
     warnings = summary.get("warnings") or []
     lines.append(
         f"{'hacking warnings':34} {len(warnings) if warnings else int(metrics.get(held + 'hacking_warnings', 0)):8d}"

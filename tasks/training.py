@@ -107,7 +107,11 @@ def train_stage(
     keyed = {
         # Switched off, the stage's training settings change nothing it writes.
         stage: {"enabled": False} if switched_off else config.model_dump(mode="json"),
-        **{name: keyed_block(block) for name, block in settings.items()},
+        # The base model counts with its content: other weights under the same name are another model.
+        **{
+            name: keyed_model(block) if isinstance(block, ModelConfig) else block.model_dump(mode="json")
+            for name, block in settings.items()
+        },
     }
     datasets = (
         *reads(stage, config),
@@ -128,12 +132,6 @@ def train_stage(
         extra_tags={"rlhf.round": str(round_)} if round_ else None,
     )
     return dataclasses.replace(outcome, skipped=True) if switched_off else outcome
-
-
-def keyed_block(block: Block) -> dict:
-    """A run-level block as it keys a stage; the base model by its content too (`trainers.checkpoints.content_id`):
-    the same name with other weights behind it (an edited local folder, a new hub commit) is another model."""
-    return keyed_model(block) if isinstance(block, ModelConfig) else block.model_dump(mode="json")
 
 
 TASKS = {row.name: stage_task(row.name)(train_stage) for row in STAGES if row.task == TRAIN_STAGE}

@@ -104,7 +104,7 @@ def check(
     return Checked(list(instruction_ids), followed)
 
 
-def _text(value: Any) -> str:
+def text_of(value: Any) -> str:
     """A completion or prompt as text: a string, or the content of its messages (conversational rows)."""
     if isinstance(value, str):
         return value
@@ -113,7 +113,7 @@ def _text(value: Any) -> str:
 
 def _checked(prompts: list, completions: list, instruction_id_list: list, kwargs: list) -> list[Checked]:
     return [
-        check(_text(completion), list(ids), arguments, _text(prompt))
+        check(text_of(completion), list(ids), arguments, text_of(prompt))
         for prompt, completion, ids, arguments in zip(prompts, completions, instruction_id_list, kwargs)
     ]
 

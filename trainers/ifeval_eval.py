@@ -92,13 +92,13 @@ def score(
     """Strict prompt- and instruction-level accuracy of each model's completions of `rows` (`prompt` as text or
     messages, `instruction_id_list`, `kwargs`), per family, and the policy's paired gain over sft."""
     from rlhf_pipeline.trainers import metrics as stats
-    from rlhf_pipeline.trainers.ifeval import _text, check
+    from rlhf_pipeline.trainers.ifeval import check, text_of
 
     out: dict[str, float] = {}
     prompt_hits: dict[str, list[float]] = {}
     for model, answers in completions.items():
         checked = [
-            check(answer, list(row["instruction_id_list"]), row["kwargs"], _text(row["prompt"]), benchmark)  # type: ignore[arg-type]
+            check(answer, list(row["instruction_id_list"]), row["kwargs"], text_of(row["prompt"]), benchmark)  # type: ignore[arg-type]
             for row, answer in zip(rows, answers)
         ]
         prompt_hits[model] = [float(c.all) for c in checked]
