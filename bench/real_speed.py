@@ -9,6 +9,9 @@ answers, the same prompts (data/ifeval) and the same reward function (IFEval's c
 - grpo, ours: `rlhf_pipeline.trainers.grpo.train`, the stage's build as a run calls it (reward functions checked on
   a sample, blank generation config, callbacks, checkpoints, saving);
 - grpo, plain: a TRL script, `GRPOTrainer` with a `GRPOConfig` of the same settings, then `save_model`;
+  both sides' clocks start before they import TRL, transformers' model classes, datasets and the reward (ours imports
+  them inside the build, a plain script at its top: timing the plain one after its imports charged ours ~5 s of
+  imports the plain side did not pay);
 - generation, ours: `rlhf_pipeline.trainers.text.generate` (eval's and the probes' greedy decoding);
 - generation, plain: the chat template applied and `model.generate` called per batch, left-padded.
 
@@ -55,12 +58,12 @@ print(json.dumps({"seconds": seconds, "tokens": metrics["grpo/train/num_tokens"]
 """
 
 GRPO_PLAIN = """
+started = time.perf_counter()
 import trl
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from rlhf_pipeline.trainers.ifeval import constraints_followed
 cfg = params.grpo
-started = time.perf_counter()
 tokenizer = AutoTokenizer.from_pretrained(model_dir)
 model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 prompts = Dataset.from_parquet(str(data_dir / "datasets" / "prompts.parquet"))
