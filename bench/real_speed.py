@@ -13,7 +13,9 @@ answers, the same prompts (data/ifeval) and the same reward function (IFEval's c
   them inside the build, a plain script at its top: timing the plain one after its imports charged ours ~5 s of
   imports the plain side did not pay);
 - generation, ours: `rlhf_pipeline.trainers.text.generate` (eval's and the probes' greedy decoding);
-- generation, plain: the chat template applied and `model.generate` called per batch, left-padded.
+- generation, plain: the chat template applied and `model.generate` called per batch, left-padded; on both sides
+  after one short warm-up generation (a fresh process's first forward passes cost seconds that eval pays once per
+  model, not per prompt, and they varied by +-5 s from process to process).
 
 Each measurement runs in a fresh process, sides alternating, torch threads = the cores the process may use. Tokens/s
 is TRL's `num_tokens` (prompt and completion tokens the steps trained on) over the build's wall seconds (loading and
@@ -89,9 +91,11 @@ tokenizer = AutoTokenizer.from_pretrained(model_dir)
 model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 prompts = Dataset.from_parquet(str(data_dir / "datasets" / "prompts_eval.parquet"))["prompt"][: steps * 16]
 new = 64
+from rlhf_pipeline.trainers.text import generate
+with torch.no_grad():  # the process's first forward passes (allocator growth, kernel set-up) timed on neither side
+    model.generate(**tokenizer(["Hello"], return_tensors="pt"), max_new_tokens=8, do_sample=False)
 started = time.perf_counter()
 if side == "ours":
-    from rlhf_pipeline.trainers.text import generate
     texts = generate(model, tokenizer, prompts, new, 16)
     tokens = sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts)
 else:
@@ -161,11 +165,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3, help="GRPO steps per build (16 completions each)")
     parser.add_argument("--data", type=Path, default=None, help="a smollm2 data artifact folder (default: made here)")
+    parser.add_argument("--what", nargs="+", choices=("grpo", "generate"), default=["grpo", "generate"])
     args = parser.parse_args()
     data_dir = args.data or data_artifact(Path(tempfile.mkdtemp(prefix="bench-real-speed-")) / "state")
     results: dict[tuple[str, str], list[dict]] = {}
     for round_ in range(args.rounds):
-        for what in ("grpo", "generate"):
+        for what in args.what:
             for side in ("ours", "plain") if round_ % 2 == 0 else ("plain", "ours"):
                 found = measure(what, side, args.steps, data_dir)
                 results.setdefault((what, side), []).append(found)
@@ -175,7 +180,7 @@ def main() -> None:
                     flush=True,
                 )
     print(f"\n{'':10} {'ours tokens/s':>14} {'plain tokens/s':>15} {'ours/plain time per token':>26}")
-    for what in ("grpo", "generate"):
+    for what in args.what:
         rate = {
             side: statistics.median(r["tokens"] / r["seconds"] for r in results[(what, side)])
             for side in ("ours", "plain")

@@ -43,18 +43,22 @@ def nltk_data() -> str | None:
 
 @functools.cache
 def registry(benchmark: Benchmark) -> dict[str, Any]:
-    """Checker id -> checker class, imported once with the NLTK data path set (IFBench's module tries to fetch what it
-    does not find at import; offline that fails at once and the checkers that need it are in `UNSUPPORTED`)."""
-    folder = nltk_data()
-    if folder is not None:
-        import nltk
+    """Checker id -> checker class, imported once with the NLTK data path set. IFBench's module calls `nltk.download`
+    at import for what it does not find (the old `punkt`, the tagger): nothing is fetched here (no network call, no
+    '[nltk_data] Error loading' lines), and the checkers that need the missing data are in `UNSUPPORTED`."""
+    import nltk
 
-        if folder not in nltk.data.path:
-            nltk.data.path.insert(0, folder)
-    if benchmark == "ifeval":
-        from if_verifiable.ifeval.instructions_registry import INSTRUCTION_DICT
-    else:
-        from if_verifiable.ifbench.instructions_registry import INSTRUCTION_DICT
+    folder = nltk_data()
+    if folder is not None and folder not in nltk.data.path:
+        nltk.data.path.insert(0, folder)
+    download, nltk.download = nltk.download, lambda *args, **kwargs: False
+    try:
+        if benchmark == "ifeval":
+            from if_verifiable.ifeval.instructions_registry import INSTRUCTION_DICT
+        else:
+            from if_verifiable.ifbench.instructions_registry import INSTRUCTION_DICT
+    finally:
+        nltk.download = download
     return dict(INSTRUCTION_DICT)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,23 @@ def test_checkers_that_read_nltk_data_work_offline():
         "the cat and the dog are in the house", ["ratio:stop_words"], ratio, benchmark="ifbench"
     ).followed == [False]
     assert ifeval.check("cats dogs houses gardens", ["ratio:stop_words"], ratio, benchmark="ifbench").followed == [True]
+
+
+def test_importing_ifbench_checkers_fetches_nothing():
+    """IFBench's module calls nltk.download at import for data it lacks: offline that printed '[nltk_data] Error
+    loading ...' lines into every eval (and, where a connection hangs, waited on it)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", "from rlhf_pipeline.trainers import ifeval; print(len(ifeval.registry('ifbench')))"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "NLTK_DATA": ""},
+    )
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout.split()[-1]) > 50  # IFBench's checkers loaded
+    assert "nltk_data" not in done.stdout + done.stderr, done.stdout + done.stderr
 
 
 def test_the_generator_is_seeded_and_holds_requests_out(tmp_path):
