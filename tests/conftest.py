@@ -8,6 +8,22 @@ from pathlib import Path
 
 import pytest
 
+
+def _own_cores() -> None:
+    """Under pytest-xdist, each worker keeps its own share of the cores (worker i takes cores i, i+n, ...), and its
+    torch threads and its subprocesses' (stages, servers) match that share: two workers' torch threads on the same
+    cores wait on each other many times over (docs/ARCHITECTURE.md, This machine). Set before anything imports torch."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    index = int(worker.removeprefix("gw"))
+    share = cores[index::count] or [cores[index % len(cores)]]
+    os.sched_setaffinity(0, share)
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(len(share))
+
+
+_own_cores()
 _STATE = Path(tempfile.mkdtemp(prefix="rlhf-tests-"))
 os.environ.update(
     {
@@ -43,10 +59,13 @@ def screenshots() -> Path:
 
 
 def pytest_collection_modifyitems(config, items: list) -> None:
-    """The modules without an end-to-end test first, so a CI run that breaks something basic fails in minutes; each
-    module's tests stay together and in their order (its module fixtures are built once)."""
+    """Each module's tests stay together and in their order (its module fixtures are built once). In one process the
+    modules without an end-to-end test come first, so a run that breaks something basic fails in minutes; split over
+    xdist workers (whole modules each, `--dist loadfile`) the long modules go first, so no worker starts one when the
+    other is nearly done."""
     slow = {item.module for item in items if item.get_closest_marker("e2e")}
-    items.sort(key=lambda item: item.module in slow)
+    first_the_slow = bool(os.environ.get("PYTEST_XDIST_WORKER"))
+    items.sort(key=lambda item: (item.module in slow) != first_the_slow)
 
 
 @pytest.fixture(scope="session")

@@ -252,10 +252,13 @@ def test_cancelling_a_flow_run_stops_every_rank_of_a_launched_stage(service):
     from prefect.states import Cancelling
 
     def launched() -> list[psutil.Process]:
+        """This service's ranks and their launcher, wherever they were reparented (another test's ranks, in another
+        xdist worker, read other state folders)."""
         found = []
         for process in psutil.process_iter(["cmdline"]):
             with contextlib.suppress(psutil.Error):
-                if "rlhf_pipeline.trainers.rank" in " ".join(process.info["cmdline"] or []):
+                line = " ".join(process.info["cmdline"] or [])
+                if "rlhf_pipeline.trainers.rank" in line and str(service["tmp"]) in line:
                     found.append(process)
         return found
 

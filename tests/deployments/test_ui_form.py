@@ -91,6 +91,7 @@ def submit_from_the_form(url: str, deployed: dict, artifacts: Path, service_pids
     then)."""
     from playwright.sync_api import expect, sync_playwright
 
+    already = set(children(os.getpid()))  # what this process started before (another test's servers)
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1280, "height": 900})
@@ -137,7 +138,7 @@ def submit_from_the_form(url: str, deployed: dict, artifacts: Path, service_pids
             raise
         finally:
             browser_pids = process_tree(
-                set(children(os.getpid())) - service_pids
+                set(children(os.getpid())) - already - service_pids
             )  # Playwright's driver, Chromium under it
             browser.close()
     return browser_pids
