@@ -24,6 +24,10 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from rlhf_pipeline.trainers.trust import allow_imports
+
+allow_imports("bench")  # this bench's callback: the bench is its own operator
+
 ROOT = Path(__file__).resolve().parents[1]
 PEAK_BF16_TFLOPS = {"H100": 989.5, "H200": 989.5, "H800": 989.5, "A100": 312.0, "L40S": 362.05, "B200": 2250.0}
 """Dense bf16 peak per GPU (vendor datasheets; NeMo-RL's table holds 1979 / 2 for the H100)."""

@@ -41,6 +41,10 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from rlhf_pipeline.trainers.trust import allow_imports
+
+allow_imports("bench")  # this bench's callback: the bench is its own operator
+
 MODES = ("padded", "grouped", "padding_free", "bfd", "wrapped")
 PADDED = ("padded", "grouped")  # layouts whose per-token losses are the isolation check's reference
 MAX_LENGTH = 512  # longest row; every generated row fits, so no mode truncates

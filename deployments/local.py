@@ -4,7 +4,9 @@
     prefect deployment run rlhf/full -p ppo='{"kl_coef": 0.1}'   # in another shell, with
                                 # PREFECT_API_URL=http://127.0.0.1:4200/api
 
-Every server binds 127.0.0.1. Ctrl-C (or SIGTERM) stops the three processes by pid.
+Every server binds 127.0.0.1. Prefect's CSRF protection is on, CORS admits only the UI's origin, and basic
+authentication is on when PREFECT_SERVER_API_AUTH_STRING is set (`guarded`). Ctrl-C (or SIGTERM) stops the three
+processes by pid.
 """
 
 from __future__ import annotations
@@ -51,10 +53,27 @@ def stop(processes: list[subprocess.Popen], grace: float = 20) -> None:
             process.wait()
 
 
+AUTH_ENV, CLIENT_AUTH_ENV = "PREFECT_SERVER_API_AUTH_STRING", "PREFECT_API_AUTH_STRING"
+
+
+def guarded(env: dict[str, str], ui: str) -> dict[str, str]:
+    """Prefect's own protections on, where the operator has not set them: CSRF tokens on every changing request, CORS
+    only for the UI's origin, and basic authentication when a secret is configured (`PREFECT_SERVER_API_AUTH_STRING`
+    = `user:password`; the processes started here get it as clients too)."""
+    guarded = {
+        "PREFECT_SERVER_CSRF_PROTECTION_ENABLED": "true",
+        "PREFECT_SERVER_CORS_ALLOWED_ORIGINS": ui,
+        **env,
+    }
+    if guarded.get(AUTH_ENV) and not guarded.get(CLIENT_AUTH_ENV):
+        guarded[CLIENT_AUTH_ENV] = guarded[AUTH_ENV]
+    return guarded
+
+
 def up(port: int = 4200, mlflow_port: int = 5000, serve_args: list[str] = ()) -> int:
     api = f"http://{HOST}:{port}/api"
     mlflow_ui = f"http://{HOST}:{mlflow_port}"
-    env = {**os.environ, "PREFECT_API_URL": api}
+    env = guarded({**os.environ, "PREFECT_API_URL": api}, f"http://{HOST}:{port}")
     if not tracking.tracking_uri().startswith("http"):
         env[tracking.UI_ENV] = mlflow_ui  # stages link their MLflow runs on the Prefect UI
     processes: list[subprocess.Popen] = []
@@ -87,7 +106,14 @@ def up(port: int = 4200, mlflow_port: int = 5000, serve_args: list[str] = ()) ->
             )
         wait_until_up(f"{api}/health", server)
         processes.append(subprocess.Popen([sys.executable, "-m", "rlhf_pipeline", "serve", *serve_args], env=env))
-        print(f"\nPrefect UI: http://{HOST}:{port}   MLflow UI: {env.get(tracking.UI_ENV, tracking.tracking_uri())}")
+        print(f"\nPrefect UI: http://{HOST}:{port}   MLflow UI: {env.get(tracking.UI_ENV, tracking.shown_uri())}")
+        if env.get(AUTH_ENV):
+            print(f"Basic authentication on ({AUTH_ENV}); clients set {CLIENT_AUTH_ENV}=user:password.")
+        else:
+            print(
+                f"No authentication: whoever reaches {HOST}:{port} can start runs. To require a password, restart with "
+                f"{AUTH_ENV}=user:password (clients set {CLIENT_AUTH_ENV} to the same)."
+            )
         print(f"Run:  PREFECT_API_URL={api} prefect deployment run rlhf/full\nCtrl-C stops everything.\n", flush=True)
         while all(process.poll() is None for process in processes):
             time.sleep(1)

@@ -22,6 +22,7 @@ import sys
 from pydantic import ValidationError
 
 from rlhf_pipeline.deployments.env import CONSOLE_SETTINGS, QUIET_ENV
+from rlhf_pipeline.tasks.secrets import redact_text
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -146,10 +147,12 @@ def main(argv: list[str] | None = None) -> int:
         extra = {"no_cache": True} if args.no_cache else {}
         params = load_params(args.config, args.overrides, **extra)
     except (ValidationError, ValueError) as exc:
-        print(f"rlhf: invalid parameters:\n{exc}", file=sys.stderr)
+        print(f"rlhf: invalid parameters:\n{redact_text(str(exc))}", file=sys.stderr)
         return 2
     if args.command == "params":
-        print(json.dumps(params.model_dump(mode="json"), indent=2))
+        from rlhf_pipeline.tasks.secrets import redact
+
+        print(json.dumps(redact(params.model_dump(mode="json")), indent=2))
         return 0
 
     _console(args)
@@ -303,7 +306,7 @@ def _evaluate(args) -> int:
     try:
         params = EvalParams.model_validate(values)
     except (ValidationError, ValueError) as exc:
-        print(f"rlhf: invalid parameters:\n{exc}", file=sys.stderr)
+        print(f"rlhf: invalid parameters:\n{redact_text(str(exc))}", file=sys.stderr)
         return 2
     _console(args)
     _start_temporary_server()

@@ -29,6 +29,7 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from rlhf_pipeline.tasks.secrets import redact
 from rlhf_pipeline.trainers.progress import emit
 from rlhf_pipeline.trainers.rank import (
     ERROR_FILE,
@@ -36,6 +37,7 @@ from rlhf_pipeline.trainers.rank import (
     PERMANENT,
     PROGRESS_MARK,
     RESULT_FILE,
+    SECRETS_ENV,
     die_with_parent,
     write_spec,
 )
@@ -145,9 +147,11 @@ def run_launched(
     spec = work_dir / "launch.json"
     for stale in (work_dir / RESULT_FILE, work_dir / ERROR_FILE):
         stale.unlink(missing_ok=True)
-    write_spec(spec, trainer, arguments)
+    hidden = write_spec(spec, trainer, arguments, mask=redact)  # secrets reach the ranks by environment, not file
     command = launch.command(spec)
     env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1", "RLHF_STAGE": stage}
+    if hidden:
+        env[SECRETS_ENV] = json.dumps(hidden)
     log(f"{stage}: {' '.join(command[2:])}")
     # In the flow run's process group, so that a runner cancelling the run (SIGTERM to the group) or Ctrl-C reaches
     # every rank.

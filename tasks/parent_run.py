@@ -41,7 +41,7 @@ class PipelineRun:
         self.summary = {
             "mlflow_run_id": run_id,
             "mlflow": tracking.run_link(run_id),
-            "tracking_uri": tracking.tracking_uri(),
+            "tracking_uri": tracking.shown_uri(),
             "artifacts": {ref.stage: ref.uri for ref in stages},
             "metrics": metrics,
             "registry": registered,

@@ -1,8 +1,11 @@
 """Secrets never reach MLflow, manifests or logs.
 
 A value is a secret when its config key is named like one (`hub_token`,
-`password`, `api_key`, ...) or when it is the value of an environment
-variable named like one (`HF_TOKEN`, `MLFLOW_TRACKING_PASSWORD`, ...).
+`password`, `api_key`, `aws_secret_access_key`, `Authorization`, ...), when it
+is the value of an environment variable named like one (`HF_TOKEN`,
+`MLFLOW_TRACKING_PASSWORD`, `AZURE_STORAGE_CONNECTION_STRING`, ...), or when it
+is the user info of a URI (`postgresql://user:password@host/db`), wherever the
+URI appears.
 Secrets belong in the environment or a Prefect Secret block: flow-run
 parameters are stored by Prefect as given.
 """
@@ -16,18 +19,62 @@ from typing import Any
 
 MASK = "***"
 SECRET_KEY = re.compile(
-    r"^(token|password|passwd|secret|api_?key|credentials?|private_key)$"
-    r"|(hub|hf|auth|access|api|bearer|refresh|session)_token$"
+    r"^(token|password|passwd|secret|api_?key|credentials?|private_key|authorization|cookie|x-api-key|dsn)$"
+    r"|(hub|hf|auth|access|api|bearer|refresh|session|sas|id)_token$"
+    r"|(^|_)(secret_access_key|access_key(_id)?|connection_string|auth_string)$"
     r"|_(password|passwd|secret|api_?key|secret_key|credentials?)$",
     re.IGNORECASE,
 )  # not `pad_token` or `max_new_tokens`: tokenizer words are not secrets
-SECRET_ENV = re.compile(r"token|password|passwd|secret|api_?key|credential|private_key", re.IGNORECASE)
-MIN_SECRET_LENGTH = 8  # shorter env values ("false", "1") are settings, not secrets
+SECRET_ENV = re.compile(
+    r"token|password|passwd|secret|api_?key|credential|private_key|access_key|auth_string|authorization"
+    r"|connection_string$|_dsn$",
+    re.IGNORECASE,
+)
+MIN_SECRET_LENGTH = 8  # a shorter value is masked too unless it reads as a setting ("false", "1", "none")
+SETTINGS = frozenset({"true", "false", "yes", "no", "on", "off", "none", "null", "auto"})
+URI_CREDENTIALS = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)([^\s/@?#]+)@")
+"""`scheme://user:password@host`: the user info, masked whole wherever a URI appears (a database URI, a tracking
+server's, a proxy's)."""
+
+
+def secret_like(value: str) -> bool:
+    return len(value) >= MIN_SECRET_LENGTH or (
+        len(value) >= 4 and not value.isdigit() and value.lower() not in SETTINGS
+    )
+
+
+def credentials(text: str) -> set[str]:
+    """The user info of every URI in `text` that holds a password or a token, and each password alone (as given and
+    URL-decoded)."""
+    from urllib.parse import unquote
+
+    found = set()
+    for match in URI_CREDENTIALS.finditer(text):
+        userinfo = match.group(2)
+        user, colon, password = userinfo.partition(":")
+        if colon:
+            found.add(userinfo)
+            found.update(word for word in (password, unquote(password)) if secret_like(word))
+        elif len(user) >= MIN_SECRET_LENGTH:  # `https://<token>@host`; a short user name alone is no secret
+            found.add(user)
+    return found
 
 
 def secret_values() -> list[str]:
-    found = {value for name, value in os.environ.items() if SECRET_ENV.search(name) and len(value) >= MIN_SECRET_LENGTH}
+    """The values of secret-named environment variables, and the credentials inside any variable's URIs
+    (`DATABASE_URL`, `MLFLOW_TRACKING_URI`, `HTTPS_PROXY`), longest first."""
+    found: set[str] = set()
+    for name, value in os.environ.items():
+        if SECRET_ENV.search(name) and secret_like(value):
+            found.add(value)
+        if "://" in value:
+            found.update(credentials(value))
     return sorted(found, key=len, reverse=True)
+
+
+def mask_uri(uri: str) -> str:
+    """`uri` with its user info masked: `postgresql://***@db:5432/mlflow`."""
+    return URI_CREDENTIALS.sub(rf"\1{MASK}@", uri)
 
 
 def redact(value: Any, key: str = "") -> Any:
@@ -44,6 +91,8 @@ def redact(value: Any, key: str = "") -> Any:
 
 
 def redact_text(text: str, extra: list[str] = ()) -> str:
+    """`text` with every URI's user info, every secret value of the environment and `extra` masked."""
+    text = mask_uri(text)
     for secret in [*secret_values(), *extra]:
         text = text.replace(secret, MASK)
     return text
@@ -57,6 +106,10 @@ class RedactSecrets(logging.Filter):
         clean = redact_text(message)
         if clean != message:
             record.msg, record.args = clean, None
+        if record.exc_info and not record.exc_text:  # the traceback, which formatters take from exc_text once set
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = redact_text(record.exc_text)
         return True
 
 

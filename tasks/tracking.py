@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.tasks.secrets import redact, redact_text
+from rlhf_pipeline.tasks.secrets import URI_CREDENTIALS, mask_uri, redact, redact_text
 
 STATE_ENV = "RLHF_STATE_DIR"
 PARAM_VALUE_LIMIT = 6000  # MLflow rejects longer param values
@@ -33,15 +33,29 @@ def tracking_uri() -> str:
 
 
 def check_reachable(timeout: float = 5.0) -> None:
-    """Fail before anything is logged when the tracking server does not answer: no half-logged runs."""
+    """Fail before anything is logged when the tracking server does not answer: no half-logged runs. Credentials go as
+    MLflow sends them (the URI's user info, else MLFLOW_TRACKING_USERNAME/PASSWORD, else MLFLOW_TRACKING_TOKEN), never
+    in the message."""
     uri = tracking_uri()
     if not uri.startswith("http"):
         return
+    import base64
     import urllib.error
     import urllib.request
+    from urllib.parse import unquote, urlsplit
 
+    parts = urlsplit(uri)
+    plain = parts._replace(netloc=parts.hostname + (f":{parts.port}" if parts.port else "")).geturl()
+    headers = {}
+    user = unquote(parts.username or "") or os.environ.get("MLFLOW_TRACKING_USERNAME")
+    password = unquote(parts.password or "") if parts.username else os.environ.get("MLFLOW_TRACKING_PASSWORD")
+    if user:
+        headers["Authorization"] = "Basic " + base64.b64encode(f"{user}:{password or ''}".encode()).decode()
+    elif token := os.environ.get("MLFLOW_TRACKING_TOKEN"):
+        headers["Authorization"] = f"Bearer {token}"
     try:
-        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout) as response:
+        request = urllib.request.Request(f"{plain.rstrip('/')}/health", headers=headers)
+        with urllib.request.urlopen(request, timeout=timeout) as response:
             if response.status == 200:
                 return
             problem = f"HTTP {response.status}"
@@ -50,9 +64,16 @@ def check_reachable(timeout: float = 5.0) -> None:
     except OSError as exc:
         problem = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
     raise ConnectionError(
-        f"MLflow tracking server {uri} cannot be reached ({problem}); nothing was logged and no stage ran. "
-        "Start it, or point MLFLOW_TRACKING_URI at one (unset: SQLite under the state folder)."
+        redact_text(
+            f"MLflow tracking server {uri} cannot be reached ({problem}); nothing was logged and no stage ran. "
+            "Start it, or point MLFLOW_TRACKING_URI at one (unset: SQLite under the state folder)."
+        )
     )
+
+
+def shown_uri() -> str:
+    """The tracking URI as logs, tags, summaries and banners show it: its user info masked."""
+    return mask_uri(tracking_uri())
 
 
 def client():
@@ -69,6 +90,15 @@ KIND_TAG, TRAINING = "mlflow.experimentKind", "custom_model_development"
 traces."""
 
 
+def folder_name(name: str) -> str:
+    """`name` as one folder name: separators and every other character a path gives meaning to are %-quoted, so no
+    experiment name ('../../x', '/abs', '.') reaches outside `mlartifacts/`."""
+    from urllib.parse import quote
+
+    folder = quote(name, safe=" -_")
+    return folder.replace(".", "%2E") if set(folder) == {"."} else folder
+
+
 def experiment_id(name: str) -> str:
     """The experiment's id, created if missing, marked as model training (unless someone chose its kind by hand)."""
     mlflow = client()
@@ -81,12 +111,12 @@ def experiment_id(name: str) -> str:
         return found.experiment_id
     location = None
     if tracking_uri().startswith("sqlite:"):  # keep artifacts beside the database, not in ./mlruns
-        location = (state_dir() / "mlartifacts" / name).as_uri()
+        location = (state_dir() / "mlartifacts" / folder_name(name)).as_uri()
     return mlflow.create_experiment(name, artifact_location=location, tags={KIND_TAG: TRAINING})
 
 
 def start_run(experiment: str, run_name: str, tags: dict[str, str], parent_run_id: str | None = None) -> str:
-    tags = dict(tags)
+    tags = {key: redact_text(str(value)) for key, value in tags.items()}
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
     run = client().create_run(experiment, run_name=run_name, tags=tags)
@@ -182,7 +212,7 @@ def ui_url() -> str | None:
     """The MLflow UI's address: the tracking server itself, or `RLHF_MLFLOW_UI` (set by `rlhf up`) for a local store."""
     uri = tracking_uri()
     if uri.startswith("http"):
-        return uri.rstrip("/")
+        return URI_CREDENTIALS.sub(r"\1", uri).rstrip("/")  # a link without the credentials: the browser asks
     return os.environ.get(UI_ENV, "").rstrip("/") or None
 
 
@@ -208,7 +238,7 @@ def experiment_url(experiment: str, ui: str | None = None) -> str | None:
 
 def run_link(run_id: str) -> str:
     """Where a person finds the run: its UI page, else how to open the local UI."""
-    uri = tracking_uri()
+    uri = shown_uri()
     return run_url(run_id) or f"run {run_id} in {uri} (open with: mlflow ui --backend-store-uri {uri})"
 
 

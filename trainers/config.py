@@ -76,7 +76,11 @@ class ModelConfig(Block):
     )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of the base model.")
     trust_remote_code: bool = Field(
-        False, description="Run model code shipped with a hub repository. Off unless you trust it."
+        False,
+        description=(
+            "Run model code shipped with a hub repository. Refused unless the worker's operator allows the repository "
+            "(RLHF_ALLOWED_REMOTE_CODE)."
+        ),
     )
     seed: int = Field(0, description="Seed of the tiny model's initial weights (same seed, same base model).")
     chat_template: str | None = Field(
@@ -97,6 +101,14 @@ class ModelConfig(Block):
         ),
     )
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Architecture of the tiny model.")
+
+    @model_validator(mode="after")
+    def _remote_code_allowed_by_the_operator(self):
+        if self.trust_remote_code:
+            from rlhf_pipeline.trainers.trust import check_remote_code
+
+            check_remote_code(self.name_or_path, "model")
+        return self
 
 
 class LoraConfig(StrictModel):

@@ -6,7 +6,8 @@ Every stage block may name code of the user's by `package.module:name`:
     callbacks: [{path: my_lab.cb:StopAt, kwargs: {step: 50}}]   transformers TrainerCallback classes
     compute_metrics: my_lab.metrics:accuracy       fn(eval_prediction) -> {name: value}   (sft, rm, dpo)
 
-Each path is imported and its signature checked when the parameters are checked (a misspelt path fails in
+Each path is checked against the worker's list of importable modules (`trainers.trust`, RLHF_ALLOWED_IMPORTS), then
+imported and its signature checked when the parameters are checked (a misspelt path fails in
 `rlhf params`, naming it), and the source of its module is part of the key of the stage that uses it
 (`source_digests`): editing a callback re-runs that stage and nothing else. The fields are declared in
 `trainers.config` (`Customisation`, `EvalDuringTraining`); this module has no pydantic models.
@@ -23,6 +24,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
 
+from rlhf_pipeline.trainers.trust import check_import
+
 
 def import_object(path: str, what: str) -> Any:
     """The object `package.module:name` names; a malformed path, a module that does not import or a missing name fails
@@ -30,6 +33,7 @@ def import_object(path: str, what: str) -> Any:
     module_name, _, name = path.partition(":")
     if not module_name or not name:
         raise ValueError(f"{what} {path!r}: expected 'package.module:name'")
+    check_import(path, what)
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:
@@ -81,6 +85,7 @@ def source_digests(paths: Iterable[str], what: str = "import path") -> dict[str,
     found: dict[str, str] = {}
     for path in paths:
         module = path.partition(":")[0]
+        check_import(path, what)  # finding a dotted module's spec imports its parent packages
         try:
             origin = getattr(importlib.util.find_spec(module), "origin", None)
         except (ImportError, ValueError) as exc:

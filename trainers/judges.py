@@ -87,7 +87,11 @@ class JudgeConfig(StrictModel):
     )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of an LM judge.")
     trust_remote_code: bool = Field(
-        False, description="Run model code shipped with an LM judge's hub repository. Off unless you trust it."
+        False,
+        description=(
+            "Run model code shipped with an LM judge's hub repository. Refused unless the worker's operator allows "
+            "the repository (RLHF_ALLOWED_REMOTE_CODE)."
+        ),
     )
 
     @field_validator("template")
@@ -134,6 +138,10 @@ class JudgeConfig(StrictModel):
             given = [name for name in ("template", "revision", "trust_remote_code") if name in self.model_fields_set]
             if given:
                 raise ValueError(f"judge {self.path!r} is a function: {', '.join(given)} only apply to an LM judge")
+        elif self.trust_remote_code:
+            from rlhf_pipeline.trainers.trust import check_remote_code
+
+            check_remote_code(self.path, "judge")
         return self
 
     @property

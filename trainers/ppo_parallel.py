@@ -150,7 +150,13 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     ranks.barrier()
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    kind, keys, position, has_gauss, gauss = np.random.get_state(legacy=True)
+    assert isinstance(keys, np.ndarray)
+    rng = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),  # (version, 625 ints, None): loads with weights_only
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, gauss),  # no numpy array
+    }
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
     torch.save(rng, tmp / rng_file(ranks.rank))
@@ -206,10 +212,11 @@ def load_checkpoint(checkpoint: Path, policy, value_model, optimizer, scheduler,
             f"{checkpoint} has no RNG state of rank {rank}: it was written by fewer ranks; resume with the same "
             "launch.num_processes"
         )
-    rng = torch.load(checkpoint / rng_file(rank), weights_only=False)  # our own file; python/numpy states are tuples
+    rng = torch.load(checkpoint / rng_file(rank), weights_only=True)  # tensors, tuples and numbers: nothing runs
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
+    kind, keys, position, has_gauss, gauss = rng["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, gauss))
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
     return json.loads((checkpoint / "trainer_state.json").read_text())

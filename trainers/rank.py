@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 METRICS_MARK = "@@rlhf-metrics "
 PROGRESS_MARK = "@@rlhf-progress "
@@ -29,37 +29,56 @@ PERMANENT = (ValueError, TypeError, KeyError, ImportError, NotImplementedError)
 """Errors no retry can fix (bad config or data); `tasks.orchestration` retries every other one."""
 
 
-def write_spec(path: Path, trainer: str, arguments: dict[str, Any]) -> None:
-    """`launch.json`: the trainer module and its arguments (pydantic configs by class and value, paths as text)."""
+SECRETS_ENV = "RLHF_LAUNCH_SECRETS"
+"""The arguments whose values `launch.json` holds masked, unmasked, as JSON: in the ranks' environment, never in a
+file."""
+
+
+def write_spec(
+    path: Path, trainer: str, arguments: dict[str, Any], mask: Callable[[Any], Any] = lambda value: value
+) -> dict[str, Any]:
+    """`launch.json`: the trainer module and its arguments (pydantic configs by class and value, paths as text), each
+    value through `mask` (the launcher's masks secrets). Returns the arguments `mask` changed, unmasked, for the
+    ranks' environment (`SECRETS_ENV`)."""
     from pydantic import BaseModel
 
-    def encode(value: Any) -> Any:
+    hidden: dict[str, Any] = {}
+
+    def encode(name: str, value: Any) -> Any:
         if isinstance(value, BaseModel):
             cls = type(value)
-            return {"config": f"{cls.__module__}:{cls.__qualname__}", "value": value.model_dump(mode="json")}
+            dump = value.model_dump(mode="json")
+            if (masked := mask(dump)) != dump:
+                hidden[name] = dump
+            return {"config": f"{cls.__module__}:{cls.__qualname__}", "value": masked}
         if isinstance(value, Path):
             return {"path": str(value)}
-        return {"value": value}
+        if (masked := mask(value)) != value:
+            hidden[name] = value
+        return {"value": masked}
 
     path.write_text(
         json.dumps(
-            {"trainer": trainer, "arguments": {name: encode(value) for name, value in arguments.items()}}, indent=2
+            {"trainer": trainer, "arguments": {name: encode(name, value) for name, value in arguments.items()}},
+            indent=2,
         )
     )
+    return hidden
 
 
 def read_spec(path: Path) -> tuple[str, dict[str, Any]]:
     spec = json.loads(path.read_text())
+    hidden = json.loads(os.environ.get(SECRETS_ENV) or "{}")
 
-    def decode(encoded: dict) -> Any:
+    def decode(name: str, encoded: dict) -> Any:
         if "config" in encoded:
-            module, _, name = encoded["config"].partition(":")
-            return getattr(importlib.import_module(module), name).model_validate(encoded["value"])
+            module, _, cls = encoded["config"].partition(":")
+            return getattr(importlib.import_module(module), cls).model_validate(hidden.get(name, encoded["value"]))
         if "path" in encoded:
             return Path(encoded["path"])
-        return encoded["value"]
+        return hidden.get(name, encoded["value"])
 
-    return spec["trainer"], {name: decode(value) for name, value in spec["arguments"].items()}
+    return spec["trainer"], {name: decode(name, value) for name, value in spec["arguments"].items()}
 
 
 def rank() -> int:

@@ -29,6 +29,7 @@ from tests.deployments.servers import (
 )
 from tests.flows.helpers import task_runs
 
+PASSWORD = "operator:Zq8-service-pass"  # PREFECT_SERVER_API_AUTH_STRING for `rlhf up`
 TINY_RUN = {  # a few steps of every stage; each block merges onto the preset, field by field
     "model": {"tiny": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}},
     "sft": {"max_steps": 8, "logging_steps": 2},
@@ -215,10 +216,20 @@ def test_rlhf_deploy_registers_the_served_deployments_on_a_pool_with_forms_that_
 
 
 def test_rlhf_up_starts_prefect_mlflow_and_serve_and_stops_them_all(tmp_path):
+    """With a password configured: `rlhf serve` (a client) gets in, a request without it or without a CSRF token is
+    refused."""
+    import base64
     import signal
+    import urllib.error
+    import urllib.request
 
     port, mlflow_port = free_port(), free_port()
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "RLHF_STATE_DIR": str(tmp_path / "state")}
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "RLHF_STATE_DIR": str(tmp_path / "state"),
+        "PREFECT_SERVER_API_AUTH_STRING": PASSWORD,
+    }
     env.pop("MLFLOW_TRACKING_URI")  # the default: SQLite under the state folder, shown by the MLflow UI
     with open(tmp_path / "up.log", "w") as log:
         up = subprocess.Popen(
@@ -231,12 +242,26 @@ def test_rlhf_up_starts_prefect_mlflow_and_serve_and_stops_them_all(tmp_path):
         try:
             wait_until_up(f"http://127.0.0.1:{port}/api/health", up, timeout=180)
             wait_until_up(f"http://127.0.0.1:{mlflow_port}/health", up, timeout=120)
-            service = {"env": {**env, "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}, "tmp": tmp_path}
+            client_env = {**env, "PREFECT_API_URL": f"http://127.0.0.1:{port}/api", "PREFECT_API_AUTH_STRING": PASSWORD}
+            service = {"env": client_env, "tmp": tmp_path}
             service["client"] = lambda: api_client(service["env"])
             service["processes"] = [up, up]
-            assert deployment(service, "rlhf/retrain").schedules
+            assert deployment(service, "rlhf/retrain").schedules  # served, and read, with the password
             started = children(up.pid)
             assert len(started) == 3, (tmp_path / "up.log").read_text()[-3000:]
+
+            def refused(headers: dict) -> int:
+                request = urllib.request.Request(
+                    f"http://127.0.0.1:{port}/api/flows/filter", data=b"{}", headers=headers, method="POST"
+                )
+                with pytest.raises(urllib.error.HTTPError) as error:
+                    urllib.request.urlopen(request, timeout=10)
+                return error.value.code
+
+            basic = "Basic " + base64.b64encode(PASSWORD.encode()).decode()
+            assert refused({"Content-Type": "application/json"}) == 401  # no password
+            assert refused({"Content-Type": "application/json", "Authorization": basic}) == 403  # no CSRF token
+            assert "Basic authentication on" in (tmp_path / "up.log").read_text()
         finally:
             up.send_signal(signal.SIGTERM)
             up.wait(60)

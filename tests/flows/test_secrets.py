@@ -3,6 +3,7 @@ artifacts, manifests, the artifact store, Prefect logs."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,10 @@ pytestmark = pytest.mark.e2e  # a pipeline run end to end: the fast loop skips i
 
 ENV_SECRET = "hf_env_7Hq2LmZp9RwX4vKd"
 CONFIG_SECRET = "hf_cfg_3Jt8NcYb5SuE1gFa"
+DB_PASSWORD = "pg-Wq7x2Lm9"
+DATABASE_URL = f"postgresql://rlhf:{DB_PASSWORD}@db.internal:5432/mlflow"
+CONFIG_URI = "https://bot:cfgUriPass4@hub.internal/org/policy"
+EVERY = (ENV_SECRET, CONFIG_SECRET, DB_PASSWORD, "cfgUriPass4")
 
 
 def test_redact_masks_secret_keys_and_env_values_but_not_tokenizer_words(monkeypatch):
@@ -48,20 +53,28 @@ def test_secrets_appear_in_no_log_param_artifact_or_manifest(prefect, state, mon
     from prefect import get_client, get_run_logger
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
-    from rlhf_pipeline import tasks
+    from rlhf_pipeline.tasks import eval as eval_stage  # imported here: no other test of this worker may have
     from rlhf_pipeline.tasks.orchestration import prefect_log
 
     monkeypatch.setenv("HF_TOKEN", ENV_SECRET)
-    evaluate = tasks.eval.run_stage
+    monkeypatch.setenv("DATABASE_URL", DATABASE_URL)  # a variable named like no secret, with a password in its URI
+    evaluate = eval_stage.run_stage
 
     def quoting_secrets(*args, **kwargs):  # log lines that quote the secret, as an error message might
-        prefect_log(f"connecting with token {ENV_SECRET}")
+        prefect_log(f"connecting with token {ENV_SECRET} to {DATABASE_URL}")
         get_run_logger().warning(f"retrying {ENV_SECRET}")  # straight to Prefect's logger: the handler filter masks it
+        try:
+            raise ConnectionError(f"refused: {DATABASE_URL}, password {DB_PASSWORD}")
+        except ConnectionError:
+            get_run_logger().exception("the traceback is masked too")
         return evaluate(*args, **kwargs)
 
-    monkeypatch.setattr(tasks.eval, "run_stage", quoting_secrets)
-    # A config that carries a secret (TRL accepts `hub_token`).
-    done = run(f"sft.trl_overrides={{hub_token: {CONFIG_SECRET}}}", f"experiment_name=secrets-{ENV_SECRET[-4:]}")
+    monkeypatch.setattr(eval_stage, "run_stage", quoting_secrets)
+    # A config that carries a secret (TRL accepts `hub_token`) and a URI with a password.
+    done = run(
+        f"sft.trl_overrides={{hub_token: {CONFIG_SECRET}, hub_model_id: '{CONFIG_URI}'}}",
+        f"experiment_name=secrets-{ENV_SECRET[-4:]}",
+    )
     assert done.is_completed(), done.message
     flow_run_id = done.state_details.flow_run_id
 
@@ -71,14 +84,115 @@ def test_secrets_appear_in_no_log_param_artifact_or_manifest(prefect, state, mon
     assert {r.info.run_name for r in runs} >= {"sft", "dpo", "eval"}
     for r in runs:
         logged = [*r.data.params.values(), *r.data.tags.values()]
-        assert not any(ENV_SECRET in v or CONFIG_SECRET in v for v in logged), r.info.run_name
+        assert not any(secret in v for v in logged for secret in EVERY), r.info.run_name
     sft_run = next(r for r in runs if r.info.run_name == "sft")
     masked = {k: v for k, v in sft_run.data.params.items() if k.endswith("trl_overrides.hub_token")}
     assert list(masked.values()) == ["***"], masked  # masked, not dropped
 
     # MLflow's artifact store (config.yaml, reports, manifests, the model) and the stage artifacts.
-    assert files_containing(tracking.state_dir(), ENV_SECRET, CONFIG_SECRET) == []
+    assert files_containing(tracking.state_dir(), *EVERY) == []
     with get_client(sync_client=True) as client:
         logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
-    assert not any(ENV_SECRET in log.message or CONFIG_SECRET in log.message for log in logs)
-    assert {"connecting with token ***", "retrying ***"} <= {log.message for log in logs}
+        artifacts = client.read_artifacts()
+    assert not any(secret in log.message for log in logs for secret in EVERY)
+    messages = {log.message for log in logs}
+    assert {"connecting with token *** to postgresql://***@db.internal:5432/mlflow", "retrying ***"} <= messages
+    [traceback] = [message for message in messages if message.startswith("the traceback is masked too")]
+    assert "ConnectionError: refused: postgresql://***@db.internal" in traceback and "password ***" in traceback
+    assert not any(secret in str(artifact.data) for artifact in artifacts for secret in EVERY)  # Prefect's artifacts
+    [uri] = [v for k, v in sft_run.data.params.items() if k.endswith("trl_overrides.hub_model_id")]
+    assert uri == "https://***@hub.internal/org/policy", uri
+
+
+def test_every_uri_credential_secret_name_and_short_secret_is_masked_and_settings_are_not(monkeypatch):
+    from rlhf_pipeline.tasks.secrets import redact_text
+
+    monkeypatch.setenv("DATABASE_URL", DATABASE_URL)
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", "DefaultEndpointsProtocol=https;AccountKey=azK3y==")
+    monkeypatch.setenv("APP_PASSWORD", "pw7q")  # short, still a secret
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # named like one, a setting
+    monkeypatch.setenv("GIT_REMOTE_URL", "ssh://git@github.com/org/repo")  # a user name alone is no secret
+    text = (
+        f"{DB_PASSWORD} | redis://:r3disPass@cache:6379 | https://ghp_abcdefgh1234@github.com/x | pw7q | "
+        "AccountKey=azK3y== | DefaultEndpointsProtocol=https;AccountKey=azK3y== | parallel: false | git clone"
+    )
+    assert redact_text(text) == (
+        "*** | redis://***@cache:6379 | https://***@github.com/x | *** | AccountKey=azK3y== | *** | parallel: false | "
+        "git clone"
+    )
+    config = {
+        "aws_secret_access_key": "AKIAsecret",
+        "headers": {"Authorization": "Bearer abc", "X-Api-Key": "k", "Accept": "json"},
+        "storage": {"connection_string": "c", "sas_token": "s", "access_key_id": "a"},
+        "tracking": "http://u:p4ssw0rd@mlflow:5000",
+    }
+    assert redact(config) == {
+        "aws_secret_access_key": "***",
+        "headers": {"Authorization": "***", "X-Api-Key": "***", "Accept": "json"},
+        "storage": {"connection_string": "***", "sas_token": "***", "access_key_id": "***"},
+        "tracking": "http://***@mlflow:5000",
+    }
+
+
+def test_rlhf_params_and_its_errors_mask_secrets(capsys):
+    from rlhf_pipeline.cli import main
+
+    assert (
+        main(["params", "--set", f"sft.trl_overrides={{hub_token: {CONFIG_SECRET}, hub_model_id: '{CONFIG_URI}'}}"])
+        == 0
+    )
+    shown = capsys.readouterr().out
+    assert CONFIG_SECRET not in shown and "cfgUriPass4" not in shown and '"hub_token": "***"' in shown
+    assert main(["params", "--set", f"experiment_name={{bad: '{CONFIG_URI}'}}"]) == 2
+    assert "cfgUriPass4" not in capsys.readouterr().err
+
+
+def test_launch_json_holds_no_secret_and_the_ranks_get_them_by_environment(tmp_path, monkeypatch):
+    from rlhf_pipeline.flows.params import load_params
+    from rlhf_pipeline.tasks.secrets import redact
+    from rlhf_pipeline.trainers.rank import SECRETS_ENV, read_spec, write_spec
+
+    sft = load_params("tiny", [f"sft.trl_overrides={{hub_token: {CONFIG_SECRET}}}"]).sft
+    spec = tmp_path / "launch.json"
+    hidden = write_spec(spec, "rlhf_pipeline.trainers.sft", {"cfg": sft, "steps": 3, "out": tmp_path}, mask=redact)
+    assert CONFIG_SECRET not in spec.read_text() and '"hub_token": "***"' in spec.read_text()
+    assert list(hidden) == ["cfg"]
+    monkeypatch.setenv(SECRETS_ENV, json.dumps(hidden))
+    trainer, arguments = read_spec(spec)
+    assert arguments == {"cfg": sft, "steps": 3, "out": tmp_path}  # the ranks train with the real value
+
+
+def test_the_reachability_check_sends_the_uris_credentials_as_mlflow_does_and_never_shows_them(monkeypatch):
+    import base64
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    expected = "Basic " + base64.b64encode(b"bot:s3cret/pass").decode()
+
+    class Health(BaseHTTPRequestHandler):  # a tracking server behind basic authentication: /health answers 401
+        def do_GET(self):
+            self.send_response(200 if self.headers.get("Authorization") == expected else 401)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    try:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://bot:s3cret%2Fpass@127.0.0.1:{port}")
+        tracking.check_reachable()  # healthy, with the URI's (URL-encoded) credentials
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://bot:wrongpass@127.0.0.1:{port}")
+        with pytest.raises(ConnectionError, match="HTTP 401") as refused:
+            tracking.check_reachable()
+        assert "wrongpass" not in str(refused.value) and f"http://***@127.0.0.1:{port}" in str(refused.value)
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "bot")
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "s3cret/pass")
+        tracking.check_reachable()  # MLflow's own variables
+        assert tracking.ui_url() == f"http://127.0.0.1:{port}"
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://bot:wrongpass@127.0.0.1:{port}")
+        assert tracking.ui_url() == f"http://127.0.0.1:{port}" and "wrongpass" not in tracking.shown_uri()
+    finally:
+        server.shutdown()
