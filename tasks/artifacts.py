@@ -104,3 +104,45 @@ def content_digest(directory: Path, only: tuple[str, ...] = ()) -> str:
             for block in iter(lambda: f.read(1 << 20), b""):
                 digest.update(block)
     return digest.hexdigest()[:32]
+
+
+FILES = "files"
+"""The manifest's listing of every file it vouches for: `{relative path: {"size": bytes, "sha256": hex}}`."""
+
+
+def sha256_of(file: Path) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def file_listing(directory: Path) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of every file under `directory` but the manifest: what a reuse checks the folder against."""
+    return {
+        file.relative_to(directory).as_posix(): {"size": file.stat().st_size, "sha256": sha256_of(file)}
+        for file in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+    }
+
+
+def damage(directory: Path) -> str | None:
+    """Why the published folder cannot be reused, or None: an unreadable manifest, or a listed file missing, of
+    another size, or with other bytes. A manifest from before the listing vouches for nothing more than itself."""
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        return f"{MANIFEST} is unreadable ({type(exc).__name__}: {exc})"
+    if not isinstance(manifest, dict) or "digest" not in manifest or "mlflow_run_id" not in manifest:
+        return f"{MANIFEST} lacks its digest or run"
+    listing = manifest.get(FILES) or {}
+    for name, expected in listing.items():
+        file = directory / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if (size := file.stat().st_size) != expected["size"]:
+            return f"{name} has {size} bytes, the manifest lists {expected['size']}"
+    for name, expected in listing.items():  # sizes first: a truncation is found without reading a byte
+        if sha256_of(directory / name) != expected["sha256"]:
+            return f"{name}'s bytes differ from the manifest's sha256"
+    return None

@@ -29,6 +29,7 @@ from pydantic import BaseModel
 
 from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.artifacts import (
+    FILES,
     HISTORY,
     MANIFEST,
     ArtifactRef,
@@ -36,6 +37,8 @@ from rlhf_pipeline.tasks.artifacts import (
     RunContext,
     StageOutcome,
     content_digest,
+    damage,
+    file_listing,
     read_history,
 )
 from rlhf_pipeline.tasks.code_version import code_version
@@ -114,6 +117,11 @@ def run_stage(
     stage_root.mkdir(parents=True, exist_ok=True)
     # One builder per key: a second run with the same inputs waits here, then finds the manifest.
     with _key_lock(stage_root, key, stage, log):
+        if (final / MANIFEST).is_file() and not ctx.force and (why := damage(final)):
+            # Never reused, never blocking its key: kept aside for a look, and built again.
+            aside = final.with_name(f".damaged-{key}-{uuid.uuid4().hex[:8]}")
+            os.rename(final, aside)
+            log(f"{stage}: {final} cannot be reused: {why}; moved to {aside.name} and built again")
         if (final / MANIFEST).is_file() and not ctx.force:
             manifest = ref.manifest()
             ref = ref.model_copy(update={"digest": manifest["digest"], "parts": manifest.get("parts", {})})
@@ -123,7 +131,7 @@ def run_stage(
             found = tracking.run_exists(producer)
             cached_tags = {"rlhf.cached": "true", "rlhf.produced_by": producer}
             if not found:
-                cached_tags["rlhf.produced_by_missing"] = f"run {producer} is not in {tracking.tracking_uri()}"
+                cached_tags["rlhf.produced_by_missing"] = f"run {producer} is not in {tracking.shown_uri()}"
             run_id = tracking.start_run(ctx.experiment_id, stage, {**tags, **cached_tags}, ctx.parent_run_id)
             tracking.log_params(run_id, config_json)
             curves = read_history(final)
@@ -169,6 +177,7 @@ def run_stage(
                 metrics = build(tmp, work_dir, log_metrics)
             if history.is_file():
                 shutil.copy(history, tmp / HISTORY)
+            files = file_listing(tmp)
             seconds = time.time() - started
             training = json.loads((tmp / OUTCOME).read_text()) if (tmp / OUTCOME).is_file() else None
             resources = memory.figures(training)
@@ -196,6 +205,7 @@ def run_stage(
                 "metrics": metrics,
                 "mlflow_run_id": run_id,
                 "resources": resources,
+                FILES: files,
             }
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
             for name in (MANIFEST, *log_files):
@@ -298,8 +308,33 @@ def _log_file(run_id: str, stage_dir: Path, name: str) -> None:
     tracking.log_artifacts(run_id, path, target)
 
 
+def _synced(directory: Path) -> None:
+    """Every file and folder under `directory` (and itself) flushed to the disk: a rename is durable only after the
+    bytes it names are."""
+    for path in sorted(directory.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        _fsync(path)
+    _fsync(directory)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _publish(tmp: Path, final: Path) -> None:
-    """Rename the finished directory into place; never leave a half-written one at `final`."""
+    """Rename the finished directory into place, its bytes synced first and the rename after; never leave a
+    half-written one at `final`."""
+    _synced(tmp)
+    try:
+        _rename_into_place(tmp, final)
+    finally:
+        _fsync(final.parent)
+
+
+def _rename_into_place(tmp: Path, final: Path) -> None:
     if final.exists():
         # A forced re-run, or leftovers without a manifest: move the old one aside first.
         trash = final.with_name(f".trash-{final.name}-{uuid.uuid4().hex[:8]}")

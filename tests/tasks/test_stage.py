@@ -22,7 +22,7 @@ def writing(calls: list, metrics=None, fail=False):
     def build(out_dir, work_dir, log_metrics):
         calls.append(out_dir)
         (out_dir / "model").mkdir()
-        (out_dir / "model" / "weights.bin").write_bytes(b"w")
+        (out_dir / "model" / "weights.bin").write_bytes(b"weights")
         log_metrics({"dpo/train/loss": 0.5}, 1)
         if fail:
             raise OSError("disk vanished mid-write")
@@ -74,6 +74,50 @@ def test_deleted_artifact_runs_again_and_force_ignores_the_cache(ctx):
     assert not forced.cached and len(calls) == 3
 
 
+@pytest.mark.parametrize(
+    "damage, why",
+    [
+        (lambda path: (path / MANIFEST).write_text('{"stage": "dpo", "ke'), "manifest.json is unreadable"),
+        (lambda path: (path / "model" / "weights.bin").write_bytes(b"wei"), "weights.bin has 3 bytes, the manifest"),
+        (lambda path: (path / "model" / "weights.bin").write_bytes(b"WEIGHTS"), "weights.bin's bytes differ"),
+        (lambda path: (path / "model" / "weights.bin").unlink(), "weights.bin is missing"),
+    ],
+    ids=["truncated manifest", "truncated weights", "flipped bytes", "missing weights"],
+)
+def test_a_damaged_artifact_is_moved_aside_and_rebuilt_never_reused(ctx, damage, why):
+    calls: list = []
+    lines: list[str] = []
+    first = run_stage("dpo", DpoConfig(), {}, ctx, writing(calls))
+    listed = json.loads((first.ref.path / MANIFEST).read_text())["files"]
+    assert listed["model/weights.bin"]["size"] == 7 and len(listed["model/weights.bin"]["sha256"]) == 64
+    damage(first.ref.path)
+    again = run_stage("dpo", DpoConfig(), {}, ctx, writing(calls), log=lines.append)
+    assert not again.cached and len(calls) == 2, "a damaged artifact was reused"
+    assert again.ref.path == first.ref.path and (again.ref.path / "model" / "weights.bin").read_bytes() == b"weights"
+    assert any(why in line and "built again" in line for line in lines), lines
+    [aside] = first.ref.path.parent.glob(f".damaged-{first.ref.key}-*")  # kept for a look, out of the cache's way
+    assert run_stage("dpo", DpoConfig(), {}, ctx, writing(calls)).cached  # the rebuilt one is reused
+
+
+def test_published_bytes_are_synced_before_the_rename_that_publishes_them(ctx, monkeypatch):
+    import os
+
+    events: list[tuple[str, str]] = []
+    fsync, rename = os.fsync, os.rename
+    monkeypatch.setattr(
+        os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))), fsync(fd))[1]
+    )
+    monkeypatch.setattr(os, "rename", lambda a, b: (events.append(("rename", str(b))), rename(a, b))[1])
+    published = run_stage("dpo", DpoConfig(), {}, ctx, writing([]))
+    renamed = events.index(("rename", str(published.ref.path)))
+    synced = {path for kind, path in events[:renamed] if kind == "fsync"}
+    assert {name for name in ("weights.bin", MANIFEST) if any(path.endswith(name) for path in synced)} == {
+        "weights.bin",
+        MANIFEST,
+    }
+    assert ("fsync", str(published.ref.path.parent)) in events[renamed:]  # the rename itself, durable
+
+
 def test_a_failing_stage_publishes_nothing_and_marks_its_run_failed(ctx):
     calls: list = []
     with pytest.raises(OSError, match="disk vanished"):
@@ -106,7 +150,7 @@ def test_two_runs_with_the_same_inputs_at_once_build_once_and_share_the_result(c
     assert len(calls) == 1  # built once
     assert sorted(o.cached for o in outcomes) == [False, True]  # the second reused the first one's result
     assert outcomes[0].ref == outcomes[1].ref
-    assert (outcomes[0].ref.path / "model" / "weights.bin").read_bytes() == b"w"
+    assert (outcomes[0].ref.path / "model" / "weights.bin").read_bytes() == b"weights"
     stage_root = outcomes[0].ref.path.parent
     assert [p.name for p in stage_root.iterdir() if p.name.startswith(".tmp")] == []
 
