@@ -2,11 +2,15 @@
 
 Every run's policy becomes (or reuses, by content digest) a version of the
 registered model and takes the alias `candidate`. The alias `champion` moves to
-it only when the gate passes on the eval stage's metrics; the first version
-becomes champion. `models:/<name>@champion` then loads with `from_pretrained`.
+it only when the gate passes on the eval stage's metrics and the champion is
+still the one eval compared against (compare and set, under a lock); the first
+version becomes champion. `models:/<name>@champion` then loads with `from_pretrained`.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.artifacts import ArtifactRef, RunContext
@@ -25,6 +29,24 @@ def current_champion(cfg: RegistryConfig) -> ArtifactRef | None:
     tracking.download_version(cfg.model_name, version, folder / "model")
     digest = tracking.version_tags(cfg.model_name, version).get("rlhf.policy_digest", "")
     return ArtifactRef(stage="champion", key=f"{cfg.model_name}/v{version}", uri=str(folder), digest=digest)
+
+
+def compared_champion(report: ArtifactRef) -> str | None:
+    """The champion version eval compared the policy with (its `champion` upstream), or None if there was none."""
+    key = report.manifest().get("upstream", {}).get("champion", {}).get("key", "")
+    return key.rpartition("/v")[2] or None
+
+
+@contextlib.contextmanager
+def champion_lock(model_name: str) -> Iterator[None]:
+    """One registration at a time moves a model's `champion` (an OS file lock in the state folder: runs that share
+    it, on one machine or a shared filesystem)."""
+    from filelock import FileLock
+
+    locks = tracking.state_dir() / "registry" / ".locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with FileLock(locks / f"{tracking.folder_name(model_name)}.lock"):
+        yield
 
 
 def register_policy(
@@ -50,17 +72,30 @@ def register_policy(
         )
     tracking.set_alias(cfg.model_name, CANDIDATE, version)
 
-    champion = tracking.alias_version(cfg.model_name, CHAMPION)
-    if hacked := hacking(cfg, metrics):  # even a first version: a policy that games its reward is no champion
-        promoted, reason = False, hacked
-    elif champion is None:
-        promoted, reason = True, "no champion yet: the first version becomes champion"
-    elif champion == version:
-        promoted, reason = True, "already champion"
-    else:
-        promoted, reason = gate(cfg, metrics)
-    if promoted:
-        tracking.set_alias(cfg.model_name, CHAMPION, version)
+    seen = compared_champion(report)
+    with champion_lock(cfg.model_name):  # compare and set: no other run moves `champion` in between
+        champion = tracking.alias_version(cfg.model_name, CHAMPION)
+        if hacked := hacking(cfg, metrics):  # even a first version: a policy that games its reward is no champion
+            promoted, reason = False, hacked
+        elif champion == version:
+            promoted, reason = True, "already champion"
+        elif champion != seen:
+            promoted, reason = (
+                False,
+                (
+                    f"the champion moved to v{champion} after eval compared this policy with "
+                    f"{f'v{seen}' if seen else 'no champion'}: it stays a candidate (a new run evaluates it against "
+                    f"v{champion})"
+                    if champion
+                    else f"the champion v{seen} that eval compared against is gone: it stays a candidate"
+                ),
+            )
+        elif champion is None:
+            promoted, reason = True, "no champion yet: the first version becomes champion"
+        else:
+            promoted, reason = gate(cfg, metrics)
+        if promoted:
+            tracking.set_alias(cfg.model_name, CHAMPION, version)
     outcome = {
         "model_name": cfg.model_name,
         "version": version,

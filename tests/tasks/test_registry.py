@@ -87,8 +87,9 @@ def ctx(tmp_path, monkeypatch):
     return RunContext(artifact_root=str(tmp_path / "artifacts"), experiment_id=experiment, parent_run_id="")
 
 
-def publish(ctx: RunContext, stage: str, seed: int, metrics: dict):
-    """A policy (a tiny model with its own seed) and an eval report holding `metrics`."""
+def publish(ctx: RunContext, stage: str, seed: int, metrics: dict, cfg: RegistryConfig | None = None):
+    """A policy (a tiny model with its own seed) and an eval report holding `metrics`, compared (as the eval stage
+    does) with `cfg`'s champion of the moment."""
     parent = tracking.start_run(ctx.experiment_id, f"flow-{seed}", {})
     ctx = ctx.model_copy(update={"parent_run_id": parent})
 
@@ -97,7 +98,9 @@ def publish(ctx: RunContext, stage: str, seed: int, metrics: dict):
         return {}
 
     policy = run_stage(stage, {"seed": seed}, {}, ctx, model).ref
-    report = run_stage("eval", {"seed": seed}, {"policy": policy}, ctx, lambda out, work, log: metrics).ref
+    champion = current_champion(cfg) if cfg else None
+    upstream = {"policy": policy, **({"champion": champion} if champion else {})}
+    report = run_stage("eval", {"seed": seed}, upstream, ctx, lambda out, work, log: metrics).ref
     return policy, report, ctx
 
 
@@ -106,18 +109,18 @@ def test_first_version_is_champion_a_loser_is_refused_a_winner_promoted(ctx):
     client = MlflowClient()
 
     # Even a first version is refused when it games its reward model, with the numbers.
-    policy, report, run_ctx = publish(ctx, "ppo", 0, HACKED)
+    policy, report, run_ctx = publish(ctx, "ppo", 0, HACKED, cfg)
     hacked = register_policy(cfg, policy, report, [policy, report], run_ctx)
     assert not hacked["promoted"] and hacked["reason"] == hacking(cfg, HACKED)
     assert client.get_registered_model("test-policy").aliases == {CANDIDATE: int(hacked["version"])}  # no champion
 
-    policy, report, run_ctx = publish(ctx, "dpo", 1, {})
+    policy, report, run_ctx = publish(ctx, "dpo", 1, {}, cfg)
     first = register_policy(cfg, policy, report, [policy, report], run_ctx)
     assert first["promoted"] and "first version" in first["reason"]
     assert str(client.get_model_version_by_alias("test-policy", CHAMPION).version) == first["version"]
 
     worse = {"eval/heldout/win_rate_vs_champion": 0.21, "eval/heldout/win_rate_vs_champion_low": 0.17}
-    policy, report, run_ctx = publish(ctx, "dpo", 2, worse)
+    policy, report, run_ctx = publish(ctx, "dpo", 2, worse, cfg)
     refused = register_policy(cfg, policy, report, [policy, report], run_ctx)
     assert not refused["promoted"] and refused["reason"] == "eval/heldout/win_rate_vs_champion=0.2100 is not above 0.5"
     assert str(client.get_model_version_by_alias("test-policy", CANDIDATE).version) == refused["version"]
@@ -126,7 +129,7 @@ def test_first_version_is_champion_a_loser_is_refused_a_winner_promoted(ctx):
     assert tags["rlhf.policy_digest"] == policy.digest and tags["eval/heldout/win_rate_vs_champion"] == "0.21"
 
     better = {"eval/heldout/win_rate_vs_champion": 0.71, "eval/heldout/win_rate_vs_champion_low": 0.64}
-    policy, report, run_ctx = publish(ctx, "ppo", 3, better)
+    policy, report, run_ctx = publish(ctx, "ppo", 3, better, cfg)
     promoted = register_policy(cfg, policy, report, [policy, report], run_ctx)
     assert promoted["promoted"] and promoted["previous_champion"] == first["version"]
     assert str(client.get_model_version_by_alias("test-policy", CHAMPION).version) == promoted["version"]
@@ -147,6 +150,38 @@ def test_first_version_is_champion_a_loser_is_refused_a_winner_promoted(ctx):
     )  # 10 bytes, 10 ids
     champion = current_champion(cfg)
     assert champion.digest == policy.digest and (champion.path / "model" / "model.safetensors").is_file()
+
+
+def test_two_registrations_at_once_move_champion_once_and_the_other_stays_candidate_saying_why(ctx):
+    """Both runs' evals beat the same champion; whichever registers first becomes champion, the other was never
+    compared with it and stays a candidate (compare and set)."""
+    import threading
+
+    cfg = RegistryConfig(model_name="raced-policy")
+    policy, report, run_ctx = publish(ctx, "dpo", 10, {}, cfg)
+    first = register_policy(cfg, policy, report, [policy, report], run_ctx)
+    better = {"eval/heldout/win_rate_vs_champion": 0.71, "eval/heldout/win_rate_vs_champion_low": 0.64}
+    racers = [publish(ctx, "dpo", seed, better, cfg) for seed in (11, 12)]  # both evaluated against `first`
+    start, outcomes = threading.Barrier(2), {}
+
+    def register(index: int) -> None:
+        policy, report, run_ctx = racers[index]
+        start.wait()
+        outcomes[index] = register_policy(cfg, policy, report, [policy, report], run_ctx)
+
+    threads = [threading.Thread(target=register, args=(index,)) for index in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    [won] = [outcome for outcome in outcomes.values() if outcome["promoted"]]
+    [lost] = [outcome for outcome in outcomes.values() if not outcome["promoted"]]
+    assert won["previous_champion"] == first["version"]
+    assert MlflowClient().get_model_version_by_alias("raced-policy", CHAMPION).version == int(won["version"])
+    assert lost["reason"] == (
+        f"the champion moved to v{won['version']} after eval compared this policy with v{first['version']}: it stays "
+        f"a candidate (a new run evaluates it against v{won['version']})"
+    )
 
 
 @pytest.mark.e2e  # trains the full tiny model for 60 steps and runs 4 evaluations: minutes on a CPU
@@ -185,6 +220,7 @@ def test_gate_on_measured_exact_match_refuses_the_untrained_base_and_promotes_a_
 
     def evaluate(policy, tag):
         champion = current_champion(cfg)
+        compared = {"champion": champion} if champion and champion.digest != policy.digest else {}  # as eval does
         build = lambda out, work, log: evaluation.evaluate(  # noqa: E731
             eval_cfg,
             base,
@@ -194,9 +230,9 @@ def test_gate_on_measured_exact_match_refuses_the_untrained_base_and_promotes_a_
             data,
             out,
             "dpo",
-            champion_model=champion.path / "model" if champion and champion.digest != policy.digest else None,
+            champion_model=champion.path / "model" if compared else None,
         )
-        return run_stage("eval", {"tag": tag}, {"policy": policy}, run_ctx, build).ref
+        return run_stage("eval", {"tag": tag}, {"policy": policy, **compared}, run_ctx, build).ref
 
     first = register_policy(cfg, sft_ref, evaluate(sft_ref, "first"), [sft_ref], run_ctx)
     assert first["promoted"]  # the first version is champion
