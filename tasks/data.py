@@ -64,6 +64,7 @@ def validate_data(
             pairs_for=pairs_for,
             assistant_only_loss=assistant_only_loss,
             required_columns=required_columns,
+            fingerprints=fingerprints,
         )
 
     row = BY_NAME["data"]

@@ -31,8 +31,8 @@ Kind = Literal["sft", "preference", "prompt"]
 class DatasetSpec(StrictModel):
     path: str = Field(
         description=(
-            "A local .jsonl/.json/.parquet/.csv file, a glob of them (`prefs/*.jsonl`: new files are picked up), or a "
-            "Hugging Face hub dataset id."
+            "A local .jsonl/.json/.parquet/.csv file, a glob of them (`prefs/*.jsonl`: new files are picked up), a "
+            "folder of files of one of those formats, or a Hugging Face hub dataset id."
         )
     )
     split: str = Field("train", description="Split to read (hub datasets; local files have one split, 'train').")
@@ -113,9 +113,31 @@ def local_files(spec: DatasetSpec) -> list[Path] | None:
     for candidate in (Path(spec.path).expanduser(), BUNDLED_ROOT / spec.path):
         if candidate.is_file():
             return [candidate.resolve()]
+        if candidate.is_dir():
+            return folder_files(candidate, spec.path)
     if Path(spec.path).suffix in FILE_BUILDERS:
         raise ValueError(f"{spec.path}: no such file (looked in {Path.cwd()} and {BUNDLED_ROOT})")
     return None
+
+
+def folder_files(folder: Path, given: str) -> list[Path]:
+    """A local folder as a dataset: its data files (top level, hidden files aside), all of one declared format;
+    mixed formats, other files and an empty folder are refused by name (a folder is never a hub id)."""
+    files = sorted(path.resolve() for path in folder.iterdir() if path.is_file() and not path.name.startswith("."))
+    by_type: dict[str, list[str]] = {}
+    for path in files:
+        by_type.setdefault(path.suffix if path.suffix in FILE_BUILDERS else "other", []).append(path.name)
+    if "other" in by_type:
+        raise ValueError(
+            f"{given}: a dataset folder holds data files only ({', '.join(sorted(FILE_BUILDERS))}); "
+            f"{', '.join(by_type['other'][:5])} {'is' if len(by_type['other']) == 1 else 'are'} not one"
+        )
+    if len(by_type) > 1:
+        listed = "; ".join(f"{kind}: {', '.join(names[:3])}" for kind, names in sorted(by_type.items()))
+        raise ValueError(f"{given}: a dataset folder holds one format, this one several ({listed})")
+    if not files:
+        raise ValueError(f"{given}: the folder holds no data file ({', '.join(sorted(FILE_BUILDERS))})")
+    return files
 
 
 def dataset_fingerprint(spec: DatasetSpec) -> str:
@@ -125,6 +147,11 @@ def dataset_fingerprint(spec: DatasetSpec) -> str:
     if paths is None:
         identity = f"{spec.path}|{spec.name}|{spec.split}|{hub_commit(spec) or spec.revision}"
         return "hub:" + hashlib.sha256(identity.encode()).hexdigest()
+    return files_digest(paths)
+
+
+def files_digest(paths: list[Path]) -> str:
+    """sha256 over each file's size and bytes, in order: the fingerprint of local data."""
     digest = hashlib.sha256()
     for path in paths:
         digest.update(f"{path.stat().st_size}\0".encode())
@@ -132,6 +159,11 @@ def dataset_fingerprint(spec: DatasetSpec) -> str:
             for block in iter(lambda: f.read(1 << 20), b""):
                 digest.update(block)
     return "sha256:" + digest.hexdigest()
+
+
+class DataChanged(RuntimeError):
+    """A local file's bytes changed between keying the data stage and reading it: transient (the retry keys the
+    new bytes)."""
 
 
 def hub_commit(spec: DatasetSpec) -> str | None:
@@ -177,22 +209,44 @@ def peek_columns(spec: DatasetSpec, rows: int = 100) -> set[str] | None:
     return None
 
 
-def load_source(spec: DatasetSpec) -> Dataset:
-    """Load a dataset; unreadable files fail with a message that names the file."""
+def load_source(spec: DatasetSpec, fingerprint: str | None = None) -> Dataset:
+    """Load a dataset; unreadable files fail with a message that names the file.
+
+    Local files are read from a private copy, with a cache of its own, so the rows are exactly the copied bytes:
+    `datasets`' own cache is keyed by path and modification time and would serve an earlier file's rows for a file
+    rewritten within the same second. With `fingerprint` (the key's), the copy must have those bytes."""
+    import shutil
+    import tempfile
+
     import datasets
 
     paths = local_files(spec)
-    try:
-        if paths is None:
+    if paths is None:
+        try:
             revision = hub_commit(spec) or spec.revision  # the commit the fingerprint saw
             return datasets.load_dataset(spec.path, spec.name, split=spec.split, revision=revision)
-        builder = FILE_BUILDERS.get(paths[0].suffix)
-        if builder is None:
-            raise ValueError(
-                f"{spec.path}: unsupported file type {paths[0].suffix!r}; use one of {sorted(FILE_BUILDERS)}"
+        except Exception as exc:
+            raise ValueError(f"{spec.path}: could not be read as a dataset: {type(exc).__name__}: {exc}") from exc
+    builder = FILE_BUILDERS.get(paths[0].suffix)
+    if builder is None:
+        raise ValueError(f"{spec.path}: unsupported file type {paths[0].suffix!r}; use one of {sorted(FILE_BUILDERS)}")
+    with tempfile.TemporaryDirectory(prefix="rlhf-data-") as folder:
+        copies = [Path(shutil.copyfile(path, Path(folder) / f"{n}{path.suffix}")) for n, path in enumerate(paths)]
+        if fingerprint is not None and (read := files_digest(copies)) != fingerprint:
+            raise DataChanged(
+                f"{spec.path}: the files changed while the data stage read them (keyed {fingerprint[:19]}, read "
+                f"{read[:19]}); the retry keys the new bytes"
             )
-        return datasets.load_dataset(builder, data_files=[str(path) for path in paths], split="train")
-    except ValueError:
-        raise
-    except Exception as exc:  # arrow/json parse errors carry no file name
-        raise ValueError(f"{spec.path}: could not be read as a dataset: {type(exc).__name__}: {exc}") from exc
+        try:
+            return datasets.load_dataset(
+                builder,
+                data_files=[str(copy) for copy in copies],
+                split="train",
+                cache_dir=str(Path(folder) / "cache"),
+                keep_in_memory=True,
+            )
+        except Exception as exc:  # arrow/json parse errors carry no file name, or the copy's
+            message = f"{type(exc).__name__}: {exc}"
+            for copy, path in zip(copies, paths):
+                message = message.replace(str(copy), str(path))
+            raise ValueError(f"{spec.path}: could not be read as a dataset: {message}") from exc

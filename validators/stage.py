@@ -29,6 +29,7 @@ def train(
     pairs_for: dict[str, tuple[str, ...]] | None = None,
     assistant_only_loss: bool = False,
     required_columns: dict[str, tuple[str, ...]] | None = None,
+    fingerprints: dict[str, str] | None = None,
 ) -> dict[str, float]:
     """The `data` stage: check every dataset (`check_datasets`), then freeze Parquet copies into
     `out_dir/datasets/<name>.parquet` for later stages. Every broken dataset is reported at once and nothing
@@ -36,7 +37,14 @@ def train(
     import shutil
 
     passed, failures = check_datasets(
-        cfg, model, max_tokens, work_dir / "report", pairs_for, assistant_only_loss, required_columns=required_columns
+        cfg,
+        model,
+        max_tokens,
+        work_dir / "report",
+        pairs_for,
+        assistant_only_loss,
+        required_columns=required_columns,
+        fingerprints=fingerprints,
     )
     # Report every broken dataset at once, then stop before any training.
     if len(failures) == 1:
@@ -60,6 +68,7 @@ def check_datasets(
     assistant_only_loss: bool = False,
     tokenizer=None,
     required_columns: dict[str, tuple[str, ...]] | None = None,
+    fingerprints: dict[str, str] | None = None,
 ) -> tuple[dict[str, tuple], list[ValueError]]:
     """Check every dataset: raw file, Great Expectations rules, chat template and token lengths (counted
     with `model`'s tokenizer, or `tokenizer`), train/eval leakage. Returns the datasets that passed
@@ -70,6 +79,7 @@ def check_datasets(
     unpaired rows fail for them. `assistant_only_loss` (sft's): the sft rows' end-of-turn tokens must be
     inside the template's {% generation %} marks. `required_columns` names columns a dataset must have for
     this run (the reference answers a gate on exact match needs, when the parameters could not look: a hub id).
+    `fingerprints` (the stage key's): the bytes each local dataset is read from must be these.
     """
     import json
 
@@ -100,7 +110,7 @@ def check_datasets(
             failures += [DataValidationError(report) for report in broken]
             continue
         try:
-            dataset = load_source(spec)
+            dataset = load_source(spec, (fingerprints or {}).get(name))
             report = validate_dataset(
                 kind,
                 dataset,

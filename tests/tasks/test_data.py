@@ -58,3 +58,71 @@ def test_token_limits_are_checked_before_any_file_is_read(model, max_tokens, err
     missing = DataConfig(sft=DatasetSpec(path=str(tmp_path / "nowhere.jsonl")))
     with pytest.raises(ValueError, match=error):
         validate_data.fn(missing, ctx, model=model, max_tokens=max_tokens)
+
+
+def jsonl(path, rows: list[dict]):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def frozen(outcome, name: str) -> list:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(outcome.path / "datasets" / f"{name}.parquet").column("text").to_pylist()
+
+
+def test_a_file_rewritten_with_the_same_time_and_size_is_keyed_and_frozen_by_its_new_bytes(ctx, tmp_path):
+    import os
+
+    path = jsonl(tmp_path / "sft.jsonl", [{"text": "alpha"}, {"text": "bravo"}])
+    stamp = path.stat().st_mtime_ns
+    config = DataConfig(sft=DatasetSpec(path=str(path)), preference=None, preference_eval=None, prompts=None)
+    first = validate_data.fn(config, ctx)
+    jsonl(path, [{"text": "ALPHA"}, {"text": "BRAVO"}])  # same size
+    os.utime(path, ns=(stamp, stamp))  # and the same modification time: `datasets`' cache cannot tell
+    second = validate_data.fn(config, ctx)
+    assert second.key != first.key
+    assert frozen(first, "sft") == ["alpha", "bravo"] and frozen(second, "sft") == ["ALPHA", "BRAVO"]
+
+
+def test_a_file_that_changes_while_it_is_read_fails_the_attempt_as_transient(tmp_path):
+    from rlhf_pipeline.tasks.orchestration import is_permanent
+    from rlhf_pipeline.trainers.data import DataChanged, dataset_fingerprint, load_source
+
+    spec = DatasetSpec(path=str(jsonl(tmp_path / "sft.jsonl", [{"text": "alpha"}])))
+    keyed = dataset_fingerprint(spec)
+    assert load_source(spec, keyed)["text"] == ["alpha"]
+    jsonl(tmp_path / "sft.jsonl", [{"text": "changed"}])
+    with pytest.raises(DataChanged, match="the files changed while the data stage read them") as changed:
+        load_source(spec, keyed)
+    assert not is_permanent(changed.value)  # retried: the retry keys the new bytes
+
+
+def test_a_folder_is_a_local_dataset_keyed_by_its_files_checked_raw_and_of_one_format(ctx, tmp_path):
+    from rlhf_pipeline.trainers.data import dataset_fingerprint
+    from rlhf_pipeline.validators.report import DataValidationError
+
+    folder = tmp_path / "sft"
+    jsonl(folder / "a.jsonl", [{"text": "alpha"}])
+    jsonl(folder / "b.jsonl", [{"text": "bravo"}])
+    spec = DatasetSpec(path=str(folder))
+    config = DataConfig(sft=spec, preference=None, preference_eval=None, prompts=None)
+    before = dataset_fingerprint(spec)
+    assert before.startswith("sha256:")  # its files' bytes, not its name
+    assert sorted(frozen(validate_data.fn(config, ctx), "sft")) == ["alpha", "bravo"]
+    jsonl(folder / "c.jsonl", [{"text": "charlie"}])  # a new file is new data
+    assert dataset_fingerprint(spec) != before
+    assert sorted(frozen(validate_data.fn(config, ctx), "sft")) == ["alpha", "bravo", "charlie"]
+
+    (folder / "d.jsonl").write_text('{"text": "cut off\n')  # the raw checks run on a folder's files
+    with pytest.raises(DataValidationError, match=r"(?s)d\.jsonl.*json_lines"):
+        validate_data.fn(config, ctx)
+    (folder / "d.jsonl").unlink()
+    jsonl(folder / "e.parquet", [])  # a second format
+    with pytest.raises(ValueError, match=r"holds one format, this one several \(\.jsonl: a\.jsonl, b\.jsonl"):
+        validate_data.fn(config, ctx)
+    (folder / "e.parquet").unlink()
+    (folder / "notes.txt").write_text("not data")
+    with pytest.raises(ValueError, match="holds data files only .*; notes.txt is not one"):
+        validate_data.fn(config, ctx)
