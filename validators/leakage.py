@@ -1,10 +1,12 @@
 """Rule `no_train_eval_leakage`: a prompt held out for evaluation must not appear in the data trained on.
 
 A held-out score on prompts the model trained on measures memory, not
-generalisation. A row's prompt is what the user asked: the `prompt` string, or
-the first user turn of a conversation (the prompt column, `messages`, or the
-turns chosen and rejected share), with whitespace runs collapsed so that
-"sort 12 -> " and "sort 12 ->" are one prompt. Standard `text` rows and standard
+generalisation. A row's prompts are what the user asked: the `prompt` string, or
+every user turn of a conversation (the prompt column, `messages`, or the turns
+chosen and rejected share), compared as a person reads them (`normalise`:
+Unicode NFKC, invisible characters removed, case folded, whitespace runs
+collapsed), so that "Sort 12 -> ", "sort\u200b 12 ->" and "ｓｏｒｔ １２ ->" are one
+prompt. Standard `text` rows and standard
 implicit-prompt pairs carry no separable prompt and are not compared.
 """
 
@@ -55,8 +57,10 @@ def check_leakages(checks: list[tuple[Split, list[Split]]], batch_rows: int = BA
                 first_rows[id(split)] = found
     results = []
     for (held_out, training), rows in zip(checks, held):
-        leaked = []
+        leaked: list[dict] = []
         for row, prompt in rows:
+            if leaked and leaked[-1]["row"] == row:
+                continue  # one example per held-out row: its first leaked turn
             # The first training split (in order) that holds the prompt, at its first row there.
             split = next((split for split in training if prompt in first_rows[id(split)]), None)
             if split is not None:
@@ -91,29 +95,42 @@ def _rows_with_prompts(
             candidates = range(batch.num_rows)
         else:
             # Printable ASCII without a run of spaces: str.split() splits at single spaces alone, so cutting the
-            # ends' spaces normalises as _normalise does, and only rows that may hold a wanted prompt come to Python.
+            # ends' spaces and lowering the case normalises as `normalise` does (NFKC and casefold leave printable
+            # ASCII as ASCII lowering does), and only rows that may hold a wanted prompt come to Python.
             plain = pc.and_(
                 pc.and_(pc.string_is_ascii(texts), pc.ascii_is_printable(texts)),
                 pc.invert(pc.match_substring(texts, "  ")),
             )
-            maybe = pc.or_(pc.invert(pc.fill_null(plain, False)), pc.is_in(pc.utf8_trim(texts, " "), value_set=targets))
+            trimmed = pc.ascii_lower(pc.utf8_trim(texts, " "))
+            maybe = pc.or_(pc.invert(pc.fill_null(plain, False)), pc.is_in(trimmed, value_set=targets))
             candidates = pc.indices_nonzero(maybe).to_pylist()
         values = batch.values[column] if targets is None or len(candidates) > batch.num_rows // 10 else None
         for index in candidates:
             value = values[index] if values is not None else texts[index].as_py()
-            prompt = _normalise(_first_user_text(value))
-            if prompt is not None and (wanted is None or prompt in wanted):
-                yield batch.start + index, prompt
+            for text in _user_texts(value):
+                prompt = normalise(text)
+                if prompt is not None and (wanted is None or prompt in wanted):
+                    yield batch.start + index, prompt
 
 
-def _first_user_text(value: Any) -> Any:
+def _user_texts(value: Any) -> list[Any]:
+    """Every user turn of a conversation (a prompt seen in a later turn was still trained on), or the prompt."""
     if isinstance(value, list):
-        users = (turn.get("content") for turn in value if isinstance(turn, dict) and turn.get("role") == "user")
-        return next(users, None)
-    return value
+        return [turn.get("content") for turn in value if isinstance(turn, dict) and turn.get("role") == "user"]
+    return [value]
 
 
-def _normalise(text: Any) -> str | None:
+INVISIBLE = dict.fromkeys(
+    [0x200B, 0x200C, 0x200D, 0x2060, 0xFEFF, 0x00AD, 0x180E]
+)  # zero-width spaces and joiners, word joiner, BOM, soft hyphen, Mongolian vowel separator: invisible, not spaces
+
+
+def normalise(text: Any) -> str | None:
+    """The prompt as a person reads it: Unicode NFKC (full-width digits, ligatures), invisible characters removed,
+    case folded, whitespace runs collapsed; None when nothing is left."""
+    import unicodedata
+
     if not isinstance(text, str):
         return None
+    text = unicodedata.normalize("NFKC", text).translate(INVISIBLE).casefold()
     return " ".join(text.split()) or None

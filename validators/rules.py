@@ -18,6 +18,7 @@ from typing import Any, Callable, Literal
 
 from rlhf_pipeline.trainers.tiny import ROLES
 from rlhf_pipeline.validators.formats import LABEL, DatasetFormat, value_type
+from rlhf_pipeline.validators.leakage import normalise
 from rlhf_pipeline.validators.report import short_repr
 
 PROMPT_END_ROLES = ("user", "tool")
@@ -60,6 +61,15 @@ def rules_for(fmt: DatasetFormat) -> list[Rule]:
     if fmt.conversational:
         roles = ", ".join(ROLES)
         rules.append(_in_set("valid_roles", f"every message role must be one of {roles}", "roles_valid", True))
+        rules.append(
+            _in_set(
+                "text_turns_only",
+                "every turn must be text: no multimodal content parts, and no tool calls unless the chat template "
+                "renders them (otherwise a tool-calling turn trains as an empty one)",
+                "turns_text_only",
+                True,
+            )
+        )
     trained = " and ".join(_trained_conversations(fmt))
     if trained:
         rules += [
@@ -187,11 +197,12 @@ def _check_text(fmt: DatasetFormat, row: Row, typed: Row) -> tuple[Any, str | No
         if isinstance(value, list) and not value:
             return 0, f"{column} is an empty list of messages"
         for label, text in _texts(column, value):
-            length = len(text.strip()) if isinstance(text, str) else 0
+            length = len(text.strip()) if isinstance(text, str) and normalise(text) else 0  # invisible-only: blank
             if length == 0:
                 if not isinstance(text, str):
                     return 0, f"{label} is {value_type(text)}, expected a string"
-                return 0, f"{label} is empty" if text == "" else f"{label} is whitespace-only: {short_repr(text)}"
+                shown = "whitespace-only" if not text.strip() else "invisible characters only"
+                return 0, f"{label} is empty" if text == "" else f"{label} is {shown}: {short_repr(text)}"
             shortest = length if shortest is None else min(shortest, length)
     return shortest, None
 
@@ -203,6 +214,21 @@ def _check_roles(fmt: DatasetFormat, row: Row, typed: Row) -> tuple[Any, str | N
         for i, turn in enumerate(turns):
             if turn.get("role") not in ROLES:
                 return False, f"{column}[{i}].role is {turn.get('role')!r}, expected one of {', '.join(ROLES)}"
+    return True, None
+
+
+def _check_text_turns(fmt: DatasetFormat, row: Row, typed: Row, tools_rendered: bool = False) -> tuple[Any, str | None]:
+    if not typed:
+        return None, None
+    for column, turns in typed.items():
+        for i, turn in enumerate(turns):
+            if turn.get("tool_calls") and not tools_rendered:
+                return False, (
+                    f"{column}[{i}] calls tools ({short_repr(turn['tool_calls'])}), and the chat template renders "
+                    "only text: it would train as an empty turn (use a template that renders tool_calls)"
+                )
+            if isinstance(turn.get("content"), (list, dict)):
+                return False, f"{column}[{i}].content is a list of content parts (multimodal), not text"
     return True, None
 
 
@@ -343,12 +369,19 @@ CHECKS: dict[str, Check] = {
     "consistent_types": _check_types,
     "text_not_blank": _check_text,
     "valid_roles": _check_roles,
+    "text_turns_only": _check_text_turns,
     "has_assistant_turn": _check_has_assistant,
     "ends_with_assistant_turn": _check_ends_with_assistant,
     "prompt_ends_with_user_turn": _check_prompt_end,
     "shared_prompt_turns": _check_shared_prefix,
     "chosen_differs_from_rejected": _check_differs,
 }
+
+
+TOOLS_RENDERED: dict[str, Check] = {
+    "text_turns_only": lambda fmt, row, typed: _check_text_turns(fmt, row, typed, tools_rendered=True)
+}
+"""The checks to use with a chat template that renders `tool_calls` (its tool-calling turns train as rendered)."""
 
 
 def _trained_conversations(fmt: DatasetFormat) -> tuple[str, ...]:

@@ -124,6 +124,11 @@ def check_datasets(
         except ValueError as exc:  # a broken rule, or a file `datasets` cannot read
             failures.append(exc)
             continue
+        if (infinite := _finite_numbers(dataset)) is not None:
+            report.rules.append(infinite)
+            report.write_json(report_dir / name / REPORT_FILE)
+            failures.append(DataValidationError(report))
+            continue
         missing = [column for column in (required_columns or {}).get(name, ()) if column not in dataset.column_names]
         if missing:
             report.rules.append(_required_columns(name, missing, dataset.column_names, len(dataset)))
@@ -153,6 +158,37 @@ def check_datasets(
             failures.append(DataValidationError(report))
             del passed[held_out]
     return passed, failures
+
+
+def _finite_numbers(dataset):
+    """Rule `finite_numbers`, or None when it holds: no NaN or Infinity in any number column (a score or reference a
+    reward function reads would turn every comparison false and every mean NaN)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from rlhf_pipeline.validators.report import MAX_EXAMPLES, RuleResult
+
+    table = dataset.data.table if hasattr(dataset.data, "table") else dataset.data
+    examples: list[dict] = []
+    failed = 0
+    for column in table.column_names:
+        values = table.column(column)
+        if not pa.types.is_floating(values.type):
+            continue
+        bad = pc.fill_null(pc.or_(pc.is_nan(values), pc.is_inf(values)), False)
+        rows = pc.indices_nonzero(bad).to_pylist()
+        failed += len(rows)
+        examples += [{"row": row, "value": f"{column} is {values[row].as_py()}"} for row in rows]
+    if not failed:
+        return None
+    examples.sort(key=lambda example: example["row"])
+    return RuleResult(
+        "finite_numbers",
+        "every number must be finite (no NaN or Infinity)",
+        False,
+        failed,
+        examples[:MAX_EXAMPLES],
+    )
 
 
 def _required_columns(name: str, missing: list[str], found: list[str], num_rows: int):

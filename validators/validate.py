@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from rlhf_pipeline.validators.formats import BATCH_ROWS, Batch, Kind, detect_format, record_batches
 from rlhf_pipeline.validators.lengths import count_tokens, fits_max_length
 from rlhf_pipeline.validators.report import MAX_EXAMPLES, DataValidationError, RuleResult, ValidationReport
-from rlhf_pipeline.validators.rules import CHECKS, Rule, label_checks, rules_for
+from rlhf_pipeline.validators.rules import CHECKS, TOOLS_RENDERED, Rule, label_checks, rules_for
 from rlhf_pipeline.validators.screen import derive_batch
 from rlhf_pipeline.validators.suite import Suite, derived_frame
 from rlhf_pipeline.validators.template_rules import (
@@ -86,6 +86,8 @@ def validate_dataset(
         if fmt.unpaired
         else None
     )
+    if "tool_calls" in (getattr(tokenizer, "chat_template", None) or ""):  # the template renders tool calls
+        checks = {**(checks or CHECKS), **TOOLS_RENDERED}
 
     docs_dir = None if report_dir is None else report_dir / DATA_DOCS_DIR
     suite = Suite(kind, rules, source=source, docs_dir=docs_dir)

@@ -127,7 +127,7 @@ SHAPES = {
 
 # The rules each shape is checked with: the common ones, those of message lists, those of prompts and pairs.
 COMMON = {"non_empty_dataset", "consistent_types", "text_not_blank"}
-MESSAGES = {"valid_roles", "has_assistant_turn", "ends_with_assistant_turn"}
+MESSAGES = {"valid_roles", "text_turns_only", "has_assistant_turn", "ends_with_assistant_turn"}
 RULES = {
     "sft-text": COMMON,
     "sft-messages": COMMON | MESSAGES,
@@ -142,7 +142,8 @@ RULES = {
     | MESSAGES
     | {"shared_prompt_turns", "prompt_ends_with_user_turn", "chosen_differs_from_rejected"},
     "prompt-only": COMMON,
-    "prompt-only-conversational": COMMON | {"valid_roles", "prompt_ends_with_user_turn"},  # no assistant turn to check
+    "prompt-only-conversational": COMMON
+    | {"valid_roles", "text_turns_only", "prompt_ends_with_user_turn"},  # no assistant turn to check
 }
 
 
@@ -177,15 +178,29 @@ def test_report_files_written_on_failure(tmp_path):
     assert (tmp_path / "data_docs" / "index.html").is_file()
 
 
-def test_assistant_turn_with_only_tool_calls_may_have_empty_content():
+def test_a_tool_calling_turn_trains_only_with_a_template_that_renders_tool_calls():
+    from rlhf_pipeline.trainers.templates import CHATML
+    from rlhf_pipeline.trainers.tiny import build_tokenizer
+
     call = [{"type": "function", "function": {"name": "sort", "arguments": "{}"}}]
     messages = [
         user("sort 231"),
-        {"role": "assistant", "content": "", "tool_calls": call},
+        {"role": "assistant", "content": "", "tool_calls": call},  # empty content: it only calls a tool
         {"role": "tool", "content": "123"},
         assistant("123"),
     ]
-    assert validate_dataset("sft", make([{"messages": messages}]), source=SOURCE).success
+    rows = make([{"messages": messages}])
+    expect_failure("sft", rows, "text_turns_only", row=0)  # no template known to render them
+    chatml = build_tokenizer()
+    chatml.chat_template = CHATML  # the bundled template drops tool_calls
+    with pytest.raises(DataValidationError, match=r"messages\[1\] calls tools .* would train as an empty turn"):
+        validate_dataset("sft", rows, source=SOURCE, tokenizer=chatml)
+    tools = build_tokenizer()
+    tools.chat_template = (
+        "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% if m.tool_calls %}<tool_call>{{ m.tool_calls | "
+        "tojson }}</tool_call>{% endif %}\n{% endfor %}"
+    )
+    assert validate_dataset("sft", rows, source=SOURCE, tokenizer=tools).success
 
 
 def test_row_numbers_follow_a_selected_dataset():
