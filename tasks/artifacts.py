@@ -64,6 +64,9 @@ class RunContext(BaseModel):
     parent_run_id: str
     force: bool = False
     launch: LaunchConfig = LaunchConfig()
+    wait_seconds: float | None = None
+    """The longest wait for another run's build of the same key, or for a device slot (the run's
+    `retry.timeout_seconds`); None: as long as it takes."""
 
 
 @dataclass(frozen=True)

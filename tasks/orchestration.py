@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.artifacts import ArtifactRef, StageOutcome
 from rlhf_pipeline.tasks.secrets import redact_text
+from rlhf_pipeline.trainers.failures import permanent_reason
 from rlhf_pipeline.trainers.rank import PERMANENT
 
 
@@ -92,6 +93,10 @@ def device_hold(stage: str, device: bool, log: Callable[[str], None] = print) ->
     return (lambda: device_slot(stage, log)) if device else contextlib.nullcontext
 
 
+DEFAULT_TIMEOUT = 24 * 3600.0
+"""A stage's default time limit: a hung build (a dead NFS mount, a deadlocked collective) ends within a day."""
+
+
 class RetryConfig(BaseModel):
     """How stages meet failure: transient errors (I/O, network, a lost device) retry with backoff;
     bad config or data (ValueError, TypeError, KeyError, ImportError) fail at once."""
@@ -107,9 +112,12 @@ class RetryConfig(BaseModel):
         0.2, ge=0, le=1, description="Random extra share of each delay, so retries of parallel runs spread out."
     )
     timeout_seconds: float | None = Field(
-        None,
+        DEFAULT_TIMEOUT,
         gt=0,
-        description="A stage running longer fails (its child processes are killed) and is retried; None: no limit.",
+        description=(
+            "A stage running longer fails (its child processes are killed) and is retried; also the longest wait for "
+            "another run's build of the same stage. None: no limit."
+        ),
     )
 
     def task_options(self) -> dict[str, Any]:
@@ -133,7 +141,13 @@ def is_transient(task, task_run, state) -> bool:
 
 
 def is_permanent(exc: BaseException) -> bool:
-    return isinstance(exc, PERMANENT) or getattr(exc, "error_code", None) in PERMANENT_MLFLOW_CODES
+    """Bad config or data, MLflow's "does not exist", and what `trainers.failures` names (out of memory, corrupt
+    weights, refused credentials, a missing or gated repository, no permission, a full disk)."""
+    return (
+        isinstance(exc, PERMANENT)
+        or getattr(exc, "error_code", None) in PERMANENT_MLFLOW_CODES
+        or permanent_reason(exc) is not None
+    )
 
 
 def stage_task(stage: str):

@@ -76,6 +76,7 @@ def pipeline_run(params: Any) -> Iterator[PipelineRun]:
         parent_run_id=run_id,
         force=params.no_cache,
         launch=getattr(params, "launch", LaunchConfig()),  # the rlhf-eval flow trains nothing: it has no launch block
+        wait_seconds=params.retry.timeout_seconds if hasattr(params, "retry") else None,
     )
     prefect_log(f"MLflow: {tracking.run_link(run_id)}")
     prefect_log(f"Artifacts: {ctx.artifact_root}")

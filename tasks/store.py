@@ -44,6 +44,7 @@ from rlhf_pipeline.tasks.artifacts import (
 from rlhf_pipeline.tasks.code_version import code_version
 from rlhf_pipeline.tasks.resources import PeakMemory, child_pids, kill_process
 from rlhf_pipeline.tasks.secrets import redact
+from rlhf_pipeline.trainers.failures import permanent_reason
 from rlhf_pipeline.trainers.loop import OUTCOME, PEAK_GPU, last_checkpoint
 from rlhf_pipeline.trainers.models import tokenizer_digest
 
@@ -116,7 +117,7 @@ def run_stage(
 
     stage_root.mkdir(parents=True, exist_ok=True)
     # One builder per key: a second run with the same inputs waits here, then finds the manifest.
-    with _key_lock(stage_root, key, stage, log):
+    with _key_lock(stage_root, key, stage, log, ctx.wait_seconds):
         if (final / MANIFEST).is_file() and not ctx.force and (why := damage(final)):
             # Never reused, never blocking its key: kept aside for a look, and built again.
             aside = final.with_name(f".damaged-{key}-{uuid.uuid4().hex[:8]}")
@@ -217,6 +218,8 @@ def run_stage(
             # A timed-out or failed build leaves no workers behind (data loaders, generation servers).
             for pid in child_pids() - children_before:
                 kill_process(pid, log)
+            if reason := permanent_reason(exc):
+                log(f"{stage}: {reason}; not retried")
             for name in log_files:  # a failed validation still leaves its report in MLflow
                 _log_file(run_id, tmp if (tmp / name).exists() else work_dir, name)
             tracking.set_tags(run_id, {"rlhf.error": f"{type(exc).__name__}: {exc}"})
@@ -280,19 +283,48 @@ def check_tokenizers(stage: str, upstream: dict[str, ArtifactRef]) -> dict[str, 
 
 
 @contextmanager
-def _key_lock(stage_root: Path, key: str, stage: str, log: Callable[[str], None]) -> Iterator[None]:
-    """An OS file lock per stage key (released by the OS if the holder dies, even by SIGKILL)."""
+def _key_lock(
+    stage_root: Path, key: str, stage: str, log: Callable[[str], None], wait: float | None = None
+) -> Iterator[None]:
+    """An OS file lock per stage key (released by the OS if the holder dies, even by SIGKILL). The holder writes who
+    it is beside the lock, so a wait longer than `wait` seconds fails naming it."""
+    import socket
+
     from filelock import FileLock, Timeout
 
     locks = stage_root / ".locks"
     locks.mkdir(exist_ok=True)
-    lock = FileLock(locks / f"{key}.lock")
+    lock, holder = FileLock(locks / f"{key}.lock"), locks / f"{key}.holder.json"
     try:
         lock.acquire(timeout=0)
     except Timeout:
         log(f"{stage}: another run is building {key}; waiting for it")
-        lock.acquire()
+        try:
+            lock.acquire(timeout=-1 if wait is None else wait)
+        except Timeout:
+            try:
+                held = json.loads(holder.read_text())
+                run = held["flow_run"] or "none"
+                who = f"pid {held['pid']} on {held['host']} (flow run {run}, since {held['since']})"
+            except (OSError, ValueError, KeyError):
+                who = "a process that left no record"
+            raise TimeoutError(
+                f"{stage}: waited {wait:.0f}s for the build of {key} held by {who}; retry.timeout_seconds bounds the "
+                f"wait (stop that run, or remove {lock.lock_file} if no process holds it)"
+            ) from None
     try:
+        from rlhf_pipeline.tasks.orchestration import current_flow_run
+
+        holder.write_text(
+            json.dumps(
+                {
+                    "pid": os.getpid(),
+                    "host": socket.gethostname(),
+                    "flow_run": current_flow_run()[0],
+                    "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+                }
+            )
+        )
         yield
     finally:
         lock.release()

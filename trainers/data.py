@@ -161,6 +161,28 @@ def files_digest(paths: list[Path]) -> str:
     return "sha256:" + digest.hexdigest()
 
 
+def network_error(exc: BaseException) -> bool:
+    """A dropped connection, a timeout or a server error (5xx) on the way to the hub, and not a refusal no retry
+    fixes (a missing or gated dataset, refused credentials: `trainers.failures`)."""
+    from rlhf_pipeline.trainers.failures import causes, permanent_reason
+
+    if permanent_reason(exc) is not None:
+        return False
+    for cause in causes(exc):
+        status = getattr(getattr(cause, "response", None), "status_code", None)
+        if isinstance(cause, (ConnectionError, TimeoutError)) or (isinstance(status, int) and status >= 500):
+            return True
+        if type(cause).__name__ in (
+            "ConnectionError",
+            "Timeout",
+            "ReadTimeout",
+            "ConnectTimeout",
+            "ChunkedEncodingError",
+        ):
+            return True  # requests' and httpx's, which are not the builtin ConnectionError
+    return False
+
+
 class DataChanged(RuntimeError):
     """A local file's bytes changed between keying the data stage and reading it: transient (the retry keys the
     new bytes)."""
@@ -226,7 +248,10 @@ def load_source(spec: DatasetSpec, fingerprint: str | None = None) -> Dataset:
             revision = hub_commit(spec) or spec.revision  # the commit the fingerprint saw
             return datasets.load_dataset(spec.path, spec.name, split=spec.split, revision=revision)
         except Exception as exc:
-            raise ValueError(f"{spec.path}: could not be read as a dataset: {type(exc).__name__}: {exc}") from exc
+            message = f"{spec.path}: could not be read as a dataset: {type(exc).__name__}: {exc}"
+            if network_error(exc):  # the hub or the network failed: a retry may find it back
+                raise ConnectionError(message) from exc
+            raise ValueError(message) from exc
     builder = FILE_BUILDERS.get(paths[0].suffix)
     if builder is None:
         raise ValueError(f"{spec.path}: unsupported file type {paths[0].suffix!r}; use one of {sorted(FILE_BUILDERS)}")
