@@ -4,6 +4,7 @@ rlhf run                                   # the embedded default (configs/tiny.
 rlhf run --config my.yaml --set sft.learning_rate=1e-4 --set dpo.beta=0.2
 rlhf run --no-cache                        # re-run every stage
 rlhf params [--config ...] [--set ...]     # print the resolved parameters, run nothing
+rlhf gc [--dry-run] [--keep-runs N]        # remove what no registered version, live run or recent run uses
 rlhf check [--config ...] [--set ...]      # preflight: tokenizer, every data rule, token lengths, memory per stage;
                                            # trains nothing
 rlhf eval models:/rlhf-policy@candidate    # evaluate a registered version (or a model folder) on demand
@@ -97,6 +98,13 @@ def _parser() -> argparse.ArgumentParser:
                 "'data.preference.path=/data/prefs/*.jsonl'"
             ),
         )
+    gc = commands.add_parser(
+        "gc", help="remove artifacts, checkpoints and MLflow weight copies nothing references (see --dry-run)"
+    )
+    gc.add_argument("--dry-run", action="store_true", help="list what would be removed, with sizes; remove nothing")
+    gc.add_argument(
+        "--keep-runs", type=int, default=5, help="keep what the newest N runs of each experiment used (default 5)"
+    )
     up = commands.add_parser(
         "up", help="start a local Prefect server, the MLflow UI and `rlhf serve` together (Ctrl-C stops all)"
     )
@@ -136,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.pool})"
         )
         return 0
+    if args.command == "gc":
+        return _gc(args.dry_run, args.keep_runs)
     if args.command == "up":
         from rlhf_pipeline.deployments.local import up
 
@@ -296,6 +306,19 @@ def _warm_up_imports() -> None:
             importlib.import_module(name)
 
     threading.Thread(target=load, name="warm-up-imports", daemon=True).start()
+
+
+def _gc(dry_run: bool, keep_runs: int) -> int:
+    from rlhf_pipeline.tasks import gc, tracking
+
+    doomed = gc.collect(keep_runs)
+    total = sum(item.bytes for item in doomed)
+    for item in doomed:
+        print(f"{item.bytes / 1e6:9.1f} MB  {item.path}  ({item.why})")
+    verb = "would free" if dry_run else "freed"
+    freed = total if dry_run else gc.remove(doomed)
+    print(f"rlhf gc: {len(doomed)} paths under {tracking.state_dir()}; {verb} {freed / 1e6:.1f} MB")
+    return 0
 
 
 def _evaluate(args) -> int:

@@ -15,6 +15,9 @@ from rlhf_pipeline.tasks.launcher import LaunchConfig
 from rlhf_pipeline.tasks.orchestration import coordinated, current_flow_run, ensure_device_limit, prefect_log
 from rlhf_pipeline.tasks.secrets import install_log_filter, redact
 
+MODEL_LOGGED, MODEL_URI = "rlhf.model_logged", "rlhf.model_uri"
+"""Parent-run tags: this run holds the policy's weights under `model/`; or where an earlier run holds the same bytes."""
+
 
 @dataclass
 class PipelineRun:
@@ -35,9 +38,17 @@ class PipelineRun:
         metrics = report.manifest()["metrics"]
         tracking.log_metrics(run_id, metrics)
         tracking.log_artifacts(run_id, report.path / "summary.md", "eval")
-        if not tracking.has_artifact(run_id, "model"):
+        tags = {"rlhf.policy": policy.uri, "rlhf.policy_stage": policy.stage, "rlhf.policy_digest": policy.digest}
+        if tracking.has_artifact(run_id, "model"):  # the registry logged it for a new version
+            tags[MODEL_LOGGED] = "true"
+        elif earlier := tracking.find_run(
+            self.ctx.experiment_id, {"rlhf.policy_digest": policy.digest, MODEL_LOGGED: "true"}
+        ):
+            tags[MODEL_URI] = tracking.artifact_uri(earlier, "model")  # the same bytes: a link, not another copy
+        else:
             tracking.log_artifacts(run_id, policy.path / "model", "model")
-        tracking.set_tags(run_id, {"rlhf.policy": policy.uri, "rlhf.policy_stage": policy.stage})
+            tags[MODEL_LOGGED] = "true"
+        tracking.set_tags(run_id, tags)
         self.summary = {
             "mlflow_run_id": run_id,
             "mlflow": tracking.run_link(run_id),

@@ -193,6 +193,13 @@ def log_artifacts(run_id: str, local: Path, artifact_path: str | None = None) ->
         client().log_artifact(run_id, str(local), artifact_path)
 
 
+def find_run(experiment: str, tags: dict[str, str]) -> str | None:
+    """The newest run of the experiment with all these tag values, or None."""
+    query = " and ".join(f"tags.`{name}` = '{value}'" for name, value in tags.items())
+    found = client().search_runs([experiment], query, max_results=1, order_by=["attributes.start_time DESC"])
+    return found[0].info.run_id if found else None
+
+
 def has_artifact(run_id: str, path: str) -> bool:
     return any(a.path == path for a in client().list_artifacts(run_id))
 

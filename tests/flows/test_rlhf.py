@@ -68,6 +68,10 @@ def test_pipeline_runs_caches_and_reruns_only_what_changed(prefect, state, monke
         [parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{second.result()['mlflow_run_id']}'"
     )
     assert len(cached) == 5 and all(r.data.tags["rlhf.cached"] == "true" for r in cached)
+    # A cached run links the policy's weights the first run logged; it does not copy them again.
+    again = client.get_run(second.result()["mlflow_run_id"])
+    assert "model" not in {a.path for a in client.list_artifacts(again.info.run_id)}
+    assert again.data.tags["rlhf.model_uri"] == f"{parent.info.artifact_uri}/model"
 
     # Only dpo.beta changed: only dpo and eval run.
     third = run_without_registry("dpo.beta=0.2")
