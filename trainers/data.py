@@ -268,8 +268,7 @@ def load_source(spec: DatasetSpec, fingerprint: str | None = None) -> Dataset:
                 data_files=[str(copy) for copy in copies],
                 split="train",
                 cache_dir=str(Path(folder) / "cache"),
-                keep_in_memory=True,
-            )
+            )  # memory-mapped Arrow files: they stay readable after the folder is removed (the mapping keeps them)
         except Exception as exc:  # arrow/json parse errors carry no file name, or the copy's
             message = f"{type(exc).__name__}: {exc}"
             for copy, path in zip(copies, paths):
