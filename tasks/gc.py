@@ -21,7 +21,7 @@ from urllib.parse import unquote, urlparse
 
 from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.artifacts import MANIFEST
-from rlhf_pipeline.tasks.parent_run import MODEL_URI
+from rlhf_pipeline.tasks.parent_run import MODEL_LOGGED, MODEL_URI
 
 LINKED_RUN = re.compile(r"/([0-9a-f]{32})/artifacts/model$")
 
@@ -33,6 +33,8 @@ class Doomed:
     why: str
     key: str = ""
     """The stage key whose lock guards the path ("" for an MLflow copy)."""
+    run_id: str = ""
+    """The MLflow run whose weights copy this is ("" for a stage artifact)."""
 
 
 def size_of(path: Path) -> int:
@@ -133,9 +135,8 @@ def collect(keep_runs: int = 5) -> list[Doomed]:
             uri = urlparse(run.info.artifact_uri)
             copy = Path(unquote(uri.path)) / "model"
             if uri.scheme in ("", "file") and copy.is_dir():
-                doomed.append(
-                    Doomed(copy, size_of(copy), f"the weights copy of run {run.info.run_id}, kept by nothing")
-                )
+                why = f"the weights copy of run {run.info.run_id}, kept by nothing"
+                doomed.append(Doomed(copy, size_of(copy), why, run_id=run.info.run_id))
     return doomed
 
 
@@ -151,6 +152,8 @@ def remove(doomed: list[Doomed]) -> int:
         stage_root = item.path.parent.parent if item.path.parent.name == ".work" else item.path.parent
         with unheld(stage_root, item.key) if item.key else contextlib.nullcontext(True) as free:
             if free and item.path.exists():
+                if item.run_id:  # no later cached run may link to a copy that is gone
+                    tracking.set_tags(item.run_id, {MODEL_LOGGED: "removed by rlhf gc"})
                 shutil.rmtree(item.path)
                 freed += item.bytes
     return freed

@@ -46,6 +46,8 @@ def test_gc_keeps_what_the_registry_and_the_newest_run_use_and_removes_the_rest(
     assert main(["gc", "--keep-runs", "1"]) == 0
     assert "freed" in capsys.readouterr().out
     assert not any(path.exists() for path in doomed)
+    # No later cached run links to a copy that is gone.
+    assert client.get_run(second["mlflow_run_id"]).data.tags["rlhf.model_logged"] == "removed by rlhf gc"
     for summary in (first, third):
         assert all(Path(path, "manifest.json").is_file() for path in summary["artifacts"].values())
     # What the registry references still loads, and an identical newest run is still fully cached.
