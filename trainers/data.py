@@ -8,6 +8,8 @@ stages read, so a stage never sees a file that changed under it.
 from __future__ import annotations
 
 import hashlib
+import math
+import re
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -161,6 +163,86 @@ def files_digest(paths: list[Path]) -> str:
     return "sha256:" + digest.hexdigest()
 
 
+MIXED_TYPES = re.compile(
+    r"Column\((?P<column>[^)]*)\) changed from (?P<was>\w+) to (?P<now>\w+)(?: in row (?P<row>\d+))?"
+)
+
+
+TEXT_COLUMNS = frozenset({"text", "messages", "prompt", "completion", "chosen", "rejected", "label"})
+"""Columns the data rules type-check row by row (rule `consistent_types`, naming the rows)."""
+
+
+def one_type_per_column(copies: list[Path], paths: list[Path]) -> None:
+    """A JSON column of strings and numbers is refused, naming it: `datasets` would fall back to pandas, which turns
+    the strings into numbers ("00123" -> 123, "1e3" -> 1000.0), and the meaning of the data is gone."""
+    import pyarrow as pa
+    import pyarrow.json as pj
+
+    for copy, path in zip(copies, paths):
+        if copy.suffix != ".jsonl" and copy.read_bytes()[:1] == b"[":
+            continue  # a JSON document (a list of rows): Arrow reads lines only; `datasets` reads it with json
+        try:
+            pj.read_json(copy, read_options=pj.ReadOptions(block_size=1 << 26))
+        except pa.ArrowInvalid as exc:
+            found = MIXED_TYPES.search(str(exc))
+            if found and found["column"].lstrip("/").split("/")[0] not in TEXT_COLUMNS:  # those: rule consistent_types
+                where = f" (row {found['row']}, 0-based, of that block)" if found["row"] else ""
+                raise ValueError(
+                    f"{path}: rule 'one_type_per_column' failed: column {found['column'].lstrip('/')!r} holds "
+                    f"{found['was']} and {found['now']} values{where}; a column has one type, so quote the numbers "
+                    'that are text (an answer "00123" would otherwise be read as 123)'
+                ) from None
+        except (OSError, pa.ArrowException):
+            pass  # `datasets` reports what Arrow cannot read, with the raw-file rules before it
+
+
+def text_columns(path: Path):
+    """Every column of the CSV's header read as text (`typed_csv` then types each one)."""
+    import csv
+
+    import datasets as hf
+
+    with open(path, newline="", encoding="utf-8", errors="replace") as f:
+        header = next(csv.reader(f), [])
+    return hf.Features({name: hf.Value("string") for name in header}) if header else None
+
+
+def typed_csv(dataset):
+    """A CSV read as text, each column then given the one type every value of it reads back as: integers, floats or
+    booleans when every value round-trips exactly, text otherwise ("0119" and "1e3" stay text; pandas' own guess would
+    make them 119 and 1000.0). In memory: CSV files are read whole anyway."""
+    import datasets as hf
+    import pyarrow as pa
+
+    columns = {
+        name: pa.array(_typed(dataset[name]) if len(dataset) else [], type=None if len(dataset) else pa.string())
+        for name in dataset.column_names
+    }
+    return hf.Dataset(hf.table.InMemoryTable(pa.table(columns)))
+
+
+def _typed(values: list[str]) -> list:
+    if values and all(value.lower() in ("true", "false") for value in values):
+        return [value.lower() == "true" for value in values]
+    for convert in (int, float):
+        try:
+            converted = [convert(value) for value in values]
+        except ValueError:
+            continue
+        if all(_reads_back(value, number) for value, number in zip(values, converted)):
+            return converted
+    return values
+
+
+def _reads_back(text: str, number: float) -> bool:
+    """Whether the number is written as the text was: no leading zeros, no exponent, nothing dropped."""
+    if isinstance(number, int):
+        return str(number) == text.strip()
+    return repr(number) == text.strip() or (
+        not math.isfinite(number) and text.strip().lower() in ("nan", "inf", "-inf", "infinity", "-infinity")
+    )
+
+
 def network_error(exc: BaseException) -> bool:
     """A dropped connection, a timeout or a server error (5xx) on the way to the hub, and not a refusal no retry
     fixes (a missing or gated dataset, refused credentials: `trainers.failures`)."""
@@ -263,12 +345,32 @@ def load_source(spec: DatasetSpec, fingerprint: str | None = None) -> Dataset:
                 f"{read[:19]}); the retry keys the new bytes"
             )
         try:
+            if builder == "csv":
+                return typed_csv(
+                    datasets.load_dataset(
+                        builder,
+                        data_files=[str(copy) for copy in copies],
+                        split="train",
+                        cache_dir=str(Path(folder) / "cache"),
+                        features=text_columns(copies[0]),
+                        keep_default_na=False,
+                    )
+                )
+            if builder == "json":
+                one_type_per_column(copies, paths)
             return datasets.load_dataset(
                 builder,
                 data_files=[str(copy) for copy in copies],
                 split="train",
                 cache_dir=str(Path(folder) / "cache"),
             )  # memory-mapped Arrow files: they stay readable after the folder is removed (the mapping keeps them)
+        except ValueError as exc:
+            if str(exc).startswith(str(spec.path)) or any(str(path) in str(exc) for path in paths):
+                raise  # ours, naming the file
+            message = f"{type(exc).__name__}: {exc}"
+            for copy, path in zip(copies, paths):
+                message = message.replace(str(copy), str(path))
+            raise ValueError(f"{spec.path}: could not be read as a dataset: {message}") from exc
         except Exception as exc:  # arrow/json parse errors carry no file name, or the copy's
             message = f"{type(exc).__name__}: {exc}"
             for copy, path in zip(copies, paths):

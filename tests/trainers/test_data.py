@@ -201,3 +201,18 @@ def test_a_gate_on_exact_match_needs_the_reference_column_which_data_checks_wher
         and "no column ['answer']" in str(failures[0])
         and "eval.answer_column" in str(failures[0])
     )
+
+
+def test_text_keeps_its_meaning_a_csv_column_is_typed_only_when_every_value_reads_back(tmp_path):
+    csv = tmp_path / "prompts.csv"
+    csv.write_text("prompt,answer,code,score,flag\nsort 0119 -> ,0119,1e3,0.5,true\nsort 12 -> ,12,00123,2.0,False\n")
+    rows = load_source(DatasetSpec(path=str(csv)))
+    assert rows["answer"] == ["0119", "12"] and rows["code"] == ["1e3", "00123"]  # pandas' guess: 119, 1000.0, 123
+    assert rows["score"] == [0.5, 2.0] and rows["flag"] == [True, False]
+
+
+def test_a_json_reference_column_of_strings_and_numbers_is_refused_naming_it(tmp_path):
+    mixed = tmp_path / "prompts.jsonl"
+    mixed.write_text('{"prompt": "a", "answer": "00123"}\n{"prompt": "b", "answer": 5}\n')
+    with pytest.raises(ValueError, match=r"rule 'one_type_per_column' failed: column 'answer' holds string and number"):
+        load_source(DatasetSpec(path=str(mixed)))  # `datasets` would read "00123" as 123
