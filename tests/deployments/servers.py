@@ -73,7 +73,7 @@ def running_service(tmp: Path, serve_args: list[str] = ()) -> Iterator[dict]:
 def api_client(env):
     from prefect.client.orchestration import SyncPrefectClient
 
-    return SyncPrefectClient(env["PREFECT_API_URL"])
+    return SyncPrefectClient(env["PREFECT_API_URL"], auth_string=env.get("PREFECT_API_AUTH_STRING"))
 
 
 def deployment(service, name: str, timeout: float = 120):

@@ -250,17 +250,20 @@ def test_rlhf_up_starts_prefect_mlflow_and_serve_and_stops_them_all(tmp_path):
             started = children(up.pid)
             assert len(started) == 3, (tmp_path / "up.log").read_text()[-3000:]
 
-            def refused(headers: dict) -> int:
-                request = urllib.request.Request(
-                    f"http://127.0.0.1:{port}/api/flows/filter", data=b"{}", headers=headers, method="POST"
-                )
-                with pytest.raises(urllib.error.HTTPError) as error:
-                    urllib.request.urlopen(request, timeout=10)
-                return error.value.code
+            def answer(method: str, path: str, headers: dict) -> int:
+                data = b"{}" if method == "POST" else None
+                request = urllib.request.Request(f"http://127.0.0.1:{port}/api/{path}", data, headers, method=method)
+                try:
+                    with urllib.request.urlopen(request, timeout=10) as response:
+                        return response.status
+                except urllib.error.HTTPError as error:
+                    return error.code
 
             basic = "Basic " + base64.b64encode(PASSWORD.encode()).decode()
-            assert refused({"Content-Type": "application/json"}) == 401  # no password
-            assert refused({"Content-Type": "application/json", "Authorization": basic}) == 403  # no CSRF token
+            assert answer("GET", "admin/version", {}) == 401  # no password
+            assert answer("GET", "admin/version", {"Authorization": basic}) == 200
+            json_body = {"Content-Type": "application/json"}
+            assert answer("POST", "flows/filter", {**json_body, "Authorization": basic}) == 403  # no CSRF token
             assert "Basic authentication on" in (tmp_path / "up.log").read_text()
         finally:
             up.send_signal(signal.SIGTERM)

@@ -127,7 +127,15 @@ def submit_from_the_form(url: str, deployed: dict, artifacts: Path, service_pids
             page.set_viewport_size({"width": 1280, "height": height})
             page.screenshot(path=artifacts / "ui_form.png", full_page=True)
 
-            page.get_by_role("button", name="Submit", exact=True).click()
+            for attempt in range(3):
+                # Prefect's SQLite store can answer a write that races its own services with "database is locked",
+                # sent as 503 (retryable for its Python client); the UI shows "Something went wrong" and a person
+                # submits again. A 503 creates no run.
+                with page.expect_response(lambda response: response.url.endswith("/create_flow_run")) as created:
+                    page.get_by_role("button", name="Submit", exact=True).click()
+                if created.value.status != 503 or attempt == 2:
+                    break
+                refused.clear()
             page.wait_for_url(
                 lambda address: not address.rstrip("/").endswith("/run")
             )  # Submit leads to the deployment's page
