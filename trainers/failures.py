@@ -1,5 +1,5 @@
 """Failures no retry can fix, told apart from those a retry can: out of device memory, corrupt weights, refused
-credentials, a missing or gated repository, no permission, a full disk. Each gets a sentence that says what to do;
+credentials, a missing or gated repository, the hub switched off, no permission, a full disk. Each gets a sentence that says what to do;
 everything else (a dropped connection, a lost device, a killed process) is retried by the stage's task.
 
 No torch, transformers or huggingface_hub import: exceptions are recognised by class name and errno, so the flow's
@@ -44,6 +44,9 @@ def permanent_reason(exc: BaseException) -> str | None:
                 "out of device memory: the same config runs out again; lower per_device_train_batch_size or "
                 f"max_length, or train LoRA adapters ({first})"
             )
+        if "OfflineModeIsEnabled" in (name, text) or "(OfflineModeIsEnabled)" in text:  # a ConnectionError by
+            # class (datasets re-raises it as a bare one, naming it), but no retry reaches the hub
+            return f"the hub is switched off here (HF_HUB_OFFLINE=1) and this is not in the local cache: {first}"
         if name in HUB_REFUSALS:
             return f"the hub has no such repository or revision, or refuses this token (gated or private): {first}"
         status = getattr(getattr(cause, "response", None), "status_code", None)

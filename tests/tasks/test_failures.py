@@ -61,6 +61,8 @@ def test_out_of_memory_corrupt_weights_refusals_permission_and_a_full_disk_are_p
         "credentials refused (HTTP 401)": refused,
         "no permission": PermissionError(errno.EACCES, "Permission denied", "/models/x"),
         "the disk is full": OSError(errno.ENOSPC, "No space left on device"),
+        "HF_HUB_OFFLINE=1": hub.OfflineModeIsEnabled("Cannot reach the Hub: offline mode is enabled"),
+        "switched off here": ConnectionError("Couldn't reach 'org/x' on the Hub (OfflineModeIsEnabled)"),
     }
     for words, exc in permanent.items():
         wrapped = raised_from(RuntimeError("sft failed"), exc)  # found through the chain, as a launcher re-raises
@@ -74,6 +76,7 @@ def test_a_network_error_loading_a_hub_dataset_is_retried_a_missing_one_is_not(m
     import datasets
     import requests
     from datasets.exceptions import DatasetNotFoundError
+    from huggingface_hub.errors import OfflineModeIsEnabled
 
     from rlhf_pipeline.trainers.data import DatasetSpec, load_source
 
@@ -92,6 +95,11 @@ def test_a_network_error_loading_a_hub_dataset_is_retried_a_missing_one_is_not(m
     with pytest.raises(ValueError, match="doesn't exist") as missing:
         load_source(spec)
     assert is_permanent(missing.value)
+    offline = OfflineModeIsEnabled("Couldn't reach 'org/prefs' on the Hub (OfflineModeIsEnabled)")
+    monkeypatch.setattr(datasets, "load_dataset", failing(offline))  # a ConnectionError, but switched off here
+    with pytest.raises(ValueError, match="OfflineModeIsEnabled") as switched_off:
+        load_source(spec)
+    assert is_permanent(switched_off.value)
 
 
 def test_a_stage_has_a_time_limit_by_default():
