@@ -42,6 +42,7 @@ from rlhf_pipeline.tasks.artifacts import (
     read_history,
 )
 from rlhf_pipeline.tasks.code_version import code_version
+from rlhf_pipeline.tasks.metric_queue import MetricQueue
 from rlhf_pipeline.tasks.resources import PeakMemory, child_pids, kill_process
 from rlhf_pipeline.tasks.secrets import redact
 from rlhf_pipeline.trainers.failures import permanent_reason
@@ -141,6 +142,10 @@ def run_stage(
             metrics = {**manifest["metrics"], **resource_metrics(stage, manifest.get("resources", {}))}
             tracking.log_metrics(run_id, metrics, max((step for step, _ in curves), default=0))
             tracking.end_run(run_id)
+            if found and tracking.run_status(producer) == "RUNNING":  # published while MLflow was away
+                tracking.set_tags(producer, {"rlhf.recorded_by": run_id})
+                tracking.end_run(producer)
+                log(f"{stage}: MLflow run {producer} ended; its artifact's full curve is in run {run_id}")
             where = f"MLflow run {producer}" if found else f"MLflow run {producer}, not in this tracking store"
             log(f"{stage}: cached ({final}, produced by {where})")
             return StageOutcome(ref, cached=True, metrics=metrics, mlflow_run_id=run_id)
@@ -166,13 +171,18 @@ def run_stage(
         work_dir.mkdir(parents=True, exist_ok=True)
         history = work_dir / HISTORY  # kept beside the checkpoints, so a resumed build keeps its early curve
 
+        # Metrics go through a queue of their own: training never waits for the tracking server, and an outage
+        # loses nothing (every row is in `history` first, and the queue sends the rest when MLflow answers again).
+        queue = MetricQueue(lambda rows: tracking.log_metric_rows(run_id, rows), log, stage)
+
         def log_metrics(values: dict[str, float], step: int) -> None:
             last_step[0] = max(last_step[0], step)
             with open(history, "a") as f:
                 f.write(json.dumps({"step": step, "metrics": values}) + "\n")
-            tracking.log_metrics(run_id, values, step)
+            queue.put(values, step)
 
         children_before = child_pids()
+        published = False
         try:
             with hold(), PeakMemory() as memory:
                 metrics = build(tmp, work_dir, log_metrics)
@@ -185,8 +195,6 @@ def run_stage(
             resources = {"seconds": round(seconds, 3), "started": started, "finished": time.time(), **resources}
             if training:
                 training = {name: value for name, value in training.items() if name != PEAK_GPU}
-            if ended := outcome_tags(stage, training, log):
-                tracking.set_tags(run_id, ended)
             manifest = {
                 "stage": stage,
                 "key": key,
@@ -209,24 +217,24 @@ def run_stage(
                 FILES: files,
             }
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
-            for name in (MANIFEST, *log_files):
-                _log_file(run_id, tmp, name)
+            _publish(tmp, final)  # the work is safe from here on, whatever the tracking server does
+            published = True
             metrics = {**metrics, **resource_metrics(stage, resources)}
-            tracking.log_metrics(run_id, metrics, last_step[0])  # the final values sit at the end of the curves
-            _publish(tmp, final)
+            _record_in_mlflow(
+                run_id, stage, final, queue, metrics, last_step[0], log_files, outcome_tags(stage, training, log)
+            )
         except BaseException as exc:
             # A timed-out or failed build leaves no workers behind (data loaders, generation servers).
             for pid in child_pids() - children_before:
                 kill_process(pid, log)
             if reason := permanent_reason(exc):
                 log(f"{stage}: {reason}; not retried")
-            for name in log_files:  # a failed validation still leaves its report in MLflow
-                _log_file(run_id, tmp if (tmp / name).exists() else work_dir, name)
-            tracking.set_tags(run_id, {"rlhf.error": f"{type(exc).__name__}: {exc}"})
-            tracking.end_run(run_id, failed=True)
+            if published:
+                shutil.rmtree(work_dir, ignore_errors=True)  # the checkpoints are of no use to a published stage
+            else:
+                _record_failure(run_id, stage, exc, queue, tmp if tmp.exists() else work_dir, log_files, log)
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        tracking.end_run(run_id)
         ref = ref.model_copy(update={"digest": manifest["digest"], "parts": manifest["parts"]})
         shutil.rmtree(work_dir, ignore_errors=True)  # checkpoints are only a resume read_source
         log(f"{stage}: done in {seconds:.1f}s -> {final}")
@@ -328,6 +336,66 @@ def _key_lock(
         yield
     finally:
         lock.release()
+
+
+REPLAY_SECONDS = 600.0
+"""How long a finished stage waits for the tracking server to take the metrics it kept through an outage."""
+
+
+def _record_in_mlflow(
+    run_id: str,
+    stage: str,
+    final: Path,
+    queue: MetricQueue,
+    metrics: dict[str, float],
+    step: int,
+    log_files: tuple[str, ...],
+    tags: dict[str, str],
+) -> None:
+    """A published stage's curve, files and final values into its MLflow run, which ends FINISHED. A tracking server
+    that does not answer fails the attempt transiently: the retry finds the artifact and records it as a cached run
+    (its curve read from the artifact's history)."""
+    try:
+        if unsent := queue.close(REPLAY_SECONDS):
+            raise ConnectionError(f"MLflow has not taken {unsent} rows of metrics in {REPLAY_SECONDS:.0f}s")
+        if tags:
+            tracking.set_tags(run_id, tags)
+        for name in (MANIFEST, *log_files):
+            _log_file(run_id, final, name)
+        tracking.log_metrics(run_id, metrics, step)  # the final values sit at the end of the curves
+        tracking.end_run(run_id)
+    except Exception as exc:
+        queue.abandon()
+        raise ConnectionError(
+            f"{stage}: published at {final}, but the MLflow run {run_id} could not be completed "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); the curve is in the artifact's "
+            f"{HISTORY}, and the retry records the stage as cached"
+        ) from exc
+
+
+def _record_failure(
+    run_id: str,
+    stage: str,
+    exc: BaseException,
+    queue: MetricQueue,
+    folder: Path,
+    log_files: tuple[str, ...],
+    log: Callable[[str], None],
+) -> None:
+    """The failed build's run: its curve so far, its reports, the error, FAILED. Never in the way of the error itself:
+    with the tracking server down (the queue saw it), nothing waits on it, and a failure to record is only logged."""
+    unsent = queue.close(0 if queue.down_since is not None else 30)
+    queue.abandon()
+    if unsent or queue.down_since is not None:
+        log(f"{stage}: MLflow is not answering; the failure is not recorded in run {run_id} (its error follows here)")
+        return
+    try:
+        for name in log_files:  # a failed validation still leaves its report in MLflow
+            _log_file(run_id, folder, name)
+        tracking.set_tags(run_id, {"rlhf.error": f"{type(exc).__name__}: {exc}"})
+        tracking.end_run(run_id, failed=True)
+    except Exception as failed:
+        log(f"{stage}: could not record the failure in MLflow run {run_id} ({type(failed).__name__}: {failed})")
 
 
 def _log_file(run_id: str, stage_dir: Path, name: str) -> None:

@@ -140,6 +140,10 @@ def end_run(run_id: str, failed: bool = False) -> None:
     client().set_terminated(run_id, status="FAILED" if failed else "FINISHED")
 
 
+def run_status(run_id: str) -> str:
+    return client().get_run(run_id).info.status
+
+
 def end_stale_runs(experiment: str, key: str) -> list[str]:
     """Mark the RUNNING runs of a stage key KILLED: their process died (the caller holds the key's lock)."""
     mlflow = client()
@@ -184,6 +188,15 @@ def log_metrics(run_id: str, metrics: dict[str, float], step: int = 0) -> None:
 
     now = int(time.time() * 1000)
     client().log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+
+
+def log_metric_rows(run_id: str, rows: list[tuple[int, dict[str, float], int]]) -> None:
+    """Rows of (timestamp ms, values, step) in one call, each value at the time it was made (`tasks.metric_queue`)."""
+    from mlflow.entities import Metric
+
+    metrics = [Metric(k, float(v), stamp, step) for stamp, values, step in rows for k, v in values.items()]
+    if metrics:
+        client().log_batch(run_id, metrics=metrics)
 
 
 def log_artifacts(run_id: str, local: Path, artifact_path: str | None = None) -> None:
@@ -300,8 +313,12 @@ def download_version(name: str, version: str, dst: Path) -> Path:
     if not (dst / "config.json").is_file():
         tmp = dst.with_name(dst.name + ".partial")
         tmp.mkdir(parents=True, exist_ok=True)
-        mlflow.set_tracking_uri(tracking_uri())
-        mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{version}", dst_path=str(tmp))
+        mlflow.artifacts.download_artifacts(  # not mlflow.set_tracking_uri: that would outlive the call, process-wide
+            artifact_uri=f"models:/{name}/{version}",
+            dst_path=str(tmp),
+            tracking_uri=tracking_uri(),
+            registry_uri=os.environ.get("MLFLOW_REGISTRY_URI") or tracking_uri(),  # as client() resolves it
+        )
         tmp.rename(dst)
     return dst
 

@@ -116,3 +116,19 @@ class RecordBatches(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         self.hook.remove()
         self.out.write_text(json.dumps(self.batches))
+
+
+class MlflowOutage(TrainerCallback):
+    """Stops the tracking server (`tests.mlflow_server`, pid in `pid_file`) once step `stop_at` is done and starts it
+    again, on the same store and port, once step `start_at` is: an outage in the middle of training."""
+
+    def __init__(self, stop_at: int, start_at: int, store: str, port: int, pid_file: str):
+        self.stop_at, self.start_at, self.store, self.port, self.pid_file = stop_at, start_at, store, port, pid_file
+
+    def on_step_end(self, args, state, control, **kwargs):
+        from tests import mlflow_server
+
+        if state.global_step == self.stop_at:
+            mlflow_server.stop(Path(self.pid_file))
+        elif state.global_step == self.start_at:
+            mlflow_server.start(self.store, self.port, Path(self.pid_file))

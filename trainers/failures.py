@@ -1,6 +1,7 @@
 """Failures no retry can fix, told apart from those a retry can: out of device memory, corrupt weights, refused
-credentials, a missing or gated repository, the hub switched off, no permission, a full disk. Each gets a sentence that says what to do;
-everything else (a dropped connection, a lost device, a killed process) is retried by the stage's task.
+credentials, a missing or gated repository, the hub switched off, no permission, a full disk. Each gets a sentence
+that says what to do; everything else (a dropped connection, a lost device, a killed process) is retried by the
+stage's task.
 
 No torch, transformers or huggingface_hub import: exceptions are recognised by class name and errno, so the flow's
 retry condition can classify them cheaply.

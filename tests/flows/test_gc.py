@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_pipeline.cli import main
+from rlhf_pipeline.tasks import tracking
 from tests.flows.helpers import run, task_states
 
 pytestmark = pytest.mark.e2e  # three pipeline runs
@@ -20,8 +21,6 @@ def listed(output: str) -> set[Path]:
 def test_gc_keeps_what_the_registry_and_the_newest_run_use_and_removes_the_rest(
     prefect, state, tmp_path, monkeypatch, capsys
 ):
-    from mlflow.tracking import MlflowClient
-
     monkeypatch.setenv(
         "MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'gc.db'}"
     )  # a store of its own: gc reads all of it
@@ -30,7 +29,7 @@ def test_gc_keeps_what_the_registry_and_the_newest_run_use_and_removes_the_rest(
     newest = run("dpo.beta=0.3", "registry.enabled=false")
     first, second, third = (outcome.result() for outcome in (registered, dropped, newest))
     assert first["registry"]["version"] == "1"
-    client = MlflowClient()
+    client = tracking.client()  # the store this test set, whatever mlflow's process-wide URI is
     second_copy = Path(client.get_run(second["mlflow_run_id"]).info.artifact_uri.removeprefix("file://")) / "model"
     assert second_copy.is_dir()
 

@@ -22,8 +22,10 @@ pytestmark = pytest.mark.e2e  # a pipeline run end to end: the fast loop skips i
 
 
 def run_without_registry(*overrides: str):
-    """The registry's champion is an input of eval; keep it out of the caching test (see test_registry)."""
-    return run("registry.enabled=false", *overrides)
+    """The registry's champion is an input of eval; keep it out of the caching test (see test_registry). An experiment
+    of its own: the session's store holds other tests' runs of the same preset, whose identical weights a first run
+    here would link instead of logging them."""
+    return run("registry.enabled=false", "experiment_name=caching", *overrides)
 
 
 def test_pipeline_runs_caches_and_reruns_only_what_changed(prefect, state, monkeypatch):
