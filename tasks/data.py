@@ -82,7 +82,7 @@ def validate_data(
         digest_of=("datasets",),
         parts={name: f"datasets/{name}.parquet" for name in sources},
         trainer=row.trainer,
-        hold=device_hold(row.name, row.device, prefect_log),
+        hold=device_hold(row.name, row.device, prefect_log, ctx.wait_seconds),
     )
 
 

@@ -85,7 +85,7 @@ def evaluate(
         log_files=REPORT_FILES,
         log=prefect_log,
         trainer=row.trainer,
-        hold=device_hold("eval", row.device, prefect_log),
+        hold=device_hold("eval", row.device, prefect_log, ctx.wait_seconds),
     )
     publish_report(outcome.ref, [data, sft_model, reward_model, policy], ctx)
     return outcome

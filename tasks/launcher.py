@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import selectors
+import signal
 import socket
 import subprocess
 import sys
@@ -41,6 +42,7 @@ from rlhf_pipeline.trainers.rank import (
     die_with_parent,
     write_spec,
 )
+from rlhf_pipeline.trainers.stopping import TERMINATING, Terminated
 
 Launcher = Literal["inprocess", "accelerate"]
 ENGINES = ("ddp", "zero2", "zero3", "fsdp2")
@@ -182,6 +184,8 @@ def run_launched(
         raise PERMANENT_BY_NAME.get(reported["type"], RuntimeError)(
             f"{stage} (rank {reported['rank']}): {reported['message']}"
         )
+    if returncode != 0 and TERMINATING.is_set():
+        raise Terminated(f"{stage}: the ranks stopped on SIGTERM; the next attempt resumes from their checkpoint")
     if returncode != 0:
         last = "\n".join(tail)
         raise RuntimeError(
@@ -206,6 +210,15 @@ class ProcessTree:
         with contextlib.suppress(psutil.Error):
             self.known |= set(self.root.children(recursive=True))
 
+    def signal(self, signum: int) -> None:
+        """`signum` to every process of the tree that is still running."""
+        import psutil
+
+        self.refresh()
+        for process in self.known:
+            with contextlib.suppress(psutil.Error):
+                process.send_signal(signum)
+
     def kill(self, grace: float, log: Callable[[str], None], stage: str) -> None:
         """SIGTERM to every process of the tree, then SIGKILL to those alive after `grace` seconds."""
         import psutil
@@ -229,8 +242,11 @@ def _stream(process: subprocess.Popen, ranks: ProcessTree, log, log_metrics, tai
     cancellation raised into this thread is seen between lines, and ends when the flow run's main thread has ended."""
     selector = selectors.DefaultSelector()
     selector.register(process.stdout, selectors.EVENT_READ)
-    checked = 0.0
+    checked, forwarded = 0.0, False
     while True:
+        if TERMINATING.is_set() and not forwarded:  # SIGTERM reached the flow run: the ranks checkpoint and stop too
+            ranks.signal(signal.SIGTERM)
+            forwarded = True
         if time.monotonic() - checked > 2:
             ranks.refresh()
             checked = time.monotonic()

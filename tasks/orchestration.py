@@ -21,6 +21,7 @@ from rlhf_pipeline.tasks.artifacts import ArtifactRef, StageOutcome
 from rlhf_pipeline.tasks.secrets import redact_text
 from rlhf_pipeline.trainers.failures import permanent_reason
 from rlhf_pipeline.trainers.rank import PERMANENT
+from rlhf_pipeline.trainers.stopping import TERMINATING
 
 
 def retrying(config: RetryConfig) -> Callable:
@@ -65,32 +66,80 @@ def ensure_device_limit(slots: int = 1) -> None:
 
 
 @contextmanager
-def device_slot(stage: str, log: Callable[[str], None] = print) -> Iterator[None]:
+def device_slot(stage: str, log: Callable[[str], None] = print, wait_seconds: float | None = None) -> Iterator[None]:
     """Hold one slot of the device limit while a training or generating stage builds.
 
     Two flow runs then never train on the same GPU at once: the second waits
-    here (its cached stages do not). Outside a Prefect run, or without a Prefect
-    server, it is a no-op. The slot is leased for a minute at a time and renewed
-    while the stage runs, so a run that is killed frees it within a minute.
+    here (its cached stages do not), at most `wait_seconds` (None: without end), and then fails naming who holds
+    the slot. Outside a Prefect run, or without a Prefect server, it is a no-op. The slot is leased for a minute at a
+    time and renewed while the stage runs, so a run that is killed frees it within a minute. A Prefect server that
+    does not answer for longer loses the lease: Prefect says so in the stage's log ("Concurrency lease renewal
+    failed"), and the stage trains on (docs/ARCHITECTURE.md, Prefect).
     """
     from prefect.context import TaskRunContext
 
-    if TaskRunContext.get() is None or not coordinated():
+    context = TaskRunContext.get()
+    if context is None or not coordinated():
         yield
         return
+    from prefect.client.schemas.objects import ConcurrencyLeaseHolder
     from prefect.concurrency.sync import concurrency
 
-    waited = time.time()
-    with concurrency(device_limit(), occupy=1, lease_duration=60):
-        if time.time() - waited > 1:
-            log(f"{stage}: waited {time.time() - waited:.0f}s for a slot of concurrency limit {device_limit()!r}")
-        yield
+    waited, acquired = time.time(), False
+    try:
+        with concurrency(
+            device_limit(),
+            occupy=1,
+            lease_duration=60,
+            timeout_seconds=wait_seconds,
+            holder=ConcurrencyLeaseHolder(type="task_run", id=context.task_run.id),
+            raise_on_lease_renewal_failure=False,  # the work in progress is worth more than the slot
+        ):
+            acquired = True
+            if time.time() - waited > 1:
+                log(f"{stage}: waited {time.time() - waited:.0f}s for a slot of concurrency limit {device_limit()!r}")
+            yield
+    except TimeoutError as exc:
+        if acquired:  # the stage's own, not the wait's
+            raise
+        raise TimeoutError(
+            f"{stage}: no slot of concurrency limit {device_limit()!r} within {wait_seconds:.0f}s "
+            f"(retry.timeout_seconds); held by {slot_holders(context.task_run.id)}"
+        ) from exc
 
 
-def device_hold(stage: str, device: bool, log: Callable[[str], None] = print) -> Callable[[], ContextManager[None]]:
+def slot_holders(own: Any) -> str:
+    """Who holds the device slots, in words: the device stages running now in other task runs, with their flow
+    runs (Prefect has no API that lists a limit's lease holders)."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterState, TaskRunFilterStateType
+    from prefect.client.schemas.objects import StateType
+
+    from rlhf_pipeline.tasks.stages import BY_NAME
+
+    device = {name for name, row in BY_NAME.items() if row.device}
+    running = TaskRunFilter(state=TaskRunFilterState(type=TaskRunFilterStateType(any_=[StateType.RUNNING])))
+    try:
+        with get_client(sync_client=True) as client:
+            holders = []
+            for run in client.read_task_runs(task_run_filter=running, limit=50):
+                if run.id == own or run.name.rsplit("-", 1)[0] not in device:
+                    continue
+                flow_run = client.read_flow_run(run.flow_run_id) if run.flow_run_id else None
+                since = run.start_time.strftime("%H:%M:%S UTC") if run.start_time else "?"
+                where = f"flow run {flow_run.name!r}" if flow_run is not None else "no flow run"
+                holders.append(f"{run.name} of {where}, running since {since}")
+    except Exception as exc:  # naming the holder must not hide the timeout
+        return f"(the holders could not be read: {type(exc).__name__})"
+    return "; ".join(holders) or "no device stage running now (a killed run's lease frees within a minute)"
+
+
+def device_hold(
+    stage: str, device: bool, log: Callable[[str], None] = print, wait_seconds: float | None = None
+) -> Callable[[], ContextManager[None]]:
     """What `tasks.store.run_stage` holds while the stage builds: a device slot where the table says it uses the
-    device."""
-    return (lambda: device_slot(stage, log)) if device else contextlib.nullcontext
+    device, waited for at most `wait_seconds`."""
+    return (lambda: device_slot(stage, log, wait_seconds)) if device else contextlib.nullcontext
 
 
 DEFAULT_TIMEOUT = 24 * 3600.0
@@ -136,6 +185,8 @@ PERMANENT_MLFLOW_CODES = frozenset({"RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETE
 def is_transient(task, task_run, state) -> bool:
     """Retry I/O and infrastructure failures; bad config or data (ValueError...) and MLflow's
     "does not exist" fail at once."""
+    if TERMINATING.is_set():  # SIGTERM: the process is going away; the next attempt resumes from the checkpoint
+        return False
     exc = state.result(raise_on_failure=False)
     return not is_permanent(exc)
 

@@ -14,6 +14,7 @@ from rlhf_pipeline.tasks.artifacts import ArtifactRef, RunContext
 from rlhf_pipeline.tasks.launcher import LaunchConfig
 from rlhf_pipeline.tasks.orchestration import coordinated, current_flow_run, ensure_device_limit, prefect_log
 from rlhf_pipeline.tasks.secrets import install_log_filter, redact
+from rlhf_pipeline.trainers.stopping import checkpoint_on_sigterm
 
 MODEL_LOGGED, MODEL_URI = "rlhf.model_logged", "rlhf.model_uri"
 """Parent-run tags: this run holds the policy's weights under `model/`; or where an earlier run holds the same bytes."""
@@ -92,7 +93,9 @@ def pipeline_run(params: Any) -> Iterator[PipelineRun]:
     prefect_log(f"MLflow: {tracking.run_link(run_id)}")
     prefect_log(f"Artifacts: {ctx.artifact_root}")
     try:
-        yield PipelineRun(ctx)
+        # SIGTERM (an eviction, a preemption, Prefect's cancel): every training stage checkpoints and stops first.
+        with checkpoint_on_sigterm():
+            yield PipelineRun(ctx)
     except BaseException as exc:
         tracking.set_tags(run_id, {"rlhf.error": f"{type(exc).__name__}: {exc}"})
         tracking.end_run(run_id, failed=True)

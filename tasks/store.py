@@ -45,6 +45,7 @@ from rlhf_pipeline.tasks.code_version import code_version
 from rlhf_pipeline.tasks.metric_queue import MetricQueue
 from rlhf_pipeline.tasks.resources import PeakMemory, child_pids, kill_process
 from rlhf_pipeline.tasks.secrets import redact
+from rlhf_pipeline.trainers import stopping
 from rlhf_pipeline.trainers.failures import permanent_reason
 from rlhf_pipeline.trainers.loop import OUTCOME, PEAK_GPU, last_checkpoint
 from rlhf_pipeline.trainers.models import tokenizer_digest
@@ -183,58 +184,62 @@ def run_stage(
 
         children_before = child_pids()
         published = False
-        try:
-            with hold(), PeakMemory() as memory:
-                metrics = build(tmp, work_dir, log_metrics)
-            if history.is_file():
-                shutil.copy(history, tmp / HISTORY)
-            files = file_listing(tmp)
-            seconds = time.time() - started
-            training = json.loads((tmp / OUTCOME).read_text()) if (tmp / OUTCOME).is_file() else None
-            resources = memory.figures(training)
-            resources = {"seconds": round(seconds, 3), "started": started, "finished": time.time(), **resources}
-            if training:
-                training = {name: value for name, value in training.items() if name != PEAK_GPU}
-            manifest = {
-                "stage": stage,
-                "key": key,
-                "config": config_json,
-                "upstream": {
-                    name: {"stage": r.stage, "key": r.key, "digest": r.digest} for name, r in upstream.items()
-                },
-                "digest": content_digest(tmp, digest_of),
-                "parts": {
-                    name: content_digest(tmp, (path,)) for name, path in (parts or {}).items() if (tmp / path).exists()
-                },
-                "fingerprints": fingerprints,
-                "code_version": code,
-                "tokenizer": tokenizer_digest(tmp / "model"),
-                "training": training,
-                "versions": _versions(),
-                "metrics": metrics,
-                "mlflow_run_id": run_id,
-                "resources": resources,
-                FILES: files,
-            }
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
-            _publish(tmp, final)  # the work is safe from here on, whatever the tracking server does
-            published = True
-            metrics = {**metrics, **resource_metrics(stage, resources)}
-            _record_in_mlflow(
-                run_id, stage, final, queue, metrics, last_step[0], log_files, outcome_tags(stage, training, log)
-            )
-        except BaseException as exc:
-            # A timed-out or failed build leaves no workers behind (data loaders, generation servers).
-            for pid in child_pids() - children_before:
-                kill_process(pid, log)
-            if reason := permanent_reason(exc):
-                log(f"{stage}: {reason}; not retried")
-            if published:
-                shutil.rmtree(work_dir, ignore_errors=True)  # the checkpoints are of no use to a published stage
-            else:
-                _record_failure(run_id, stage, exc, queue, tmp if tmp.exists() else work_dir, log_files, log)
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        # A SIGTERM waits (its grace period) for the checkpoint and for the stop's record in MLflow.
+        with stopping.training():
+            try:
+                with hold(), PeakMemory() as memory:
+                    metrics = build(tmp, work_dir, log_metrics)
+                if history.is_file():
+                    shutil.copy(history, tmp / HISTORY)
+                files = file_listing(tmp)
+                seconds = time.time() - started
+                training = json.loads((tmp / OUTCOME).read_text()) if (tmp / OUTCOME).is_file() else None
+                resources = memory.figures(training)
+                resources = {"seconds": round(seconds, 3), "started": started, "finished": time.time(), **resources}
+                if training:
+                    training = {name: value for name, value in training.items() if name != PEAK_GPU}
+                manifest = {
+                    "stage": stage,
+                    "key": key,
+                    "config": config_json,
+                    "upstream": {
+                        name: {"stage": r.stage, "key": r.key, "digest": r.digest} for name, r in upstream.items()
+                    },
+                    "digest": content_digest(tmp, digest_of),
+                    "parts": {
+                        name: content_digest(tmp, (path,))
+                        for name, path in (parts or {}).items()
+                        if (tmp / path).exists()
+                    },
+                    "fingerprints": fingerprints,
+                    "code_version": code,
+                    "tokenizer": tokenizer_digest(tmp / "model"),
+                    "training": training,
+                    "versions": _versions(),
+                    "metrics": metrics,
+                    "mlflow_run_id": run_id,
+                    "resources": resources,
+                    FILES: files,
+                }
+                (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+                _publish(tmp, final)  # the work is safe from here on, whatever the tracking server does
+                published = True
+                metrics = {**metrics, **resource_metrics(stage, resources)}
+                _record_in_mlflow(
+                    run_id, stage, final, queue, metrics, last_step[0], log_files, outcome_tags(stage, training, log)
+                )
+            except BaseException as exc:
+                # A timed-out or failed build leaves no workers behind (data loaders, generation servers).
+                for pid in child_pids() - children_before:
+                    kill_process(pid, log)
+                if reason := permanent_reason(exc):
+                    log(f"{stage}: {reason}; not retried")
+                if published:
+                    shutil.rmtree(work_dir, ignore_errors=True)  # the checkpoints are of no use to a published stage
+                else:
+                    _record_failure(run_id, stage, exc, queue, tmp if tmp.exists() else work_dir, log_files, log)
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
         ref = ref.model_copy(update={"digest": manifest["digest"], "parts": manifest["parts"]})
         shutil.rmtree(work_dir, ignore_errors=True)  # checkpoints are only a resume read_source
         log(f"{stage}: done in {seconds:.1f}s -> {final}")

@@ -128,7 +128,7 @@ def train_stage(
         log_files=LOGGED,
         log=prefect_log,
         trainer=row.trainer,
-        hold=device_hold(stage, row.device, prefect_log),
+        hold=device_hold(stage, row.device, prefect_log, ctx.wait_seconds),
         extra_tags={"rlhf.round": str(round_)} if round_ else None,
     )
     return dataclasses.replace(outcome, skipped=True) if switched_off else outcome

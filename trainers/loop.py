@@ -14,6 +14,7 @@ from pathlib import Path
 from rlhf_pipeline.trainers.config import Customisation, LogMetrics, TrainingConfig
 from rlhf_pipeline.trainers.handoff import unsharded_copy
 from rlhf_pipeline.trainers.models import save_model
+from rlhf_pipeline.trainers.stopping import TERMINATING, Terminated, checkpoint_callback
 
 
 def match_cpu_threads() -> int:
@@ -71,7 +72,12 @@ def stage_callbacks(stage: str, log_metrics: LogMetrics | None, cfg: Customisati
             if folder.is_dir() and state.is_world_process_zero:
                 (folder / COMPLETE).write_text(f"{state.global_step}\n")
 
-    return [metrics_callback(stage, log_metrics), MarkComplete(), *(cfg.user_callbacks() if cfg is not None else [])]
+    return [
+        metrics_callback(stage, log_metrics),
+        checkpoint_callback(),  # before MarkComplete: a checkpoint saved on SIGTERM is marked complete as well
+        MarkComplete(),
+        *(cfg.user_callbacks() if cfg is not None else []),
+    ]
 
 
 def metrics_callback(stage: str, log_metrics: LogMetrics | None):
@@ -129,6 +135,11 @@ def fit(trainer, cfg: TrainingConfig, work_dir: Path, out_dir: Path) -> dict:
         trainer.remove_callback(ProgressCallback)
     trainer.train(resume_from_checkpoint=last_checkpoint(work_dir))
     state = trainer.state
+    if TERMINATING.is_set():  # stopped by SIGTERM, its checkpoint written: nothing is published
+        raise Terminated(
+            f"stopped by SIGTERM after step {state.global_step} of {state.max_steps}; the next attempt resumes from "
+            f"checkpoint-{state.global_step}"
+        )
     best = state.best_model_checkpoint if getattr(cfg, "load_best_model_at_end", False) else None
     outcome = {"global_step": state.global_step, "max_steps": state.max_steps}
     if is_main_process(trainer):

@@ -42,6 +42,7 @@ from rlhf_pipeline.trainers.ppo_parallel import Ranks, cpu_threads, load_checkpo
 from rlhf_pipeline.trainers.probes import ProbeFields
 from rlhf_pipeline.trainers.progress import PROGRESS, Progress
 from rlhf_pipeline.trainers.rewards import RewardsConfig
+from rlhf_pipeline.trainers.stopping import Terminated, stop_requested
 
 if TYPE_CHECKING:
     import torch
@@ -452,7 +453,7 @@ def train(
         )
     hooks("on_train_begin")
     started, first = time.monotonic(), state["update"]
-    update = first
+    update, terminated = first, False
     with cpu_threads(cfg.num_threads), tf32(cfg.tf32):
         for update in range(state["update"] + 1, num_updates + 1):
             if scheduler is None:
@@ -581,10 +582,11 @@ def train(
                 )
                 if log_metrics is not None:
                     log_metrics({f"ppo/heldout/{name}": value for name, value in heldout.items()}, update)
-            stop = ranks.any(
+            terminated = stop_requested()  # SIGTERM: a checkpoint now, then stop (every rank agrees)
+            stop = terminated or ranks.any(
                 hooks.control.should_training_stop
             )  # a callback ended training: publish what we have, as the Trainer does
-            if update % cfg.save_steps == 0 or update == num_updates or hooks.control.should_save:
+            if update % cfg.save_steps == 0 or update == num_updates or hooks.control.should_save or terminated:
                 state.update(update=update, metrics=metrics)
                 save_checkpoint(work_dir, update, policy, value_model, optimizer, scheduler, state, ranks)
                 hooks.control.should_save = False
@@ -593,6 +595,11 @@ def train(
                 break
 
     progress.close()
+    if terminated:
+        ranks.close()
+        raise Terminated(
+            f"ppo: stopped by SIGTERM after update {update}; the next attempt resumes from checkpoint-{update}"
+        )
     # The closing summary the Trainer logs too, then the end of training.
     hooks("on_log", logs={"train_runtime": time.monotonic() - started, "train_updates": update - first})
     hooks("on_train_end")

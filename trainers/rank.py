@@ -21,6 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from rlhf_pipeline.trainers.stopping import checkpoint_on_sigterm, training
+
 METRICS_MARK = "@@rlhf-metrics "
 PROGRESS_MARK = "@@rlhf-progress "
 RESULT_FILE = "result.json"
@@ -99,7 +101,9 @@ def main(argv: list[str]) -> int:
 
     try:
         trainer, arguments = read_spec(spec)  # the configs are validated again here, in the rank's environment
-        metrics = importlib.import_module(trainer).train(**arguments, log_metrics=log_metrics)
+        # A SIGTERM (the parent's, or the whole group's) checkpoints and stops the rank, which then ends by it.
+        with checkpoint_on_sigterm(), training():
+            metrics = importlib.import_module(trainer).train(**arguments, log_metrics=log_metrics)
     except PERMANENT as exc:
         kind = next(
             cls.__name__ for cls in PERMANENT if isinstance(exc, cls)

@@ -1,4 +1,5 @@
-"""A flow run killed with SIGKILL mid-training resumes from its newest complete checkpoint.
+"""A flow run killed with SIGKILL mid-training resumes from its newest complete checkpoint; one stopped with SIGTERM
+writes a checkpoint first, and resumes from that one.
 
 The runs are real `rlhf run` processes (each with its temporary Prefect server);
 the kill takes the whole process group, as a preempted node would.
@@ -33,7 +34,7 @@ SETTINGS = [
 ]
 
 
-def start(state: Path, log: Path) -> subprocess.Popen:
+def start(state: Path, log: Path, *extra: str) -> subprocess.Popen:
     (state / "prefect").mkdir(parents=True, exist_ok=True)
     env = {
         **os.environ,
@@ -41,7 +42,7 @@ def start(state: Path, log: Path) -> subprocess.Popen:
         "MLFLOW_TRACKING_URI": f"sqlite:///{state / 'mlflow.db'}",
         "PREFECT_HOME": str(state / "prefect"),
     }
-    args = [sys.executable, "-m", "rlhf_pipeline", "run", *(f"--set={item}" for item in SETTINGS)]
+    args = [sys.executable, "-m", "rlhf_pipeline", "run", *(f"--set={item}" for item in (*SETTINGS, *extra))]
     with open(log, "a") as out:
         return subprocess.Popen(args, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -97,3 +98,37 @@ def test_a_killed_run_resumes_sft_and_dpo_from_their_checkpoints_and_ends_where_
         assert abs(got[f"{stage}/train/loss"] - expected[f"{stage}/train/loss"]) < 1e-4, (stage, got, expected)
     final = manifest_metrics(crashed, "eval")["eval/heldout/policy_exact_match"]
     assert abs(final - manifest_metrics(unbroken, "eval")["eval/heldout/policy_exact_match"]) <= 0.02
+
+
+def test_sigterm_mid_sft_checkpoints_exits_within_the_grace_and_the_next_run_resumes_from_that_checkpoint(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from rlhf_pipeline.trainers.stopping import DEFAULT_GRACE
+
+    state, log = tmp_path / "state", tmp_path / "run.log"
+    no_periodic_checkpoint = "sft.save_steps=1000"  # the only checkpoint is the one the signal writes
+    process = start(state, log, no_periodic_checkpoint)
+    deadline = time.time() + 300
+    while not list((state / "artifacts" / "sft" / ".work").glob("*/history.jsonl")):  # sft has logged a step
+        assert process.poll() is None, f"the run ended before sft trained:\n{log.read_text()[-3000:]}"
+        assert time.time() < deadline, "sft logged no step within 300s"
+        time.sleep(0.05)
+    os.kill(process.pid, signal.SIGTERM)  # the main process only, as Kubernetes and Prefect's runner send it
+    sent = time.time()
+    code = process.wait(DEFAULT_GRACE + 30)
+    assert time.time() - sent < DEFAULT_GRACE, f"exited {time.time() - sent:.1f}s after SIGTERM"
+    assert code == -signal.SIGTERM, (code, log.read_text()[-3000:])  # it still ends as SIGTERM ends a process
+    [marker] = (state / "artifacts" / "sft" / ".work").glob("*/checkpoint-*/checkpoint.complete")
+    stopped_at = int(marker.parent.name.split("-")[1])
+    assert 5 <= stopped_at < 60 and not list((state / "artifacts" / "sft").glob("[0-9a-f]*/manifest.json"))
+
+    finish(start(state, log, no_periodic_checkpoint), log)
+    mlflow = MlflowClient(tracking_uri=f"sqlite:///{state / 'mlflow.db'}")
+    experiment = mlflow.get_experiment_by_name("rlhf").experiment_id
+    runs = mlflow.search_runs([experiment], "attributes.run_name = 'sft' and tags.`rlhf.cached` = 'false'")
+    by_status = {run.info.status: run for run in runs}
+    assert sorted(by_status) == ["FAILED", "FINISHED"], sorted(by_status)
+    assert "Terminated: stopped by SIGTERM after step" in by_status["FAILED"].data.tags["rlhf.error"]
+    assert by_status["FINISHED"].data.tags["rlhf.resumed_from"] == f"checkpoint-{stopped_at}"
+    steps = sorted({m.step for m in mlflow.get_metric_history(by_status["FINISHED"].info.run_id, "sft/train/loss")})
+    assert steps and steps[0] > stopped_at and steps[-1] == 60, steps  # the step counter continues from the signal

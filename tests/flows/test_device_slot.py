@@ -57,3 +57,51 @@ def test_device_stages_wait_for_each_other_and_data_stages_do_not(prefect, tmp_p
     assert len(spans["sft"]) == len(spans["data"]) == 2
     assert not overlaps(spans["sft"])
     assert overlaps(spans["data"])  # the control: without a slot they do run side by side
+
+
+def test_a_stage_waits_for_the_slot_no_longer_than_its_limit_and_the_error_names_who_holds_it(prefect, tmp_path):
+    from prefect import flow, task
+    from prefect.runtime import flow_run
+
+    ensure_device_limit()
+    experiment = tracking.experiment_id("device-slot-test")
+    ctx = RunContext(
+        artifact_root=str(tmp_path),
+        experiment_id=experiment,
+        parent_run_id=tracking.start_run(experiment, "parent", {}),
+    )
+    holding = []
+
+    def build(seconds: float):
+        def run(out_dir, work_dir, log_metrics):
+            holding.append(time.time())
+            time.sleep(seconds)
+            (out_dir / "done").write_text("x")
+            return {}
+
+        return run
+
+    @task(name="sft")
+    def long_sft():
+        return run_stage("sft", {"run": "holder"}, {}, ctx, build(8), hold=device_hold("sft", True)).ref
+
+    @task(name="rm")
+    def impatient_rm():
+        deadline = time.time() + 60
+        while not holding and time.time() < deadline:  # the sft holds the slot
+            time.sleep(0.1)
+        return run_stage("rm", {"run": "waiter"}, {}, ctx, build(0), hold=device_hold("rm", True, wait_seconds=2)).ref
+
+    @flow(name="busy-device")
+    def busy_device():
+        held, waited = long_sft.submit(), impatient_rm.submit()
+        return held.result(), waited.result(raise_on_failure=False), flow_run.name
+
+    started = time.time()
+    held, waited, name = busy_device()
+    assert isinstance(waited, TimeoutError), waited
+    message = str(waited)
+    assert f"rm: no slot of concurrency limit {device_limit()!r} within 2s" in message, message
+    assert "held by sft-" in message and f"of flow run {name!r}, running since" in message, message
+    assert (held.path / "done").is_file()  # the holder finished its stage
+    assert time.time() - started < 30
