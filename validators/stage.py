@@ -9,6 +9,7 @@ from pathlib import Path
 
 from rlhf_pipeline.trainers.config import ModelConfig
 from rlhf_pipeline.trainers.data import DataConfig, load_source, local_files
+from rlhf_pipeline.trainers.progress import PROGRESS
 
 # Held-out dataset -> the datasets trained on that must not share a prompt with it.
 HELD_OUT = {
@@ -52,9 +53,17 @@ def train(
     if failures:
         raise ValueError(f"{len(failures)} data checks failed:\n" + "\n".join(map(str, failures)))
     metrics: dict[str, float] = {}
-    for name, (split, _) in passed.items():
+    for name, (split, report) in passed.items():
         split.dataset.to_parquet(str(out_dir / "datasets" / f"{name}.parquet"))
         metrics[f"data/{name}/rows"] = float(len(split.dataset))
+        for rule in report.rules:
+            if rule.rule == DUPLICATES:
+                metrics[f"data/{name}/duplicate_rows"] = float(rule.failed_count)
+                first = rule.examples[0]
+                PROGRESS.info(
+                    f"data: {split.source}: {rule.failed_count} of {len(split.dataset)} rows repeat an earlier row "
+                    f"exactly (e.g. row {first['row']}: {first['value']}); kept, and reported as rule {DUPLICATES}"
+                )
     shutil.copytree(work_dir / "report", out_dir / "report")
     return metrics
 
@@ -135,6 +144,9 @@ def check_datasets(
             report.write_json(report_dir / name / REPORT_FILE)
             failures.append(DataValidationError(report))
             continue
+        if (repeated := _duplicate_rows(dataset)) is not None:  # reported, not refused: upsampling repeats rows
+            report.rules.append(repeated)
+            report.write_json(report_dir / name / REPORT_FILE)
         readers = (pairs_for or {}).get(name, ())
         if readers and report.format is not None and "label" in report.format.columns:
             report.rules.append(_unpaired_for(readers, len(dataset)))
@@ -158,6 +170,47 @@ def check_datasets(
             failures.append(DataValidationError(report))
             del passed[held_out]
     return passed, failures
+
+
+DUPLICATES = "no_duplicate_rows"
+
+
+def _duplicate_rows(dataset, batch_rows: int = 200_000):
+    """Rule `no_duplicate_rows`, reported and never refused (a file upsampled on purpose repeats rows): the rows equal
+    in every column to an earlier row, each named with that row; None when there are none. Rows are compared by a
+    64-bit hash of their values, a batch at a time (8 bytes a row in memory)."""
+    import json
+
+    import numpy as np
+    import pandas as pd
+    import pyarrow as pa
+
+    from rlhf_pipeline.validators.report import MAX_EXAMPLES, RuleResult
+
+    table = dataset.data.table if hasattr(dataset.data, "table") else dataset.data
+    if table.num_rows < 2:
+        return None
+    hashes = np.empty(table.num_rows, dtype=np.uint64)
+    for start in range(0, table.num_rows, batch_rows):
+        batch = table.slice(start, batch_rows)
+        columns = {
+            name: [json.dumps(value, sort_keys=True, ensure_ascii=False) for value in column.to_pylist()]
+            if pa.types.is_nested(column.type)
+            else column.to_pandas()
+            for name, column in zip(batch.column_names, batch.columns)
+        }
+        hashes[start : start + batch.num_rows] = pd.util.hash_pandas_object(pd.DataFrame(columns), index=False)
+    _, first, inverse = np.unique(hashes, return_index=True, return_inverse=True)
+    repeats = np.flatnonzero(first[inverse] != np.arange(table.num_rows))
+    if not len(repeats):
+        return None
+    return RuleResult(
+        DUPLICATES,
+        "rows should not repeat an earlier row exactly (reported; the data stage keeps them)",
+        True,
+        len(repeats),
+        [{"row": int(row), "value": f"same as row {int(first[inverse[row]])}"} for row in repeats[:MAX_EXAMPLES]],
+    )
 
 
 def _finite_numbers(dataset):

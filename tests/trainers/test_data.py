@@ -216,3 +216,35 @@ def test_a_json_reference_column_of_strings_and_numbers_is_refused_naming_it(tmp
     mixed.write_text('{"prompt": "a", "answer": "00123"}\n{"prompt": "b", "answer": 5}\n')
     with pytest.raises(ValueError, match=r"rule 'one_type_per_column' failed: column 'answer' holds string and number"):
         load_source(DatasetSpec(path=str(mixed)))  # `datasets` would read "00123" as 123
+
+
+def test_duplicate_rows_are_reported_with_the_row_they_repeat_and_kept(tmp_path, caplog):
+    import json
+    import logging
+
+    from rlhf_pipeline.trainers.data import DataConfig
+    from rlhf_pipeline.validators import stage as data
+
+    pairs = [{"prompt": f"sort {n}1 -> ", "chosen": f"1{n}", "rejected": f"{n}1"} for n in range(2, 9)]
+    conversations = [
+        {"messages": [{"role": "user", "content": f"sort {n}"}, {"role": "assistant", "content": str(n)}]}
+        for n in (12, 34, 56)
+    ]
+    preference = DatasetSpec(path=str(write_jsonl(tmp_path / "prefs.jsonl", [*pairs, pairs[1], pairs[4], pairs[1]])))
+    sft = DatasetSpec(path=str(write_jsonl(tmp_path / "chat.jsonl", [*conversations, conversations[0]])))
+    config = DataConfig(sft=sft, preference=preference, preference_eval=None)
+    caplog.set_level(logging.INFO, logger="rlhf_pipeline")
+    metrics = data.train(config, SMALL_MODEL, {}, tmp_path / "out", tmp_path / "work", pairs_for={})
+
+    assert metrics["data/preference/rows"] == 10.0  # kept: reported, not refused
+    assert metrics["data/preference/duplicate_rows"] == 2 + 1 and metrics["data/sft/duplicate_rows"] == 1
+    assert "data/prompts_eval/duplicate_rows" not in metrics  # the control: the bundled held-out prompts differ
+    report = json.loads((tmp_path / "out" / "report" / "preference" / "validation.json").read_text())
+    [rule] = [rule for rule in report["rules"] if rule["rule"] == "no_duplicate_rows"]
+    assert rule["success"] and rule["failed_count"] == 3
+    assert [(e["row"], e["value"]) for e in rule["examples"]] == [
+        (7, "same as row 1"),
+        (8, "same as row 4"),
+        (9, "same as row 1"),
+    ]
+    assert "prefs.jsonl: 3 of 10 rows repeat an earlier row exactly (e.g. row 7: same as row 1)" in caplog.text
