@@ -172,28 +172,55 @@ TEXT_COLUMNS = frozenset({"text", "messages", "prompt", "completion", "chosen", 
 """Columns the data rules type-check row by row (rule `consistent_types`, naming the rows)."""
 
 
-def one_type_per_column(copies: list[Path], paths: list[Path]) -> None:
+def one_type_per_column(copies: list[Path], paths: list[Path], chunk_bytes: int = 32 << 20) -> None:
     """A JSON column of strings and numbers is refused, naming it: `datasets` would fall back to pandas, which turns
-    the strings into numbers ("00123" -> 123, "1e3" -> 1000.0), and the meaning of the data is gone."""
+    the strings into numbers ("00123" -> 123, "1e3" -> 1000.0), and the meaning of the data is gone. Read by Arrow a
+    chunk of lines at a time (memory stays flat at millions of rows), comparing each column's kind across chunks."""
+    import io
+
     import pyarrow as pa
     import pyarrow.json as pj
+
+    def kind(type_: pa.DataType) -> str | None:
+        if pa.types.is_null(type_):
+            return None  # no value yet: any kind may follow
+        if pa.types.is_integer(type_) or pa.types.is_floating(type_):
+            return "number"
+        return "string" if pa.types.is_string(type_) or pa.types.is_large_string(type_) else str(type_).split("<")[0]
+
+    def refuse(path: Path, column: str, was: str, now: str, row: int | None) -> None:
+        if column.lstrip("/").split("/")[0] in TEXT_COLUMNS:
+            return  # those: rule consistent_types, with its rows
+        where = f" (row {row}, 0-based)" if row is not None else ""
+        raise ValueError(
+            f"{path}: rule 'one_type_per_column' failed: column {column.lstrip('/')!r} holds {was} and {now} "
+            f'values{where}; a column has one type, so quote the numbers that are text (an answer "00123" would '
+            "otherwise be read as 123)"
+        ) from None
 
     for copy, path in zip(copies, paths):
         if copy.suffix != ".jsonl" and copy.read_bytes()[:1] == b"[":
             continue  # a JSON document (a list of rows): Arrow reads lines only; `datasets` reads it with json
-        try:
-            pj.read_json(copy, read_options=pj.ReadOptions(block_size=1 << 26))
-        except pa.ArrowInvalid as exc:
-            found = MIXED_TYPES.search(str(exc))
-            if found and found["column"].lstrip("/").split("/")[0] not in TEXT_COLUMNS:  # those: rule consistent_types
-                where = f" (row {found['row']}, 0-based, of that block)" if found["row"] else ""
-                raise ValueError(
-                    f"{path}: rule 'one_type_per_column' failed: column {found['column'].lstrip('/')!r} holds "
-                    f"{found['was']} and {found['now']} values{where}; a column has one type, so quote the numbers "
-                    'that are text (an answer "00123" would otherwise be read as 123)'
-                ) from None
-        except (OSError, pa.ArrowException):
-            pass  # `datasets` reports what Arrow cannot read, with the raw-file rules before it
+        kinds: dict[str, tuple[str, int]] = {}  # column -> (its kind, the first row seen with it)
+        rows = 0
+        with open(copy, "rb") as f:
+            while chunk := f.read(chunk_bytes) + f.readline():
+                try:
+                    table = pj.read_json(io.BytesIO(chunk), read_options=pj.ReadOptions(block_size=2 * chunk_bytes))
+                except pa.ArrowInvalid as exc:
+                    if found := MIXED_TYPES.search(str(exc)):
+                        row = rows + int(found["row"]) if found["row"] else None
+                        refuse(path, found["column"], found["was"], found["now"], row)
+                    break  # `datasets` reports what Arrow cannot read, with the raw-file rules before it
+                except (OSError, pa.ArrowException):
+                    break
+                for field in table.schema:
+                    if (now := kind(field.type)) is None:
+                        continue
+                    was, _ = kinds.setdefault(field.name, (now, rows))
+                    if was != now:
+                        refuse(path, field.name, was, now, rows)
+                rows += table.num_rows
 
 
 def text_columns(path: Path):
