@@ -3,6 +3,7 @@ Parquet copies for later stages."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from rlhf_pipeline.tasks.artifacts import RunContext, StageOutcome
@@ -54,7 +55,7 @@ def validate_data(
     def build(out_dir: Path, work_dir: Path, log_metrics) -> dict[str, float]:
         from rlhf_pipeline.validators import stage as data
 
-        return data.train(
+        metrics = data.train(
             config,
             model,
             limits,
@@ -66,6 +67,17 @@ def validate_data(
             required_columns=required_columns,
             fingerprints=fingerprints,
         )
+        for name, (_, spec) in sources.items():
+            if count := metrics.get(f"data/{name}/duplicate_rows"):
+                report = json.loads((out_dir / "report" / name / "validation.json").read_text())
+                [rule] = [rule for rule in report["rules"] if rule["rule"] == data.DUPLICATES]
+                first = rule["examples"][0]
+                prefect_log(
+                    f"data: {spec.path}: {count:.0f} of {metrics[f'data/{name}/rows']:.0f} rows repeat an earlier "
+                    f"row exactly (e.g. row {first['row']}: {first['value']}); kept, and reported as rule "
+                    f"{data.DUPLICATES}"
+                )
+        return metrics
 
     row = BY_NAME["data"]
     # Dependents key on the frozen datasets alone (a stricter rule or a new report re-trains nothing),

@@ -132,3 +132,17 @@ class MlflowOutage(TrainerCallback):
             mlflow_server.stop(Path(self.pid_file))
         elif state.global_step == self.start_at:
             mlflow_server.start(self.store, self.port, Path(self.pid_file))
+
+
+class TerminateAt(TrainerCallback):
+    """Marks the process as terminating (as its SIGTERM handler does) once step `step` is done: a SIGTERM that
+    arrives mid-training, without a signal to the test's own process."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        from rlhf_pipeline.trainers.stopping import TERMINATING
+
+        if state.global_step >= self.step:
+            TERMINATING.set()

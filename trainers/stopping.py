@@ -69,12 +69,25 @@ def _pass_on(previous, signum: int, frame) -> None:
 @contextlib.contextmanager
 def checkpoint_on_sigterm() -> Iterator[None]:
     """While inside (main thread only; elsewhere it does nothing), SIGTERM asks every training stage to checkpoint
-    and stop, waits for them up to `grace_seconds()`, then passes the signal on. When the main thread trains itself,
-    its stage raises `Terminated` after the checkpoint and the signal is passed on as it leaves this block."""
+    and stop, waits for them up to `grace_seconds()`, then passes the signal on (inside a Prefect flow run: Prefect's
+    handler raises TerminationSignal, and the wait happens as it passes through this block). When the main thread
+    trains itself, its stage raises `Terminated` after the checkpoint and the signal is passed on as it leaves this
+    block."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = signal.getsignal(signal.SIGTERM)
+    if getattr(previous, "__module__", "").startswith("prefect."):
+        # Prefect's own handler stays: a runner's cancel is acknowledged (and ends CANCELLED, not CRASHED) only while
+        # it is the installed one. It raises TerminationSignal here, in the main thread; the stages checkpoint first.
+        try:
+            yield
+        except BaseException as exc:
+            if type(exc).__name__ == "TerminationSignal":
+                TERMINATING.set()
+                _wait_for_checkpoints(grace_seconds())
+            raise
+        return
     passed = threading.Event()
 
     def handler(signum, frame):

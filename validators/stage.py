@@ -9,7 +9,6 @@ from pathlib import Path
 
 from rlhf_pipeline.trainers.config import ModelConfig
 from rlhf_pipeline.trainers.data import DataConfig, load_source, local_files
-from rlhf_pipeline.trainers.progress import PROGRESS
 
 # Held-out dataset -> the datasets trained on that must not share a prompt with it.
 HELD_OUT = {
@@ -57,13 +56,8 @@ def train(
         split.dataset.to_parquet(str(out_dir / "datasets" / f"{name}.parquet"))
         metrics[f"data/{name}/rows"] = float(len(split.dataset))
         for rule in report.rules:
-            if rule.rule == DUPLICATES:
+            if rule.rule == DUPLICATES:  # the data task logs them, from the report
                 metrics[f"data/{name}/duplicate_rows"] = float(rule.failed_count)
-                first = rule.examples[0]
-                PROGRESS.info(
-                    f"data: {split.source}: {rule.failed_count} of {len(split.dataset)} rows repeat an earlier row "
-                    f"exactly (e.g. row {first['row']}: {first['value']}); kept, and reported as rule {DUPLICATES}"
-                )
     shutil.copytree(work_dir / "report", out_dir / "report")
     return metrics
 

@@ -126,3 +126,19 @@ def test_a_folder_is_a_local_dataset_keyed_by_its_files_checked_raw_and_of_one_f
     (folder / "notes.txt").write_text("not data")
     with pytest.raises(ValueError, match="holds data files only .*; notes.txt is not one"):
         validate_data.fn(config, ctx)
+
+
+def test_the_data_stage_says_how_many_rows_repeat_and_which(small_data, ctx, tmp_path, caplog):
+    import logging
+
+    from tests.helpers import write_jsonl
+
+    rows = [{"prompt": f"sort {n}1 -> ", "chosen": f"1{n}", "rejected": f"{n}1"} for n in range(2, 9)]
+    prefs = write_jsonl(tmp_path / "prefs.jsonl", [*rows, rows[1]])
+    caplog.set_level(logging.INFO, logger="rlhf")
+    validate_data.fn(small_data.model_copy(update={"preference": DatasetSpec(path=str(prefs))}), ctx)
+    said = [m for m in caplog.messages if "repeat an earlier row" in m]
+    assert said == [
+        f"data: {prefs}: 1 of 8 rows repeat an earlier row exactly (e.g. row 7: same as row 1); kept, and reported as "
+        "rule no_duplicate_rows"
+    ]

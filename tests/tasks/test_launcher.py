@@ -262,3 +262,36 @@ def test_sft_dpo_and_ppo_on_two_ranks_reach_the_held_out_exact_match_of_one_proc
         and scores["ppo"][0] > scores["sft"][0] + 0.05
     )  # each trained
     assert all(abs(launched - single) <= 0.03 for single, launched in scores.values()), scores
+
+
+def test_a_sigterm_reaches_the_ranks_which_checkpoint_and_stop_and_the_retry_resumes_there(ctx, data, tmp_path):
+    import threading
+    import time
+
+    from rlhf_pipeline.trainers.stopping import TERMINATING, Terminated
+
+    config = SftConfig(max_steps=400, **{**FAST, "per_device_train_batch_size": 8, "save_steps": 1000})
+    before = {child.pid for child in psutil.Process().children(recursive=True)}
+    work = tmp_path / "artifacts" / "sft" / ".work"
+
+    def sigterm_once_training():  # what this process's SIGTERM handler does (trainers.stopping)
+        deadline = time.time() + 300
+        while not list(work.glob("*/history.jsonl")) and time.time() < deadline:
+            time.sleep(0.05)
+        TERMINATING.set()
+
+    threading.Thread(target=sigterm_once_training, daemon=True).start()
+    try:
+        with pytest.raises(Terminated, match="sft: the ranks stopped on SIGTERM; the next attempt resumes"):
+            train_stage("sft", config, {"model": SMALL_MODEL}, {"data": data}, ctx)
+    finally:
+        TERMINATING.clear()
+    [marker] = work.glob("*/checkpoint-*/checkpoint.complete")  # both ranks stopped at the same step, rank 0 saved
+    stopped_at = int(marker.parent.name.split("-")[1])
+    assert 1 <= stopped_at < 400
+    left = [child for child in psutil.Process().children(recursive=True) if child.pid not in before]
+    assert launched_processes(marker.parent.parent) == [] and left == []
+
+    resumed = train_stage("sft", config, {"model": SMALL_MODEL}, {"data": data}, ctx)
+    assert MlflowClient().get_run(resumed.mlflow_run_id).data.tags["rlhf.resumed_from"] == f"checkpoint-{stopped_at}"
+    assert resumed.ref.manifest()["training"]["global_step"] == 400

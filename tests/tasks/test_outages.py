@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.artifacts import ArtifactRef, RunContext
@@ -43,7 +44,8 @@ def test_an_mlflow_server_stopped_mid_sft_and_started_again_loses_no_step_of_the
         steps = [m.step for m in client.get_metric_history(outcome.mlflow_run_id, "sft/train/loss")]
         assert sorted(set(steps)) == list(range(1, 13)), steps  # the steps logged while it was down too, in order
         said = caplog.text
-        assert "sft: MLflow did not take the metrics of step 3" in said, said
+        # Step 3's row or step 2's: the queue may still hold step 2's when the server stops.
+        assert re.search(r"sft: MLflow did not take the metrics of step [23] ", said), said
         assert "sft: MLflow answers again after" in said
     finally:
         mlflow_server.stop(pid_file)

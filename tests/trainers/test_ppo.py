@@ -349,3 +349,30 @@ def test_samples_jsonl_every_few_updates_and_once_after_a_resume(tiny, tmp_path)
     assert [row["update"] for row in rows] == [1] * 8 + [3] * 8
     assert set(rows[0]) == {"update", "prompt", "completion", "ended", "score", "reward_exact_match"}
     assert all(row["score"] == row["reward_exact_match"] for row in rows)  # reward functions only: no default penalty
+
+
+def test_a_sigterm_mid_ppo_writes_a_checkpoint_publishes_nothing_and_the_next_attempt_resumes_from_it(tiny, tmp_path):
+    from rlhf_pipeline.trainers.config import CallbackSpec
+    from rlhf_pipeline.trainers.stopping import TERMINATING, Terminated
+
+    four_updates = {**FAST, "total_episodes": 32, "save_steps": 1000}  # no periodic checkpoint: only the signal's
+    terminate = CallbackSpec(path="tests.user_code:TerminateAt", kwargs={"step": 2})
+    signalled = ppo.PpoConfig(**four_updates, callbacks=[terminate])
+    logged: list[int] = []
+    try:
+        with pytest.raises(Terminated, match="ppo: stopped by SIGTERM after update 2; the next attempt resumes"):
+            ppo.train(signalled, EXACT_MATCH, tiny["sft"], None, tiny["data"], tmp_path / "out", tmp_path / "work")
+    finally:
+        TERMINATING.clear()  # this process goes on: the next attempt is the same config, here
+    assert (tmp_path / "work" / "checkpoint-2" / COMPLETE).is_file() and not (tmp_path / "out" / "model").exists()
+    ppo.train(
+        ppo.PpoConfig(**four_updates),
+        EXACT_MATCH,
+        tiny["sft"],
+        None,
+        tiny["data"],
+        tmp_path / "out",
+        tmp_path / "work",
+        lambda values, step: logged.append(step),
+    )
+    assert logged == [3, 4] and (tmp_path / "out" / "model" / "model.safetensors").is_file()
