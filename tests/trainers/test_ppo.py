@@ -96,17 +96,15 @@ def tiny(tmp_path_factory):
     }
 
 
+def train_on_exact_match(config: ppo.PpoConfig, tiny: dict, folder, log_metrics=None) -> dict[str, float]:
+    """PPO from the tiny sft model on exact match alone (no reward model), into `folder`/out and `folder`/work."""
+    return ppo.train(config, EXACT_MATCH, tiny["sft"], None, tiny["data"], folder / "out", folder / "work", log_metrics)
+
+
 def test_training_with_reward_functions_only(tiny, tmp_path):
     logged: list[tuple[int, dict]] = []
-    metrics = ppo.train(
-        ppo.PpoConfig(**FAST),
-        EXACT_MATCH,
-        tiny["sft"],
-        None,
-        tiny["data"],
-        tmp_path / "out",
-        tmp_path / "work",
-        lambda values, step: logged.append((step, values)),
+    metrics = train_on_exact_match(
+        ppo.PpoConfig(**FAST), tiny, tmp_path, lambda values, step: logged.append((step, values))
     )
     trained, _ = load_causal_lm(tmp_path / "out" / "model")
     assert unchanged(tiny["weights"], trained) == []
@@ -361,18 +359,9 @@ def test_a_sigterm_mid_ppo_writes_a_checkpoint_publishes_nothing_and_the_next_at
     logged: list[int] = []
     try:
         with pytest.raises(Terminated, match="ppo: stopped by SIGTERM after update 2; the next attempt resumes"):
-            ppo.train(signalled, EXACT_MATCH, tiny["sft"], None, tiny["data"], tmp_path / "out", tmp_path / "work")
+            train_on_exact_match(signalled, tiny, tmp_path)
     finally:
         TERMINATING.clear()  # this process goes on: the next attempt is the same config, here
     assert (tmp_path / "work" / "checkpoint-2" / COMPLETE).is_file() and not (tmp_path / "out" / "model").exists()
-    ppo.train(
-        ppo.PpoConfig(**four_updates),
-        EXACT_MATCH,
-        tiny["sft"],
-        None,
-        tiny["data"],
-        tmp_path / "out",
-        tmp_path / "work",
-        lambda values, step: logged.append(step),
-    )
+    train_on_exact_match(ppo.PpoConfig(**four_updates), tiny, tmp_path, lambda values, step: logged.append(step))
     assert logged == [3, 4] and (tmp_path / "out" / "model" / "model.safetensors").is_file()
