@@ -81,6 +81,8 @@ class RunSettings(StrictModel):
         """The stages this run builds, in order: data, sft, rm (when used), the algorithm's, eval, registry (when
         enabled)."""
         wanted = {"data", "sft", self.algorithm, "eval"}
+        if self.makes_pairs:
+            wanted.add("pairs")
         if self.needs_reward_model:
             wanted.add("rm")
         if self.config("registry").enabled:
@@ -94,8 +96,28 @@ class RunSettings(StrictModel):
         uses_reward_model = (
             self.config("eval").use_reward_model if stage == "eval" else row.online and self.rewards.uses_reward_model
         )
+        if stage == "pairs":
+            uses_reward_model = self.config("pairs").labeller == "reward_model"
         names = [self.algorithm if name == POLICY_STAGE else name for name in row.upstream]
-        return tuple(name for name in names if name != "rm" or uses_reward_model)
+        return tuple(
+            name
+            for name in names
+            if (name != "rm" or uses_reward_model) and (name != "pairs" or self.pairs_feed(stage))
+        )
+
+    @property
+    def makes_pairs(self) -> bool:
+        """The `pairs` stage runs: it is on and a stage of this run reads pairs."""
+        readers = (self.algorithm, *(("rm",) if self.needs_reward_model else ()))
+        return self.config("pairs").enabled and any(self.pairs_feed(stage) for stage in readers)
+
+    def pairs_feed(self, stage: str) -> bool:
+        """Whether `stage` trains on the made pairs: a pair-reading stage, except the reward model that labels
+        them."""
+        pairs = self.config("pairs")
+        if not pairs.enabled or "pairs" not in BY_NAME[stage].upstream:
+            return False
+        return not (stage == "rm" and pairs.labeller == "reward_model")
 
     def token_limits(self) -> dict[str, int]:
         """The most tokens a row of each dataset may take in the stages of this run that read it (the data stage's
@@ -111,7 +133,8 @@ class RunSettings(StrictModel):
     def needs_reward_model(self) -> bool:
         """The rm stage runs when evaluation or the online stage's rewards use it."""
         online_uses_it = BY_NAME[self.algorithm].online and self.rewards.uses_reward_model
-        return online_uses_it or self.config("eval").use_reward_model
+        labels_with_it = self.config("pairs").enabled and self.config("pairs").labeller == "reward_model"
+        return online_uses_it or self.config("eval").use_reward_model or labels_with_it
 
     @model_validator(mode="after")
     def _room_for_prompts(self):
@@ -199,7 +222,10 @@ class RunSettings(StrictModel):
         offline algorithm reads no preference pairs)."""
         data = self.config("data")
         for stage in self.plan():
+            made = self.pairs_feed(stage) and self.config("pairs").train_on == "made"
             for dataset in reads(stage, self.config(stage)):
+                if dataset == "preference" and made:
+                    continue  # it trains on the pairs the `pairs` stage makes
                 if dataset not in OPTIONAL_READS.get(stage, ()) and getattr(data, dataset, None) is None:
                     hint = (
                         " (or sft.enabled=false to start from the base model, a chat model)" if stage == "sft" else ""

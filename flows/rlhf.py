@@ -1,4 +1,5 @@
-"""The `rlhf` flow: data -> sft -> rm -> the policy stage (`algorithm`) -> eval -> registry, as straight-line calls.
+"""The `rlhf` flow: data -> sft -> pairs -> rm -> the policy stage (`algorithm`) -> eval -> registry, as straight-line
+calls (pairs only when it is on; after rm when the reward model labels them).
 
     rlhf run [--config PRESET] [--set key.path=value ...] [--no-cache]
     prefect deployment run rlhf/full -p algorithm=grpo -p grpo='{"beta": 0.1}'
@@ -19,7 +20,9 @@ from rlhf_pipeline.flows.params import PipelineParams, described_by, from_flow_p
 from rlhf_pipeline.tasks.data import validate_data
 from rlhf_pipeline.tasks.eval import evaluate
 from rlhf_pipeline.tasks.orchestration import retrying
+from rlhf_pipeline.tasks.pairs import labels_store, make_pairs
 from rlhf_pipeline.tasks.parent_run import pipeline_run
+from rlhf_pipeline.tasks.people import ask_people
 from rlhf_pipeline.tasks.registry import register_task
 from rlhf_pipeline.tasks.stages import BY_NAME, pair_readers
 from rlhf_pipeline.tasks.training import TASKS, settings_of
@@ -59,9 +62,29 @@ def _rlhf(**blocks) -> dict:
             params.sft.assistant_only_loss,
             params.required_columns(),
         )
+
+        def make_pairs_from(after, inputs: dict | None = None, round_: int = 0, earlier=None):
+            """Submit the pairs stage; with people as the labeller, wait for them here in the flow (no task holds a
+            device slot meanwhile), then label the cached samples."""
+            inputs = inputs or {name: built[name] for name in params.upstream("pairs")}
+            arguments = (params.pairs, inputs, run.ctx, round_, params.rewards.reward_model_aggregate, earlier)
+            name = f"pairs (round {round_})" if round_ else "pairs"
+            made = task(make_pairs).with_options(task_run_name=name).submit(*arguments, wait_for=[after])
+            made.wait()
+            if made.state.name == "AwaitingLabels":
+                samples = made.result()
+                ask_people(samples, labels_store(run.ctx, samples.key), params.pairs.people)
+                made = task(make_pairs).with_options(task_run_name=f"{name} labelled").submit(*arguments)
+            built["pairs"] = made
+            return made
+
         sft = train("sft", after=data)
-        rm = train("rm", after=sft) if "rm" in plan else None
-        policy = train(params.algorithm, after=rm or sft)
+        first_pairs = params.makes_pairs and params.pairs.labeller != "reward_model"
+        pairs = make_pairs_from(after=sft) if first_pairs else None
+        rm = train("rm", after=pairs or sft) if "rm" in plan else None
+        if params.makes_pairs and not first_pairs:  # the reward model labels: it trains first, on the given pairs
+            pairs = make_pairs_from(after=rm)
+        policy = train(params.algorithm, after=pairs or rm or sft)
         # Feedback rounds: rm samples the last policy and learns its labelled pairs, then the policy trains again,
         # from SFT or from the last round's policy (which is then also its KL reference: iterated RLHF).
         for round_ in range(1, params.feedback.rounds + 1):

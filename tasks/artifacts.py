@@ -77,6 +77,9 @@ class StageOutcome:
     mlflow_run_id: str = ""
     skipped: bool = False
     """The stage was switched off: its artifact holds its input unchanged (sft's: the base model)."""
+    awaiting: str = ""
+    """People's labels are awaited (`pairs` with labeller=people): the labels store they go into; `ref` is the
+    samples artifact."""
 
 
 Build = Callable[[Path, Path, LogMetrics], dict[str, float]]

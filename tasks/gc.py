@@ -116,7 +116,7 @@ def collect(keep_runs: int = 5) -> list[Doomed]:
     for stage_root in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
         stage = stage_root.name
         for folder in sorted(stage_root.iterdir()):
-            if folder.name in (".locks", ".work") or not folder.is_dir():
+            if folder.name in (".locks", ".work", ".labels") or not folder.is_dir():  # .labels: people's work
                 continue
             if folder.name.startswith((".tmp-", ".trash-", ".damaged-")):
                 key = folder.name.split("-")[1]

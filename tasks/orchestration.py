@@ -219,6 +219,12 @@ def stage_task(stage: str):
         def run(*args, **kwargs) -> ArtifactRef:
             outcome = fn(*args, **kwargs)
             _link_mlflow_run(stage, outcome.mlflow_run_id)
+            if outcome.awaiting:
+                return Completed(
+                    data=outcome.ref,
+                    name="AwaitingLabels",
+                    message=f"samples published, labels awaited: {outcome.ref.uri}",
+                )
             if outcome.skipped:
                 return Completed(data=outcome.ref, name="Skipped", message=f"switched off: {outcome.ref.uri}")
             if outcome.cached:

@@ -29,6 +29,7 @@ from rlhf_pipeline.trainers.memory import (
     Held,
 )
 from rlhf_pipeline.trainers.orpo import OrpoConfig
+from rlhf_pipeline.trainers.pairs import PairsConfig
 from rlhf_pipeline.trainers.ppo import PpoConfig
 from rlhf_pipeline.trainers.rloo import RlooConfig
 from rlhf_pipeline.trainers.rm import RewardModelConfig
@@ -63,7 +64,8 @@ class Stage:
     online: bool = False
     """Samples rollouts and scores them with `rewards`."""
     pairs: bool = False
-    """Reads preference pairs (chosen/rejected); unpaired rows (completion/label) are refused for it."""
+    """Reads preference pairs (chosen/rejected); unpaired rows (completion/label) are refused for it. With the `pairs`
+    stage on, it reads the made ones (`upstream` lists `pairs`)."""
 
 
 PREFERENCES = ("preference",)
@@ -88,13 +90,27 @@ STAGES: tuple[Stage, ...] = (
         holds=(POLICY,),
     ),
     Stage(
+        name="pairs",
+        config=PairsConfig,
+        trainer="rlhf_pipeline.trainers.pairs",
+        task="rlhf_pipeline.tasks.pairs:make_pairs",
+        description=(
+            "Preference pairs made from prompts: the starting policy's samples labelled by a verifier, the reward "
+            "model, a judge or people (switched off by default)."
+        ),
+        reads=("prompts",),
+        upstream=("data", "sft", "rm"),
+        device=True,
+        holds=(POLICY,),
+    ),
+    Stage(
         name="rm",
         config=RewardModelConfig,
         trainer="rlhf_pipeline.trainers.rm",
         task=TRAIN_STAGE,
         description="Reward model (TRL RewardTrainer).",
         reads=("preference", "preference_eval"),
-        upstream=("data", "sft"),
+        upstream=("data", "sft", "pairs"),
         device=True,
         holds=(TRAINED_REWARD_MODEL,),
         pairs=True,
@@ -106,7 +122,7 @@ STAGES: tuple[Stage, ...] = (
         task=TRAIN_STAGE,
         description="DPO (TRL DPOTrainer).",
         reads=PREFERENCES,
-        upstream=("data", "sft"),
+        upstream=("data", "sft", "pairs"),
         device=True,
         holds=(POLICY, REFERENCE),
         algorithm=True,
@@ -119,7 +135,7 @@ STAGES: tuple[Stage, ...] = (
         task=TRAIN_STAGE,
         description="KTO (TRL KTOTrainer): unpaired binary feedback; pairs are unpaired.",
         reads=PREFERENCES,
-        upstream=("data", "sft"),
+        upstream=("data", "sft", "pairs"),
         device=True,
         holds=(POLICY, REFERENCE),
         algorithm=True,
@@ -131,7 +147,7 @@ STAGES: tuple[Stage, ...] = (
         task=TRAIN_STAGE,
         description="ORPO (TRL ORPOTrainer): preference pairs, no reference model, the SFT loss folded in.",
         reads=PREFERENCES,
-        upstream=("data", "sft"),
+        upstream=("data", "sft", "pairs"),
         device=True,
         holds=(POLICY,),
         algorithm=True,

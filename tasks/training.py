@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+from pathlib import Path
 from typing import Any
 
 from rlhf_pipeline.tasks.artifacts import ArtifactRef, RunContext, StageOutcome
@@ -89,7 +90,9 @@ def train_stage(
         match_cpu_threads()
         given: dict[str, Any] = {
             "cfg": config,
-            "data_dir": data.path,
+            "data_dir": with_made_pairs(data.path, upstream["pairs"].path, work_dir)
+            if "pairs" in upstream
+            else data.path,
             "out_dir": out_dir,
             "work_dir": work_dir,
             **settings,
@@ -117,6 +120,8 @@ def train_stage(
         *reads(stage, config),
         *(("prompts",) if "policy" in upstream and "prompts" not in reads(stage, config) else ()),
     )
+    if "pairs" in upstream:  # the `pairs` stage's artifact holds the preference pairs it trains on
+        datasets = tuple(name for name in datasets if name != "preference")
     inputs = {**{name: ref for name, ref in upstream.items() if name != "data"}, "data": data.select(datasets)}
     outcome = run_stage(
         stage,
@@ -132,6 +137,22 @@ def train_stage(
         extra_tags={"rlhf.round": str(round_)} if round_ else None,
     )
     return dataclasses.replace(outcome, skipped=True) if switched_off else outcome
+
+
+def with_made_pairs(data_dir: Path, pairs_dir: Path, work_dir: Path) -> Path:
+    """The data artifact as the stage sees it when it trains on made pairs: every dataset linked from `data_dir`, the
+    preference pairs from the `pairs` artifact (`work_dir/data`, remade each build; the artifacts stay untouched)."""
+    import shutil
+
+    seen = work_dir / "data"
+    shutil.rmtree(seen, ignore_errors=True)
+    (seen / "datasets").mkdir(parents=True)
+    for dataset in (data_dir / "datasets").glob("*.parquet"):
+        (seen / "datasets" / dataset.name).symlink_to(dataset)
+    made = seen / "datasets" / "preference.parquet"
+    made.unlink(missing_ok=True)
+    made.symlink_to(pairs_dir / "datasets" / "preference.parquet")
+    return seen
 
 
 TASKS = {row.name: stage_task(row.name)(train_stage) for row in STAGES if row.task == TRAIN_STAGE}

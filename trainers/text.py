@@ -85,9 +85,12 @@ def generate(
     max_new_tokens: int,
     batch_size: int,
     sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
 ) -> list[str]:
-    """Greedy (or, with `sample`, pure temperature-1) completions for standard or conversational prompts,
-    stopped at EOS or the chat template's end of turn; nothing is inherited from the model's generation config."""
+    """Greedy (or, with `sample`, at `temperature` with nucleus `top_p`; by default pure) completions for standard or
+    conversational prompts, stopped at EOS or the chat template's end of turn; nothing is inherited from the model's
+    generation config."""
     import torch
 
     model.eval()
@@ -101,7 +104,9 @@ def generate(
                 device=model.device,
             )
             settings = (
-                {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0} if sample else {"do_sample": False}
+                {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": top_p}
+                if sample
+                else {"do_sample": False}
             )
             with torch.no_grad():
                 generated = model.generate(

@@ -1,0 +1,156 @@
+"""`pairs`: the Prefect task that makes preference pairs from prompts (`trainers.pairs`), in two keyed parts.
+
+    <artifact_root>/pairs/<key>/     the samples (keyed on prompts, sampling model, sampling settings), and the
+                                     labelled pairs (keyed on the samples, the labeller and people's labels)
+    <artifact_root>/pairs/.labels/   people's labels per samples key (`tasks.people`): never collected by `rlhf gc`
+
+With `labeller: people` and labels still missing, the task publishes the samples and ends `AwaitingLabels`; the flow
+then asks people in Prefect (`tasks.people.ask_people`, outside any task: no device slot is held while it waits) and
+runs the task again with the labels, which finds the samples cached and publishes the pairs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from rlhf_pipeline.tasks.artifacts import ArtifactRef, RunContext, StageOutcome
+from rlhf_pipeline.tasks.orchestration import device_hold, prefect_log, stage_task
+from rlhf_pipeline.tasks.store import run_stage
+from rlhf_pipeline.trainers.pairs import PAIRS, SUMMARY, PairsConfig
+
+TRAINER = "rlhf_pipeline.trainers.pairs"
+LABELS_DIR = ".labels"
+
+
+def labels_store(ctx: RunContext, samples_key: str) -> Path:
+    """Where people's labels for one set of samples are kept between pauses, suspends and runs."""
+    return Path(ctx.artifact_root) / "pairs" / LABELS_DIR / f"{samples_key}.json"
+
+
+def read_store(path: Path) -> tuple[dict[int, str | None], bool]:
+    """(pair id -> label, finished) from a labels store; ({}, False) when there is none yet."""
+    if not path.is_file():
+        return {}, False
+    stored = json.loads(path.read_text(encoding="utf-8"))
+    return {int(k): v for k, v in stored["labels"].items()}, bool(stored.get("finished"))
+
+
+def read_labels_file(path: Path, pairs: int) -> dict[int, str | None]:
+    """A labels file people wrote: one {"pair": <id>, "label": "A" | "B" | "tie" | null} per line; a line that is not
+    one fails naming the file and the line."""
+    from rlhf_pipeline.trainers.pairs import LABELS
+
+    if not path.is_file():
+        raise ValueError(f"labels file {path}: no such file")
+    labels: dict[int, str | None] = {}
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"labels file {path} line {number}: not JSON ({exc.msg}): {line[:200]!r}") from exc
+        label = row.get("label") if isinstance(row, dict) else None
+        pair = row.get("pair") if isinstance(row, dict) else None
+        if not isinstance(pair, int) or label not in (*LABELS, None):
+            raise ValueError(
+                f'labels file {path} line {number}: each line is {{"pair": <id>, "label": "A" | "B" | "tie" | null}}, '
+                f"got {line[:200]!r}"
+            )
+        if not 0 <= pair < pairs:
+            raise ValueError(
+                f"labels file {path} line {number}: pair {pair} is not one of the {pairs} pairs (0..{pairs - 1})"
+            )
+        labels[pair] = label
+    return labels
+
+
+@stage_task("pairs")
+def make_pairs(
+    config: PairsConfig,
+    upstream: dict[str, ArtifactRef],
+    ctx: RunContext,
+    round_: int = 0,
+    aggregate: str = "mean",
+    earlier: ArtifactRef | None = None,
+) -> StageOutcome:
+    """Sample the starting policy (`upstream["policy"]` in a feedback round, else `upstream["sft"]`), then label the
+    samples; `earlier`: the last round's pairs, kept beside this round's (the reward model's rounds)."""
+    from rlhf_pipeline.trainers import pairs as made
+
+    data = upstream["data"]
+    start = upstream.get("policy") or upstream["sft"]
+    tags = {"rlhf.round": str(round_)} if round_ else {}
+    samples = run_stage(
+        "pairs",
+        {"samples": config.sampling(), "round": round_},
+        {"data": data.select(("prompts",)), "model": start},
+        ctx,
+        lambda out_dir, work_dir, log_metrics: made.sample(
+            config, start.path / "model", data.path, out_dir, round_, log_metrics
+        ),
+        log_files=(made.SAMPLES,),
+        log=prefect_log,
+        trainer=TRAINER,
+        hold=device_hold("pairs", True, prefect_log, ctx.wait_seconds),
+        extra_tags={**tags, "rlhf.part": "samples"},
+    )
+    labels: dict[int, str | None] = {}
+    fingerprints = _code(config)
+    if config.labeller == "people":
+        shown = made.people_pairs(made.read_samples(samples.ref.path), config.people.max_pairs)
+        store = labels_store(ctx, samples.ref.key)
+        if config.people.labels_file is not None:
+            labels, finished = read_labels_file(Path(config.people.labels_file).expanduser(), len(shown)), True
+        else:
+            labels, finished = read_store(store)
+        if not finished and any(labels.get(pair["pair"]) is None for pair in shown):
+            return StageOutcome(ref=samples.ref, cached=samples.cached, metrics=samples.metrics, awaiting=str(store))
+        canonical = json.dumps({str(k): v for k, v in sorted(labels.items())}, sort_keys=True)
+        fingerprints["people_labels"] = hashlib.sha256(canonical.encode()).hexdigest()[:32]
+    inputs = {"samples": samples.ref}
+    if config.train_on == "both":
+        inputs["data"] = data.select(("preference",))
+    if config.labeller == "reward_model":
+        inputs["rm"] = upstream["rm"]
+    if earlier is not None:
+        inputs["earlier"] = earlier
+    reward_model = upstream["rm"].path / "model" if config.labeller == "reward_model" else None
+    labelled = run_stage(
+        "pairs",
+        {
+            "labels": config.labelling(),
+            "round": round_,
+            **({"aggregate": aggregate} if reward_model is not None else {}),
+        },
+        inputs,
+        ctx,
+        lambda out_dir, work_dir, log_metrics: made.label(
+            config,
+            samples.ref.path,
+            data.path,
+            out_dir,
+            round_,
+            reward_model=reward_model,
+            labels=labels,
+            earlier=earlier.path if earlier is not None else None,
+            log_metrics=log_metrics,
+            aggregate=aggregate,
+        ),
+        fingerprints,
+        log_files=(PAIRS, SUMMARY),
+        log=prefect_log,
+        trainer=TRAINER,
+        hold=device_hold("pairs", config.uses_device, prefect_log, ctx.wait_seconds),
+        extra_tags={**tags, "rlhf.part": "labels", "rlhf.labeller": config.labeller},
+    )
+    prefect_log(made.summary(labelled.metrics, config.labeller))
+    return labelled
+
+
+def _code(config: PairsConfig) -> dict[str, str]:
+    from rlhf_pipeline.trainers.custom import source_digests
+
+    return source_digests(config.code_paths())
