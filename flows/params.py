@@ -49,8 +49,8 @@ class RunSettings(StrictModel):
     )
     feedback: FeedbackConfig = Field(
         default_factory=FeedbackConfig,
-        description="Iterated feedback after the policy stage: sample the policy, label pairs, retrain rm, train the "
-        "policy again (rounds).",
+        description="Iterated feedback after the policy stage: sample the policy, label pairs (the pairs block's "
+        "labeller), train again (rounds).",
     )
     retry: RetryConfig = Field(
         default_factory=RetryConfig,
@@ -66,22 +66,32 @@ class RunSettings(StrictModel):
         return getattr(self, stage)
 
     @model_validator(mode="after")
-    def _feedback_retrains_the_reward(self):
-        """Feedback rounds retrain the reward model the policy optimises: an online algorithm that reads it."""
-        if self.feedback.rounds and not (BY_NAME[self.algorithm].online and self.rewards.uses_reward_model):
+    def _feedback_rounds_possible(self):
+        """Feedback rounds label the last policy's samples (the `pairs` block's labeller) and train on the pairs:
+        through the reward model an online algorithm optimises, or directly (dpo, kto, orpo)."""
+        rounds = self.feedback.rounds
+        if not rounds:
+            return self
+        online = BY_NAME[self.algorithm].online
+        if online and not self.rewards.uses_reward_model:
             raise ValueError(
-                f"feedback.rounds={self.feedback.rounds} retrains the reward model and then the policy against it: "
-                "it needs an online "
-                f"algorithm (grpo, rloo, ppo) with rewards.reward_model_weight > 0 (algorithm={self.algorithm}, "
-                f"reward_model_weight={self.rewards.reward_model_weight})"
+                f"feedback.rounds={rounds} trains on labelled pairs of the policy's samples, and "
+                f"algorithm={self.algorithm} optimises rewards.functions alone (reward_model_weight=0), which no "
+                "pair changes: use an offline algorithm (dpo, kto, orpo) or rewards.reward_model_weight > 0"
             )
+        if online and self.config("pairs").labeller == "reward_model":
+            raise ValueError(
+                f"feedback.rounds={rounds} retrains the reward model on the labelled pairs: it cannot label them "
+                "itself (pairs.labeller=reward_model); choose a function, a judge or people"
+            )
+        self.config("pairs").check_labeller(f"feedback.rounds={rounds}")
         return self
 
     def plan(self) -> list[str]:
         """The stages this run builds, in order: data, sft, rm (when used), the algorithm's, eval, registry (when
         enabled)."""
         wanted = {"data", "sft", self.algorithm, "eval"}
-        if self.makes_pairs:
+        if self.makes_pairs or self.feedback.rounds:
             wanted.add("pairs")
         if self.needs_reward_model:
             wanted.add("rm")
@@ -133,7 +143,8 @@ class RunSettings(StrictModel):
     def needs_reward_model(self) -> bool:
         """The rm stage runs when evaluation or the online stage's rewards use it."""
         online_uses_it = BY_NAME[self.algorithm].online and self.rewards.uses_reward_model
-        labels_with_it = self.config("pairs").enabled and self.config("pairs").labeller == "reward_model"
+        pairs = self.config("pairs")
+        labels_with_it = (pairs.enabled or self.feedback.rounds > 0) and pairs.labeller == "reward_model"
         return online_uses_it or self.config("eval").use_reward_model or labels_with_it
 
     @model_validator(mode="after")

@@ -42,9 +42,7 @@ def _rlhf(**blocks) -> dict:
             """Submit one training stage; it waits for the stage before it, so one stage trains on the device at a
             time."""
             inputs = inputs or {name: built[name] for name in params.upstream(stage)}
-            settings = {
-                block: getattr(params, block) for block in settings_of(BY_NAME[stage]) if round_ or block != "feedback"
-            }
+            settings = {block: getattr(params, block) for block in settings_of(BY_NAME[stage])}
             stage_task = task(TASKS[stage])
             if round_:
                 stage_task = stage_task.with_options(task_run_name=f"{stage} (round {round_})")
@@ -79,19 +77,39 @@ def _rlhf(**blocks) -> dict:
             return made
 
         sft = train("sft", after=data)
-        first_pairs = params.makes_pairs and params.pairs.labeller != "reward_model"
+        labels_with_rm = params.pairs.labeller == "reward_model"
+        first_pairs = params.makes_pairs and not labels_with_rm
         pairs = make_pairs_from(after=sft) if first_pairs else None
         rm = train("rm", after=pairs or sft) if "rm" in plan else None
-        if params.makes_pairs and not first_pairs:  # the reward model labels: it trains first, on the given pairs
+        if params.makes_pairs and labels_with_rm:  # the reward model labels: it trains first, on the given pairs
             pairs = make_pairs_from(after=rm)
         policy = train(params.algorithm, after=pairs or rm or sft)
-        # Feedback rounds: rm samples the last policy and learns its labelled pairs, then the policy trains again,
-        # from SFT or from the last round's policy (which is then also its KL reference: iterated RLHF).
+        # Feedback rounds (trainers/feedback.py): pairs from the last policy's samples, then rm and an online policy
+        # against it, or an offline policy on the pairs; from SFT or from the last round's policy (then also its
+        # KL reference: iterated RLHF).
+        online = BY_NAME[params.algorithm].online
         for round_ in range(1, params.feedback.rounds + 1):
-            rm = train("rm", after=policy, inputs={"data": data, "sft": sft, "policy": policy, "rm": rm}, round_=round_)
+            earlier = built.get("pairs") if params.feedback.keep_pairs else None
+            made = make_pairs_from(
+                after=policy,
+                inputs={"data": data, "sft": sft, "policy": policy, **({"rm": rm} if labels_with_rm else {})},
+                round_=round_,
+                earlier=earlier,
+            )
             start = sft if params.feedback.from_sft else policy
-            policy = train(params.algorithm, after=rm, inputs={"data": data, "sft": start, "rm": rm}, round_=round_)
-        evaluated = {"data": data, "sft": sft, "policy": policy, "rm": rm if "rm" in params.upstream("eval") else None}
+            if online:
+                rm = train("rm", after=made, inputs={"data": data, "sft": sft, "pairs": made}, round_=round_)
+                inputs = {"data": data, "sft": start, "rm": rm}
+            else:
+                inputs = {"data": data, "sft": start, "pairs": made}
+            policy = train(params.algorithm, after=made if not online else rm, inputs=inputs, round_=round_)
+        evaluated = {
+            "data": data,
+            "sft": sft,
+            "policy": policy,
+            "rm": rm if "rm" in params.upstream("eval") else None,
+            "pairs": built.get("pairs"),
+        }
         report = built["eval"] = task(evaluate).submit(
             params.eval, params.model, evaluated, params.registry, run.ctx, wait_for=[policy]
         )

@@ -111,7 +111,38 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=4200, help="Prefect server port on 127.0.0.1 (default 4200)")
     up.add_argument("--mlflow-port", type=int, default=5000, help="MLflow UI port on 127.0.0.1 (default 5000)")
     up.add_argument("serve_args", nargs=argparse.REMAINDER, help="arguments passed on to `rlhf serve`")
+    label = commands.add_parser(
+        "label", help="resume a flow run that waits for people's labels of its pairs (as the UI's Resume form does)"
+    )
+    label.add_argument("flow_run_id", help="the waiting flow run (its id in the Prefect UI)")
+    label.add_argument("--file", default=None, help='a JSONL of {"pair": <id>, "label": "A" | "B" | "tie" | null}')
+    label.add_argument("labels", nargs="*", metavar="PAIR=LABEL", help="labels given here, e.g. 0=A 1=B 2=tie")
+    label.add_argument(
+        "--more", action="store_true", help="keep these labels and ask again for the pairs still unlabelled"
+    )
     return parser
+
+
+def _label(args) -> int:
+    """`rlhf label`: the labels of a file and of PAIR=LABEL items, sent to the waiting run."""
+    from pathlib import Path
+
+    from rlhf_pipeline.tasks.pairs import read_labels_file
+    from rlhf_pipeline.tasks.people import resume_with_labels
+    from rlhf_pipeline.trainers.pairs import LABELS
+
+    labels: dict[int, str] = {}
+    if args.file:
+        labels |= {k: v for k, v in read_labels_file(Path(args.file), 1 << 30).items() if v is not None}
+    for item in args.labels:
+        pair, _, label = item.partition("=")
+        if not pair.isdigit() or label not in LABELS:
+            print(f"rlhf label: {item!r}: expected PAIR=LABEL with LABEL one of {', '.join(LABELS)}", file=sys.stderr)
+            return 2
+        labels[int(pair)] = label
+    resume_with_labels(args.flow_run_id, labels, finish=not args.more)
+    print(f"flow run {args.flow_run_id} resumed with {len(labels)} labels")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         return check(args.config, args.overrides, args.report_dir)
     if args.command == "eval":
         return _evaluate(args)
+    if args.command == "label":
+        return _label(args)
     if args.command == "serve":
         from rlhf_pipeline.deployments.serve import RETRAIN_CRON, serve
 

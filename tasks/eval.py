@@ -38,7 +38,8 @@ def evaluate(
     registry: RegistryConfig,
     ctx: RunContext,
 ) -> StageOutcome:
-    """`inputs`: the `data`, `sft`, `policy` and `rm` (or None) artifacts, in one mapping as the training stages take
+    """`inputs`: the `data`, `sft`, `policy` and `rm` (or None) artifacts (and the made `pairs`, shown in the report,
+    not keyed), in one mapping as the training stages take
     theirs. A future passed as a parameter of its own while its task runs would make Prefect draw eval inside that
     task's group."""
     data, sft_model, policy, reward_model = inputs["data"], inputs["sft"], inputs["policy"], inputs.get("rm")
@@ -87,18 +88,55 @@ def evaluate(
         trainer=row.trainer,
         hold=device_hold("eval", row.device, prefect_log, ctx.wait_seconds),
     )
-    publish_report(outcome.ref, [data, sft_model, reward_model, policy], ctx)
+    publish_report(outcome.ref, [data, sft_model, reward_model, policy], ctx, pairs=inputs.get("pairs"))
     return outcome
 
 
-def publish_report(report: ArtifactRef, stages: list[ArtifactRef | None], ctx: RunContext) -> None:
-    """Prefect markdown + table artifacts, and training curves of every stage, for this flow run."""
+def pairs_section(pairs: ArtifactRef) -> tuple[str, dict[str, float]]:
+    """The made pairs as eval shows them: labeller, kept and dropped, and the labeller's agreement with the held-out
+    preferences where it was measured."""
+    made = json.loads((pairs.path / "pairs.json").read_text())
+    m = made["metrics"]
+    lines = [
+        "\n## Preference pairs made by the `pairs` stage\n",
+        f"- labeller: {made['labeller']}; {m['pairs/made']:.0f} pairs from {m['pairs/prompts']:.0f} prompts; trained "
+        f"on {m['pairs/train_rows']:.0f} rows",
+        "- dropped: "
+        + ", ".join(
+            f"{v:.0f} {k.removeprefix('pairs/dropped/').replace('_', ' ')}"
+            for k, v in m.items()
+            if k.startswith("pairs/dropped/")
+        ),
+    ]
+    if "pairs/labeller_agreement" in m:
+        lines.append(
+            f"- agreement with the held-out preferences: {m['pairs/labeller_agreement']:.3f} "
+            f"[{m['pairs/labeller_agreement_low']:.3f}, {m['pairs/labeller_agreement_high']:.3f}] on "
+            f"{m['pairs/labeller_agreement_pairs']:.0f} pairs"
+        )
+    if "pairs/judge/first_position_rate" in m:
+        lines.append(
+            f"- judge's first-position rate (0.5: no position bias): {m['pairs/judge/first_position_rate']:.3f}"
+        )
+    shown = {k: v for k, v in m.items() if k.startswith("pairs/")}
+    return "\n".join(lines) + "\n", shown
+
+
+def publish_report(
+    report: ArtifactRef, stages: list[ArtifactRef | None], ctx: RunContext, pairs: ArtifactRef | None = None
+) -> None:
+    """Prefect markdown + table artifacts, and training curves of every stage, for this flow run (with the made
+    pairs' summary when the run made them)."""
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
     from rlhf_pipeline.trainers import plots
 
     link = tracking.run_link(ctx.parent_run_id)
     summary = (report.path / "summary.md").read_text()
+    if pairs is not None and (pairs.path / "pairs.json").is_file():
+        section, shown = pairs_section(pairs)
+        summary += section
+        tracking.log_metrics(ctx.parent_run_id, shown)
     create_markdown_artifact(
         key="rlhf-eval-summary",
         markdown=f"# rlhf evaluation\n\n{summary}\nMLflow: {link}\n\nArtifacts: `{report.uri}`\n",

@@ -110,9 +110,11 @@ def make_pairs(
             return StageOutcome(ref=samples.ref, cached=samples.cached, metrics=samples.metrics, awaiting=str(store))
         canonical = json.dumps({str(k): v for k, v in sorted(labels.items())}, sort_keys=True)
         fingerprints["people_labels"] = hashlib.sha256(canonical.encode()).hexdigest()[:32]
-    inputs = {"samples": samples.ref}
-    if config.train_on == "both":
-        inputs["data"] = data.select(("preference",))
+    # The given pairs when they are trained on too; the held-out ones the labeller's agreement is measured on.
+    inputs = {
+        "samples": samples.ref,
+        "data": data.select((*(("preference",) if config.train_on == "both" else ()), "preference_eval")),
+    }
     if config.labeller == "reward_model":
         inputs["rm"] = upstream["rm"]
     if earlier is not None:
@@ -138,6 +140,7 @@ def make_pairs(
             earlier=earlier.path if earlier is not None else None,
             log_metrics=log_metrics,
             aggregate=aggregate,
+            check=preference_rules,
         ),
         fingerprints,
         log_files=(PAIRS, SUMMARY),
@@ -148,6 +151,13 @@ def make_pairs(
     )
     prefect_log(made.summary(labelled.metrics, config.labeller))
     return labelled
+
+
+def preference_rules(dataset, source: str) -> None:
+    """The data stage's preference rules on the made pairs (DataValidationError naming the rule and rows)."""
+    from rlhf_pipeline.validators.validate import validate_dataset
+
+    validate_dataset("preference", dataset, source=source)
 
 
 def _code(config: PairsConfig) -> dict[str, str]:

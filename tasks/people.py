@@ -87,7 +87,23 @@ def labels_form(pending: list[dict]):
             "ask again for the rest.",
         ),
     )
-    return create_model("PairLabels", __base__=RunInput, **fields)
+    form = create_model("PairLabels", __base__=RunInput, **fields)
+    form._description = description(pending)  # shown above the form in the UI's Resume dialog (markdown)
+    return form
+
+
+def description(pending: list[dict]) -> str:
+    """The pending pairs as a markdown table: what a person reads before choosing."""
+
+    def cell(value: Any) -> str:
+        return text_of(value).replace("|", "\\|").replace("\n", "<br>")
+
+    rows = "".join(f"| {p['pair']} | {cell(p['prompt'])} | {cell(p['a'])} | {cell(p['b'])} |\n" for p in pending)
+    return (
+        f"**{len(pending)} pairs to label**: for each, choose the better answer, A or B (tie: neither; skip: later)."
+        "\n\n"
+        f"| pair | prompt | answer A | answer B |\n|---|---|---|---|\n{rows}"
+    )
 
 
 def write_store(path: Path, labels: dict[int, str | None], finished: bool) -> None:

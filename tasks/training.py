@@ -7,11 +7,12 @@ stage needs a trainer and a row, not new plumbing:
     cfg           the stage's config block (a `StageConfig`)
     data_dir      the data artifact (it keys on the datasets the row `reads`, not on all of them)
     sft_model     the `sft` artifact's model folder      reward_model  the `rm` artifact's (or None)
-    policy_model  a feedback round's previous policy     feedback      the run's feedback block (a feedback round's)
     model         the run's base model block              rewards       the run's rewards block
     out_dir, work_dir, log_metrics                        as in `tasks.store.run_stage`
 
-The blocks a trainer takes besides its own (`model`, `rewards`, `feedback`) are keyed with its config: changing the
+With the `pairs` stage on, `data_dir/datasets/preference.parquet` is the made pairs (`with_made_pairs`).
+
+The blocks a trainer takes besides its own (`model`, `rewards`) are keyed with its config: changing the
 rewards re-runs the online stages only. A trainer writes `out_dir/model`, checkpoints into `work_dir`, returns its
 final metrics and emits progress records (`trainers.progress`); it imports no Prefect.
 """
@@ -32,14 +33,14 @@ from rlhf_pipeline.tasks.store import run_stage
 from rlhf_pipeline.trainers.checkpoints import keyed_model
 from rlhf_pipeline.trainers.config import Block, ModelConfig, StageConfig
 
-MODEL_INPUTS = {"sft_model": "sft", "reward_model": "rm", "policy_model": "policy"}
-"""Trainer parameter -> the upstream stage whose `model/` folder it receives (`policy`: the previous round's, in a
-feedback round)."""
-SETTINGS = ("model", "rewards", "feedback")
-"""Run-level blocks a trainer may take besides its own config (`feedback`: only in a feedback round)."""
-LOGGED = ("samples.jsonl", "feedback_pairs.jsonl", "heldout.jsonl")
-"""Files a trainer may write beside its model that are also logged to its MLflow run (ppo's sample tables, a feedback
-round's pairs, the held-out probes)."""
+MODEL_INPUTS = {"sft_model": "sft", "reward_model": "rm"}
+"""Trainer parameter -> the upstream stage whose `model/` folder it receives (a feedback round's policy starts from
+the last round's: it arrives as `sft`)."""
+SETTINGS = ("model", "rewards")
+"""Run-level blocks a trainer may take besides its own config."""
+LOGGED = ("samples.jsonl", "heldout.jsonl")
+"""Files a trainer may write beside its model that are also logged to its MLflow run (ppo's sample tables, the
+held-out probes)."""
 PROVIDED = {"cfg", "data_dir", "out_dir", "work_dir", "log_metrics", *MODEL_INPUTS, *SETTINGS}
 
 
@@ -77,8 +78,7 @@ def train_stage(
     round_: int = 0,
 ) -> StageOutcome:
     """Build (or reuse) one training stage of the table from its config, the blocks it takes and its upstream artifacts;
-    `round_` > 0: a feedback round's (its rm samples the previous round's `policy` upstream, reading the training
-    prompts)."""
+    `round_` > 0: a feedback round's (tagged with it; its `pairs` upstream is the round's)."""
     row = BY_NAME[stage]
     wanted = trainer_parameters(row)
     data = upstream["data"]
@@ -116,10 +116,7 @@ def train_stage(
             for name, block in settings.items()
         },
     }
-    datasets = (
-        *reads(stage, config),
-        *(("prompts",) if "policy" in upstream and "prompts" not in reads(stage, config) else ()),
-    )
+    datasets = reads(stage, config)
     if "pairs" in upstream:  # the `pairs` stage's artifact holds the preference pairs it trains on
         datasets = tuple(name for name in datasets if name != "preference")
     inputs = {**{name: ref for name, ref in upstream.items() if name != "data"}, "data": data.select(datasets)}

@@ -15,7 +15,7 @@ Two keyed parts, each a published artifact of the `pairs` stage (`tasks.pairs`):
      a file (`tasks.people`); people's labels are not part of the key (the labeller is), so they are kept apart
      and digested into the key (`tasks.pairs`).
    Ties (margin 0, or at most `min_margin`) and prompts whose answers are all equal are dropped and counted. The
-   pairs pass the data stage's preference rules (`validators.validate`) before they are published.
+   pairs pass the data stage's preference rules (the task hands `label` the check) before they are published.
 
 The published pairs are `datasets/preference.parquet` (prompt, chosen, rejected: what dpo, kto, orpo and rm train on,
 the given pairs appended with `train_on: both`) and `pairs.jsonl` (each with its margin, labeller and round).
@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from pydantic import Field, model_validator
 
@@ -111,19 +111,26 @@ class PairsConfig(StageConfig):
 
     @model_validator(mode="after")
     def _labeller_named(self):
-        if not self.enabled:
-            return self
-        if self.labeller == "function" and self.function is None:
-            raise ValueError(
-                "pairs.labeller=function needs pairs.function, a reward function or verifier ('module:function')"
-            )
-        if self.labeller == "judge" and self.judge is None:
-            raise ValueError("pairs.labeller=judge needs pairs.judge (a function judge or an LM judge, as eval.judge)")
+        if self.enabled:
+            self.check_labeller("pairs.enabled=true")
         if self.function is not None:
             from rlhf_pipeline.trainers.rewards import import_function
 
             import_function(self.function, "pairs.function")
         return self
+
+    def check_labeller(self, why: str) -> None:
+        """The labeller is named in full (`why`: what makes pairs)."""
+        if self.labeller == "function" and self.function is None:
+            raise ValueError(
+                f"{why} makes pairs with pairs.labeller=function, which needs pairs.function: a reward function or "
+                "verifier ('module:function')"
+            )
+        if self.labeller == "judge" and self.judge is None:
+            raise ValueError(
+                f"{why} makes pairs with pairs.labeller=judge, which needs pairs.judge (a function judge or an LM "
+                "judge, as eval.judge)"
+            )
 
     def code_paths(self) -> list[str]:
         if self.labeller == "function" and self.function:
@@ -227,11 +234,11 @@ def read_samples(folder: Path) -> list[dict]:
 
 
 def people_pairs(samples: list[dict], max_pairs: int) -> list[dict]:
-    """The pairs people see: per prompt, its first two distinct answers (A, B); prompts whose answers are all equal
+    """The pairs people see: per prompt, its first two distinct answers that are not blank (A, B); prompts without two
     are left out; at most `max_pairs`."""
     shown = []
     for row in samples:
-        distinct = list(dict.fromkeys(row["completions"]))
+        distinct = [answer for answer in dict.fromkeys(row["completions"]) if answer.strip()]
         if len(distinct) >= 2:
             shown.append(
                 {"pair": len(shown), "id": row["id"], "prompt": row["prompt"], "a": distinct[0], "b": distinct[1]}
@@ -255,10 +262,11 @@ def label(
     earlier: Path | None = None,
     log_metrics: LogMetrics | None = None,
     aggregate: str = "mean",
+    check: Callable[[Any, str], None] | None = None,
 ) -> dict[str, float]:
     """Label the samples in `samples_dir` with the block's labeller (`labels`: people's, pair id -> A/B/tie) and
     publish the pairs into `out_dir`; `earlier`: a previous round's pairs artifact, whose pairs are kept beside these.
-    The pairs are checked by the data stage's preference rules first: nothing is written when they fail."""
+    `check(dataset, source)` (the task passes the data stage's preference rules) runs before anything is written."""
     samples = read_samples(samples_dir)
     if cfg.labeller == "people":
         made, counts, extra = _people(people_pairs(samples, cfg.people.max_pairs), labels or {})
@@ -274,8 +282,10 @@ def label(
             f"({', '.join(f'{v} {k}' for k, v in counts.items())}): nothing to train on (sample more prompts or "
             "answers, or lower pairs.min_margin)"
         )
+    extra |= agreement(cfg, data_dir, reward_model, aggregate)
     training = _training_set(cfg, every, data_dir)
-    _check(training, samples_dir)
+    if check is not None:
+        check(training, f"pairs made from {samples_dir / SAMPLES}")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "datasets").mkdir(exist_ok=True)
     training.to_parquet(str(out_dir / "datasets" / "preference.parquet"))
@@ -312,6 +322,58 @@ def summary(metrics: dict[str, float], labeller: str) -> str:
     )
 
 
+def agreement(cfg: PairsConfig, data_dir: Path, reward_model: Path | None, aggregate: str) -> dict[str, float]:
+    """How often the labeller prefers the held-out pairs' chosen answer (`preference_eval`; a tie counts half), with
+    its 95% bootstrap interval; {} without held-out pairs, for people, or for a function that needs columns the
+    held-out pairs lack (e.g. a verifier's reference answer)."""
+    path = data_dir / "datasets" / "preference_eval.parquet"
+    if cfg.labeller == "people" or not path.is_file():
+        return {}
+    from datasets import Dataset
+
+    from rlhf_pipeline.trainers.metrics import bootstrap_mean
+
+    held = Dataset.from_parquet(str(path))
+    if "prompt" not in held.column_names:
+        return {}
+    prompts, chosen, rejected = held["prompt"], held["chosen"], held["rejected"]
+    columns = {k: held[k] for k in held.column_names if k not in ("prompt", "chosen", "rejected")}
+    if cfg.labeller == "judge":
+        from rlhf_pipeline.trainers.judges import load_judge
+
+        judge = load_judge(cfg.judge)
+        forward, backward = judge(prompts, chosen, rejected), judge(prompts, rejected, chosen)
+        agree = [
+            1.0 if p > 0.5 else 0.5 if p == 0.5 else 0.0 for p in ((f + 1 - b) / 2 for f, b in zip(forward, backward))
+        ]
+    else:
+        if cfg.labeller == "function":
+            from rlhf_pipeline.trainers.rewards import import_function
+
+            fn = import_function(cfg.function, "pairs.function")
+            try:
+                good = fn(prompts=prompts, completions=chosen, **columns)
+                bad = fn(prompts=prompts, completions=rejected, **columns)
+            except TypeError:  # it needs a column the held-out pairs do not have
+                return {}
+        else:
+            import torch
+
+            from rlhf_pipeline.trainers.ensemble import TextEnsemble, scoring_dirs
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            scorer = TextEnsemble(scoring_dirs(Path(reward_model)), how=aggregate, device=device)
+            good, bad = scorer(prompts, chosen), scorer(prompts, rejected)
+        agree = [0.5 if g is None or b is None or g == b else float(g > b) for g, b in zip(good, bad)]
+    interval = bootstrap_mean(agree)
+    return {
+        "pairs/labeller_agreement": interval.mean,
+        "pairs/labeller_agreement_low": interval.low,
+        "pairs/labeller_agreement_high": interval.high,
+        "pairs/labeller_agreement_pairs": float(len(agree)),
+    }
+
+
 def read_pairs(folder: Path) -> list[dict]:
     path = folder / PAIRS
     return (
@@ -328,13 +390,14 @@ def _scored(cfg: PairsConfig, samples: list[dict], reward_model: Path | None, ag
         wins, extra = _judge_wins(cfg.judge, samples)
     else:
         wins = _scores(cfg, samples, reward_model, aggregate)
-    made = []
+    made, blank = [], 0  # a blank answer is never chosen or rejected: the preference rules refuse blank text
     for row, scores in zip(samples, wins):
         answers = row["completions"]
         if len(set(answers)) < 2:
             counts["all_equal"] += 1
             continue
-        scored = [(s, a) for s, a in zip(scores, answers) if s is not None and math.isfinite(s)]
+        blank += sum(not a.strip() for a in answers)
+        scored = [(s, a) for s, a in zip(scores, answers) if s is not None and math.isfinite(s) and a.strip()]
         if len(scored) < 2:
             counts["unscored"] += 1
             continue
@@ -353,6 +416,7 @@ def _scored(cfg: PairsConfig, samples: list[dict], reward_model: Path | None, ag
                 "id": row["id"],
             }
         )
+    extra["pairs/blank_answers"] = float(blank)
     return made, counts, extra
 
 
@@ -491,10 +555,3 @@ def _training_set(cfg: PairsConfig, pairs: list[dict], data_dir: Path):
             f"pairs.train_on=both: the made pairs ({made.features}) and the given ones ({given.features}) are not the "
             f"same format (conversational vs standard?): {exc}"
         ) from exc
-
-
-def _check(training, samples_dir: Path) -> None:
-    """The data stage's preference rules on the made pairs (raises DataValidationError naming the rows)."""
-    from rlhf_pipeline.validators.validate import validate_dataset
-
-    validate_dataset("preference", training, source=f"pairs made from {samples_dir / SAMPLES}")

@@ -12,7 +12,6 @@ from typing import ClassVar
 from pydantic import Field, model_validator
 
 from rlhf_pipeline.trainers.config import EvalDuringTraining, LogMetrics, TrainingConfig
-from rlhf_pipeline.trainers.feedback import FeedbackConfig
 
 
 class RewardModelConfig(EvalDuringTraining, TrainingConfig):
@@ -69,43 +68,13 @@ def train(
     out_dir: Path,
     work_dir: Path,
     log_metrics: LogMetrics | None = None,
-    feedback: FeedbackConfig | None = None,
-    policy_model: Path | None = None,
-    reward_model: Path | None = None,
 ) -> dict[str, float]:
     """Train a scalar reward head on `preference` (`ensemble_size` of them); report pairwise accuracy on
-    `preference_eval` if present.
+    `preference_eval` if present. With the `pairs` stage on, `preference` is the made pairs (`tasks.training`).
 
-    An ensemble's members train one after another, each resuming from its own checkpoints (`work_dir/member-<i>`).
-    A feedback round (`feedback` with the previous round's `policy_model`, and `reward_model`, the previous round's rm
-    when there was one) first samples that policy and has its pairs labelled (trainers/feedback.py); they train beside
-    the preference data and are kept in `feedback_pairs.jsonl` for the next round."""
-    pairs: list[dict] = []
-    if feedback is not None and policy_model is not None:
-        import json
-
-        from rlhf_pipeline.trainers.feedback import PAIRS, collect_pairs
-
-        earlier = Path(reward_model).parent if reward_model is not None else None
-        state = earlier / "feedback.json" if earlier is not None else None
-        round_ = json.loads(state.read_text())["round"] + 1 if state is not None and state.is_file() else 1
-        before = sum(1 for _ in open(earlier / PAIRS)) if earlier is not None and (earlier / PAIRS).is_file() else 0
-        pairs = collect_pairs(
-            feedback, policy_model, data_dir, round_, earlier / PAIRS if earlier is not None else None, out_dir
-        )
-        summary = {"round": round_, "pairs": len(pairs), "new_pairs": len(pairs) - before}
-        (out_dir / "feedback.json").write_text(json.dumps(summary) + "\n")
-        if log_metrics is not None:
-            log_metrics(
-                {
-                    "rm/feedback/round": float(round_),
-                    "rm/feedback/pairs": float(len(pairs)),
-                    "rm/feedback/new_pairs": float(summary["new_pairs"]),
-                },
-                0,
-            )
+    An ensemble's members train one after another, each resuming from its own checkpoints (`work_dir/member-<i>`)."""
     if cfg.ensemble_size == 1:
-        return _train_one(cfg, sft_model, data_dir, out_dir, work_dir, log_metrics, pairs=pairs)
+        return _train_one(cfg, sft_model, data_dir, out_dir, work_dir, log_metrics)
     import json
     import shutil
 
@@ -128,7 +97,6 @@ def train(
             log,
             resample=i if cfg.ensemble_bootstrap else None,
             head_seed=cfg.seed if cfg.weight_average else cfg.seed + i,
-            pairs=pairs,
         )
         metrics |= result if i == 0 else {}
         metrics |= _member_metrics(result, i)
@@ -159,14 +127,12 @@ def _train_one(
     log_metrics: LogMetrics | None = None,
     resample: int | None = None,
     head_seed: int | None = None,
-    pairs: list[dict] | None = None,
 ) -> dict[str, float]:
     """One reward model into `out_dir/model`; `resample` > 0: on a bootstrap resample of the pairs (seeded by it);
     `head_seed`: torch seeded with it before the score head is made."""
     import torch
     import trl
 
-    from rlhf_pipeline.trainers.feedback import with_pairs
     from rlhf_pipeline.trainers.loop import final_train_metrics, fit, load_split, save_on_main, stage_callbacks
     from rlhf_pipeline.trainers.models import has_adapter, load_sequence_classifier, load_tokenizer
 
@@ -197,7 +163,7 @@ def _train_one(
     trainer = trl.RewardTrainer(
         model=model,
         args=args,
-        train_dataset=_resampled(with_pairs(load_split(data_dir, "preference"), pairs or []), resample),
+        train_dataset=_resampled(load_split(data_dir, "preference"), resample),
         eval_dataset=eval_dataset,
         compute_metrics=cfg.metrics_function(),
         processing_class=tokenizer,

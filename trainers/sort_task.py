@@ -14,18 +14,9 @@ def _text(completion) -> str:
 
 
 def exact_match(prompts: list, completions: list, answer: list[str], **_) -> list[float]:
-    """1.0 when the answer equals the reference `answer` column, else 0.0 (the verifier)."""
+    """1.0 when the answer equals the reference `answer` column, else 0.0 (the verifier; as `pairs.function` it makes
+    pairs of a right and a wrong answer)."""
     return [float(_text(c).strip() == str(a).strip()) for c, a in zip(completions, answer)]
-
-
-def reference_labeller(prompts: list, first: list, second: list, answer: list[str], **_) -> list[float | None]:
-    """A rater who knows the right answer (feedback.labeller): the correct completion of a pair wins; None when both are
-    right or both wrong (no preference to learn)."""
-    out: list[float | None] = []
-    for a, b, reference in zip(first, second, answer):
-        right_a, right_b = _text(a).strip() == str(reference).strip(), _text(b).strip() == str(reference).strip()
-        out.append(None if right_a == right_b else float(right_a))
-    return out
 
 
 def digits_format(prompts: list, completions: list, answer: list[str], **_) -> list[float]:

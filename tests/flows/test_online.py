@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
@@ -130,9 +133,11 @@ def test_a_feedback_round_retrains_rm_on_the_policys_labelled_samples_then_the_p
 
     rounds = [
         "feedback.rounds=1",
-        "feedback.labeller=tests.trainers.test_feedback:first_always",
-        "feedback.prompts_per_round=16",
-        "feedback.max_new_tokens=4",
+        "pairs.function=tests.helpers:length_reward",
+        "pairs.max_prompts=16",
+        "pairs.samples_per_prompt=4",
+        "pairs.max_new_tokens=4",
+        "pairs.train_on=both",  # the round's rm learns the given pairs and the labelled samples
     ]
     done = run(*ONLINE_FAST, "algorithm=ppo", *rounds)
     assert done.is_completed(), done.message
@@ -141,6 +146,7 @@ def test_a_feedback_round_retrains_rm_on_the_policys_labelled_samples_then_the_p
         "sft": "Completed",
         "rm": "Completed",
         "ppo": "Completed",
+        "pairs (round 1)": "Completed",
         "rm (round 1)": "Completed",
         "ppo (round 1)": "Completed",
         "eval": "Completed",
@@ -150,14 +156,22 @@ def test_a_feedback_round_retrains_rm_on_the_policys_labelled_samples_then_the_p
     client = MlflowClient()
     parent = client.get_run(summary["mlflow_run_id"])
     children = client.search_runs([parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
-    by_round = {(r.info.run_name, r.data.tags.get("rlhf.round", "0")): r for r in children}
-    assert {("rm", "0"), ("rm", "1"), ("ppo", "0"), ("ppo", "1")} <= set(by_round)
-    feedback_rm = by_round[("rm", "1")]
-    assert feedback_rm.data.metrics["rm/feedback/round"] == 1 and feedback_rm.data.metrics["rm/feedback/new_pairs"] > 0
-    assert "feedback_pairs.jsonl" in {a.path for a in client.list_artifacts(feedback_rm.info.run_id)}
+    by_round = {
+        (r.info.run_name, r.data.tags.get("rlhf.round", "0"), r.data.tags.get("rlhf.part", "")): r for r in children
+    }
+    assert {("rm", "0", ""), ("rm", "1", ""), ("ppo", "0", ""), ("ppo", "1", "")} <= set(by_round)
+    labelled = by_round[("pairs", "1", "labels")]
+    made = labelled.data.metrics["pairs/made"]
+    given = load_params(CI_PRESET).data  # the bundled preference file: 3,000 pairs
+    assert made > 0 and labelled.data.metrics["pairs/train_rows"] == made + 3000, given
+    assert "pairs.jsonl" in {a.path for a in client.list_artifacts(labelled.info.run_id)}
+    # The round's rm trained on the round's pairs: its key names the pairs artifact.
+    rm_round = by_round[("rm", "1", "")]
+    manifest = json.loads((Path(rm_round.data.tags["rlhf.artifact"]) / "manifest.json").read_text())
+    assert manifest["upstream"]["pairs"]["key"] == labelled.data.tags["rlhf.key"]
     # eval and the registry read the last round's policy: the artifacts the run reports are round 1's.
-    assert summary["artifacts"]["ppo"] == by_round[("ppo", "1")].data.tags["rlhf.artifact"]
-    assert summary["artifacts"]["rm"] == feedback_rm.data.tags["rlhf.artifact"]
-    # Without an online algorithm that optimises the reward model, rounds are refused with the parameters.
-    with pytest.raises(ValidationError, match=r"feedback.rounds=1 retrains the reward model"):
-        run("algorithm=dpo", *rounds)
+    assert summary["artifacts"]["ppo"] == by_round[("ppo", "1", "")].data.tags["rlhf.artifact"]
+    assert summary["artifacts"]["rm"] == rm_round.data.tags["rlhf.artifact"]
+    # An online algorithm that optimises reward functions alone learns nothing from pairs: refused with the parameters.
+    with pytest.raises(ValidationError, match=r"feedback.rounds=1 trains on labelled pairs .*reward_model_weight=0"):
+        run("algorithm=ppo", "rewards.reward_model_weight=0", *rounds)

@@ -1,0 +1,120 @@
+"""Preference pairs made from prompts in a pipeline run (issue 27): DPO on pairs the verifier made from SFT's own
+answers beats SFT; people label through a paused run, which times out saying so and resumes from its samples; feedback
+rounds of an offline algorithm."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rlhf_pipeline.flows.params import load_params
+from tests.flows.helpers import run, task_states
+
+pytestmark = pytest.mark.e2e
+
+MADE = [
+    "data.preference=null",  # the preference file left out: every pair is made
+    "pairs.enabled=true",
+    "pairs.function=tests.helpers:length_reward",  # varies on an untrained model's answers (exact match does not)
+    "pairs.max_prompts=16",
+    "pairs.samples_per_prompt=4",
+    "pairs.max_new_tokens=4",
+]
+
+
+def children(summary: dict) -> list:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    parent = client.get_run(summary["mlflow_run_id"])
+    return client.search_runs([parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+
+
+def test_dpo_on_pairs_the_verifier_made_from_sfts_answers_beats_sft_by_ten_points(prefect, state):
+    """The acceptance run: the embedded default (tiny model, bundled task, its preset's pairs block), no preference
+    file; sft's 8 answers to 1,000 training prompts, right vs wrong by exact match, then DPO."""
+    from rlhf_pipeline.flows.rlhf import rlhf
+
+    params = load_params(
+        "tiny",
+        ["data.preference=null", "pairs.enabled=true", "eval.use_reward_model=false", "registry.enabled=false"],
+        experiment_name="pairs",
+    )
+    done = rlhf(**dict(params), return_state=True)
+    assert done.is_completed(), done.message
+    assert task_states(done) == dict.fromkeys(["data", "sft", "pairs", "dpo", "eval"], "Completed")
+    summary = done.result()
+    metrics = summary["metrics"]
+    sft, policy = metrics["eval/heldout/sft_exact_match"], metrics["eval/heldout/policy_exact_match"]
+    assert policy >= sft + 0.10, (sft, policy)
+    [labelled] = [r for r in children(summary) if r.data.tags.get("rlhf.part") == "labels"]
+    assert labelled.data.metrics["pairs/made"] >= 100 and labelled.data.tags["rlhf.labeller"] == "function"
+    print(f"held-out exact match: sft {sft:.3f}, dpo on made pairs {policy:.3f}")
+
+
+def test_people_who_never_answer_time_the_run_out_and_a_rerun_with_their_file_samples_nothing(prefect, state, tmp_path):
+    people = [*MADE, "pairs.labeller=people", "pairs.people.max_pairs=4", "registry.enabled=false"]
+    waited = run(*people, "pairs.people.timeout_s=2")
+    assert waited.is_failed()
+    assert "no labels came within pairs.people.timeout_s=2s for 4 of 4 pairs" in waited.message, waited.message
+    assert task_states(waited) == {"data": "Completed", "sft": "Completed", "pairs": "AwaitingLabels"}
+    [store] = (state / "artifacts" / "pairs" / ".labels").glob("*.to_label.jsonl")
+    shown = [json.loads(line) for line in store.read_text().splitlines()]
+    assert [pair["pair"] for pair in shown] == [0, 1, 2, 3] and all(pair["a"] != pair["b"] for pair in shown)
+    samples_before = sorted((state / "artifacts" / "pairs").glob("*/samples.jsonl"))
+
+    labels = tmp_path / "labels.jsonl"
+    chosen = ["A", "B", "tie", None]
+    labels.write_text("".join(json.dumps({"pair": i, "label": label}) + "\n" for i, label in enumerate(chosen)))
+    done = run(*people, f"pairs.people.labels_file={labels}")
+    assert done.is_completed(), done.message
+    states = task_states(done)
+    assert states["pairs"] == "Completed" and states["dpo"] == "Completed"
+    # Nothing sampled again: the samples are the cached artifact of the run that timed out.
+    assert sorted((state / "artifacts" / "pairs").glob("*/samples.jsonl")) == samples_before
+    runs = children(done.result())
+    [sampled] = [r for r in runs if r.data.tags.get("rlhf.part") == "samples"]
+    assert sampled.data.tags["rlhf.cached"] == "true"
+    [labelled] = [r for r in runs if r.data.tags.get("rlhf.part") == "labels"]
+    pairs = [
+        json.loads(line)
+        for line in (Path(labelled.data.tags["rlhf.artifact"]) / "pairs.jsonl").read_text().splitlines()
+    ]
+    assert [(p["chosen"], p["rejected"]) for p in pairs] == [
+        (shown[0]["a"], shown[0]["b"]),
+        (shown[1]["b"], shown[1]["a"]),
+    ]
+    assert labelled.data.metrics["pairs/dropped/ties"] == 1 and labelled.data.metrics["pairs/dropped/unlabelled"] == 1
+
+
+def test_feedback_rounds_of_dpo_sample_the_last_policy_and_train_on_every_rounds_pairs(prefect, state):
+    done = run(*MADE, "feedback.rounds=1", "eval.use_reward_model=false", "registry.enabled=false")
+    assert done.is_completed(), done.message
+    assert task_states(done) == {
+        "data": "Completed",
+        "sft": "Completed",
+        "pairs": "Completed",
+        "dpo": "Completed",
+        "pairs (round 1)": "Completed",
+        "dpo (round 1)": "Completed",
+        "eval": "Completed",
+    }
+    runs = {
+        (r.info.run_name, r.data.tags.get("rlhf.round", "0"), r.data.tags.get("rlhf.part", "")): r
+        for r in children(done.result())
+    }
+    first, second = runs[("pairs", "0", "labels")], runs[("pairs", "1", "labels")]
+    assert second.data.metrics["pairs/earlier_rounds"] == first.data.metrics["pairs/made"]
+    assert (
+        second.data.metrics["pairs/train_rows"] == first.data.metrics["pairs/made"] + second.data.metrics["pairs/made"]
+    )
+    # Round 1 sampled the first DPO policy, and its DPO started from it.
+    sampled = json.loads(
+        (Path(runs[("pairs", "1", "samples")].data.tags["rlhf.artifact"]) / "manifest.json").read_text()
+    )
+    assert sampled["upstream"]["model"]["key"] == runs[("dpo", "0", "")].data.tags["rlhf.key"]
+    trained = json.loads((Path(runs[("dpo", "1", "")].data.tags["rlhf.artifact"]) / "manifest.json").read_text())
+    assert trained["upstream"]["sft"]["key"] == runs[("dpo", "0", "")].data.tags["rlhf.key"]
+    assert trained["upstream"]["pairs"]["key"] == second.data.tags["rlhf.key"]
