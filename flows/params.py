@@ -85,6 +85,8 @@ class RunSettings(StrictModel):
                 "itself (pairs.labeller=reward_model); choose a function, a judge or people"
             )
         self.config("pairs").check_labeller(f"feedback.rounds={rounds}")
+        if self.config("data").prompts is None:
+            raise ValueError(f"data.prompts is null and feedback.rounds={rounds} samples the policy on it: name it")
         return self
 
     def plan(self) -> list[str]:

@@ -182,6 +182,8 @@ def held_models(params, stage: str) -> list:
     from rlhf_pipeline.trainers.memory import REFERENCE, REWARD_MODEL, Held
 
     cfg = params.config(stage)
+    if stage == "pairs":  # planned for feedback rounds even when the first round's pairs are off
+        return list(BY_NAME[stage].holds)
     if not getattr(cfg, "enabled", True):  # switched off (sft): it loads the base model and saves it, untrained
         return [Held("base model, saved untrained (switched off)", classifier=False, trained=False)]
     lora = getattr(cfg, "lora", None)

@@ -150,7 +150,27 @@ def make_pairs(
         extra_tags={**tags, "rlhf.part": "labels", "rlhf.labeller": config.labeller},
     )
     prefect_log(made.summary(labelled.metrics, config.labeller))
+    if labelled.mlflow_run_id and not labelled.cached:  # a cached re-run's MLflow run links to its producer's
+        log_made_pairs(labelled, config, round_)
     return labelled
+
+
+def log_made_pairs(labelled: StageOutcome, config: PairsConfig, round_: int) -> None:
+    """The made pairs as an MLflow dataset input of the run that labelled them: digest, labeller, counts."""
+    from rlhf_pipeline.tasks import tracking
+
+    tracking.log_dataset_input(
+        labelled.mlflow_run_id,
+        name=f"pairs-{config.labeller}" + (f"-round-{round_}" if round_ else ""),
+        digest=labelled.ref.digest[:16],
+        source=str(labelled.ref.path / "datasets" / "preference.parquet"),
+        context="training",
+        tags={"rlhf.labeller": config.labeller, "rlhf.round": str(round_)},
+        profile={
+            "num_rows": int(labelled.metrics.get("pairs/train_rows", 0)),
+            "made": labelled.metrics.get("pairs/made"),
+        },
+    )
 
 
 def preference_rules(dataset, source: str) -> None:

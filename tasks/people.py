@@ -132,10 +132,10 @@ def ask_people(samples: ArtifactRef, store: Path, people: PeopleConfig) -> None:
     is labelled or an answer says finish. Raises LabelsTimedOut after `people.timeout_s`."""
     from prefect.exceptions import FlowPauseTimeout
     from prefect.flow_runs import pause_flow_run, suspend_flow_run
-    from prefect.runtime import flow_run
+    from prefect.runtime import deployment
 
     shown = people_pairs(read_samples(samples.path), people.max_pairs)
-    deployed = bool(flow_run.get_deployment_id())
+    deployed = bool(deployment.get_id())  # suspending needs a deployment to run the flow again
     for attempt in range(len(shown) + 1):
         labels, finished = read_store(store)
         pending = [pair for pair in shown if labels.get(pair["pair"]) is None]
@@ -144,6 +144,7 @@ def ask_people(samples: ArtifactRef, store: Path, people: PeopleConfig) -> None:
                 write_store(store, labels, True)
             return
         to_label = store.with_suffix(".to_label.jsonl")
+        to_label.parent.mkdir(parents=True, exist_ok=True)
         to_label.write_text("".join(json.dumps(pair, ensure_ascii=False) + "\n" for pair in pending), encoding="utf-8")
         _show(pending, len(shown), to_label)
         form = labels_form(pending)
@@ -159,15 +160,28 @@ def ask_people(samples: ArtifactRef, store: Path, people: PeopleConfig) -> None:
             else:
                 got = pause_flow_run(wait_for_input=form, timeout=int(people.timeout_s), poll_interval=5, key=key)
         except FlowPauseTimeout as exc:
-            raise LabelsTimedOut(
+            message = (
                 f"pairs: no labels came within pairs.people.timeout_s={people.timeout_s:.0f}s for {len(pending)} of "
                 f"{len(shown)} pairs ({to_label}); the labels given so far are kept in {store}. Run again to be asked "
                 "for the rest, or with pairs.people.labels_file=<labels.jsonl> (nothing is sampled again)"
-            ) from exc
+            )
+            _fail_saying(message)
+            raise LabelsTimedOut(message) from exc
         given = answered(got, shown)
         write_store(store, labels | given, bool(getattr(got, "finish", True)))
         prefect_log(f"pairs: {len(given)} labels received ({len(labels | given)} of {len(shown)} pairs labelled)")
     raise RuntimeError(f"pairs: asked for labels {len(shown) + 1} times without an answer that labels a pair")
+
+
+def _fail_saying(message: str) -> None:
+    """The run's final state says why: the server has already failed the expired pause with "The flow was failed and
+    never resumed.", and the engine cannot change a final state, so the state is replaced, forced, with ours."""
+    from prefect import get_client
+    from prefect.runtime import flow_run
+    from prefect.states import Failed
+
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(flow_run.get_id(), Failed(name="TimedOut", message=message), force=True)
 
 
 def _show(pending: list[dict], total: int, to_label: Path) -> None:

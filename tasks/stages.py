@@ -24,6 +24,7 @@ from rlhf_pipeline.trainers.memory import (
     POLICY,
     REFERENCE,
     REWARD_MODEL,
+    SAMPLING,
     TRAINED_REWARD_MODEL,
     VALUE_MODEL,
     Held,
@@ -101,7 +102,7 @@ STAGES: tuple[Stage, ...] = (
         reads=("prompts",),
         upstream=("data", "sft", "rm"),
         device=True,
-        holds=(POLICY,),
+        holds=(SAMPLING,),
     ),
     Stage(
         name="rm",

@@ -199,6 +199,26 @@ def log_metric_rows(run_id: str, rows: list[tuple[int, dict[str, float], int]]) 
         client().log_batch(run_id, metrics=metrics)
 
 
+def log_dataset_input(
+    run_id: str, name: str, digest: str, source: str, context: str, tags: dict[str, str], profile: dict | None = None
+) -> None:
+    """A dataset as an input of the run (MLflow's Datasets column): name, digest, where it lies, what it was used for
+    (`mlflow.data.context`) and tags such as the labeller."""
+    import json
+
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    dataset = Dataset(
+        name=name,
+        digest=digest,
+        source_type="local",
+        source=json.dumps({"uri": source}),
+        profile=json.dumps(profile) if profile else None,
+    )
+    inputs = [InputTag("mlflow.data.context", context), *(InputTag(k, v) for k, v in tags.items())]
+    client().log_inputs(run_id, datasets=[DatasetInput(dataset, tags=inputs)])
+
+
 def log_artifacts(run_id: str, local: Path, artifact_path: str | None = None) -> None:
     if local.is_dir():
         client().log_artifacts(run_id, str(local), artifact_path)

@@ -35,6 +35,9 @@ REWARD_MODEL = Held("reward model", classifier=True, trained=False)
 TRAINED_REWARD_MODEL = Held("reward model", classifier=True, trained=True, adapted=True)
 VALUE_MODEL = Held("value model", classifier=True, trained=True)
 """PPO's, trained whole beside the policy, from the reward model or the sft model (trainers/ppo.py)."""
+SAMPLING = Held("policy, sampling", classifier=False, trained=False)
+"""The `pairs` stage: the starting policy generating, frozen (a reward model or LM judge that labels is loaded after
+it is freed)."""
 EVALUATED = (Held("policy", False, False), Held("sft", False, False))
 """Eval: one model at a time for generation; the policy and sft together for the KL."""
 

@@ -9,7 +9,7 @@ import pytest
 
 from rlhf_pipeline.flows.params import load_params
 from rlhf_pipeline.tasks.code_version import code_version, project_imports
-from rlhf_pipeline.tasks.stages import BY_NAME, STAGES
+from rlhf_pipeline.tasks.stages import BY_NAME, STAGES, TRAIN_STAGE
 from rlhf_pipeline.tasks.training import MODEL_INPUTS, trainer_parameters
 
 TINY = "rlhf_pipeline.trainers.tiny"
@@ -20,7 +20,7 @@ def closure(stage: str) -> set[str]:
     return set(project_imports(BY_NAME[stage].trainer))
 
 
-@pytest.mark.parametrize("stage", [s.name for s in STAGES if s.trainer and s.name not in ("data", "eval")])
+@pytest.mark.parametrize("stage", [s.name for s in STAGES if s.task == TRAIN_STAGE])
 def test_every_trainer_takes_what_its_row_says(stage):
     parameters = trainer_parameters(BY_NAME[stage])
     signature = inspect.signature(importlib.import_module(BY_NAME[stage].trainer).train).parameters
@@ -28,10 +28,9 @@ def test_every_trainer_takes_what_its_row_says(stage):
         MODEL_INPUTS[p] for p in parameters if p in MODEL_INPUTS and signature[p].default is inspect.Parameter.empty
     }
     assert takes <= set(BY_NAME[stage].upstream), f"{stage} takes {takes} but its row lists {BY_NAME[stage].upstream}"
-    # Inputs with a default come only in a feedback round: its rm samples the last round's policy and carries its rm's
-    # pairs.
+    # No stage takes a model its row does not list (a feedback round's policy arrives as `sft`).
     extra = {MODEL_INPUTS[p] for p in parameters if p in MODEL_INPUTS} - takes - set(BY_NAME[stage].upstream)
-    assert extra == ({"policy", "rm"} if stage == "rm" else set()), (stage, extra)
+    assert extra == set(), (stage, extra)
     assert {"cfg", "data_dir", "out_dir", "work_dir"} <= set(parameters)
 
 

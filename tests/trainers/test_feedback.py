@@ -35,7 +35,10 @@ def test_feedback_rounds_are_refused_where_pairs_would_change_nothing_or_have_no
     with pytest.raises(ValidationError, match=r"algorithm=grpo optimises rewards.functions alone"):
         load_params(CI_PRESET, ["algorithm=grpo", "rewards.reward_model_weight=0", "feedback.rounds=1", LENGTH])
     with pytest.raises(ValidationError, match=r"it cannot label them itself \(pairs.labeller=reward_model\)"):
-        load_params(CI_PRESET, ["algorithm=ppo", "pairs.labeller=reward_model", "feedback.rounds=1"])
+        load_params(
+            CI_PRESET,
+            ["algorithm=ppo", "rewards.reward_model_weight=1", "pairs.labeller=reward_model", "feedback.rounds=1"],
+        )
     with pytest.raises(ValidationError, match=r"feedback.rounds=2 makes pairs with pairs.labeller=judge, which needs"):
         load_params(CI_PRESET, ["feedback.rounds=2", "pairs.labeller=judge"])
     # An offline algorithm's rounds: pairs are planned even with the first round's switched off.

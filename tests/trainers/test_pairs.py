@@ -95,7 +95,8 @@ def test_a_judge_is_asked_both_orders_and_position_bias_alone_makes_no_pair(tmp_
         made.label(biased, samples, data_dir, tmp_path / "biased")
     fair = biased.model_copy(update={"judge": JudgeConfig(path="tests.trainers.test_pairs:longer")})
     metrics = made.label(fair, samples, data_dir, tmp_path / "fair")
-    assert [(p["chosen"], p["rejected"]) for p in made.read_pairs(tmp_path / "fair")] == [("21", "1"), ("54", "5")]
+    # "12" ties "21" and beats "1": its mean win (0.75 over two games) tops "21"'s (2/3 over three).
+    assert [(p["chosen"], p["rejected"]) for p in made.read_pairs(tmp_path / "fair")] == [("12", "1"), ("54", "5")]
     assert metrics["pairs/judge/first_position_rate"] == pytest.approx(0.5)
     # The bundled held-out pairs have a right answer as chosen, as long as the wrong one: "longer" cannot tell.
     assert 0.0 <= metrics["pairs/labeller_agreement"] <= 1.0 and metrics["pairs/labeller_agreement_pairs"] == 16
@@ -133,10 +134,10 @@ def test_training_on_both_appends_the_given_pairs_and_earlier_rounds_are_kept(tm
 
 def test_made_pairs_pass_the_preference_rules_before_they_are_published(tmp_path, data_dir, monkeypatch):
     samples = write_samples(tmp_path / "samples", ROWS)
-    # A labeller bug that hands a non-string answer through: the preference rules name the row.
+    # A labeller bug that hands a blank answer through: the preference rules name the rule and the row.
     real = made._reply
-    monkeypatch.setattr(made, "_reply", lambda prompt, text: 7 if text == "21" else real(prompt, text))
-    with pytest.raises(DataValidationError, match=r"consistent_types"):
+    monkeypatch.setattr(made, "_reply", lambda prompt, text: "  " if text == "21" else real(prompt, text))
+    with pytest.raises(DataValidationError, match=r"text_not_blank.*row 0"):
         made.label(
             made.PairsConfig(enabled=True, function=EXACT), samples, data_dir, tmp_path / "out", check=preference_rules
         )
