@@ -75,8 +75,8 @@ def labels_form(pending: list[dict]):
         str | None,
         Field(
             None,
-            description='A JSONL file of labels on the worker\'s disk instead: {"pair": <id>, "label": "A" | "B" | '
-            '"tie" | null} per line.',
+            description='A JSONL file of labels on the worker\'s disk instead, one per line: {"pair": 0, "label": "A"} '
+            '(label "A", "B", "tie" or null).',
         ),
     )
     fields["finish"] = (

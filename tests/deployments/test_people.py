@@ -67,7 +67,7 @@ def label_in_the_browser(url: str, prompts: list[str], artifacts: Path, service_
         page.on("response", lambda response: refused.append(response) if response.status >= 400 else None)
         try:
             page.goto(url)
-            page.get_by_role("tab", name="Artifacts").click()
+            page.get_by_text("Artifacts", exact=True).first.click()  # the run page's tab
             expect(page.get_by_text("rlhf-pairs-to-label").first).to_be_visible()
             page.get_by_text("rlhf-pairs-to-label").first.click()  # the artifact's own page: its table
             for prompt in prompts:
@@ -75,7 +75,7 @@ def label_in_the_browser(url: str, prompts: list[str], artifacts: Path, service_
             page.screenshot(path=artifacts / "pairs_artifact.png", full_page=True)
             page.go_back()
             page.get_by_role("button", name="Resume").first.click()
-            dialog = page.get_by_role("dialog")
+            dialog = page.locator(".p-modal").filter(has_text="Resume Flow Run")
             expect(dialog.get_by_text("pairs to label").first).to_be_visible()  # the form's description: the pairs
             for pair, choice in enumerate(CHOICES):
                 select = field(dialog, f"Pair {pair} (Optional)").get_by_role("group").get_by_role("button")
@@ -87,6 +87,7 @@ def label_in_the_browser(url: str, prompts: list[str], artifacts: Path, service_
             expect(dialog).to_be_hidden()
         except Exception as error:
             page.screenshot(path=artifacts / "labels_form_failed.png")
+            (artifacts / "labels_form_failed.html").write_text(page.content())
             for response in refused:
                 error.add_note(f"{response.status} {response.request.method} {response.url}: {body(response)}")
             raise
@@ -104,7 +105,7 @@ def test_people_label_a_suspended_run_in_the_prefect_ui_and_dpo_trains_on_their_
     preset.write_text(yaml.safe_dump(PEOPLE))
 
     with running_service(tmp_path / "service", ["--config", str(preset)]) as service:
-        full = deployment(service, "rlhf/full")
+        full = deployment(service, "rlhf/dpo")
         with service["client"]() as client:
             waiting = client.create_flow_run_from_deployment(full.id)
         suspended = wait_for_state(service, waiting.id, "Suspended")
