@@ -5,12 +5,13 @@ rounds of an offline algorithm."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 
 from rlhf_pipeline.flows.params import load_params
-from tests.flows.helpers import run, task_states
+from tests.flows.helpers import run, task_runs, task_states
 
 pytestmark = pytest.mark.e2e
 
@@ -123,3 +124,73 @@ def test_feedback_rounds_of_dpo_sample_the_last_policy_and_train_on_every_rounds
     trained = json.loads((Path(runs[("dpo", "1", "")].data.tags["rlhf.artifact"]) / "manifest.json").read_text())
     assert trained["upstream"]["sft"]["key"] == runs[("dpo", "0", "")].data.tags["rlhf.key"]
     assert trained["upstream"]["pairs"]["key"] == second.data.tags["rlhf.key"]
+
+
+def test_people_answer_an_rlhf_run_in_two_goes_with_rlhf_label_and_partial_labels_are_kept(prefect, state):
+    """`rlhf run` pauses (no deployment to suspend for); `rlhf label --more` keeps a partial answer and the run asks
+    again for the rest only; the second answer finishes it."""
+    import threading
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
+
+    from rlhf_pipeline.cli import main
+
+    finished: dict = {}
+    people = [*MADE, "pairs.labeller=people", "pairs.people.max_pairs=3", "registry.enabled=false"]
+    thread = threading.Thread(target=lambda: finished.update(state=run(*people)))
+    thread.start()
+
+    def paused(timeout: float = 120):
+        deadline = time.monotonic() + timeout
+        with get_client(sync_client=True) as client:
+            while time.monotonic() < deadline:
+                runs = client.read_flow_runs(
+                    flow_run_filter=FlowRunFilter(
+                        state=FlowRunFilterState(type=FlowRunFilterStateType(any_=["PAUSED"]))
+                    )
+                )
+                if runs:
+                    return runs[0]
+                assert thread.is_alive(), finished
+                time.sleep(0.5)
+        raise AssertionError(f"no run paused within {timeout}s")
+
+    first = paused()
+    assert first.state.name == "Paused"  # not Suspended: an `rlhf run` run has no deployment
+    assert main(["label", str(first.id), "0=A", "--more"]) == 0
+    second = paused()
+    assert second.id == first.id
+    [to_label] = (state / "artifacts" / "pairs" / ".labels").glob("*.to_label.jsonl")
+    assert [json.loads(line)["pair"] for line in to_label.read_text().splitlines()] == [1, 2]  # pair 0 is kept
+    assert main(["label", str(first.id), "1=B", "2=tie"]) == 0
+    thread.join(timeout=300)
+    done = finished["state"]
+    assert done.is_completed(), done.message
+    [store] = (state / "artifacts" / "pairs" / ".labels").glob("*[0-9a-f].json")
+    assert json.loads(store.read_text()) == {"labels": {"0": "A", "1": "B", "2": "tie"}, "finished": True}
+    assert task_states(done)["pairs labelled"] == "Completed"
+
+
+def test_the_reward_model_labels_sfts_answers_after_training_on_the_given_pairs_and_dpo_learns_them(prefect, state):
+    done = run(
+        *[o for o in MADE if not o.startswith(("data.preference", "pairs.function"))],
+        "pairs.labeller=reward_model",
+        "eval.use_reward_model=false",
+        "registry.enabled=false",
+    )
+    assert done.is_completed(), done.message
+    started = sorted(task_runs(done.state_details.flow_run_id), key=lambda t: t.start_time)
+    assert [t.name for t in started] == ["data", "sft", "rm", "pairs", "dpo", "eval"]
+    runs = {(r.info.run_name, r.data.tags.get("rlhf.part", "")): r for r in children(done.result())}
+    labelled, rm = runs[("pairs", "labels")], runs[("rm", "")]
+    manifest = json.loads((Path(labelled.data.tags["rlhf.artifact"]) / "manifest.json").read_text())
+    assert manifest["upstream"]["rm"]["key"] == rm.data.tags["rlhf.key"]  # labelled by the trained reward model
+    rm_manifest = json.loads((Path(rm.data.tags["rlhf.artifact"]) / "manifest.json").read_text())
+    assert "pairs" not in rm_manifest["upstream"]  # which trained on the given pairs, not on its own labels
+    # Scores of an untrained head are all different: every prompt with two distinct answers makes a pair, and the
+    # reward model is scored against the held-out preferences.
+    assert labelled.data.metrics["pairs/made"] > 0 and labelled.data.tags["rlhf.labeller"] == "reward_model"
+    assert 0.0 <= labelled.data.metrics["pairs/labeller_agreement"] <= 1.0
+    dpo = json.loads((Path(runs[("dpo", "")].data.tags["rlhf.artifact"]) / "manifest.json").read_text())
+    assert dpo["upstream"]["pairs"]["key"] == labelled.data.tags["rlhf.key"]

@@ -169,3 +169,14 @@ def test_sampling_draws_n_answers_per_prompt_with_the_prompts_columns(tmp_path, 
     assert len({answer for row in rows for answer in row["completions"]}) > 1
     again = made.sample(cfg, untrained_sft, data, tmp_path / "again")  # seeded: the same draws
     assert made.read_samples(tmp_path / "again") == rows and again["pairs/samples/answers"] == 15
+
+
+def test_an_lm_judge_labels_and_its_position_bias_is_measured(tmp_path, data_dir, untrained_sft):
+    samples = write_samples(tmp_path / "samples", [ROWS[0], ROWS[2]])
+    cfg = made.PairsConfig(enabled=True, labeller="judge", judge=JudgeConfig(path=str(untrained_sft), batch_size=4))
+    assert cfg.uses_device  # an LM judge is loaded on the device, so labelling holds the slot
+    metrics = made.label(cfg, samples, data_dir, tmp_path / "out")
+    # An untrained LM's verdicts differ between the two orders: both are measured, and pairs come from their mean.
+    assert 0.0 < metrics["pairs/judge/first_position_rate"] < 1.0
+    assert metrics["pairs/made"] == len(made.read_pairs(tmp_path / "out")) >= 1
+    assert metrics["pairs/labeller_agreement_pairs"] == 16
