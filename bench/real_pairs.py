@@ -28,24 +28,17 @@ STAGES = ("data", "sft", "pairs", "dpo", "eval")
 
 
 def settings(args) -> list[str]:
+    """The smollm2 preset's pairs and dpo blocks (what README's command uses), with the bench's sizes."""
     return [
         "algorithm=dpo",
         "pairs.enabled=true",
-        "pairs.labeller=function",
-        "pairs.function=rlhf_pipeline.trainers.ifeval:constraints_followed",
         f"pairs.max_prompts={args.prompts}",
         f"pairs.samples_per_prompt={args.samples}",
-        "pairs.max_new_tokens=96",
-        "pairs.batch_size=8",  # 32 answers per generate call, eval's batch
         f"dpo.max_steps={args.steps}",
         f"dpo.learning_rate={args.learning_rate}",
         f"dpo.beta={args.beta}",
         f"dpo.per_device_train_batch_size={args.batch}",
-        "dpo.lr_scheduler_type=constant",
-        "dpo.max_length=512",
-        "dpo.logging_steps=1",
         f"dpo.save_steps={max(1, args.steps // 3)}",
-        "dpo.trl_overrides={precompute_ref_log_probs: true}",  # one pass of the reference, not one per step
         f"eval.max_prompts={args.eval_prompts}",
         "eval.instruction_following.ifbench_prompts=0",
         "eval.batch_size=32",
