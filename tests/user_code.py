@@ -118,6 +118,34 @@ class RecordBatches(TrainerCallback):
         self.out.write_text(json.dumps(self.batches))
 
 
+class RecordCheckpointing(TrainerCallback):
+    """Writes to `out` whether the model being trained recomputes its activations (gradient checkpointing), and how
+    often each decoder layer's MLP ran its forward in the first step (2 when the backward pass recomputed it)."""
+
+    def __init__(self, out: str):
+        self.out, self.calls = Path(out), []
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        layers = [layer.mlp for layer in model.model.layers]  # inside the checkpointed call: recomputed too
+        self.calls = [0] * len(layers)
+
+        def count(i):
+            def hook(module, positional, keyword):
+                if module.training:
+                    self.calls[i] += 1
+
+            return hook
+
+        self.hooks = [layer.register_forward_pre_hook(count(i), with_kwargs=True) for i, layer in enumerate(layers)]
+        self.on = bool(model.is_gradient_checkpointing)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            for hook in self.hooks:
+                hook.remove()
+            self.out.write_text(json.dumps({"on": self.on, "forwards_per_layer": self.calls}))
+
+
 class MlflowOutage(TrainerCallback):
     """Stops the tracking server (`tests.mlflow_server`, pid in `pid_file`) once step `stop_at` is done and starts it
     again, on the same store and port, once step `start_at` is: an outage in the middle of training."""

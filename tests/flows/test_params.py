@@ -71,6 +71,10 @@ def test_parameter_schema_is_typed_and_documented():
         ("sft.trl_overrides={output_dir: /tmp/x}", "'output_dir' is managed by the pipeline"),
         ("dpo.trl_overrides={betta: 0.5}", "'betta' \\(did you mean 'beta'\\?\\), which trl.DPOConfig does not have"),
         ("rm.trl_overrides={nope: 1}", "'nope', which trl.RewardConfig does not have"),
+        (
+            "sft.trl_overrides={activation_checkpointing: true}",
+            "'activation_checkpointing': set this block's field `gradient_checkpointing` instead",
+        ),
     ],
 )
 def test_trl_overrides_that_shadow_a_field_or_that_trl_lacks_fail_with_the_parameters(override, message, capsys):

@@ -162,3 +162,32 @@ def test_padding_free_batches_train_the_same_losses_as_padded_ones(tmp_path):
     )  # one row, no padding
     assert sum(b["shape"][1] for b in batches[True]) < sum(b["shape"][0] * b["shape"][1] for b in batches[False])
     assert len(losses[True]) == 3 and losses[True] == pytest.approx(losses[False], abs=1e-4), losses
+
+
+def test_gradient_checkpointing_recomputes_activations_and_trains_the_same_losses(tmp_path):
+    """Issue 28: sft with gradient checkpointing (non-reentrant) logs the loss curve of sft without it, within 1e-5,
+    step by step; with it on, each decoder layer runs its forward twice a step (the backward pass recomputes it)."""
+    from rlhf_pipeline.trainers.config import CallbackSpec
+
+    data = write_data_dir(tmp_path / "data")
+    losses, seen = {}, {}
+    for checkpointing in (False, True):
+        logged: list[float] = []
+        record = CallbackSpec(
+            path="tests.user_code:RecordCheckpointing", kwargs={"out": str(tmp_path / f"{checkpointing}.json")}
+        )
+        config = sft.SftConfig(max_steps=4, gradient_checkpointing=checkpointing, callbacks=[record], **FAST)
+        sft.train(
+            config,
+            SMALL_MODEL,
+            data,
+            tmp_path / f"out-{checkpointing}",
+            tmp_path / f"work-{checkpointing}",
+            lambda values, step: logged.extend([values["sft/train/loss"]] if "sft/train/loss" in values else []),
+        )
+        losses[checkpointing] = logged
+        seen[checkpointing] = json.loads((tmp_path / f"{checkpointing}.json").read_text())
+    layers = SMALL_MODEL.tiny.num_hidden_layers
+    assert seen[False] == {"on": False, "forwards_per_layer": [1] * layers}
+    assert seen[True] == {"on": True, "forwards_per_layer": [2] * layers}
+    assert len(losses[True]) == 4 and losses[True] == pytest.approx(losses[False], abs=1e-5), losses
