@@ -131,31 +131,34 @@ def test_an_optimizer_and_schedule_by_transformers_name_train_and_are_checkpoint
     assert rates[0] > rates[-1] >= 0.25 - 1e-9
 
 
+def losses_and_record(config, data, tmp_path, name: str, recorder: str) -> tuple[list[float], object]:
+    """Train `config` with the callback `tests.user_code:<recorder>` writing into `<name>.json`; the logged
+    training losses, step by step, and what the callback wrote."""
+    from rlhf_pipeline.trainers.config import CallbackSpec
+
+    logged: list[float] = []
+    record = CallbackSpec(path=f"tests.user_code:{recorder}", kwargs={"out": str(tmp_path / f"{name}.json")})
+    sft.train(
+        config.model_copy(update={"callbacks": [record]}),
+        SMALL_MODEL,
+        data,
+        tmp_path / f"out-{name}",
+        tmp_path / f"work-{name}",
+        lambda values, step: logged.extend([values["sft/train/loss"]] if "sft/train/loss" in values else []),
+    )
+    return logged, json.loads((tmp_path / f"{name}.json").read_text())
+
+
 def test_padding_free_batches_train_the_same_losses_as_padded_ones(tmp_path):
     """padding_free concatenates each batch's rows (no pad tokens; transformers masks the rows apart by their
     position_ids): the same rows, steps and seed log the same losses as padded batches, step by step."""
-    from rlhf_pipeline.trainers.config import CallbackSpec
-
     data = write_data_dir(tmp_path / "data")
     losses, batches = {}, {}
     for padding_free in (False, True):
-        logged: list[float] = []
-        record = CallbackSpec(
-            path="tests.user_code:RecordBatches", kwargs={"out": str(tmp_path / f"batches-{padding_free}.json")}
+        config = sft.SftConfig(max_steps=3, padding_free=padding_free, **{**FAST, "per_device_train_batch_size": 4})
+        losses[padding_free], batches[padding_free] = losses_and_record(
+            config, data, tmp_path, f"batches-{padding_free}", "RecordBatches"
         )
-        config = sft.SftConfig(
-            max_steps=3, padding_free=padding_free, callbacks=[record], **{**FAST, "per_device_train_batch_size": 4}
-        )
-        sft.train(
-            config,
-            SMALL_MODEL,
-            data,
-            tmp_path / f"out-{padding_free}",
-            tmp_path / f"work-{padding_free}",
-            lambda values, step: logged.extend([values["sft/train/loss"]] if "sft/train/loss" in values else []),
-        )
-        losses[padding_free] = logged
-        batches[padding_free] = json.loads((tmp_path / f"batches-{padding_free}.json").read_text())
     assert [b["shape"][0] for b in batches[False]] == [4, 4, 4] and all(b["mask"] for b in batches[False])
     assert [b["shape"][0] for b in batches[True]] == [1, 1, 1] and not any(
         b["mask"] for b in batches[True]
@@ -167,26 +170,13 @@ def test_padding_free_batches_train_the_same_losses_as_padded_ones(tmp_path):
 def test_gradient_checkpointing_recomputes_activations_and_trains_the_same_losses(tmp_path):
     """Issue 28: sft with gradient checkpointing (non-reentrant) logs the loss curve of sft without it, within 1e-5,
     step by step; with it on, each decoder layer runs its forward twice a step (the backward pass recomputes it)."""
-    from rlhf_pipeline.trainers.config import CallbackSpec
-
     data = write_data_dir(tmp_path / "data")
     losses, seen = {}, {}
     for checkpointing in (False, True):
-        logged: list[float] = []
-        record = CallbackSpec(
-            path="tests.user_code:RecordCheckpointing", kwargs={"out": str(tmp_path / f"{checkpointing}.json")}
+        config = sft.SftConfig(max_steps=4, gradient_checkpointing=checkpointing, **FAST)
+        losses[checkpointing], seen[checkpointing] = losses_and_record(
+            config, data, tmp_path, f"checkpointing-{checkpointing}", "RecordCheckpointing"
         )
-        config = sft.SftConfig(max_steps=4, gradient_checkpointing=checkpointing, callbacks=[record], **FAST)
-        sft.train(
-            config,
-            SMALL_MODEL,
-            data,
-            tmp_path / f"out-{checkpointing}",
-            tmp_path / f"work-{checkpointing}",
-            lambda values, step: logged.extend([values["sft/train/loss"]] if "sft/train/loss" in values else []),
-        )
-        losses[checkpointing] = logged
-        seen[checkpointing] = json.loads((tmp_path / f"{checkpointing}.json").read_text())
     layers = SMALL_MODEL.tiny.num_hidden_layers
     assert seen[False] == {"on": False, "forwards_per_layer": [1] * layers}
     assert seen[True] == {"on": True, "forwards_per_layer": [2] * layers}
