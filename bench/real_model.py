@@ -102,6 +102,21 @@ def report(found: dict, wall: float) -> bool:
     return all(checks.values())
 
 
+def run_smollm2(overrides: list[str], state: Path) -> float:
+    """One `rlhf run --config smollm2 --set ...` in `state` (its Prefect home beside it, its log in run.log there);
+    the wall seconds, from start to exit."""
+    command = ["python", "-m", "rlhf_pipeline", "run", "--config", "smollm2"]
+    for item in overrides:
+        command += ["--set", item]
+    env = clean_env(RLHF_STATE_DIR=str(state), PREFECT_HOME=str(state.parent / "prefect"))
+    log = state.parent / "run.log"
+    state.parent.mkdir(parents=True, exist_ok=True)
+    print(f"{' '.join(command)}\nstate: {state}; log: {log}", flush=True)
+    started = time.perf_counter()
+    timed(command, env, log)
+    return time.perf_counter() - started
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30, help="GRPO steps (4 prompts x 4 samples each)")
@@ -111,16 +126,7 @@ def main() -> None:
     parser.add_argument("--state", type=Path, default=None, help="state folder (default: a fresh temporary one)")
     args = parser.parse_args()
     state = args.state or Path(tempfile.mkdtemp(prefix="bench-real-model-")) / "state"
-    command = ["python", "-m", "rlhf_pipeline", "run", "--config", "smollm2"]
-    for item in settings(args):
-        command += ["--set", item]
-    env = clean_env(RLHF_STATE_DIR=str(state), PREFECT_HOME=str(state.parent / "prefect"))
-    log = state.parent / "run.log"
-    state.parent.mkdir(parents=True, exist_ok=True)
-    print(f"{' '.join(command)}\nstate: {state}; log: {log}", flush=True)
-    started = time.perf_counter()
-    timed(command, env, log)
-    wall = time.perf_counter() - started
+    wall = run_smollm2(settings(args), state)
     raise SystemExit(0 if report(figures(state), wall) else 1)
 
 

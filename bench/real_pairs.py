@@ -17,11 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import time
 from pathlib import Path
 
-from bench.real_model import newest_manifest
-from bench.runs import clean_env, timed
+from bench.real_model import newest_manifest, run_smollm2
 
 GAIN, BUDGET = 0.05, 3600.0
 STAGES = ("data", "sft", "pairs", "dpo", "eval")
@@ -95,16 +93,7 @@ def main() -> None:
     parser.add_argument("--state", type=Path, default=None, help="state folder (default: a fresh temporary one)")
     args = parser.parse_args()
     state = args.state or Path(tempfile.mkdtemp(prefix="bench-real-pairs-")) / "state"
-    command = ["python", "-m", "rlhf_pipeline", "run", "--config", "smollm2"]
-    for item in settings(args):
-        command += ["--set", item]
-    env = clean_env(RLHF_STATE_DIR=str(state), PREFECT_HOME=str(state.parent / "prefect"))
-    log = state.parent / "run.log"
-    state.parent.mkdir(parents=True, exist_ok=True)
-    print(f"{' '.join(command)}\nstate: {state}; log: {log}", flush=True)
-    started = time.perf_counter()
-    timed(command, env, log)
-    wall = time.perf_counter() - started
+    wall = run_smollm2(settings(args), state)
     raise SystemExit(0 if report(figures(state), wall) else 1)
 
 
