@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.artifacts import ArtifactRef, StageOutcome
+from rlhf_pipeline.tasks.progress_artifact import stage_progress
 from rlhf_pipeline.tasks.secrets import redact_text
 from rlhf_pipeline.trainers.failures import permanent_reason
 from rlhf_pipeline.trainers.rank import PERMANENT
@@ -138,8 +139,16 @@ def device_hold(
     stage: str, device: bool, log: Callable[[str], None] = print, wait_seconds: float | None = None
 ) -> Callable[[], ContextManager[None]]:
     """What `tasks.store.run_stage` holds while the stage builds: a device slot where the table says it uses the
-    device, waited for at most `wait_seconds`."""
-    return (lambda: device_slot(stage, log, wait_seconds)) if device else contextlib.nullcontext
+    device, waited for at most `wait_seconds`, and the stage's progress artifact (`tasks.progress_artifact`: in a task
+    run, `rlhf-<stage>-progress` advances with the trainer's progress records, rank 0's included)."""
+
+    @contextmanager
+    def hold() -> Iterator[None]:
+        slot = device_slot(stage, log, wait_seconds) if device else contextlib.nullcontext()
+        with stage_progress(stage, log), slot:
+            yield
+
+    return hold
 
 
 DEFAULT_TIMEOUT = 24 * 3600.0
