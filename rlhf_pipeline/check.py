@@ -38,6 +38,7 @@ def check(preset: str, overrides: list[str], report_dir: Path | None = None) -> 
     )
     problems: list[str] = []
 
+    _check_attention(params, problems)
     tokenizer = _tokenizer(params, problems)
     counted = _check_data(params, tokenizer, report_dir, problems)
     if counted:
@@ -57,6 +58,38 @@ def check(preset: str, overrides: list[str], report_dir: Path | None = None) -> 
         "checked"
     )
     return 0
+
+
+# --- device ---------------------------------------------------------------------------------
+
+
+def _check_attention(params, problems: list[str]) -> None:
+    """Each stage's `attn_implementation` against this machine's device (the stage checks it again where it starts):
+    FlashAttention without a CUDA GPU of the capability it needs or with float32 inputs, flex attention trained on a
+    CPU."""
+    import torch
+
+    from rlhf_pipeline.trainers.attention import device_problem
+
+    cuda = torch.cuda.is_available()
+    for stage in params.plan():
+        cfg = params.config(stage)
+        name = getattr(cfg, "attn_implementation", None)
+        if name is None:
+            continue
+        bf16 = getattr(cfg, "bf16", None)
+        mixed = bool(
+            getattr(cfg, "fp16", False) or (bf16 if bf16 is not None else cuda and torch.cuda.is_bf16_supported())
+        )
+        problem = device_problem(
+            name,
+            training=stage != "eval",
+            field=f"{stage}.attn_implementation",
+            half_precision=params.model.dtype != "float32" or mixed,
+        )
+        print(f"attention: {stage} {name}" + (f": {problem}" if problem else ""))
+        if problem:
+            problems.append(f"{stage}.attn_implementation={name!r} cannot run on this device")
 
 
 # --- tokenizer and data -------------------------------------------------------------------

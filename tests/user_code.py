@@ -146,6 +146,52 @@ class RecordCheckpointing(TrainerCallback):
             self.out.write_text(json.dumps({"on": self.on, "forwards_per_layer": self.calls}))
 
 
+class RecordAttention(TrainerCallback):
+    """Writes to `out` the attention implementation of the model being trained (its config's) and the one each
+    attention layer dispatched on in the first step (transformers' layers look it up in `ALL_ATTENTION_FUNCTIONS`
+    on every forward: the lookups are counted by name, the function returned is the library's own)."""
+
+    def __init__(self, out: str):
+        self.out, self.dispatched = Path(out), {}
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        self.config = model.config._attn_implementation
+        self.interface, lookup = ALL_ATTENTION_FUNCTIONS, ALL_ATTENTION_FUNCTIONS.get_interface
+
+        def counted(name, default):
+            self.dispatched[name] = self.dispatched.get(name, 0) + 1
+            return lookup(name, default)
+
+        self.interface.get_interface = counted  # on this instance only; removed after the first step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            del self.interface.get_interface
+            self.out.write_text(json.dumps({"config": self.config, "dispatched": self.dispatched}))
+
+
+class RecordLabels(TrainerCallback):
+    """Writes to `out` the input ids and labels of the first training batch the model was called with (what the loss
+    trains: labels other than -100)."""
+
+    def __init__(self, out: str):
+        self.out, self.batch = Path(out), None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        def record(module, positional, keyword):
+            if module.training and self.batch is None:
+                self.batch = {"input_ids": keyword["input_ids"].tolist(), "labels": keyword["labels"].tolist()}
+
+        self.hook = model.register_forward_pre_hook(record, with_kwargs=True)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            self.hook.remove()
+            self.out.write_text(json.dumps(self.batch))
+
+
 class MlflowOutage(TrainerCallback):
     """Stops the tracking server (`tests.mlflow_server`, pid in `pid_file`) once step `stop_at` is done and starts it
     again, on the same store and port, once step `start_at` is: an outage in the middle of training."""

@@ -33,12 +33,17 @@ def load_base_tokenizer(model: ModelConfig) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def load_base_model(model: ModelConfig, bnb_config=None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_base_model(
+    model: ModelConfig, bnb_config=None, attn_implementation: str | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The base weights in `model.dtype` (float32 by default: a bf16 checkpoint is upcast, so AdamW updates a
     full-precision master copy), embeddings grown to the tokenizer when the chat template added tokens.
-    With `bnb_config` (QLoRA), in 4 bits on this rank's GPU, prepared for adapter training (peft)."""
+    With `bnb_config` (QLoRA), in 4 bits on this rank's GPU, prepared for adapter training (peft).
+    `attn_implementation`: the loading stage's (None: transformers' choice)."""
     import torch
     from transformers import AutoModelForCausalLM
+
+    from rlhf_pipeline.trainers.attention import loading
 
     if bnb_config is not None:
         if model.name_or_path == TINY:
@@ -57,6 +62,7 @@ def load_base_model(model: ModelConfig, bnb_config=None) -> tuple[PreTrainedMode
             trust_remote_code=model.trust_remote_code,
             use_safetensors=True,
             **quantized_loading(bnb_config),
+            **loading(attn_implementation),
         )
         _grow_embeddings(policy, tokenizer)  # embeddings and lm_head stay unquantized under bitsandbytes
         return peft.prepare_model_for_kbit_training(policy, use_gradient_checkpointing=False), tokenizer
@@ -66,6 +72,8 @@ def load_base_model(model: ModelConfig, bnb_config=None) -> tuple[PreTrainedMode
         from rlhf_pipeline.trainers.tiny import build_model
 
         policy = build_model(model.tiny, tokenizer, seed=model.seed).to(dtype)
+        if attn_implementation is not None:  # built from a config, not loaded: transformers checks it here
+            policy.set_attn_implementation(attn_implementation)
     else:
         policy = AutoModelForCausalLM.from_pretrained(
             local_folder(model.name_or_path),
@@ -73,6 +81,7 @@ def load_base_model(model: ModelConfig, bnb_config=None) -> tuple[PreTrainedMode
             trust_remote_code=model.trust_remote_code,
             dtype=dtype,
             use_safetensors=True,
+            **loading(attn_implementation),
         )
     _grow_embeddings(policy, tokenizer)
     return policy, tokenizer

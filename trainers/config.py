@@ -55,6 +55,28 @@ class StageConfig(Block):
         return None
 
 
+class AttentionField(StageConfig):
+    """A stage that loads models: which attention they compute with."""
+
+    attn_implementation: str | None = Field(
+        None,
+        description=(
+            "Attention of the models this stage loads (transformers' attn_implementation): 'eager', 'sdpa', "
+            "'flex_attention' (trains on CUDA only), 'flash_attention_2'/'_3'/'_4' (CUDA GPU, the flash-attn package; "
+            "computes in bf16/fp16, so keep bf16 on or model.dtype=bfloat16) or a Hub kernel 'org/repo' (the kernels "
+            "package). None: transformers' choice (sdpa where the architecture has it). What is not installed is "
+            "refused with the parameters; what this machine's device cannot run, before any weights load."
+        ),
+    )
+
+    @field_validator("attn_implementation")
+    @classmethod
+    def _attention_installed(cls, name: str | None) -> str | None:
+        from rlhf_pipeline.trainers.attention import check_installed
+
+        return check_installed(name)
+
+
 class TinyModelConfig(StrictModel):
     """The embedded default: a small Llama built from a config, no download."""
 
@@ -438,7 +460,7 @@ def trl_config_fields(name: str) -> set[str]:
         return {field.name for field in dataclasses.fields(getattr(importlib.import_module(module), cls))}
 
 
-class TrainingFields(StageConfig):
+class TrainingFields(AttentionField):
     """Fields shared by the TRL-backed stages; names follow transformers' TrainingArguments."""
 
     learning_rate: float = Field(2e-5, gt=0, description="Peak learning rate (AdamW).")
@@ -563,8 +585,11 @@ class TrainingFields(StageConfig):
         """Keyword arguments shared by every TRL config (SFTConfig, RewardConfig, DPOConfig...)."""
         import torch
 
+        from rlhf_pipeline.trainers.attention import check_device
+
         cuda = torch.cuda.is_available()
         bf16 = device_precision(self.bf16, self.fp16, self.tf32)
+        check_device(self.attn_implementation)  # the models load after this, with `attention.loading`
         return {
             "output_dir": str(work_dir),
             "learning_rate": self.learning_rate,

@@ -106,9 +106,9 @@ def train(
     ref_model = None
     if cfg.ref_model_quantization != "none":
         ref_model = quantized_reference(
-            sft_model, cfg.ref_model_quantization
+            sft_model, cfg.ref_model_quantization, cfg.attn_implementation
         )  # checks the device before loading anything
-    policy, tokenizer, peft_config = upstream_policy(sft_model, cfg.lora)
+    policy, tokenizer, peft_config = upstream_policy(sft_model, cfg.lora, attn_implementation=cfg.attn_implementation)
     trainer = trl.DPOTrainer(
         model=policy,
         ref_model=ref_model,
@@ -123,7 +123,7 @@ def train(
     return train_and_save("dpo", trainer, tokenizer, cfg, work_dir, out_dir)
 
 
-def quantized_reference(sft_model: Path, bits: str):
+def quantized_reference(sft_model: Path, bits: str, attn_implementation: str | None = None):
     """The SFT model in 8 or 4 bits (bitsandbytes) on the GPU, frozen: DPO's reference (TRL's "training customization"
     guide)."""
     import torch
@@ -134,12 +134,17 @@ def quantized_reference(sft_model: Path, bits: str):
         )
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
+    from rlhf_pipeline.trainers.attention import loading
+
     quantization = (
         BitsAndBytesConfig(load_in_8bit=True)
         if bits == "8bit"
         else BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16)
     )
     model = AutoModelForCausalLM.from_pretrained(
-        str(sft_model), quantization_config=quantization, device_map={"": torch.cuda.current_device()}
+        str(sft_model),
+        quantization_config=quantization,
+        device_map={"": torch.cuda.current_device()},
+        **loading(attn_implementation),
     )
     return model.eval().requires_grad_(False)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from rlhf_pipeline.trainers.config import ModelConfig, StageConfig
+from rlhf_pipeline.trainers.config import AttentionField, ModelConfig
 from rlhf_pipeline.trainers.ifeval_eval import InstructionFollowing
 from rlhf_pipeline.trainers.judges import JudgeConfig
 from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, as_completions
@@ -30,7 +30,7 @@ MODELS = ("base", "sft", "policy", "champion")
 HELDOUT = "eval/heldout/"
 
 
-class EvalConfig(StageConfig):
+class EvalConfig(AttentionField):
     max_new_tokens: int = Field(64, ge=1, description="Longest generated answer.")
     batch_size: int = Field(64, ge=1, description="Prompts per generation batch.")
     max_prompts: int | None = Field(None, ge=1, description="Evaluate only the first N held-out prompts; None: all.")
@@ -168,6 +168,7 @@ def evaluate(
     """
 
     from rlhf_pipeline.trainers import metrics as stats
+    from rlhf_pipeline.trainers.attention import check_device
     from rlhf_pipeline.trainers.base_model import load_base_model
     from rlhf_pipeline.trainers.loop import load_split
     from rlhf_pipeline.trainers.models import load_causal_lm, load_sequence_classifier, load_tokenizer
@@ -194,14 +195,17 @@ def evaluate(
         )
     boot = {"n_bootstrap": cfg.n_bootstrap, "seed": cfg.seed}
     metrics: dict[str, float] = {f"{HELDOUT}num_prompts": float(len(prompts))}
+    attention = cfg.attn_implementation
+    check_device(attention, training=False)  # before the first model loads
 
     loaders = {
-        **({"base": lambda: load_base_model(base)} if sft_trained else {}),  # else the "sft" row is the base model
-        "sft": lambda: load_causal_lm(sft_model),
-        "policy": lambda: load_causal_lm(policy_model),
+        # else the "sft" row is the base model
+        **({"base": lambda: load_base_model(base, attn_implementation=attention)} if sft_trained else {}),
+        "sft": lambda: load_causal_lm(sft_model, attn_implementation=attention),
+        "policy": lambda: load_causal_lm(policy_model, attn_implementation=attention),
     }
     if champion_model is not None:
-        loaders["champion"] = lambda: load_causal_lm(champion_model)
+        loaders["champion"] = lambda: load_causal_lm(champion_model, attn_implementation=attention)
     completions: dict[str, list[str]] = {}
     for name, load in loaders.items():  # one model in memory at a time
         model, tokenizer = load()
@@ -255,8 +259,8 @@ def evaluate(
     # KL(policy || SFT) and diversity, on samples drawn from the policy (the k1 estimate needs them).
     import torch
 
-    policy, tokenizer = load_causal_lm(policy_model)
-    reference, _ = load_causal_lm(sft_model)
+    policy, tokenizer = load_causal_lm(policy_model, attn_implementation=attention)
+    reference, _ = load_causal_lm(sft_model, attn_implementation=attention)
     torch.manual_seed(cfg.seed)
     samples = generate(policy, tokenizer, prompts, cfg.max_new_tokens, cfg.batch_size, sample=True)
     policy_logps = stats.sequence_logprobs(policy, tokenizer, prompts, samples, cfg.batch_size)
@@ -284,7 +288,7 @@ def evaluate(
     member_rewards: dict[str, list[list[float]]] = {}
     win_rates: dict[str, stats.WinRate] = {}
     if reward_model is not None:
-        rm = load_sequence_classifier(reward_model)
+        rm = load_sequence_classifier(reward_model, attn_implementation=attention)
         rm_tokenizer = load_tokenizer(reward_model)
         for name in [n for n in completions if n != "base"]:
             rewards[name] = reward_scores(rm, rm_tokenizer, prompts, completions[name], cfg.batch_size)

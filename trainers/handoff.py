@@ -11,10 +11,14 @@ from rlhf_pipeline.trainers.config import LoraConfig
 from rlhf_pipeline.trainers.models import has_adapter, load_adapter_model, load_causal_lm, load_tokenizer
 
 
-def upstream_policy(sft_model: Path, lora: LoraConfig, task_type: str = "CAUSAL_LM"):
+def upstream_policy(
+    sft_model: Path, lora: LoraConfig, task_type: str = "CAUSAL_LM", attn_implementation: str | None = None
+):
     """The policy a stage starts from, and the peft config to hand its TRL trainer: an upstream adapter merged (then
     this stage's own LoRA, if any) or stacked (trained on; TRL keeps a frozen 'ref' copy as the reference, and takes no
-    new peft config)."""
+    new peft config). `attn_implementation`: the stage's (TRL loads a reference with the policy's)."""
+    from rlhf_pipeline.trainers.attention import loading
+
     if has_adapter(sft_model) and lora.handoff is None:
         raise ValueError(
             f"{sft_model} holds sft's LoRA adapter (sft.lora.keep_adapter): choose lora.handoff=merge or stack for "
@@ -24,7 +28,13 @@ def upstream_policy(sft_model: Path, lora: LoraConfig, task_type: str = "CAUSAL_
     if stacked and lora.quantization != "none":  # QLoRA: the stacked adapter on a 4-bit base
         from transformers import AutoModelForCausalLM
 
-        quantized = load_adapter_model(sft_model, AutoModelForCausalLM, "stack", **quantized_loading(lora.bnb_config()))
+        quantized = load_adapter_model(
+            sft_model,
+            AutoModelForCausalLM,
+            "stack",
+            **quantized_loading(lora.bnb_config()),
+            **loading(attn_implementation),
+        )
         return quantized, load_tokenizer(sft_model), None
     if lora.quantization != "none" and not has_adapter(
         sft_model
@@ -33,14 +43,17 @@ def upstream_policy(sft_model: Path, lora: LoraConfig, task_type: str = "CAUSAL_
         from transformers import AutoModelForCausalLM
 
         quantized = AutoModelForCausalLM.from_pretrained(
-            str(sft_model), use_safetensors=True, **quantized_loading(lora.bnb_config())
+            str(sft_model),
+            use_safetensors=True,
+            **quantized_loading(lora.bnb_config()),
+            **loading(attn_implementation),
         )
         return (
             peft.prepare_model_for_kbit_training(quantized, use_gradient_checkpointing=False),
             load_tokenizer(sft_model),
             lora.peft_config(task_type),
         )
-    policy, tokenizer = load_causal_lm(sft_model, lora.handoff or "merge")
+    policy, tokenizer = load_causal_lm(sft_model, lora.handoff or "merge", attn_implementation)
     return policy, tokenizer, None if stacked else lora.peft_config(task_type)
 
 

@@ -94,7 +94,7 @@ def train(
         undesirable_weight=cfg.undesirable_weight,
         loss_type=cfg.loss_type,
     )
-    policy, tokenizer, peft_config = upstream_policy(sft_model, cfg.lora)
+    policy, tokenizer, peft_config = upstream_policy(sft_model, cfg.lora, attn_implementation=cfg.attn_implementation)
     trainer = trl.KTOTrainer(
         model=policy,
         args=args,

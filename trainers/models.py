@@ -92,24 +92,38 @@ def has_adapter(folder: str | Path) -> bool:
     return (Path(folder) / ADAPTER_CONFIG).is_file()
 
 
-def load_causal_lm(path: str | Path, handoff: str | None = "merge") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_causal_lm(
+    path: str | Path, handoff: str | None = "merge", attn_implementation: str | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A model written by an earlier stage (`<artifact>/model`). An adapter folder is loaded onto its base and merged
-    (`handoff="merge"`, what evaluation and references read), or kept as a trainable peft adapter (`"stack"`)."""
+    (`handoff="merge"`, what evaluation and references read), or kept as a trainable peft adapter (`"stack"`).
+    `attn_implementation`: the loading stage's (None: transformers' choice; a saved model does not keep it)."""
     from transformers import AutoModelForCausalLM
 
+    from rlhf_pipeline.trainers.attention import loading
+
     if has_adapter(path):
-        return load_adapter_model(path, AutoModelForCausalLM, handoff), load_tokenizer(path)
-    return AutoModelForCausalLM.from_pretrained(str(path), use_safetensors=True), load_tokenizer(path)
+        return load_adapter_model(path, AutoModelForCausalLM, handoff, **loading(attn_implementation)), load_tokenizer(
+            path
+        )
+    model = AutoModelForCausalLM.from_pretrained(str(path), use_safetensors=True, **loading(attn_implementation))
+    return model, load_tokenizer(path)
 
 
-def load_sequence_classifier(path: str | Path, num_labels: int = 1):
+def load_sequence_classifier(path: str | Path, num_labels: int = 1, attn_implementation: str | None = None):
     """A reward or value model from an earlier stage's folder: a whole model, or an adapter merged onto its base (a
     reward model's adapter carries its score head; a causal LM's adapter gets a fresh one)."""
     from transformers import AutoModelForSequenceClassification
 
+    from rlhf_pipeline.trainers.attention import loading
+
     if has_adapter(path):
-        return load_adapter_model(path, AutoModelForSequenceClassification, "merge", num_labels=num_labels)
-    return AutoModelForSequenceClassification.from_pretrained(str(path), num_labels=num_labels, use_safetensors=True)
+        return load_adapter_model(
+            path, AutoModelForSequenceClassification, "merge", num_labels=num_labels, **loading(attn_implementation)
+        )
+    return AutoModelForSequenceClassification.from_pretrained(
+        str(path), num_labels=num_labels, use_safetensors=True, **loading(attn_implementation)
+    )
 
 
 def load_adapter_model(folder: str | Path, auto_class, handoff: str | None, **kwargs):

@@ -119,7 +119,7 @@ def train(
         **cfg.trl_kwargs(),
         **cfg.vllm_kwargs(),
     )
-    policy, tokenizer, peft_config = upstream_policy(sft_model, cfg.lora)
+    policy, tokenizer, peft_config = upstream_policy(sft_model, cfg.lora, attn_implementation=cfg.attn_implementation)
     # TRL sets temperature, top_k, top_p and repetition_penalty from the config but leaves the rest (min_p,
     # typical_p, no_repeat_ngram_size...) to the checkpoint's generation_config: rollouts get a blank one,
     # which also names the stop tokens TRL reads (EOS and the template's end of turn); the saved policy keeps its own.

@@ -60,7 +60,7 @@ def train(
         beta=cfg.beta,
         **cfg.eval_arguments(),
     )
-    policy, tokenizer, peft_config = upstream_policy(sft_model, cfg.lora)
+    policy, tokenizer, peft_config = upstream_policy(sft_model, cfg.lora, attn_implementation=cfg.attn_implementation)
     trainer = orpo.ORPOTrainer(
         model=policy,
         args=args,

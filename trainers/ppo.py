@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, model_validator
 
-from rlhf_pipeline.trainers.config import Customisation, LogMetrics, LoraConfig, StageConfig
+from rlhf_pipeline.trainers.config import AttentionField, Customisation, LogMetrics, LoraConfig
 from rlhf_pipeline.trainers.ppo_math import (
     adapted_kl_coef,
     compute_gae,
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     import torch
 
 
-class PpoFields(StageConfig):
+class PpoFields(AttentionField):
     """Field names follow TRL's old PPOConfig, so scripts written for it carry over."""
 
     learning_rate: float = Field(
@@ -328,6 +328,7 @@ def train(
     """
     import torch
 
+    from rlhf_pipeline.trainers.attention import check_device
     from rlhf_pipeline.trainers.config import device_precision
     from rlhf_pipeline.trainers.custom import Hooks
     from rlhf_pipeline.trainers.loop import add_outcome, last_checkpoint, load_split, write_outcome
@@ -370,6 +371,7 @@ def train(
         )
     local_batch = batch_size // ranks.world  # this rank's rollouts per update
     bf16 = device_precision(cfg.bf16, cfg.fp16, cfg.tf32)  # a precision the device lacks fails here, naming it
+    check_device(cfg.attn_implementation)  # and an attention it cannot run
     scorer = RewardScorer(rewards, reward_model, device, policy_model=sft_model)
     sample = list(range(min(4, len(dataset))))
     scorer.check(
@@ -638,7 +640,7 @@ def _models(cfg: PpoConfig, sft_model: Path, reward_model: Path | None, tokenize
     torch.manual_seed(cfg.seed)
     # In the dtype its folder was saved in (float32 unless model.dtype says otherwise); an sft adapter merged or stacked
     # (lora.handoff).
-    policy, _, peft_config = upstream_policy(sft_model, cfg.lora)
+    policy, _, peft_config = upstream_policy(sft_model, cfg.lora, attn_implementation=cfg.attn_implementation)
     # under LoRA the reference is the policy with its adapters disabled, or with the frozen copy of a stacked one
     reference = None
     if peft_config is None and has_adapter(
@@ -654,10 +656,10 @@ def _models(cfg: PpoConfig, sft_model: Path, reward_model: Path | None, tokenize
 
         policy = peft.get_peft_model(policy, peft_config)
     else:
-        reference = load_causal_lm(sft_model, cfg.lora.handoff)[0].requires_grad_(False)
+        reference = load_causal_lm(sft_model, cfg.lora.handoff, cfg.attn_implementation)[0].requires_grad_(False)
     # Value model: the reward model, trained on (InstructGPT §3.5, N+ §7); else the SFT model with a fresh scalar
     # head.
-    value_model = load_sequence_classifier(reward_model or sft_model)
+    value_model = load_sequence_classifier(reward_model or sft_model, attn_implementation=cfg.attn_implementation)
     value_model.config.pad_token_id = tokenizer.pad_token_id
     # eval(): dropout off (N+ §4), so rollout and update log-probs agree
     for model in (policy, reference, value_model):

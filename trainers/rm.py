@@ -151,7 +151,7 @@ def _train_one(
         )
     if head_seed is not None:  # an ensemble member's fresh score head: its own initialisation, or WARM's shared one
         torch.manual_seed(head_seed)
-    model = load_sequence_classifier(sft_model)
+    model = load_sequence_classifier(sft_model, attn_implementation=cfg.attn_implementation)
     model.config.pad_token_id = tokenizer.pad_token_id
     eval_path = data_dir / "datasets" / "preference_eval.parquet"
     eval_dataset = load_split(data_dir, "preference_eval") if eval_path.is_file() else None

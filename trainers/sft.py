@@ -31,7 +31,12 @@ class SftConfig(EvalDuringTraining, TrainingConfig):
     )
     assistant_only_loss: bool = Field(
         False,
-        description="Train on assistant turns only (conversational rows); needs {% generation %} in the chat template.",
+        description=(
+            "Train on assistant turns only (conversational rows): the tokens inside the chat template's "
+            "{% generation %} marks. A template without marks trains with TRL's training version of it where TRL has "
+            "one (Qwen2.5/3, Llama 3, Gemma, Phi-3, DeepSeek-V3, ...; the saved tokenizer keeps its own); the data "
+            "stage checks on a sample conversation that the marks cover exactly the assistant turns."
+        ),
     )
     packing: bool = Field(False, description="Pack several examples into one sequence of max_length.")
     padding_free: bool = Field(
@@ -105,7 +110,7 @@ def train(
         else:
             eval_dataset = load_split(data_dir, "sft_eval")
     policy, tokenizer = load_base_model(
-        model, cfg.lora.bnb_config()
+        model, cfg.lora.bnb_config(), cfg.attn_implementation
     )  # QLoRA: the device is checked before any weights load
     trainer = trl.SFTTrainer(
         model=policy,
