@@ -5,6 +5,8 @@ tokenizers trained by the `tokenizers` library, and a chat dataset without refer
     qwen2_folder(path)     Qwen2 style: ChatML template, EOS `<|im_end|>`, pad `<|endoftext|>`, saved in bfloat16,
                            and a generation_config.json with Qwen's sampling defaults (top_k, top_p,
                            repetition_penalty) that our rollouts must not inherit
+    qwen25_folder(path)    the same with Qwen2.5-Instruct's exact chat template (tools included, no {% generation %}
+                           marks), which TRL 1.16 ships a training version of
     chat_data(folder)      TRL conversational shapes, no `answer` column anywhere: `messages` SFT rows with system
                            turns, implicit-prompt preferences with score columns (UltraFeedback's shape), prompt-only
                            conversational prompts; returns the `--set data.*.path=` overrides
@@ -87,7 +89,20 @@ def gpt2_folder(path: Path) -> Path:
     return path
 
 
-def qwen2_folder(path: Path) -> Path:
+def qwen25_template() -> str:
+    """Qwen2.5-Instruct's chat template, character for character: the copy TRL 1.16 recognises it by
+    (trl/chat_templates/qwen2_5.jinja)."""
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    return qwen2_5_chat_template
+
+
+def qwen25_folder(path: Path) -> Path:
+    """A Qwen2-style folder with Qwen2.5-Instruct's exact chat template."""
+    return qwen2_folder(path, chat_template=qwen25_template())
+
+
+def qwen2_folder(path: Path, chat_template: str = QWEN_TEMPLATE) -> Path:
     """A Qwen2-style folder as Qwen2.5-Instruct ships: ChatML, EOS `<|im_end|>`, pad `<|endoftext|>`, bf16 weights."""
     import torch
     from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -98,7 +113,7 @@ def qwen2_folder(path: Path) -> Path:
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         additional_special_tokens=specials[1:],
-        chat_template=QWEN_TEMPLATE,
+        chat_template=chat_template,
         model_max_length=256,
     )
     config = Qwen2Config(

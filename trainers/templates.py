@@ -109,3 +109,27 @@ def has_generation_marks(tokenizer: PreTrainedTokenizerBase) -> bool:
 
     template = getattr(tokenizer, "chat_template", None)
     return bool(template) and has_generation_markers(template)
+
+
+def training_template(tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The template TRL 1.16's SFTTrainer renders conversations with under `assistant_only_loss`: None for the
+    tokenizer's own when it has {% generation %} marks, else TRL's training version of it (`get_training_chat_template`,
+    which knows Qwen2.5/3, Llama 3, Gemma, Phi-3, DeepSeek-V3 and others by their exact text). TRL swaps it in for
+    tokenizing only (sft_trainer.py, "swap in a training chat template"), so the saved tokenizer keeps its own.
+    Raises ValueError when the template has no marks and TRL has no training version of it."""
+    from trl.chat_template_utils import get_training_chat_template
+
+    if has_generation_marks(tokenizer):
+        return None
+    return get_training_chat_template(tokenizer)
+
+
+def assistant_mask(
+    tokenizer: PreTrainedTokenizerBase, turns: list[dict], template: str | None = None
+) -> tuple[list[int], list[int]]:
+    """The ids of `turns` and TRL's assistant mask over them (1: trained under `assistant_only_loss`), rendered with
+    `template` (None: the tokenizer's own), as TRL's SFT tokenization renders them."""
+    encoded = tokenizer.apply_chat_template(
+        turns, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, chat_template=template
+    )
+    return list(encoded["input_ids"]), list(encoded["assistant_masks"])

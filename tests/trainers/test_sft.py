@@ -181,3 +181,52 @@ def test_gradient_checkpointing_recomputes_activations_and_trains_the_same_losse
     assert seen[False] == {"on": False, "forwards_per_layer": [1] * layers}
     assert seen[True] == {"on": True, "forwards_per_layer": [2] * layers}
     assert len(losses[True]) == 4 and losses[True] == pytest.approx(losses[False], abs=1e-5), losses
+
+
+def test_assistant_only_loss_trains_qwen25s_assistant_turns_through_trls_training_template(tmp_path):
+    """Issue 28: a Qwen2 folder with Qwen2.5-Instruct's exact chat template (no {% generation %} marks) trains with
+    `assistant_only_loss`: TRL 1.16 tokenizes with its training version of the template, and the loss reads exactly
+    each assistant reply with its `<|im_end|>` (and the newline after it), nothing of the system and user turns. The
+    saved tokenizer keeps Qwen2.5's own template."""
+    import re
+
+    from rlhf_pipeline.trainers.config import CallbackSpec, ModelConfig
+    from rlhf_pipeline.trainers.data import DatasetSpec, load_source
+    from rlhf_pipeline.trainers.models import load_tokenizer
+    from tests.foreign_models import chat_data, qwen25_folder, qwen25_template
+
+    model = ModelConfig(name_or_path=str(qwen25_folder(tmp_path / "qwen2.5")))
+    chat_data(tmp_path / "chat")
+    (tmp_path / "data" / "datasets").mkdir(parents=True)
+    load_source(DatasetSpec(path=str(tmp_path / "chat" / "sft.jsonl"))).to_parquet(
+        str(tmp_path / "data" / "datasets" / "sft.parquet")
+    )
+    record = CallbackSpec(path="tests.user_code:RecordLabels", kwargs={"out": str(tmp_path / "labels.json")})
+    config = sft.SftConfig(
+        max_steps=2,
+        assistant_only_loss=True,
+        callbacks=[record],
+        **{**FAST, "per_device_train_batch_size": 4, "max_length": 256},
+    )
+    logged: list[float] = []
+    sft.train(
+        config,
+        model,
+        tmp_path / "data",
+        tmp_path / "out",
+        tmp_path / "work",
+        lambda values, step: logged.extend([values["sft/train/loss"]] if "sft/train/loss" in values else []),
+    )
+    assert len(logged) == 2 and all(loss > 0 for loss in logged)
+    tokenizer = load_tokenizer(tmp_path / "out" / "model")
+    assert tokenizer.chat_template == qwen25_template()
+    batch = json.loads((tmp_path / "labels.json").read_text())
+    assert len(batch["input_ids"]) == 4
+    for ids, labels in zip(batch["input_ids"], batch["labels"]):
+        text = tokenizer.decode(ids)
+        replies = re.findall(r"<\|im_start\|>assistant\n(.*?)<\|im_end\|>", text, flags=re.DOTALL)
+        questions = re.findall(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", text, flags=re.DOTALL)
+        assert len(replies) == 1 and len(questions) == 1, text
+        trained = tokenizer.decode([i for i, label in zip(ids, labels) if label != -100])
+        assert trained == f"\n{replies[0]}<|im_end|>\n", (trained, text)
+        assert questions[0] not in trained and "system" not in trained
