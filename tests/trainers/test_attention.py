@@ -10,10 +10,15 @@ import torch
 from pydantic import ValidationError
 
 from rlhf_pipeline.cli import main
-from rlhf_pipeline.trainers import rm, sft
+from rlhf_pipeline.trainers import ppo, rm, sft
 from rlhf_pipeline.trainers.attention import device_problem
 from rlhf_pipeline.trainers.config import CallbackSpec
 from tests.helpers import CI_PRESET, FAST, SMALL_MODEL, write_data_dir
+from tests.trainers.test_ppo import (
+    EXACT_MATCH,
+    tiny,  # noqa: F401 (the fixture)
+)
+from tests.trainers.test_ppo import FAST as PPO_FAST
 from tests.trainers.test_sft import losses_and_record
 
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="asserts what this CPU-only machine refuses")
@@ -41,6 +46,18 @@ def test_sft_and_rm_train_with_the_attention_they_are_given(tmp_path):
     config = rm.RewardModelConfig(max_steps=1, attn_implementation="eager", callbacks=[record], **FAST)
     rm.train(config, tmp_path / "out-attention-sdpa" / "model", data, tmp_path / "rm", tmp_path / "rm-work")
     assert json.loads((tmp_path / "rm.json").read_text()) == {"config": "eager", "dispatched": {"eager": layers}}
+
+
+def test_ppo_computes_every_model_it_loads_with_the_attention_it_is_given(tiny, tmp_path):  # noqa: F811
+    """Our own PPO loop loads the policy, the reference and the value model itself: in its first update (rollouts,
+    reference log-probs, values, optimisation) every attention call of all three goes through eager."""
+    record = CallbackSpec(path="tests.user_code:RecordAttention", kwargs={"out": str(tmp_path / "ppo.json")})
+    config = ppo.PpoConfig(**PPO_FAST, attn_implementation="eager", callbacks=[record])
+    ppo.train(config, EXACT_MATCH, tiny["sft"], None, tiny["data"], tmp_path / "out", tmp_path / "work")
+    seen = json.loads((tmp_path / "ppo.json").read_text())
+    assert seen["config"] == "eager" and list(seen["dispatched"]) == ["eager"], seen
+    # Sampling 6 tokens alone calls each of the 2 layers 6 times: far more than the policy's training forwards.
+    assert seen["dispatched"]["eager"] > 6 * SMALL_MODEL.tiny.num_hidden_layers
 
 
 def test_an_unknown_or_uninstalled_attention_is_refused_with_the_parameters(capsys):
