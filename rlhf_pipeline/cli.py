@@ -8,6 +8,7 @@ rlhf gc [--dry-run] [--keep-runs N]        # remove what no registered version, 
 rlhf check [--config ...] [--set ...]      # preflight: tokenizer, every data rule, token lengths, memory per stage;
                                            # trains nothing
 rlhf eval models:/rlhf-policy@candidate    # evaluate a registered version (or a model folder) on demand
+rlhf export models:/rlhf-policy@champion out/  # the model in Hub layout with its card: `hf upload <repo> out/`
 rlhf serve                                 # serve the deployments (see deployments/serve.py)
 rlhf deploy --pool rlhf-process            # register the same deployments on a work pool, for its workers
 rlhf up                                    # a local Prefect server + MLflow UI + `rlhf serve`, until Ctrl-C
@@ -111,6 +112,11 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=4200, help="Prefect server port on 127.0.0.1 (default 4200)")
     up.add_argument("--mlflow-port", type=int, default=5000, help="MLflow UI port on 127.0.0.1 (default 5000)")
     up.add_argument("serve_args", nargs=argparse.REMAINDER, help="arguments passed on to `rlhf serve`")
+    export = commands.add_parser(
+        "export", help="write a registered version or a model folder in Hub layout, with its model card (hf upload)"
+    )
+    export.add_argument("model", help="models:/<name>@<alias>, models:/<name>/<version>, or a model folder")
+    export.add_argument("out", help="a new or empty folder")
     label = commands.add_parser(
         "label", help="resume a flow run that waits for people's labels of its pairs (as the UI's Resume form does)"
     )
@@ -145,6 +151,20 @@ def _label(args) -> int:
     return 0
 
 
+def _export(args) -> int:
+    """`rlhf export`: the model in Hub layout (weights, tokenizer, generation config, card with held-out metrics)."""
+    from pathlib import Path
+
+    from rlhf_pipeline.tasks.cards import export
+
+    try:
+        export(args.model, Path(args.out))
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     for key, value in QUIET_ENV.items():
@@ -159,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         return _evaluate(args)
     if args.command == "label":
         return _label(args)
+    if args.command == "export":
+        return _export(args)
     if args.command == "serve":
         from rlhf_pipeline.deployments.serve import RETRAIN_CRON, serve
 

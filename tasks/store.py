@@ -191,6 +191,9 @@ def run_stage(
                     metrics = build(tmp, work_dir, log_metrics)
                 if history.is_file():
                     shutil.copy(history, tmp / HISTORY)
+                from rlhf_pipeline.tasks.cards import write_card  # before the listing: the manifest vouches for it
+
+                write_card(tmp, stage, key, config_json, upstream, metrics)  # model/README.md, if it wrote a model
                 files = file_listing(tmp)
                 seconds = time.time() - started
                 training = json.loads((tmp / OUTCOME).read_text()) if (tmp / OUTCOME).is_file() else None
