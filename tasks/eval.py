@@ -126,7 +126,8 @@ def publish_report(
     report: ArtifactRef, stages: list[ArtifactRef | None], ctx: RunContext, pairs: ArtifactRef | None = None
 ) -> None:
     """Prefect markdown + table artifacts, and training curves of every stage, for this flow run (with the made
-    pairs' summary when the run made them)."""
+    pairs' summary when the run made them). The summary shows the report's plots and the training curves as images
+    (`plots_section`)."""
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
     from rlhf_pipeline.trainers import plots
@@ -137,11 +138,6 @@ def publish_report(
         section, shown = pairs_section(pairs)
         summary += section
         tracking.log_metrics(ctx.parent_run_id, shown)
-    create_markdown_artifact(
-        key="rlhf-eval-summary",
-        markdown=f"# rlhf evaluation\n\n{summary}\nMLflow: {link}\n\nArtifacts: `{report.uri}`\n",
-        description="Held-out evaluation of the policy against SFT (and the champion).",
-    )
     rows = [json.loads(line) for line in (report.path / "samples.jsonl").read_text().splitlines()]
     if rows:
         create_table_artifact(key="rlhf-eval-samples", table=rows, description="Sample answers with their rewards.")
@@ -157,8 +153,50 @@ def publish_report(
             for name, value in values.items():
                 curves.setdefault(name, {})[step] = value  # a resumed build logs a few steps twice: the last wins
         histories.update({k: sorted(v.items()) for k, v in curves.items() if k.endswith(CURVES) and len(v) > 1})
-    if histories:
-        with tempfile.TemporaryDirectory() as scratch:
-            path = plots.training_curves(histories, Path(scratch) / "training_curves.png")
-            tracking.log_artifacts(ctx.parent_run_id, path, "plots")
+    with tempfile.TemporaryDirectory() as scratch:
+        figures = sorted((report.path / "plots").glob("*.png"))
+        if histories:
+            figures.append(plots.training_curves(histories, Path(scratch) / "training_curves.png"))
+            tracking.log_artifacts(ctx.parent_run_id, figures[-1], "plots")
+        create_markdown_artifact(
+            key="rlhf-eval-summary",
+            markdown=f"# rlhf evaluation\n\n{summary}\n{plots_section(figures)}\nMLflow: {link}\n\n"
+            f"Artifacts: `{report.uri}`\n",
+            description="Held-out evaluation of the policy against SFT (and the champion), with its plots.",
+        )
     tracking.log_artifacts(ctx.parent_run_id, report.path / "plots", "plots")
+
+
+MAX_IMAGE_BYTES = 256_000
+"""A plot larger than this (as PNG) is shown downscaled in the Prefect artifact (the report's own are ~20-40 KB)."""
+MAX_SUMMARY_IMAGE_BYTES = 2_000_000
+"""The most PNG bytes one summary artifact embeds; plots beyond are named, not shown (they are in MLflow)."""
+
+
+def plots_section(figures: list[Path]) -> str:
+    """The plots as markdown images with `data:` URIs: the Prefect UI's markdown renderer (prefect-design's
+    PMarkdownRenderer in Prefect 3.9.1) draws an image token as a plain `<img src>`, unsanitised, and the server sends
+    no Content-Security-Policy, so they show with no MLflow server to fetch them from."""
+    import base64
+    import io
+
+    from matplotlib.image import imread, thumbnail
+
+    lines, spent = ["## Plots\n"], 0
+    for figure in figures:
+        title = figure.stem.replace("_", " ").capitalize()
+        png = figure.read_bytes()
+        width = imread(figure).shape[1] if len(png) > MAX_IMAGE_BYTES else 0
+        for _ in range(4):  # fewer pixels until it fits: a plot's bytes go about with its pixel count
+            if len(png) <= MAX_IMAGE_BYTES:
+                break
+            scale = min(800 / width, 0.9 * (MAX_IMAGE_BYTES / len(png)) ** 0.5)
+            smaller = io.BytesIO()
+            thumbnail(io.BytesIO(png), smaller, scale=scale)
+            png, width = smaller.getvalue(), int(width * scale)
+        if len(png) > MAX_IMAGE_BYTES or spent + len(png) > MAX_SUMMARY_IMAGE_BYTES:
+            lines.append(f"- {title}: `plots/{figure.name}` in the MLflow run (too large to embed here)\n")
+            continue
+        spent += len(png)
+        lines.append(f"**{title}**\n\n![{title}](data:image/png;base64,{base64.b64encode(png).decode()})\n")
+    return "\n".join(lines) if figures else ""
