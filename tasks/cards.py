@@ -259,6 +259,7 @@ def export(source: str, out: Path, log: Callable[[str], None] = print) -> Path:
     out = Path(out).expanduser().absolute()
     _check_out(out)
     ref, lineage = resolve_model(check_model_source(source), "export")
+    lineage = local_lineage(ref, lineage)
     model = ref.path / "model"
     files = hub_files(model)
     evaluated = eval_metrics(ref, lineage)
@@ -316,6 +317,22 @@ def hub_files(model: Path) -> list[Path]:
     if not any(path.suffix == ".safetensors" for path in files):
         raise ValueError(f"rlhf export: {model} holds no safetensors weights")
     return files
+
+
+def local_lineage(ref: ArtifactRef, lineage: dict[str, str]) -> dict[str, str]:
+    """Stage -> the artifact folder in this state folder a registered version was built from: the lineage's folders,
+    and those its `rlhf.key.<stage>` tags name where the lineage names a logged model instead (`models:/m-...`)."""
+    folders = {stage: where for stage, where in lineage.items() if Path(where).is_dir()}
+    name, _, version = ref.key.rpartition("/v")
+    if name and version.isdigit():
+        from rlhf_pipeline.tasks import tracking
+
+        root = tracking.state_dir() / "artifacts"
+        for tag, key in tracking.version_tags(name, version).items():
+            stage = tag.removeprefix("rlhf.key.")
+            if tag.startswith("rlhf.key.") and stage not in folders and (root / stage / key).is_dir():
+                folders[stage] = str(root / stage / key)
+    return folders
 
 
 def eval_metrics(ref: ArtifactRef, lineage: dict[str, str]) -> dict[str, Any]:
