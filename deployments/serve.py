@@ -1,5 +1,5 @@
 """Serve the pipeline as Prefect deployments: `rlhf/full` (ppo), one per other algorithm of the table of
-stages (`rlhf/dpo`, `rlhf/kto`, `rlhf/grpo`, `rlhf/rloo`), `rlhf/retrain` and `rlhf-eval/eval`.
+stages (`rlhf/dpo`, `rlhf/kto`, `rlhf/orpo`, `rlhf/grpo`, `rlhf/rloo`), `rlhf/retrain` and `rlhf-eval/eval`.
 
     prefect server start --host 127.0.0.1          # one terminal
     rlhf serve                                     # another (PREFECT_API_URL=http://127.0.0.1:4200/api)
@@ -9,35 +9,94 @@ Every deployment carries the whole resolved parameter set of its preset, so
 the UI form opens filled in, with every field typed, bounded and described
 (`enforce_parameter_schema`). A run's block (`-p ppo=...`) replaces the
 deployment's block, and the flow merges it field by field onto the preset.
-`deployments/prefect.yaml` describes the same deployments for work pools.
+`deployments/prefect.yaml` describes the same deployments for work pools
+(tests/deployments/test_serve.py holds the two in agreement).
+
+Every deployment is tagged `rlhf` and its algorithm and carries the package version (with the checkout's commit).
+`rlhf/retrain` runs on its cron and whenever `rlhf.data.updated` arrives for a resource `rlhf.data.<name>`
+(`prefect event emit rlhf.data.updated --resource-id rlhf.data.preference`), with the deployment's parameters;
+one retrain runs at a time: another one waits for it (`queue`) or is cancelled (`cancel`).
 """
 
 from __future__ import annotations
 
+import functools
+import subprocess
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlhf_pipeline.flows.params import DEFAULT_PRESET, load_params
+from rlhf_pipeline.tasks.events import DATA_EVENT, DATA_RESOURCE
 from rlhf_pipeline.tasks.stages import ALGORITHMS
 
 if TYPE_CHECKING:
     from prefect.deployments.runner import RunnerDeployment
 
 RETRAIN_CRON = "0 3 * * 1"  # Mondays 03:00: weekly retraining on the newest data
+RETRAIN_COLLISIONS = {"queue": "ENQUEUE", "cancel": "CANCEL_NEW"}
+"""What a retrain that finds one running does (`--retrain-collision`): Prefect's collision strategies of a deployment
+concurrency limit. `queue`: it waits (state AwaitingConcurrencySlot) and runs after; `cancel`: it is cancelled."""
+RETRAIN_TRIGGER = {
+    "name": "rlhf/retrain on rlhf.data.updated",
+    "description": "Retrain when an ingest job or labelling tool announces new data "
+    "(`prefect event emit rlhf.data.updated --resource-id rlhf.data.<name>`).",
+    "expect": [DATA_EVENT],
+    "match": {"prefect.resource.id": f"{DATA_RESOURCE}*"},
+}
+"""The retrain deployment's event trigger (prefect.yaml's `triggers:` entry says the same). No parameters: a
+triggered run takes the deployment's, which point at the data that grows (`--retrain-set`)."""
+
+
+@functools.cache
+def deployment_version() -> str:
+    """The package version, with the commit of the checkout it runs from (`0.1.0+g1a2b3c4`); the version alone from
+    an installed wheel (this file is then tracked by no repository)."""
+    from importlib.metadata import version
+
+    here = Path(__file__).resolve()
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(here.parent), *args], capture_output=True, text=True, timeout=5)
+
+    try:  # a wheel in a virtualenv inside some repository is no checkout of ours: this file must be tracked
+        tracked = git("ls-files", "--error-unmatch", here.name).returncode == 0
+        commit = git("rev-parse", "--short", "HEAD").stdout.strip() if tracked else ""
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return f"{version('rlhf-pipeline')}+g{commit}" if commit else version("rlhf-pipeline")
+
+
+def tags(algorithm: str, *more: str) -> list[str]:
+    return ["rlhf", algorithm, *more]
 
 
 def deployments(
-    preset: str = DEFAULT_PRESET, retrain_cron: str = RETRAIN_CRON, retrain_overrides: list[str] = (), **where
+    preset: str = DEFAULT_PRESET,
+    retrain_cron: str = RETRAIN_CRON,
+    retrain_overrides: list[str] = (),
+    retrain_collision: str = "queue",
+    **where,
 ) -> list[RunnerDeployment]:
     """The deployments; `retrain_overrides` (`data.preference.path=/data/prefs/*.jsonl`...) point retraining at fresh
-    data; `where` goes to every `Flow.to_deployment` (a work pool: `deploy`)."""
+    data; `retrain_collision` (`queue`, `cancel`) says what a retrain that finds one running does; `where` goes to every
+    `Flow.to_deployment` (a work pool: `deploy`)."""
+    from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+    from prefect.events import DeploymentEventTrigger
+
     from rlhf_pipeline.flows.evaluate import rlhf_eval
     from rlhf_pipeline.flows.rlhf import rlhf
 
+    if retrain_collision not in RETRAIN_COLLISIONS:
+        raise ValueError(f"retrain_collision={retrain_collision!r}: expected one of {', '.join(RETRAIN_COLLISIONS)}")
+    version = deployment_version()
+
     def pipeline(name: str, overrides: list[str] = (), algorithm: str = "ppo", **options) -> RunnerDeployment:
         params = load_params(preset, overrides, algorithm=algorithm)
-        return leading_form(
-            rlhf.to_deployment(name=name, parameters=params.model_dump(mode="json"), **options, **where), params
+        options.setdefault("tags", tags(algorithm))
+        made = rlhf.to_deployment(
+            name=name, parameters=params.model_dump(mode="json"), version=version, **options, **where
         )
+        return leading_form(made, params)
 
     return [
         pipeline("full", description="data -> sft -> rm -> ppo -> eval -> registry (the classic RLHF recipe)."),
@@ -50,13 +109,21 @@ def deployments(
             "retrain",
             retrain_overrides,
             cron=retrain_cron,
-            description="Scheduled retraining on the newest data (a path, glob or hub revision in `data`): "
-            "unchanged stages are reused from the cache; promotion only through the registry gate.",
+            triggers=[DeploymentEventTrigger(**RETRAIN_TRIGGER)],
+            concurrency_limit=ConcurrencyLimitConfig(
+                limit=1, collision_strategy=ConcurrencyLimitStrategy(RETRAIN_COLLISIONS[retrain_collision])
+            ),
+            tags=tags("ppo", "retrain"),
+            description="Scheduled retraining on the newest data (a path, glob or hub revision in `data`), and on "
+            "each `rlhf.data.updated` event: unchanged stages are reused from the cache; promotion only through the "
+            "registry gate. One at a time.",
         ),
         rlhf_eval.to_deployment(
             name="eval",
             parameters={"policy": "models:/rlhf-policy@candidate", "preset": preset},
             description="Evaluate a registered version (or a model folder) on demand.",
+            tags=tags("eval"),
+            version=version,
             **where,
         ),
     ]
@@ -82,19 +149,28 @@ def leading_form(deployment: RunnerDeployment, params) -> RunnerDeployment:
     return deployment
 
 
-def serve(preset: str = DEFAULT_PRESET, retrain_cron: str = RETRAIN_CRON, retrain_overrides: list[str] = ()) -> None:
+def serve(
+    preset: str = DEFAULT_PRESET,
+    retrain_cron: str = RETRAIN_CRON,
+    retrain_overrides: list[str] = (),
+    retrain_collision: str = "queue",
+) -> None:
     from prefect import serve as prefect_serve
 
     from rlhf_pipeline.tasks.orchestration import ensure_device_limit
 
-    made = deployments(preset, retrain_cron, retrain_overrides)
+    made = deployments(preset, retrain_cron, retrain_overrides, retrain_collision)
     ensure_device_limit()
     # SIGTERM must not pause the deployments (and with them the retrain schedule).
     prefect_serve(*made, pause_on_shutdown=False)
 
 
 def deploy(
-    pool: str, preset: str = DEFAULT_PRESET, retrain_cron: str = RETRAIN_CRON, retrain_overrides: list[str] = ()
+    pool: str,
+    preset: str = DEFAULT_PRESET,
+    retrain_cron: str = RETRAIN_CRON,
+    retrain_overrides: list[str] = (),
+    retrain_collision: str = "queue",
 ) -> list[str]:
     """Register the deployments `serve` serves on a work pool, for its workers to run: the same names, parameters and
     leading forms (`prefect deploy` with deployments/prefect.yaml builds each form from the flow's signature, in
@@ -118,6 +194,7 @@ def deploy(
         preset,
         retrain_cron,
         retrain_overrides,
+        retrain_collision,
         work_pool_name=pool,
         job_variables={"env": WORKER_ENV},
         entrypoint_type=EntrypointType.MODULE_PATH,

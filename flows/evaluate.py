@@ -15,7 +15,7 @@ from rlhf_pipeline.tasks.data import validate_data
 from rlhf_pipeline.tasks.eval import evaluate
 from rlhf_pipeline.tasks.gate import RegistryConfig
 from rlhf_pipeline.tasks.orchestration import RetryConfig, retrying
-from rlhf_pipeline.tasks.parent_run import pipeline_run
+from rlhf_pipeline.tasks.parent_run import model_label, pipeline_run, report_failure
 from rlhf_pipeline.tasks.resolve import check_model_source, resolve_model
 from rlhf_pipeline.trainers.config import ModelConfig, StrictModel
 from rlhf_pipeline.trainers.data import DataConfig
@@ -79,9 +79,22 @@ class EvalParams(StrictModel):
         return self
 
 
+def run_name() -> str:
+    """The flow run's name, also its MLflow parent run's: `eval-<what is evaluated>` (`eval-rlhf-policy@candidate`)."""
+    from prefect.runtime import flow_run
+
+    return f"eval-{model_label(str(flow_run.parameters.get('policy', '')))}"
+
+
 @flow(
-    name="rlhf-eval", persist_result=False, validate_parameters=True, log_prints=False
-)  # see tasks.orchestration.stage_task
+    name="rlhf-eval",
+    flow_run_name=run_name,
+    persist_result=False,
+    validate_parameters=True,
+    log_prints=False,  # see tasks.orchestration.stage_task
+    on_failure=[report_failure],  # name the MLflow run and the state folder
+    on_crashed=[report_failure],
+)
 @described_by(EvalParams)
 def rlhf_eval(
     policy: str,

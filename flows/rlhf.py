@@ -21,7 +21,7 @@ from rlhf_pipeline.tasks.data import validate_data
 from rlhf_pipeline.tasks.eval import evaluate
 from rlhf_pipeline.tasks.orchestration import retrying
 from rlhf_pipeline.tasks.pairs import labels_store, make_pairs
-from rlhf_pipeline.tasks.parent_run import pipeline_run
+from rlhf_pipeline.tasks.parent_run import pipeline_run, preset_label, report_failure
 from rlhf_pipeline.tasks.people import ask_people
 from rlhf_pipeline.tasks.registry import register_task
 from rlhf_pipeline.tasks.stages import BY_NAME, pair_readers
@@ -149,8 +149,25 @@ def _signature() -> inspect.Signature:
     )
 
 
+def run_name() -> str:
+    """The flow run's name, also its MLflow parent run's: what runs, `<algorithm>-<preset>` (`ppo-tiny`, `dpo-ci`).
+    Prefect 3.9.1 allows equal names; runs differ by id and start time."""
+    from prefect.runtime import flow_run
+
+    algorithm, preset = (flow_run.parameters.get(name, getattr(DEFAULTS, name)) for name in ("algorithm", "preset"))
+    return f"{algorithm}-{preset_label(preset)}"
+
+
 _rlhf.__signature__ = _signature()  # type: ignore[attr-defined]  # what inspect (and Prefect) read
-_rlhf.__name__ = "rlhf"
-rlhf = flow(name="rlhf", persist_result=False, validate_parameters=True, log_prints=False)(
-    described_by(PipelineParams)(_rlhf)
-)
+# Served deployments load their flow by the function's qualified name: it must name the flow object below (`_rlhf`
+# would load as a plain function that Prefect wraps in a default flow: no run name, hooks or flow settings).
+_rlhf.__name__ = _rlhf.__qualname__ = "rlhf"
+rlhf = flow(
+    name="rlhf",
+    flow_run_name=run_name,
+    persist_result=False,
+    validate_parameters=True,
+    log_prints=False,
+    on_failure=[report_failure],  # name the MLflow run and the state folder
+    on_crashed=[report_failure],
+)(described_by(PipelineParams)(_rlhf))

@@ -89,6 +89,13 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--config", default="tiny", help="preset whose parameters the deployments carry")
         sub.add_argument("--retrain-cron", default=None, help="cron of the retrain deployment (default: Mondays 03:00)")
         sub.add_argument(
+            "--retrain-collision",
+            choices=("queue", "cancel"),
+            default="queue",
+            help="a retrain (cron or rlhf.data.updated event) that finds one running waits for it (queue, the "
+            "default) or is cancelled (cancel)",
+        )
+        sub.add_argument(
             "--retrain-set",
             dest="retrain_overrides",
             action="append",
@@ -184,13 +191,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from rlhf_pipeline.deployments.serve import RETRAIN_CRON, serve
 
-        serve(args.config, args.retrain_cron or RETRAIN_CRON, args.retrain_overrides)
+        serve(args.config, args.retrain_cron or RETRAIN_CRON, args.retrain_overrides, args.retrain_collision)
         return 0
     if args.command == "deploy":
         from rlhf_pipeline.deployments.serve import RETRAIN_CRON, deploy
 
         try:
-            names = deploy(args.pool, args.config, args.retrain_cron or RETRAIN_CRON, args.retrain_overrides)
+            cron = args.retrain_cron or RETRAIN_CRON
+            names = deploy(args.pool, args.config, cron, args.retrain_overrides, args.retrain_collision)
         except (ValidationError, ValueError) as exc:
             print(f"rlhf deploy: {exc}", file=sys.stderr)
             return 2

@@ -13,7 +13,7 @@ from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.artifacts import ArtifactRef, RunContext
 from rlhf_pipeline.tasks.launcher import LaunchConfig
 from rlhf_pipeline.tasks.orchestration import coordinated, current_flow_run, ensure_device_limit, prefect_log
-from rlhf_pipeline.tasks.secrets import install_log_filter, redact
+from rlhf_pipeline.tasks.secrets import install_log_filter, redact, redact_text
 from rlhf_pipeline.trainers.stopping import checkpoint_on_sigterm
 
 MODEL_LOGGED, MODEL_URI = "rlhf.model_logged", "rlhf.model_uri"
@@ -101,6 +101,59 @@ def pipeline_run(params: Any) -> Iterator[PipelineRun]:
         tracking.end_run(run_id, failed=True)
         raise
     tracking.end_run(run_id)
+
+
+def preset_label(preset: str | None) -> str:
+    """A preset as a run name shows it: `tiny`, `ci` for `tests/ci.yaml`, `defaults` for none."""
+    from pathlib import Path
+
+    return Path(preset).stem if preset else "defaults"
+
+
+def model_label(source: str) -> str:
+    """A model source as a run name shows it: `rlhf-policy@candidate` for `models:/rlhf-policy@candidate`, a folder
+    by its name (a stage's `model/` folder by the folder above it)."""
+    from pathlib import PurePath
+
+    if source.startswith("models:/"):
+        return source.removeprefix("models:/")
+    folder = PurePath(source.rstrip("/"))
+    return (folder.parent.name if folder.name == "model" else folder.name) or source
+
+
+def find_parent_run(flow_run_id: str, experiment_name: str) -> str | None:
+    """The MLflow parent run that `pipeline_run` opened for this flow run (tag `prefect.flow_run_id`), or None."""
+    experiment = tracking.client().get_experiment_by_name(experiment_name)  # looked up, never created here
+    if experiment is None:
+        return None
+    return tracking.find_run(experiment.experiment_id, {"prefect.flow_run_id": flow_run_id})
+
+
+def report_failure(flow: Any, flow_run: Any, state: Any) -> None:
+    """Flow hook (`on_failure`, `on_crashed`): name where a person looks, the run's MLflow parent run (its id and link)
+    and the state folder, in the flow run's Prefect log and on stdout. A crashed run never closed its MLflow run: it is
+    marked failed here. Runs in the flow's process (failed) or in the serve/worker process (crashed)."""
+    from prefect.logging.loggers import flow_run_logger
+
+    experiment_name = (flow_run.parameters or {}).get("experiment_name") or "rlhf"
+    state_folder = tracking.state_dir()
+    try:
+        run_id = find_parent_run(str(flow_run.id), experiment_name)
+        if run_id is None:
+            mlflow = f"no MLflow run was opened (experiment {experiment_name!r} in {tracking.shown_uri()})"
+        else:
+            mlflow = f"MLflow parent run {run_id}: {tracking.run_link(run_id)}"
+            if state.is_crashed() and tracking.run_status(run_id) == "RUNNING":
+                tracking.set_tags(run_id, {"rlhf.error": f"Crashed: {state.message}"})
+                tracking.end_run(run_id, failed=True)
+    except Exception as exc:  # the hook must still name the state folder when MLflow does not answer
+        mlflow = f"the MLflow run could not be looked up ({type(exc).__name__}: {exc}) in {tracking.shown_uri()}"
+    message = redact_text(
+        f"{flow.name} run {flow_run.name!r} {state.name}: {mlflow}; state folder {state_folder} (stage artifacts in "
+        f"{state_folder / 'artifacts'}, checkpoints of unfinished stages in artifacts/<stage>/.work/)"
+    )
+    flow_run_logger(flow_run, flow).error(message)
+    print(message, flush=True)
 
 
 def _build_seconds(ref: ArtifactRef) -> float | None:

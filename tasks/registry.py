@@ -113,6 +113,9 @@ def register_policy(
         f"registry: {cfg.model_name} v{version} is candidate; champion "
         f"{'moved' if promoted and champion != version else 'stays'} ({reason})"
     )
+    from rlhf_pipeline.tasks.events import announce  # rlhf.model.candidate / rlhf.model.promoted for automations
+
+    announce(outcome, cfg.gate_metric, metrics, ctx.parent_run_id)
     return outcome
 
 

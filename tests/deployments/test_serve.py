@@ -1,5 +1,7 @@
 import inspect
 
+import pytest
+
 from rlhf_pipeline.deployments.serve import deployments
 from rlhf_pipeline.flows.evaluate import EvalParams, rlhf_eval
 from rlhf_pipeline.flows.params import PipelineParams, from_flow_parameters, load_params, parameter_order
@@ -97,3 +99,70 @@ def test_each_deployments_form_leads_with_its_algorithm_and_puts_the_blocks_it_s
         assert stripped == plain
     online = made["full"]._parameter_openapi_schema.properties
     assert online["rewards"]["position"] == 2 and online["feedback"]["position"] == 3
+
+
+def test_prefect_yaml_describes_the_served_deployments_names_tags_version_triggers_and_limit():
+    """deployments/prefect.yaml (for `prefect deploy`) and `rlhf serve`/`rlhf deploy` (deployments/serve.py) describe
+    one set of deployments: the same names, entrypoints, descriptions, tags, version, schedule, trigger and concurrency
+    limit."""
+    import yaml
+    from prefect.deployments.runner import EntrypointType
+
+    from rlhf_pipeline.deployments.serve import RETRAIN_CRON, deployment_version
+    from tests.deployments.servers import ROOT
+
+    spec = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())
+    written = {d["name"]: d for d in spec["deployments"]}
+    served = {d.name: d for d in deployments(entrypoint_type=EntrypointType.MODULE_PATH)}  # as `rlhf deploy` makes them
+    assert sorted(written) == sorted(served)
+    [step] = spec["build"]
+    version_step = step["prefect.deployments.steps.run_shell_script"]
+    script = version_step["script"].removeprefix('python -c "').removesuffix('"')
+    assert script == "from rlhf_pipeline.deployments.serve import deployment_version; print(deployment_version())"
+    for name, entry in written.items():
+        made = served[name]
+        assert entry["entrypoint"] == made.entrypoint, name
+        assert " ".join(entry["description"].split()) == made.description, name
+        assert entry["tags"] == made.tags and made.tags[0] == "rlhf", name
+        assert entry["version"] == "{{ %s.stdout }}" % version_step["id"] and made.version == deployment_version()
+        assert [s["cron"] for s in entry.get("schedules", [])] == [s.schedule.cron for s in made.schedules], name
+        triggers = [
+            {**t, "description": " ".join(t["description"].split()), "expect": set(t["expect"])}
+            for t in entry.get("triggers", [])
+        ]
+        assert triggers == [
+            t.model_dump(include={"name", "description", "expect", "match"}, mode="python") for t in made.triggers
+        ], name
+        limit = entry.get("concurrency_limit")
+        options = made.concurrency_options
+        assert (limit or None) == (
+            {"limit": made.concurrency_limit, "collision_strategy": options.collision_strategy.value}
+            if options
+            else None
+        ), name
+    assert written["retrain"]["parameters"]["algorithm"] == "ppo" and served["retrain"].tags == [
+        "rlhf",
+        "ppo",
+        "retrain",
+    ]
+    assert served["retrain"].schedules[0].schedule.cron == RETRAIN_CRON
+
+
+def test_retrain_runs_one_at_a_time_and_on_the_data_event_as_configured():
+    from prefect.client.schemas.objects import ConcurrencyLimitStrategy
+
+    for collision, strategy in (
+        ("queue", ConcurrencyLimitStrategy.ENQUEUE),
+        ("cancel", ConcurrencyLimitStrategy.CANCEL_NEW),
+    ):
+        made = {d.name: d for d in deployments(retrain_collision=collision)}
+        assert (
+            made["retrain"].concurrency_limit == 1
+            and made["retrain"].concurrency_options.collision_strategy == strategy
+        )
+        assert all(d.concurrency_limit is None for name, d in made.items() if name != "retrain")
+        [trigger] = made["retrain"].triggers
+        assert trigger.expect == {"rlhf.data.updated"} and trigger.parameters is None
+        assert trigger.match.model_dump() == {"prefect.resource.id": "rlhf.data.*"}
+    with pytest.raises(ValueError, match="retrain_collision='drop': expected one of queue, cancel"):
+        deployments(retrain_collision="drop")
