@@ -87,6 +87,7 @@ def evaluate(
         log=prefect_log,
         trainer=row.trainer,
         hold=device_hold("eval", row.device, prefect_log, ctx.wait_seconds),
+        system_metrics=row.device,
     )
     publish_report(outcome.ref, [data, sft_model, reward_model, policy], ctx, pairs=inputs.get("pairs"))
     return outcome

@@ -96,6 +96,7 @@ def make_pairs(
         trainer=TRAINER,
         hold=device_hold("pairs", True, prefect_log, ctx.wait_seconds),
         extra_tags={**tags, "rlhf.part": "samples"},
+        system_metrics=True,
     )
     labels: dict[int, str | None] = {}
     fingerprints = _code(config)

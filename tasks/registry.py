@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from rlhf_pipeline.tasks import tracking
+from rlhf_pipeline.tasks import lineage, tracking
 from rlhf_pipeline.tasks.artifacts import ArtifactRef, RunContext
 from rlhf_pipeline.tasks.gate import CANDIDATE, CHAMPION, RegistryConfig, gate, hacking
 from rlhf_pipeline.tasks.orchestration import current_flow_run, prefect_log
@@ -56,7 +56,23 @@ def register_policy(
     metrics = report.manifest()["metrics"]
     version = tracking.find_version(cfg.model_name, "rlhf.policy_digest", policy.digest)
     if version is None:
-        tracking.log_artifacts(ctx.parent_run_id, policy.path / "model", "model")
+        # The policy's logged model (its stage logged it; a policy from elsewhere is logged here, on the parent run),
+        # and the logged models it was built from: what `tasks.resolve` reads on a machine with only the tracking
+        # server.
+        models = lineage.upstream_models({ref.stage: ref for ref in stages})
+        model_id = (
+            models.get(policy.stage)
+            or tracking.log_model(
+                ctx.parent_run_id,
+                ctx.experiment_id,
+                policy.stage,
+                policy.path / "model",
+                policy.digest,
+                {},
+                {"rlhf.stage": policy.stage},
+                lineage.model_type(policy.path / "model"),
+            )[0]
+        )
         fingerprints = stages[0].manifest().get("fingerprints", {}) if stages else {}
         tags = {
             "rlhf.policy_digest": policy.digest,
@@ -64,11 +80,12 @@ def register_policy(
             "rlhf.flow_run_id": current_flow_run()[0],
             "rlhf.mlflow_run_id": ctx.parent_run_id,
             **{f"rlhf.key.{ref.stage}": ref.key for ref in stages},
+            **{f"{lineage.MODEL_TAG}{stage}": found for stage, found in models.items()},
             **{f"rlhf.data.{name}": value for name, value in fingerprints.items()},
             **{k: f"{v:.6g}" for k, v in metrics.items()},
         }
         version = tracking.register_version(
-            cfg.model_name, tracking.artifact_uri(ctx.parent_run_id, "model"), ctx.parent_run_id, tags
+            cfg.model_name, f"models:/{model_id}", ctx.parent_run_id, tags, model_id=model_id
         )
     tracking.set_alias(cfg.model_name, CANDIDATE, version)
 

@@ -3,21 +3,28 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from pathlib import Path
 
 from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.artifacts import MANIFEST, ArtifactRef, content_digest
+from rlhf_pipeline.tasks.lineage import MODEL_TAG
+from rlhf_pipeline.tasks.tracking import MODEL_DIGEST
 
 
 def resolve_model(source: str | None, role: str) -> tuple[ArtifactRef, dict[str, str]]:
-    """(ref, lineage) for 'models:/<name>/<version>', 'models:/<name>@<alias>', or a folder.
+    """(ref, lineage) for 'models:/<name>/<version>', 'models:/<name>@<alias>', a logged model 'models:/m-<id>', or a
+    folder.
 
-    `lineage` maps stage names to the artifact folders a registered version was built
-    from (its `rlhf.key.<stage>` tags), so its SFT and reward model can be found.
+    `lineage` maps stage names to what a registered version was built from: the logged models its `rlhf.model.<stage>`
+    tags name (found through the tracking server alone), else the local artifact folders of its `rlhf.key.<stage>`
+    tags (versions registered before logged models).
     """
     if not source:
         raise ValueError(f"no {role} model given, and the policy's lineage does not name one: pass it explicitly")
+    if LOGGED_MODEL.match(source):
+        return _logged(source.removeprefix("models:/"), role), {}
     if source.startswith("models:/"):
         return _registered(source)
     folder = Path(source).expanduser().resolve()
@@ -40,16 +47,17 @@ def resolve_model(source: str | None, role: str) -> tuple[ArtifactRef, dict[str,
     return ArtifactRef(stage=role, key=key, uri=str(ref_dir), digest=digest), {}
 
 
+LOGGED_MODEL = re.compile(r"^models:/m-[0-9a-f]{32}$")
 MODEL_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<version>\d+)|@(?P<alias>[A-Za-z0-9_-]+))$")
 ACCEPTED = (
     "'models:/<name>/<version>' (e.g. models:/rlhf-policy/3), 'models:/<name>@<alias>' (e.g. "
-    "models:/rlhf-policy@champion), or a model folder"
+    "models:/rlhf-policy@champion), a logged model 'models:/m-<id>', or a model folder"
 )
 
 
 def check_model_source(source: str) -> str:
     """A registry URI must name a version or an alias: refused with the accepted forms before anything runs."""
-    if source.startswith("models:/") and not MODEL_URI.match(source):
+    if source.startswith("models:/") and not (MODEL_URI.match(source) or LOGGED_MODEL.match(source)):
         raise ValueError(f"{source!r} names no version or alias; expected {ACCEPTED}")
     return source
 
@@ -68,6 +76,29 @@ def _registered(uri: str) -> tuple[ArtifactRef, dict[str, str]]:
         stage: str(root / stage / key)
         for stage, key in ((t.removeprefix("rlhf.key."), v) for t, v in tags.items() if t.startswith("rlhf.key."))
     }
+    lineage |= {
+        stage: f"models:/{model_id}"
+        for stage, model_id in ((t.removeprefix(MODEL_TAG), v) for t, v in tags.items() if t.startswith(MODEL_TAG))
+    }
     stage = tags.get("rlhf.policy_stage", "policy")
     ref = ArtifactRef(stage=stage, key=f"{name}/v{version}", uri=str(folder), digest=tags.get("rlhf.policy_digest", ""))
     return ref, lineage
+
+
+def _logged(model_id: str, role: str) -> ArtifactRef:
+    """A logged model, downloaded once into the state folder, with a manifest of what MLflow holds about it (its stage,
+    artifact digest and final metrics), so it reads as the stage artifact that published it."""
+    folder = tracking.state_dir() / "registry" / "models" / model_id
+    tracking.download_logged_model(model_id, folder / "model")
+    model = tracking.logged_model(model_id)
+    stage, digest = model.tags.get("rlhf.stage", role), model.tags.get(MODEL_DIGEST, "")
+    if not (folder / MANIFEST).is_file():
+        manifest = {
+            "stage": stage,
+            "key": model_id,
+            "digest": digest,
+            "metrics": {metric.key: metric.value for metric in model.metrics or []},
+            "source": f"models:/{model_id} in {tracking.shown_uri()}",
+        }
+        (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    return ArtifactRef(stage=stage, key=model_id, uri=str(folder), digest=digest)

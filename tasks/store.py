@@ -27,7 +27,7 @@ from typing import Callable, ContextManager
 
 from pydantic import BaseModel
 
-from rlhf_pipeline.tasks import tracking
+from rlhf_pipeline.tasks import lineage, tracking
 from rlhf_pipeline.tasks.artifacts import (
     FILES,
     HISTORY,
@@ -94,17 +94,18 @@ def run_stage(
     trainer: str | None = None,
     hold: Callable[[], ContextManager] = contextlib.nullcontext,
     extra_tags: dict[str, str] | None = None,
+    system_metrics: bool = False,
 ) -> StageOutcome:
     """Publish `<root>/<stage>/<key>/` by running `build`, or reuse it when its manifest exists.
 
     `log_files` are paths inside the stage directory logged to the stage's MLflow
-    run (reports, tables); model weights are logged once, by the pipeline.
+    run (reports, tables); a published `model/` becomes the run's MLflow logged model (`tasks.lineage`).
     `digest_of` names the paths dependents key on (default: every file), so a
     re-run that changes only a report (timestamps, a new rule) re-trains nothing.
     `parts` names paths whose digests are kept one by one (`ArtifactRef.select`).
     `trainer` is the module whose read_source (and imports) is the stage's code version;
     `hold()` is held while the build runs (the caller's device slot); `extra_tags` go on its MLflow run (e.g.
-    `rlhf.round` of a feedback round).
+    `rlhf.round` of a feedback round); `system_metrics`: MLflow samples the machine while it builds (device stages).
     """
     fingerprints = fingerprints or {}
     check_tokenizers(stage, upstream)
@@ -141,7 +142,9 @@ def run_stage(
             for step, values in curves:  # the curves, so cached runs line up in MLflow's compare view
                 tracking.log_metrics(run_id, values, step)
             metrics = {**manifest["metrics"], **resource_metrics(stage, manifest.get("resources", {}))}
-            tracking.log_metrics(run_id, metrics, max((step for step, _ in curves), default=0))
+            last = max((step for step, _ in curves), default=0)
+            tracking.log_metrics(run_id, metrics, last)
+            lineage.record(run_id, ctx.experiment_id, stage, final, upstream, config_json, metrics, last)
             tracking.end_run(run_id)
             if found and tracking.run_status(producer) == "RUNNING":  # published while MLflow was away
                 tracking.set_tags(producer, {"rlhf.recorded_by": run_id})
@@ -187,7 +190,8 @@ def run_stage(
         # A SIGTERM waits (its grace period) for the checkpoint and for the stop's record in MLflow.
         with stopping.training():
             try:
-                with hold(), PeakMemory() as memory:
+                monitored = tracking.system_metrics(run_id) if system_metrics else contextlib.nullcontext()
+                with hold(), monitored, PeakMemory() as memory:
                     metrics = build(tmp, work_dir, log_metrics)
                 if history.is_file():
                     shutil.copy(history, tmp / HISTORY)
@@ -229,7 +233,17 @@ def run_stage(
                 published = True
                 metrics = {**metrics, **resource_metrics(stage, resources)}
                 _record_in_mlflow(
-                    run_id, stage, final, queue, metrics, last_step[0], log_files, outcome_tags(stage, training, log)
+                    run_id,
+                    stage,
+                    final,
+                    queue,
+                    metrics,
+                    last_step[0],
+                    log_files,
+                    outcome_tags(stage, training, log),
+                    lambda: lineage.record(
+                        run_id, ctx.experiment_id, stage, final, upstream, config_json, metrics, last_step[0]
+                    ),
                 )
             except BaseException as exc:
                 # A timed-out or failed build leaves no workers behind (data loaders, generation servers).
@@ -359,8 +373,10 @@ def _record_in_mlflow(
     step: int,
     log_files: tuple[str, ...],
     tags: dict[str, str],
+    record_lineage: Callable[[], object],
 ) -> None:
-    """A published stage's curve, files and final values into its MLflow run, which ends FINISHED. A tracking server
+    """A published stage's curve, files, final values and lineage (`tasks.lineage`) into its MLflow run, which ends
+    FINISHED. A tracking server
     that does not answer fails the attempt transiently: the retry finds the artifact and records it as a cached run
     (its curve read from the artifact's history)."""
     try:
@@ -371,6 +387,7 @@ def _record_in_mlflow(
         for name in (MANIFEST, *log_files):
             _log_file(run_id, final, name)
         tracking.log_metrics(run_id, metrics, step)  # the final values sit at the end of the curves
+        record_lineage()
         tracking.end_run(run_id)
     except Exception as exc:
         queue.abandon()

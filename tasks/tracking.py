@@ -7,8 +7,11 @@ threads. One parent run per flow run; one child run per stage.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -116,11 +119,53 @@ def experiment_id(name: str) -> str:
 
 
 def start_run(experiment: str, run_name: str, tags: dict[str, str], parent_run_id: str | None = None) -> str:
-    tags = {key: redact_text(str(value)) for key, value in tags.items()}
+    tags = {**context_tags(), **{key: redact_text(str(value)) for key, value in tags.items()}}
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
     run = client().create_run(experiment, run_name=run_name, tags=tags)
     return run.info.run_id
+
+
+@functools.cache
+def context_tags() -> dict[str, str]:
+    """MLflow's context tags, as its fluent `start_run` sets them (`mlflow.user`, `mlflow.source.name`/`type`, the
+    entry point's git commit), plus the commit of the checkout this package runs from when the entry point (the
+    `rlhf` script) lies outside one. Resolved once per process."""
+    import subprocess
+
+    from mlflow.tracking.context.registry import resolve_tags
+
+    tags = {key: str(value) for key, value in resolve_tags({}).items()}
+    if "mlflow.source.git.commit" not in tags:
+        here = Path(__file__).resolve().parent
+        try:
+            commit = subprocess.run(
+                ["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            commit = ""
+        if len(commit) == 40:
+            tags["mlflow.source.git.commit"] = commit
+    return tags
+
+
+SYSTEM_METRICS_SECONDS = 5.0
+"""How often the machine's CPU, memory, disk, network (and GPU, with `nvidia-ml-py`) are sampled during a device
+stage; MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL overrides it."""
+
+
+@contextlib.contextmanager
+def system_metrics(run_id: str) -> Iterator[None]:
+    """MLflow's system metrics (`system/...` curves over time) logged to the run while the block runs. Monitoring
+    never fails the stage: MLflow's monitor logs its own problems and stops."""
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    monitor = SystemMetricsMonitor(run_id, sampling_interval=SYSTEM_METRICS_SECONDS, tracking_uri=tracking_uri())
+    monitor.start()
+    try:
+        yield
+    finally:
+        monitor.finish()
 
 
 def run_exists(run_id: str) -> bool:
@@ -204,19 +249,131 @@ def log_dataset_input(
 ) -> None:
     """A dataset as an input of the run (MLflow's Datasets column): name, digest, where it lies, what it was used for
     (`mlflow.data.context`) and tags such as the labeller."""
-    import json
+    log_datasets(
+        run_id,
+        [{"name": name, "digest": digest, "source": source, "context": context, "tags": tags, "profile": profile}],
+    )
 
+
+def log_datasets(run_id: str, datasets: list[dict]) -> None:
+    """Datasets as inputs of the run, in one call: each a dict of `log_dataset_input`'s arguments."""
     from mlflow.entities import Dataset, DatasetInput, InputTag
 
-    dataset = Dataset(
-        name=name,
-        digest=digest,
-        source_type="local",
-        source=json.dumps({"uri": source}),
-        profile=json.dumps(profile) if profile else None,
-    )
-    inputs = [InputTag("mlflow.data.context", context), *(InputTag(k, v) for k, v in tags.items())]
-    client().log_inputs(run_id, datasets=[DatasetInput(dataset, tags=inputs)])
+    inputs = [
+        DatasetInput(
+            Dataset(
+                name=d["name"],
+                digest=d["digest"],
+                source_type="local",
+                source=json.dumps({"uri": d["source"]}),
+                profile=json.dumps(d["profile"]) if d.get("profile") else None,
+            ),
+            tags=[
+                InputTag("mlflow.data.context", d["context"]),
+                *(InputTag(k, redact_text(str(v))) for k, v in d.get("tags", {}).items()),
+            ],
+        )
+        for d in datasets
+    ]
+    if inputs:
+        client().log_inputs(run_id, datasets=inputs)
+
+
+# --- logged models (MLflow 3's Models tab) -------------------------------------------------------------------------
+
+MODEL_DIGEST = "rlhf.model_digest"
+"""The tag that names a logged model's bytes: the publishing stage's artifact digest (`ArtifactRef.digest`)."""
+
+
+def find_logged_model(digest: str) -> str | None:
+    """The id of a finished logged model of these bytes in this tracking store (any experiment), or None."""
+    mlflow = client()
+    experiments = [e.experiment_id for e in mlflow.search_experiments(max_results=1000)]
+    if not digest or not experiments:
+        return None
+    for start in range(0, len(experiments), 100):
+        for model in mlflow.search_logged_models(
+            experiments[start : start + 100], filter_string=f"tags.`{MODEL_DIGEST}` = '{digest}'", max_results=50
+        ):
+            if str(model.status).endswith("READY"):
+                return model.model_id
+    return None
+
+
+def log_model(
+    run_id: str,
+    experiment: str,
+    stage: str,
+    folder: Path,
+    digest: str,
+    params: dict[str, Any],
+    tags: dict[str, str],
+    model_type: str,
+) -> tuple[str, bool]:
+    """The logged model of the published `folder` (a transformers model folder, as `from_pretrained` reads it), made
+    the run's output: (model id, whether it was uploaded now). Bytes already logged in this tracking store (a cached
+    re-run, the same policy registered again) are linked, not copied."""
+    from mlflow.entities import LoggedModelOutput
+
+    mlflow = client()
+    model_id, uploaded = find_logged_model(digest), False
+    if model_id is None:
+        flat = flatten(redact(params))
+        model = mlflow.create_logged_model(
+            experiment,
+            name=stage,
+            source_run_id=run_id,
+            tags={MODEL_DIGEST: digest, **{k: redact_text(str(v))[:5000] for k, v in tags.items()}},
+            params=dict(list(flat.items())[:500]),
+            model_type=model_type,
+        )
+        try:
+            mlflow.log_model_artifacts(model.model_id, str(folder))
+        except BaseException:
+            mlflow.finalize_logged_model(model.model_id, "FAILED")
+            raise
+        mlflow.finalize_logged_model(model.model_id, "READY")
+        model_id, uploaded = model.model_id, True
+    mlflow.log_outputs(run_id, [LoggedModelOutput(model_id, 0)])
+    return model_id, uploaded
+
+
+def log_model_inputs(run_id: str, model_ids: list[str]) -> None:
+    """Logged models the run read (its upstream models): MLflow's model-to-model lineage."""
+    from mlflow.entities import LoggedModelInput
+
+    if model_ids:
+        client().log_inputs(run_id, models=[LoggedModelInput(model_id) for model_id in model_ids])
+
+
+def log_model_metrics(run_id: str, model_id: str, metrics: dict[str, float], step: int = 0) -> None:
+    """The run's final metrics, linked to its logged model (the model's page lists them)."""
+    import time
+
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    rows = [Metric(k, float(v), now, step, model_id=model_id) for k, v in metrics.items()]
+    for start in range(0, len(rows), 1000):
+        client().log_batch(run_id, metrics=rows[start : start + 1000])
+
+
+def logged_model(model_id: str):
+    return client().get_logged_model(model_id)
+
+
+def download_logged_model(model_id: str, dst: Path) -> Path:
+    """The files of a logged model, downloaded once to `dst` (a temporary folder renamed into place)."""
+    import mlflow
+
+    if not (dst / "config.json").is_file():
+        tmp = dst.with_name(dst.name + ".partial")
+        tmp.mkdir(parents=True, exist_ok=True)
+        mlflow.artifacts.download_artifacts(
+            artifact_uri=f"models:/{model_id}", dst_path=str(tmp), tracking_uri=tracking_uri()
+        )
+        tmp.rename(dst)
+    return dst
 
 
 def log_artifacts(run_id: str, local: Path, artifact_path: str | None = None) -> None:
@@ -285,8 +442,9 @@ def run_link(run_id: str) -> str:
 # --- model registry ----------------------------------------------------------------
 
 
-def register_version(name: str, source: str, run_id: str, tags: dict[str, str]) -> str:
-    """A new version of registered model `name` from logged artifacts; returns the version number."""
+def register_version(name: str, source: str, run_id: str, tags: dict[str, str], model_id: str | None = None) -> str:
+    """A new version of registered model `name` (of logged model `model_id`: MLflow lists the version on the logged
+    model's page, its tag `mlflow.modelVersions`); returns the version number."""
     from mlflow.exceptions import MlflowException
 
     mlflow = client()
@@ -295,7 +453,9 @@ def register_version(name: str, source: str, run_id: str, tags: dict[str, str]) 
     except MlflowException as exc:
         if "already exists" not in str(exc).lower() and "RESOURCE_ALREADY_EXISTS" not in str(exc):
             raise
-    version = mlflow.create_model_version(name, source, run_id=run_id, tags={k: str(v)[:5000] for k, v in tags.items()})
+    version = mlflow.create_model_version(
+        name, source, run_id=run_id, tags={k: str(v)[:5000] for k, v in tags.items()}, model_id=model_id
+    )
     return str(version.version)
 
 

@@ -132,6 +132,7 @@ def train_stage(
         trainer=row.trainer,
         hold=device_hold(stage, row.device, prefect_log, ctx.wait_seconds),
         extra_tags={"rlhf.round": str(round_)} if round_ else None,
+        system_metrics=row.device,
     )
     return dataclasses.replace(outcome, skipped=True) if switched_off else outcome
 

@@ -11,11 +11,13 @@ import urllib.request
 from pathlib import Path
 
 
-def start(store_uri: str, port: int, pid_file: Path, timeout: float = 120) -> int:
-    """Start it (one worker), write its pid to `pid_file`, and return once /health answers."""
+def start(store_uri: str, port: int, pid_file: Path, timeout: float = 120, artifacts: Path | None = None) -> int:
+    """Start it (one worker), write its pid to `pid_file`, and return once /health answers. `artifacts`: the folder
+    the server keeps artifacts in (it serves them over HTTP); default its working directory's `mlartifacts`."""
     server = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", store_uri, "--workers", "1"]
-        + ["--host", "127.0.0.1", "--port", str(port)],
+        + ["--host", "127.0.0.1", "--port", str(port)]
+        + (["--artifacts-destination", str(artifacts)] if artifacts else []),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
