@@ -177,6 +177,16 @@ def test_prefect_yaml_registers_the_same_deployments_on_a_process_pool(service):
         "description"
     ]
     assert made["rlhf/full"].job_variables["env"] == WORKER_ENV
+    # The version from the file's build step, the tags, the retrain limit and its trigger's automation, as served.
+    from rlhf_pipeline.deployments.serve import RETRAIN_TRIGGER, deployment_version
+
+    assert {d.version for d in made.values()} == {deployment_version()}
+    assert made["rlhf/retrain"].tags == ["rlhf", "ppo", "retrain"] and made["rlhf/grpo"].tags == ["rlhf", "grpo"]
+    retrain = made["rlhf/retrain"]
+    assert retrain.global_concurrency_limit.limit == 1 and retrain.concurrency_options.collision_strategy == "ENQUEUE"
+    with service["client"]() as client:
+        [automation] = client.read_automations_by_name(RETRAIN_TRIGGER["name"])  # replaced, not added beside serve's
+    assert automation.trigger.expect == {"rlhf.data.updated"} and automation.actions[0].deployment_id == retrain.id
 
 
 def test_rlhf_deploy_registers_the_served_deployments_on_a_pool_with_forms_that_lead(service):
