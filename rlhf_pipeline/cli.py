@@ -77,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
         help="override an eval field, e.g. --set eval.max_prompts=200",
     )
     serve = commands.add_parser(
-        "serve", help="serve the deployments (rlhf/full, dpo, grpo, rloo, retrain, rlhf-eval/eval)"
+        "serve", help="serve the deployments (rlhf/full, one per other algorithm, rlhf/retrain, rlhf-eval/eval)"
     )
     deploy = commands.add_parser("deploy", help="register the same deployments on a work pool, for its workers to run")
     deploy.add_argument(
