@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.artifacts import RunContext, StageOutcome
 from rlhf_pipeline.tasks.orchestration import device_hold, prefect_log, stage_task
 from rlhf_pipeline.tasks.stages import BY_NAME, pair_readers
@@ -55,18 +56,23 @@ def validate_data(
     def build(out_dir: Path, work_dir: Path, log_metrics) -> dict[str, float]:
         from rlhf_pipeline.validators import stage as data
 
-        metrics = data.train(
-            config,
-            model,
-            limits,
-            out_dir,
-            work_dir,
-            log_metrics,
-            pairs_for=pairs_for,
-            assistant_only_loss=assistant_only_loss,
-            required_columns=required_columns,
-            fingerprints=fingerprints,
-        )
+        try:
+            metrics = data.train(
+                config,
+                model,
+                limits,
+                out_dir,
+                work_dir,
+                log_metrics,
+                pairs_for=pairs_for,
+                assistant_only_loss=assistant_only_loss,
+                required_columns=required_columns,
+                fingerprints=fingerprints,
+                gx_project=tracking.state_dir(),  # GX's file context, its validation history: <state>/gx/
+            )
+        except Exception:
+            publish_failed_rules(work_dir / "report")  # before the error ends the task: the run explains itself
+            raise
         for name, (_, spec) in sources.items():
             if count := metrics.get(f"data/{name}/duplicate_rows"):
                 report = json.loads((out_dir / "report" / name / "validation.json").read_text())
@@ -80,9 +86,10 @@ def validate_data(
         return metrics
 
     row = BY_NAME["data"]
-    # Dependents key on the frozen datasets alone (a stricter rule or a new report re-trains nothing),
-    # and each on the datasets it reads (`parts`): a new preference file does not re-run sft.
-    return run_stage(
+    # Dependents key on the frozen datasets alone (a stricter rule or a new report re-trains nothing, nor do the
+    # report's Data Docs with their run times), and each on the datasets it reads (`parts`): a new preference file
+    # does not re-run sft.
+    outcome = run_stage(
         "data",
         keyed,
         {},
@@ -96,6 +103,96 @@ def validate_data(
         trainer=row.trainer,
         hold=device_hold(row.name, row.device, prefect_log, ctx.wait_seconds),
     )
+    link_data_docs(outcome, list(sources))
+    return outcome
+
+
+REPORT_ARTIFACT = "rlhf-data-report"
+DOCS_ARTIFACT = "rlhf-data-docs"
+
+
+def failed_rules(report_dir: Path) -> list[dict[str, object]]:
+    """One row per failed rule of the reports in `report_dir/<dataset>/` (raw file checks, then the dataset's
+    rules): dataset, file, rule, rows failed, example rows."""
+    rows: list[dict[str, object]] = []
+    for folder in sorted(path for path in report_dir.glob("*") if path.is_dir()):
+        reports = []
+        if (folder / "files.json").is_file():
+            reports += json.loads((folder / "files.json").read_text())
+        if (folder / "validation.json").is_file():
+            reports.append(json.loads((folder / "validation.json").read_text()))
+        for report in reports:
+            unit = report.get("unit", "row")
+            for rule in report["rules"]:
+                if rule["success"]:
+                    continue
+                examples = "; ".join(f"{unit} {e[unit]}: {e['value']}" for e in rule["examples"][:MAX_EXAMPLE_ROWS])
+                rows.append(
+                    {
+                        "dataset": folder.name,
+                        "file": report["source"],
+                        "rule": rule["rule"],
+                        f"{unit}s failed": rule["failed_count"],
+                        "example rows": examples or rule["description"],
+                    }
+                )
+    return rows
+
+
+MAX_EXAMPLE_ROWS = 3
+
+
+def publish_failed_rules(report_dir: Path) -> None:
+    """The failed rules and rows as a Prefect table artifact of the task run (`rlhf-data-report`), when the data
+    checks ran inside one."""
+    rows = failed_rules(report_dir)
+    if not rows or not _in_prefect_run():
+        return
+    from prefect.artifacts import create_table_artifact
+
+    create_table_artifact(
+        key=REPORT_ARTIFACT,
+        table=rows,
+        description=f"Data checks failed: {len(rows)} rules broken; the reports and Data Docs are in {report_dir}",
+    )
+
+
+def link_data_docs(outcome: StageOutcome, names: list[str]) -> None:
+    """Each dataset's Data Docs, linked from the stage's MLflow run (tags `rlhf.data_docs.<dataset>`: the page in the
+    state folder's GX site, whose index lists every validation; the report's copy is among the run's artifacts) and
+    from the Prefect run (a markdown artifact, `rlhf-data-docs`)."""
+    pages: dict[str, tuple[dict, str | None]] = {}
+    for name in names:
+        path = outcome.ref.path / "report" / name / "validation.json"
+        if path.is_file():
+            report = json.loads(path.read_text())
+            pages[name] = report, report.get("history")
+    links = {f"rlhf.data_docs.{name}": history for name, (_, history) in pages.items() if history}
+    if links and outcome.mlflow_run_id:
+        tracking.set_tags(outcome.mlflow_run_id, links)
+    if not pages or not _in_prefect_run():
+        return
+    from prefect.artifacts import create_markdown_artifact
+
+    lines = ["| dataset | file | rows | rules | Data Docs |", "|---|---|---:|---|---|"]
+    for name, (report, history) in pages.items():
+        passed = sum(rule["success"] for rule in report["rules"])
+        docs = f"[history]({history})" if history else "-"
+        copy = report.get("data_docs")
+        docs += f" (this run: `{copy}`)" if copy else ""
+        rules = f"{passed} of {len(report['rules'])} passed"
+        lines.append(f"| {name} | `{report['source']}` | {report['num_rows']} | {rules} | {docs} |")
+    create_markdown_artifact(
+        key=DOCS_ARTIFACT,
+        markdown="# Data checks\n\n" + "\n".join(lines) + "\n",
+        description="Great Expectations Data Docs of every dataset the data stage checked",
+    )
+
+
+def _in_prefect_run() -> bool:
+    from prefect.context import FlowRunContext, TaskRunContext
+
+    return FlowRunContext.get() is not None or TaskRunContext.get() is not None
 
 
 def _token_limits(config: DataConfig, model: ModelConfig | None, max_tokens: dict[str, int] | None) -> dict[str, int]:

@@ -44,7 +44,11 @@ class ValidationReport:
     num_rows: int
     rules: list[RuleResult]
     data_docs: str | None = None
-    """Path of the Great Expectations Data Docs index.html, when they were built."""
+    """Path of this validation's Great Expectations Data Docs page (an index.html, or the page copied beside the
+    report from the history site), when they were built."""
+    history: str | None = None
+    """file:// URL of this validation's page in the state folder's GX Data Docs site, whose index lists every run
+    (the data stage's file context; validators.suite)."""
     unit: Literal["row", "line"] = "row"
     """What num_rows and the examples count: 0-based dataset rows, or the
     1-based lines of a file (validators.files checks a file before it is parsed)."""

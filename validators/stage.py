@@ -30,10 +30,12 @@ def train(
     assistant_only_loss: bool = False,
     required_columns: dict[str, tuple[str, ...]] | None = None,
     fingerprints: dict[str, str] | None = None,
+    gx_project: Path | None = None,
 ) -> dict[str, float]:
     """The `data` stage: check every dataset (`check_datasets`), then freeze Parquet copies into
     `out_dir/datasets/<name>.parquet` for later stages. Every broken dataset is reported at once and nothing
-    is written to `out_dir`; the reports stay in `work_dir/report` (named in the error)."""
+    is written to `out_dir`; the reports stay in `work_dir/report` (named in the error). With `gx_project`, GX's
+    file context under `gx_project/gx/` keeps every validation in its history (validators.suite)."""
     import shutil
 
     passed, failures = check_datasets(
@@ -45,6 +47,7 @@ def train(
         assistant_only_loss,
         required_columns=required_columns,
         fingerprints=fingerprints,
+        gx_project=gx_project,
     )
     # Report every broken dataset at once, then stop before any training.
     if len(failures) == 1:
@@ -72,6 +75,7 @@ def check_datasets(
     tokenizer=None,
     required_columns: dict[str, tuple[str, ...]] | None = None,
     fingerprints: dict[str, str] | None = None,
+    gx_project: Path | None = None,
 ) -> tuple[dict[str, tuple], list[ValueError]]:
     """Check every dataset: raw file, Great Expectations rules, chat template and token lengths (counted
     with `model`'s tokenizer, or `tokenizer`), train/eval leakage. Returns the datasets that passed
@@ -83,12 +87,16 @@ def check_datasets(
     inside the template's {% generation %} marks. `required_columns` names columns a dataset must have for
     this run (the reference answers a gate on exact match needs, when the parameters could not look: a hub id).
     `fingerprints` (the stage key's): the bytes each local dataset is read from must be these.
+    `gx_project`: the folder whose `gx/` holds GX's file context (the data stage's state folder), where each
+    dataset's suite is named after it and its validations kept; None (`rlhf check`): an ephemeral context.
     """
+    import contextlib
     import json
 
     from rlhf_pipeline.validators.files import check_files
     from rlhf_pipeline.validators.leakage import Split, check_leakages
     from rlhf_pipeline.validators.report import DataValidationError
+    from rlhf_pipeline.validators.suite import History
     from rlhf_pipeline.validators.validate import REPORT_FILE, validate_dataset
 
     sources = cfg.sources()
@@ -100,54 +108,61 @@ def check_datasets(
     model_name = repr(model.name_or_path) if model is not None else "the model"
     failures: list[ValueError] = []
     passed: dict[str, tuple] = {}
-    for name, (kind, spec) in sources.items():
-        # Raw bytes first: `datasets` names neither file nor line for a cut-off
-        # JSON line, a non-UTF-8 byte or an empty file.
-        files = check_files(kind, local_files(spec) or [])
-        if files:
-            (report_dir / name).mkdir(parents=True, exist_ok=True)
-            text = json.dumps([report.to_dict() for report in files], indent=2, ensure_ascii=False)
-            (report_dir / name / "files.json").write_text(text + "\n")
-        broken = [report for report in files if not report.success]
-        if broken:
-            failures += [DataValidationError(report) for report in broken]
-            continue
-        try:
-            dataset = load_source(spec, (fingerprints or {}).get(name))
-            report = validate_dataset(
-                kind,
-                dataset,
-                source=spec.path,
-                report_dir=report_dir / name,
-                max_tokens=limits.get(name),
-                tokenizer=tokenizer,
-                model_name=model_name,
-                assistant_only=assistant_only_loss and name == "sft",
-            )
-        except ValueError as exc:  # a broken rule, or a file `datasets` cannot read
-            failures.append(exc)
-            continue
-        if (infinite := _finite_numbers(dataset)) is not None:
-            report.rules.append(infinite)
-            report.write_json(report_dir / name / REPORT_FILE)
-            failures.append(DataValidationError(report))
-            continue
-        missing = [column for column in (required_columns or {}).get(name, ()) if column not in dataset.column_names]
-        if missing:
-            report.rules.append(_required_columns(name, missing, dataset.column_names, len(dataset)))
-            report.write_json(report_dir / name / REPORT_FILE)
-            failures.append(DataValidationError(report))
-            continue
-        if (repeated := _duplicate_rows(dataset)) is not None:  # reported, not refused: upsampling repeats rows
-            report.rules.append(repeated)
-            report.write_json(report_dir / name / REPORT_FILE)
-        readers = (pairs_for or {}).get(name, ())
-        if readers and report.format is not None and "label" in report.format.columns:
-            report.rules.append(_unpaired_for(readers, len(dataset)))
-            report.write_json(report_dir / name / REPORT_FILE)
-            failures.append(DataValidationError(report))
-            continue
-        passed[name] = (Split(name, kind, spec.path, dataset), report)
+    # One GX file context for every dataset of the run, opened once (validators.suite.History); None: ephemeral ones.
+    history = None if gx_project is None else History(gx_project)
+    with history if history is not None else contextlib.nullcontext():
+        for name, (kind, spec) in sources.items():
+            # Raw bytes first: `datasets` names neither file nor line for a cut-off
+            # JSON line, a non-UTF-8 byte or an empty file.
+            files = check_files(kind, local_files(spec) or [])
+            if files:
+                (report_dir / name).mkdir(parents=True, exist_ok=True)
+                text = json.dumps([report.to_dict() for report in files], indent=2, ensure_ascii=False)
+                (report_dir / name / "files.json").write_text(text + "\n")
+            broken = [report for report in files if not report.success]
+            if broken:
+                failures += [DataValidationError(report) for report in broken]
+                continue
+            try:
+                dataset = load_source(spec, (fingerprints or {}).get(name))
+                report = validate_dataset(
+                    kind,
+                    dataset,
+                    source=spec.path,
+                    report_dir=report_dir / name,
+                    max_tokens=limits.get(name),
+                    tokenizer=tokenizer,
+                    model_name=model_name,
+                    assistant_only=assistant_only_loss and name == "sft",
+                    name=name,
+                    gx_project=history,
+                )
+            except ValueError as exc:  # a broken rule, or a file `datasets` cannot read
+                failures.append(exc)
+                continue
+            if (infinite := _finite_numbers(dataset)) is not None:
+                report.rules.append(infinite)
+                report.write_json(report_dir / name / REPORT_FILE)
+                failures.append(DataValidationError(report))
+                continue
+            missing = [
+                column for column in (required_columns or {}).get(name, ()) if column not in dataset.column_names
+            ]
+            if missing:
+                report.rules.append(_required_columns(name, missing, dataset.column_names, len(dataset)))
+                report.write_json(report_dir / name / REPORT_FILE)
+                failures.append(DataValidationError(report))
+                continue
+            if (repeated := _duplicate_rows(dataset)) is not None:  # reported, not refused: upsampling repeats rows
+                report.rules.append(repeated)
+                report.write_json(report_dir / name / REPORT_FILE)
+            readers = (pairs_for or {}).get(name, ())
+            if readers and report.format is not None and "label" in report.format.columns:
+                report.rules.append(_unpaired_for(readers, len(dataset)))
+                report.write_json(report_dir / name / REPORT_FILE)
+                failures.append(DataValidationError(report))
+                continue
+            passed[name] = (Split(name, kind, spec.path, dataset), report)
 
     # A dataset that failed its own rules is already reported. No held-out dataset is trained on, so
     # dropping one that leaks changes no other check: all of them run at once, each training set read once.

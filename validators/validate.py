@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -10,7 +11,7 @@ from rlhf_pipeline.validators.lengths import count_tokens, fits_max_length
 from rlhf_pipeline.validators.report import MAX_EXAMPLES, DataValidationError, RuleResult, ValidationReport
 from rlhf_pipeline.validators.rules import CHECKS, TOOLS_RENDERED, Rule, label_checks, rules_for
 from rlhf_pipeline.validators.screen import derive_batch
-from rlhf_pipeline.validators.suite import Suite, derived_frame
+from rlhf_pipeline.validators.suite import Frame, History, Native, run_suite
 from rlhf_pipeline.validators.template_rules import (
     chat_template_rule,
     end_of_turn_rule,
@@ -40,6 +41,8 @@ def validate_dataset(
     model_name: str = "the model",
     assistant_only: bool = False,
     batch_rows: int = BATCH_ROWS,
+    name: str | None = None,
+    gx_project: pathlib.Path | History | None = None,
 ) -> ValidationReport:
     """Check `dataset` against the rules for its kind and format.
 
@@ -51,7 +54,9 @@ def validate_dataset(
     The rows are read `batch_rows` at a time, so memory does not grow with the dataset; the report
     names offending rows by their 0-based dataset index whatever the batch.
     Writes report_dir/validation.json and report_dir/data_docs/ (GX Data Docs)
-    when report_dir is given, whether validation passes or not. Returns the
+    when report_dir is given, whether validation passes or not. The suite is named `name` (default: the kind);
+    with `gx_project` (a folder, or a `History` already open on one), GX's file context under `gx_project/gx/` keeps
+    it and this validation in its history (validators.suite), else an ephemeral context validates. Returns the
     report when every rule passes; raises DataValidationError (with .report)
     naming the source, the failed rules and example rows otherwise.
     """
@@ -90,31 +95,36 @@ def validate_dataset(
         checks = {**(checks or CHECKS), **TOOLS_RENDERED}
 
     docs_dir = None if report_dir is None else report_dir / DATA_DOCS_DIR
-    suite = Suite(kind, rules, source=source, docs_dir=docs_dir)
-    examples: dict[str, list[dict[str, Any]]] = {rule.name: [] for rule in rules}
+    native = native_expectations(fmt, dataset, rules)
+    frame = Frame(rules, own=sorted({expectation.column for expectation in native}))
+    # GX runs once over the whole dataset's frame; explanations live as long as their batch, so each rule keeps those
+    # of its first offending rows (the rows GX names first: it lists them in dataset order).
+    kept: dict[str, dict[int, str]] = {rule.name: {} for rule in rules}
     for batch in record_batches(dataset, fmt.columns, batch_rows):
         derived = derive_batch(fmt, batch, own, checks)
         for rule, extra in extras:
             derived.columns[rule.column], why = extra(batch)
             derived.explanations[rule.name] = {batch.start + row: text for row, text in why.items()}
-        outcomes = suite.validate(derived_frame(derived, rules, batch.num_rows, start=batch.start))
-        # Explanations live as long as their batch: keep those of the first offending rows GX names.
+        frame.add(derived, batch.num_rows, batch.table)
         for rule in rules:
-            kept, why = examples[rule.name], derived.explanations.get(rule.name, {})
-            kept += [
-                {"row": row, "value": why.get(row, "(no explanation)")}
-                for row in outcomes[rule.name].rows[: MAX_EXAMPLES - len(kept)]
-            ]
-    run = suite.finish()
+            room = MAX_EXAMPLES - len(kept[rule.name])
+            if room > 0:
+                why = derived.explanations.get(rule.name, {})
+                kept[rule.name].update((row, why[row]) for row in sorted(why)[:room])
+    with History(gx_project) if isinstance(gx_project, pathlib.Path) else contextlib.nullcontext(gx_project) as history:
+        run = run_suite(
+            name or kind, rules, frame.frame(), source=source, native=native, docs_dir=docs_dir, history=history
+        )
 
     results = []
     for rule in rules:
         outcome = run.outcomes[rule.name]
-        results.append(
-            RuleResult(rule.name, rule.description, outcome.success, outcome.failed_count, examples[rule.name])
-        )
+        examples = [
+            {"row": row, "value": kept[rule.name].get(row, "(no explanation)")} for row in outcome.rows[:MAX_EXAMPLES]
+        ]
+        results.append(RuleResult(rule.name, rule.description, outcome.success, outcome.failed_count, examples))
     data_docs = None if run.data_docs is None else str(run.data_docs)
-    report = ValidationReport(source, kind, fmt, len(dataset), results, data_docs=data_docs)
+    report = ValidationReport(source, kind, fmt, len(dataset), results, data_docs=data_docs, history=run.history)
     _write(report, report_dir)
     if not report.success:
         raise DataValidationError(report)
@@ -124,3 +134,26 @@ def validate_dataset(
 def _write(report: ValidationReport, report_dir: pathlib.Path | None) -> None:
     if report_dir is not None:
         report.write_json(report_dir / REPORT_FILE)
+
+
+def native_expectations(fmt, dataset: datasets.Dataset, rules: list[Rule]) -> list[Native]:
+    """GX's own expectations on the dataset's own columns, one a column, each part of a rule, so that the Data Docs
+    speak of `prompt` and `chosen`, not only of derived flags. Each fails only on rows its rule's derived column
+    fails too: an empty text is a blank one (`text_not_blank`, whose derived column also catches whitespace-only texts;
+    GX's length check skips missing values, which `consistent_types` reports), and a missing value is a type error
+    (`consistent_types`; a missing label, `label_is_boolean`). One a column: each adds rows to every Data Docs page,
+    and rendering those pages is most of the data stage's time on small datasets."""
+    import pyarrow as pa
+
+    names = {rule.name for rule in rules}
+    schema = dataset.data.schema
+    found: list[Native] = []
+    for column in fmt.columns:
+        arrow_type = schema.field(column).type
+        is_text = pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type)
+        rule = "label_is_boolean" if column == "label" else "consistent_types"
+        if "text_not_blank" in names and is_text and not fmt.conversational and column in fmt.text_columns:
+            found.append(Native("not_empty", column, "text_not_blank"))
+        elif rule in names:
+            found.append(Native("not_null", column, rule))
+    return found

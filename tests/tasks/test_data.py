@@ -142,3 +142,70 @@ def test_the_data_stage_says_how_many_rows_repeat_and_which(small_data, ctx, tmp
         f"data: {prefs}: 1 of 8 rows repeat an earlier row exactly (e.g. row 7: same as row 1); kept, and reported as "
         "rule no_duplicate_rows"
     ]
+
+
+@pytest.fixture(scope="session")
+def prefect_api():
+    """A Prefect server for this module's runs (tests/flows starts its own the same way)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def test_failed_checks_are_a_prefect_table_and_passed_ones_link_their_data_docs(
+    prefect_api, small_data, ctx, tmp_path, monkeypatch
+):
+    """A data task whose checks fail leaves a table artifact naming file, rule and rows before it fails; one that
+    passes links each dataset's Data Docs (the state folder's GX history site) from Prefect and from MLflow."""
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    from tests.helpers import write_jsonl
+
+    state = tmp_path / "state"
+    monkeypatch.setenv(tracking.STATE_ENV, str(state))
+    rows = [{"prompt": f"sort {n}1 -> ", "chosen": f"1{n}", "rejected": f"{n}1"} for n in range(2, 9)]
+    rows[2]["rejected"] = rows[2]["chosen"]
+    rows[5]["rejected"] = rows[5]["chosen"]
+    bad = write_jsonl(tmp_path / "prefs.jsonl", rows)
+    broken = small_data.model_copy(update={"preference": DatasetSpec(path=str(bad))})
+
+    @flow
+    def check(config: DataConfig):
+        return validate_data(config, ctx)
+
+    def artifacts(run_state, key: str) -> list:
+        with get_client(sync_client=True) as client:
+            return client.read_artifacts(
+                artifact_filter=ArtifactFilter(
+                    key=ArtifactFilterKey(any_=[key]),
+                    flow_run_id=ArtifactFilterFlowRunId(any_=[run_state.state_details.flow_run_id]),
+                )
+            )
+
+    failed = check(broken, return_state=True)
+    assert failed.is_failed()
+    [table] = artifacts(failed, "rlhf-data-report")
+    assert table.type == "table"
+    assert json.loads(table.data) == [
+        {
+            "dataset": "preference",
+            "file": str(bad),
+            "rule": "chosen_differs_from_rejected",
+            "rows failed": 2,
+            "example rows": "row 2: chosen == rejected == '14'; row 5: chosen == rejected == '17'",
+        }
+    ]
+
+    passed = check(small_data, return_state=True)
+    assert passed.is_completed()
+    ref = passed.result()
+    [docs] = artifacts(passed, "rlhf-data-docs")
+    history = state / "gx" / "uncommitted" / "data_docs" / "local_site"
+    tags = tracking.client().get_run(ref.manifest()["mlflow_run_id"]).data.tags
+    for name in DataConfig().sources():
+        link = tags[f"rlhf.data_docs.{name}"]
+        assert link.startswith(history.as_uri() + "/validations/" + name + "/") and link in docs.data
+        assert (ref.path / "report" / name / "data_docs").is_dir()  # this run's pages, logged to MLflow with the report
