@@ -138,7 +138,11 @@ class Frame:
             # An extension type (datasets' Json) by its storage: GX reads nulls and lengths, which it keeps.
             arrays = [a.storage if isinstance(a, pa.ExtensionArray) else a for c in chunks for a in c.chunks]
             values = pa.chunked_array(arrays, type=arrays[0].type if arrays else pa.null())
-            columns[column] = pd.Series(pd.arrays.ArrowExtensionArray(values), index=rows)
+            # Texts as pandas' Arrow-backed string array (no copy either): GX fingerprints every batch under 1 GB
+            # with pandas' hash_pandas_object, which hashes these twice as fast as the generic Arrow dtype's.
+            text = pa.types.is_string(values.type) or pa.types.is_large_string(values.type)
+            view = pd.arrays.ArrowStringArray(values) if text else pd.arrays.ArrowExtensionArray(values)
+            columns[column] = pd.Series(view, index=rows)
         return pd.DataFrame(columns, index=rows)
 
 
