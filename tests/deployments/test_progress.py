@@ -22,17 +22,25 @@ from tests.flows.helpers import CI_PRESET, task_runs
 
 
 class PacedSteps(TrainerCallback):
-    """Each step takes at least `seconds` more: sft lasts long enough for two readings of the page on any machine (a
-    step of the tiny model takes 0.1 s on a quiet one, 1-2 s on this busy 2-core one)."""
+    """Each step takes `seconds` more until the file `until` exists (the test writes it once it has read the page
+    twice): sft lasts long enough for two readings on any machine, however long the browser takes to open the page
+    (a step of the tiny model takes 0.1 s on a quiet machine, 1-2 s on a busy 2-core one), and no longer."""
 
-    def __init__(self, seconds: float):
-        self.seconds = seconds
+    def __init__(self, seconds: float, until: str):
+        self.seconds, self.until = seconds, Path(until)
 
     def on_step_end(self, args, state, control, **kwargs):
-        time.sleep(self.seconds)
+        if not self.until.exists():
+            time.sleep(self.seconds)
 
 
-SFT = {"max_steps": 20, "callbacks": [{"path": f"{__name__}:PacedSteps", "kwargs": {"seconds": 0.5}}]}
+def paced_sft(until: Path) -> dict:
+    return {
+        "max_steps": 20,
+        "callbacks": [{"path": f"{__name__}:PacedSteps", "kwargs": {"seconds": 3.0, "until": str(until)}}],
+    }
+
+
 PRESET = {"extends": CI_PRESET, **SMALLER_BATCHES, "registry": {"enabled": False}}
 
 
@@ -94,7 +102,7 @@ def test_while_sft_trains_its_progress_artifact_advances_and_after_the_run_the_e
     with running_service(tmp_path / "service", ["--config", str(preset)]) as service:
         grpo = deployment(service, "rlhf/grpo")
         with service["client"]() as client:
-            run = client.create_flow_run_from_deployment(grpo.id, parameters={"sft": SFT})
+            run = client.create_flow_run_from_deployment(grpo.id, parameters={"sft": paced_sft(tmp_path / "seen")})
         run_page = f"{service['env']['PREFECT_API_URL'].removesuffix('/api')}/runs/flow-run/{run.id}"
         already = set(children(os.getpid()))
         with sync_playwright() as playwright:
@@ -113,6 +121,7 @@ def test_while_sft_trains_its_progress_artifact_advances_and_after_the_run_the_e
                     time.sleep(2)
                     page.reload()
                     readings.append((shown_progress(page), sft_state(service, run.id)))
+                (tmp_path / "seen").touch()  # sft may run at full speed now
                 first, last = readings[0], readings[-1]
                 # Both read while sft trained (its state read after the page), and it advanced on the page.
                 assert first[1] == last[1] == "Running" and first[0] < last[0] < 100, readings

@@ -52,11 +52,14 @@ def test_dpo_on_pairs_the_verifier_made_from_sfts_answers_beats_sft_by_ten_point
     assert policy >= sft + 0.10, (sft, policy)
     [labelled] = [r for r in children(summary) if r.data.tags.get("rlhf.part") == "labels"]
     assert labelled.data.metrics["pairs/made"] >= 100 and labelled.data.tags["rlhf.labeller"] == "function"
-    # The pairs are an MLflow dataset input of that run, with their digest and labeller.
-    [logged] = labelled.inputs.dataset_inputs
+    # The pairs are an MLflow dataset input of that run, with their digest and labeller, and of the dpo run.
+    [logged] = [d for d in labelled.inputs.dataset_inputs if d.dataset.name.startswith("pairs-")]
     manifest = json.loads((Path(labelled.data.tags["rlhf.artifact"]) / "manifest.json").read_text())
     assert logged.dataset.digest == manifest["digest"][:16] and logged.dataset.name == "pairs-function"
     assert {t.key: t.value for t in logged.tags}["rlhf.labeller"] == "function"
+    [dpo] = [r for r in children(summary) if r.data.tags.get("rlhf.stage") == "dpo"]
+    trained_on = {d.dataset.name: d.dataset.digest for d in dpo.inputs.dataset_inputs}
+    assert trained_on.get("pairs") == manifest["digest"][:16], trained_on
     print(f"held-out exact match: sft {sft:.3f}, dpo on made pairs {policy:.3f}")
 
 

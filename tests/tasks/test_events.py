@@ -25,10 +25,16 @@ def outcome(version: str, promoted: bool, reason: str, previous: str | None) -> 
 
 @pytest.fixture(scope="module")
 def prefect_api():
+    """A test server of this module's own. Prefect's events worker is one per process and keeps the API it started
+    with (an earlier test's server, under xdist): it is drained before and after, so these events reach this server
+    and later ones reach theirs."""
+    from prefect.events.worker import EventsWorker
     from prefect.testing.utilities import prefect_test_harness
 
+    EventsWorker.drain_all()
     with prefect_test_harness(server_startup_timeout=120):
         yield
+        EventsWorker.drain_all()
 
 
 def read_back(count: int, timeout: float = 60) -> list:
