@@ -48,6 +48,18 @@ os.environ.pop("PREFECT_API_URL", None)
 
 
 @pytest.fixture(scope="session")
+def prefect():
+    """One Prefect test server for every test of the session that runs flows (starting one takes seconds). One, not
+    one per folder: Prefect's events worker, which carries task runs' states to the server, is one per process and
+    keeps the API it started with, so a second server nested in the session would receive the first's task runs.
+    (tests/tasks/test_events.py keeps its own, and drains that worker before and after.)"""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="session")
 def state_dir() -> Path:
     return _STATE
 

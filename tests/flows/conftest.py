@@ -1,16 +1,8 @@
 from __future__ import annotations
 
 import pytest
-from prefect.testing.utilities import prefect_test_harness
 
 from rlhf_pipeline.tasks import tracking
-
-
-@pytest.fixture(scope="session")
-def prefect():
-    """One Prefect server for every flow test (starting one takes seconds)."""
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
 
 
 @pytest.fixture

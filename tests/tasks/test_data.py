@@ -144,17 +144,8 @@ def test_the_data_stage_says_how_many_rows_repeat_and_which(small_data, ctx, tmp
     ]
 
 
-@pytest.fixture(scope="session")
-def prefect_api():
-    """A Prefect server for this module's runs (tests/flows starts its own the same way)."""
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
-
-
 def test_failed_checks_are_a_prefect_table_and_passed_ones_link_their_data_docs(
-    prefect_api, small_data, ctx, tmp_path, monkeypatch
+    prefect, small_data, ctx, tmp_path, monkeypatch
 ):
     """A data task whose checks fail leaves a table artifact naming file, rule and rows before it fails; one that
     passes links each dataset's Data Docs (the state folder's GX history site) from Prefect and from MLflow."""
