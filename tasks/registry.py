@@ -85,7 +85,13 @@ def register_policy(
             **{k: f"{v:.6g}" for k, v in metrics.items()},
         }
         version = tracking.register_version(
-            cfg.model_name, f"models:/{model_id}", ctx.parent_run_id, tags, model_id=model_id
+            # The logged model's own artifact location: a `models:/m-<id>` source makes MLflow's SQL registry look
+            # the model up through the process-wide tracking URI, which may be another store.
+            cfg.model_name,
+            tracking.logged_model(model_id).artifact_location,
+            ctx.parent_run_id,
+            tags,
+            model_id=model_id,
         )
     tracking.set_alias(cfg.model_name, CANDIDATE, version)
 

