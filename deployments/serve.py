@@ -157,8 +157,10 @@ def serve(
 ) -> None:
     from prefect import serve as prefect_serve
 
+    from rlhf_pipeline.tasks import tracking
     from rlhf_pipeline.tasks.orchestration import ensure_device_limit
 
+    tracking.client()  # a SQLite store gets its tables now, before the runs served here (and their hooks) open it
     made = deployments(preset, retrain_cron, retrain_overrides, retrain_collision)
     ensure_device_limit()
     # SIGTERM must not pause the deployments (and with them the retrain schedule).

@@ -84,8 +84,25 @@ def client():
 
     uri = tracking_uri()
     if uri.startswith("sqlite:///"):
-        Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        create_database(uri)
     return MlflowClient(tracking_uri=uri)
+
+
+@functools.cache
+def create_database(uri: str) -> None:
+    """Create a SQLite store's tables, one process at a time (a file lock beside the database). MLflow creates them in
+    the first process that opens the store; two processes opening a new database at once both run its migrations and
+    one fails ('duplicate column name', 'table ... already exists'): a served deployment's runs, their hooks and
+    `rlhf eval` may start together. Once per process and URI; a database that has its tables costs a lookup."""
+    from filelock import FileLock
+    from mlflow.tracking import MlflowClient
+
+    path = Path(uri.removeprefix("sqlite:///"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{path}.lock"):
+        mlflow = MlflowClient(tracking_uri=uri)
+        mlflow.search_experiments(max_results=1)  # the tracking store's tables
+        mlflow.search_registered_models(max_results=1)  # the model registry's
 
 
 KIND_TAG, TRAINING = "mlflow.experimentKind", "custom_model_development"

@@ -13,11 +13,12 @@ from pathlib import Path
 
 def start(store_uri: str, port: int, pid_file: Path, timeout: float = 120, artifacts: Path | None = None) -> int:
     """Start it (one worker), write its pid to `pid_file`, and return once /health answers. `artifacts`: the folder
-    the server keeps artifacts in (it serves them over HTTP); default its working directory's `mlartifacts`."""
+    the server keeps artifacts in (it serves them over HTTP); default `mlartifacts` beside `pid_file` (MLflow's own
+    default is the working directory's: the checkout, for the suite)."""
+    artifacts = artifacts or Path(pid_file).parent / "mlartifacts"
     server = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", store_uri, "--workers", "1"]
-        + ["--host", "127.0.0.1", "--port", str(port)]
-        + (["--artifacts-destination", str(artifacts)] if artifacts else []),
+        + ["--host", "127.0.0.1", "--port", str(port), "--artifacts-destination", str(artifacts)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,

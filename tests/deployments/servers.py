@@ -104,9 +104,11 @@ def wait_for(service, flow_run_id, timeout: float = 900):
 
 
 def explain(service, run) -> str:
+    """The run's state now (not as `run` was read), its Prefect log and the serve process's output."""
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
     with service["client"]() as client:
+        run = client.read_flow_run(run.id)
         logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
     return (
         f"{run.state}\n"

@@ -216,6 +216,7 @@ def test_cancel_collision_cancels_a_second_retrain_and_a_crashed_runs_hook_names
         deadline = time.time() + 120
         while parent_run(service, first.id) is None:  # the flow has opened its MLflow run
             assert time.time() < deadline, explain(service, first)
+            wait_until(service, first.id, "RUNNING")  # fails at once when the run has ended
             time.sleep(0.5)
         emit_data_updated(service)
         second = wait_for(service, runs_of(service, retrain.id, 2)[1].id, timeout=120)
