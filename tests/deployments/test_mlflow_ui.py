@@ -7,14 +7,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from rlhf_pipeline.deployments.local import wait_until_up
 from rlhf_pipeline.tasks import tracking
+from tests.browser import alive, chromium
 from tests.deployments.servers import free_port
-from tests.deployments.test_ui_form import CHROMIUM, CHROMIUM_ARGS, alive
 
 pytestmark = pytest.mark.e2e  # a server and a browser: tens of seconds
 STAGES = ("data", "sft", "rm", "dpo", "eval")
@@ -23,9 +22,8 @@ STAGES = ("data", "sft", "rm", "dpo", "eval")
 def test_our_experiment_opens_on_the_runs_table_with_the_stage_runs_nested_under_the_parent(
     tmp_path, monkeypatch, screenshots
 ):
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
-    assert Path(CHROMIUM).is_file(), f"{CHROMIUM} is missing: `apt-get install -y chromium` (as .ci/run does)"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     experiment = tracking.experiment_id("rlhf-ui")  # as a flow run makes it: a parent run, one child per stage
     parent = tracking.start_run(experiment, "rlhf-flow-run", {"rlhf.algorithm": "dpo"})
@@ -55,27 +53,19 @@ def test_our_experiment_opens_on_the_runs_table_with_the_stage_runs_nested_under
     )
     try:
         wait_until_up(f"http://127.0.0.1:{port}/health", server)
-        with sync_playwright() as playwright:
-            browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-            page = browser.new_page(viewport={"width": 1400, "height": 900})
-            page.set_default_timeout(60_000)
-            expect.set_options(timeout=60_000)  # a busy 2-core machine renders the app slowly
-            try:
-                page.goto(tracking.experiment_url(experiment, f"http://127.0.0.1:{port}"))
-                # The training view's runs table, not GenAI's overview of traces.
-                expect(page.get_by_role("columnheader", name="Run Name", exact=True).first).to_be_visible()
-                expect(page.get_by_role("link", name="rlhf-flow-run", exact=True)).to_be_visible()
-                expect(page.get_by_text("matching runs")).to_contain_text("6")
-                for stage in STAGES:  # nested: hidden until the parent row is expanded
-                    expect(page.get_by_role("link", name=stage, exact=True)).to_have_count(0)
-                page.get_by_role("gridcell").filter(has_text="rlhf-flow-run").get_by_role(
-                    "button"
-                ).click()  # its expander
-                for stage in STAGES:
-                    expect(page.get_by_role("link", name=stage, exact=True)).to_be_visible()
-                page.screenshot(path=screenshots / "mlflow_runs.png", full_page=True)
-            finally:
-                browser.close()
+        with chromium(screenshots / "mlflow_runs_failed.png", height=900) as browser:
+            page = browser.page
+            page.goto(tracking.experiment_url(experiment, f"http://127.0.0.1:{port}"))
+            # The training view's runs table, not GenAI's overview of traces.
+            expect(page.get_by_role("columnheader", name="Run Name", exact=True).first).to_be_visible()
+            expect(page.get_by_role("link", name="rlhf-flow-run", exact=True)).to_be_visible()
+            expect(page.get_by_text("matching runs")).to_contain_text("6")
+            for stage in STAGES:  # nested: hidden until the parent row is expanded
+                expect(page.get_by_role("link", name=stage, exact=True)).to_have_count(0)
+            page.get_by_role("gridcell").filter(has_text="rlhf-flow-run").get_by_role("button").click()  # its expander
+            for stage in STAGES:
+                expect(page.get_by_role("link", name=stage, exact=True)).to_be_visible()
+            page.screenshot(path=screenshots / "mlflow_runs.png", full_page=True)
     finally:
         os.killpg(server.pid, 15)
         server.wait(30)

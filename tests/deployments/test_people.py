@@ -9,15 +9,15 @@ process stopped by its pid.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.browser import chromium, still_alive
 from tests.deployments.servers import deployment, explain, running_service, wait_for
-from tests.deployments.test_ui_form import CHROMIUM, CHROMIUM_ARGS, body, field, process_tree, still_alive
+from tests.deployments.test_ui_form import field
 from tests.flows.helpers import CI_PRESET, task_runs
 
 PAIRS = 3
@@ -51,55 +51,37 @@ def wait_for_state(service, flow_run_id, name: str, timeout: float = 300):
             time.sleep(1)
 
 
-def label_in_the_browser(url: str, prompts: list[str], artifacts: Path, service_pids: set[int]) -> list[int]:
+def label_in_the_browser(url: str, prompts: list[str], artifacts: Path) -> list[int]:
     """Open the suspended run's page, check the pairs artifact, resume it through the form with CHOICES; returns the
     browser's pids (closed by then)."""
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
-    from tests.deployments.servers import children
-
-    already = set(children(os.getpid()))
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.set_default_timeout(60_000)
-        refused = []
-        page.on("response", lambda response: refused.append(response) if response.status >= 400 else None)
-        try:
-            page.goto(url)
-            page.get_by_text("Artifacts", exact=True).first.click()  # the run page's tab
-            expect(page.get_by_text("rlhf-pairs-to-label").first).to_be_visible()
-            page.get_by_text("rlhf-pairs-to-label").first.click()  # the artifact's own page: its table
-            for prompt in prompts:
-                expect(page.get_by_text(prompt.strip(), exact=False).first).to_be_visible()
-            page.screenshot(path=artifacts / "pairs_artifact.png", full_page=True)
-            page.go_back()
-            page.get_by_role("button", name="Resume").first.click()
-            dialog = page.locator(".p-modal").filter(has_text="Resume Flow Run")
-            expect(dialog.get_by_text("pairs to label").first).to_be_visible()  # the form's description: the pairs
-            for pair, choice in enumerate(CHOICES):
-                select = field(dialog, f"Pair {pair} (Optional)").get_by_role("group").get_by_role("button")
-                select.press("ArrowDown")
-                page.get_by_role("listbox").get_by_role("option", name=choice, exact=True).click()
-                expect(select).to_have_text(choice)
-            page.screenshot(path=artifacts / "labels_form.png")
-            dialog.get_by_role("button", name="Submit", exact=True).click()
-            expect(dialog).to_be_hidden()
-        except Exception as error:
-            page.screenshot(path=artifacts / "labels_form_failed.png")
-            (artifacts / "labels_form_failed.html").write_text(page.content())
-            for response in refused:
-                error.add_note(f"{response.status} {response.request.method} {response.url}: {body(response)}")
-            raise
-        finally:
-            browser_pids = process_tree(set(children(os.getpid())) - already - service_pids)
-            browser.close()
-    return browser_pids
+    with chromium(artifacts / "labels_form_failed.png") as browser:
+        page = browser.page
+        page.goto(url)
+        page.get_by_text("Artifacts", exact=True).first.click()  # the run page's tab
+        expect(page.get_by_text("rlhf-pairs-to-label").first).to_be_visible()
+        page.get_by_text("rlhf-pairs-to-label").first.click()  # the artifact's own page: its table
+        for prompt in prompts:
+            expect(page.get_by_text(prompt.strip(), exact=False).first).to_be_visible()
+        page.screenshot(path=artifacts / "pairs_artifact.png", full_page=True)
+        page.go_back()
+        page.get_by_role("button", name="Resume").first.click()
+        dialog = page.locator(".p-modal").filter(has_text="Resume Flow Run")
+        expect(dialog.get_by_text("pairs to label").first).to_be_visible()  # the form's description: the pairs
+        for pair, choice in enumerate(CHOICES):
+            select = field(dialog, f"Pair {pair} (Optional)").get_by_role("group").get_by_role("button")
+            select.press("ArrowDown")
+            page.get_by_role("listbox").get_by_role("option", name=choice, exact=True).click()
+            expect(select).to_have_text(choice)
+        page.screenshot(path=artifacts / "labels_form.png")
+        dialog.get_by_role("button", name="Submit", exact=True).click()
+        expect(dialog).to_be_hidden()
+    return browser.pids
 
 
 @pytest.mark.e2e
 def test_people_label_a_suspended_run_in_the_prefect_ui_and_dpo_trains_on_their_labels(tmp_path, screenshots):
-    assert Path(CHROMIUM).is_file(), f"{CHROMIUM} is missing: `apt-get install -y chromium` (as .ci/run does)"
     (tmp_path / "service").mkdir()
     preset = tmp_path / "people.yaml"
     preset.write_text(yaml.safe_dump(PEOPLE))
@@ -136,7 +118,6 @@ def test_people_label_a_suspended_run_in_the_prefect_ui_and_dpo_trains_on_their_
             f"{base}/runs/flow-run/{waiting.id}",
             [pair["prompt"] for pair in shown],
             screenshots,
-            {p.pid for p in service["processes"]},
         )
         assert browser_pids and still_alive(browser_pids) == []
 

@@ -7,7 +7,6 @@ process stopped by its pid.
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from pathlib import Path
@@ -16,8 +15,9 @@ import pytest
 import yaml
 from transformers import TrainerCallback
 
-from tests.deployments.servers import children, deployment, explain, running_service, wait_for
-from tests.deployments.test_ui_form import CHROMIUM, CHROMIUM_ARGS, SMALLER_BATCHES, body, process_tree, still_alive
+from tests.browser import chromium, still_alive
+from tests.deployments.servers import deployment, explain, running_service, wait_for
+from tests.deployments.test_ui_form import SMALLER_BATCHES
 from tests.flows.helpers import CI_PRESET, task_runs
 
 
@@ -92,9 +92,8 @@ def open_artifact(page, run_page: str, key: str) -> None:
 def test_while_sft_trains_its_progress_artifact_advances_and_after_the_run_the_eval_summary_shows_its_plots(
     tmp_path, screenshots
 ):
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
-    assert Path(CHROMIUM).is_file(), f"{CHROMIUM} is missing: `apt-get install -y chromium` (as .ci/run does)"
     (tmp_path / "service").mkdir()
     preset = tmp_path / "progress.yaml"
     preset.write_text(yaml.safe_dump(PRESET))
@@ -104,59 +103,43 @@ def test_while_sft_trains_its_progress_artifact_advances_and_after_the_run_the_e
         with service["client"]() as client:
             run = client.create_flow_run_from_deployment(grpo.id, parameters={"sft": paced_sft(tmp_path / "seen")})
         run_page = f"{service['env']['PREFECT_API_URL'].removesuffix('/api')}/runs/flow-run/{run.id}"
-        already = set(children(os.getpid()))
-        with sync_playwright() as playwright:
-            browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.set_default_timeout(60_000)
-            refused = []
-            page.on("response", lambda response: refused.append(response) if response.status >= 400 else None)
-            try:
-                progress_artifact(service, run.id)  # sft has started and sent its first reading
-                open_artifact(page, run_page, "rlhf-sft-progress")
-                readings = [(shown_progress(page), sft_state(service, run.id))]
-                page.screenshot(path=screenshots / "progress_artifact.png")
-                deadline = time.time() + 90
-                while readings[-1][0] == readings[0][0] and time.time() < deadline:
-                    time.sleep(2)
-                    page.reload()
-                    readings.append((shown_progress(page), sft_state(service, run.id)))
-                (tmp_path / "seen").touch()  # sft may run at full speed now
-                first, last = readings[0], readings[-1]
-                # Both read while sft trained (its state read after the page), and it advanced on the page.
-                assert first[1] == last[1] == "Running" and first[0] < last[0] < 100, readings
-
-                done = wait_for(service, run.id, timeout=600)
-                assert done.state.type.value == "COMPLETED", explain(service, done)
+        with chromium(screenshots / "progress_failed.png") as browser:
+            page = browser.page
+            progress_artifact(service, run.id)  # sft has started and sent its first reading
+            open_artifact(page, run_page, "rlhf-sft-progress")
+            readings = [(shown_progress(page), sft_state(service, run.id))]
+            page.screenshot(path=screenshots / "progress_artifact.png")
+            deadline = time.time() + 90
+            while readings[-1][0] == readings[0][0] and time.time() < deadline:
+                time.sleep(2)
                 page.reload()
-                assert shown_progress(page) == 100  # the build's last reading
+                readings.append((shown_progress(page), sft_state(service, run.id)))
+            (tmp_path / "seen").touch()  # sft may run at full speed now
+            first, last = readings[0], readings[-1]
+            # Both read while sft trained (its state read after the page), and it advanced on the page.
+            assert first[1] == last[1] == "Running" and first[0] < last[0] < 100, readings
 
-                open_artifact(page, run_page, "rlhf-eval-summary")
-                images = page.locator(".artifact-data-markdown img")
-                expect(images.first).to_be_visible()
-                page.wait_for_function(
-                    "() => [...document.querySelectorAll('.artifact-data-markdown img')]"
-                    ".every(image => image.complete && image.naturalWidth > 0)"
-                )
-                loaded = images.evaluate_all(
-                    "images => images.map(image => ({alt: image.alt, width: image.naturalWidth, "
-                    "src: image.src.slice(0, 22)}))"
-                )
-                # The page scrolls inside `.app-router-view`: a shot of the whole artifact needs a viewport that tall.
-                height = page.locator(".app-router-view").evaluate("view => view.scrollHeight")
-                page.set_viewport_size({"width": 1400, "height": height})
-                page.screenshot(path=screenshots / "eval_summary_artifact.png")
-            except Exception as error:
-                page.screenshot(path=screenshots / "progress_failed.png", full_page=True)
-                for response in refused:
-                    error.add_note(f"{response.status} {response.request.method} {response.url}: {body(response)}")
-                raise
-            finally:
-                browser_pids = process_tree(
-                    set(children(os.getpid())) - already - {p.pid for p in service["processes"]}
-                )
-                browser.close()
-        assert browser_pids and still_alive(browser_pids) == []
+            done = wait_for(service, run.id, timeout=600)
+            assert done.state.type.value == "COMPLETED", explain(service, done)
+            page.reload()
+            assert shown_progress(page) == 100  # the build's last reading
+
+            open_artifact(page, run_page, "rlhf-eval-summary")
+            images = page.locator(".artifact-data-markdown img")
+            expect(images.first).to_be_visible()
+            page.wait_for_function(
+                "() => [...document.querySelectorAll('.artifact-data-markdown img')]"
+                ".every(image => image.complete && image.naturalWidth > 0)"
+            )
+            loaded = images.evaluate_all(
+                "images => images.map(image => ({alt: image.alt, width: image.naturalWidth, "
+                "src: image.src.slice(0, 22)}))"
+            )
+            # The page scrolls inside `.app-router-view`: a shot of the whole artifact needs a viewport that tall.
+            height = page.locator(".app-router-view").evaluate("view => view.scrollHeight")
+            page.set_viewport_size({"width": 1400, "height": height})
+            page.screenshot(path=screenshots / "eval_summary_artifact.png")
+        assert browser.pids and still_alive(browser.pids) == []
 
     [report] = (service["tmp"] / "state" / "artifacts" / "eval").glob("*/plots")
     published = sorted(plot.stem.replace("_", " ").capitalize() for plot in report.glob("*.png"))

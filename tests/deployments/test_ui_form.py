@@ -12,26 +12,16 @@ control inside it is found by role.
 from __future__ import annotations
 
 import copy
-import os
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.deployments.servers import children, deployment, explain, running_service, wait_for
+from tests.browser import chromium, still_alive
+from tests.deployments.servers import deployment, explain, running_service, wait_for
 from tests.flows.helpers import CI_PRESET, assert_a_flat_graph, task_runs
 
-CHROMIUM = "/usr/bin/chromium"  # Debian's package (.ci/run installs it): Playwright's own download cannot work here
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 # On top of tests/ci.yaml: 8 sft steps of 16 rows instead of 64 took sft from 24-34 s to 13 s on this busy 2-core
 # machine.
 SMALLER_BATCHES = {"sft": {"per_device_train_batch_size": 16}, "rm": {"per_device_train_batch_size": 16}}
@@ -43,13 +33,6 @@ def field(within, label: str):
     return within.locator(".schema-form-property").filter(
         has=getattr(within, "page", within).get_by_text(label, exact=True)
     )
-
-
-def process_tree(pids) -> list[int]:
-    found = list(pids)
-    for pid in found:  # grows while it is walked: every descendant is visited
-        found += [child for child in children(pid) if child not in found]
-    return found
 
 
 def differences(got, want, path: str = "") -> list[str]:
@@ -64,92 +47,54 @@ def differences(got, want, path: str = "") -> list[str]:
     return [] if got == want else [f"{path.rstrip('.')}: {got!r} != {want!r}"]
 
 
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
-def still_alive(pids: list[int], grace: float = 15) -> list[int]:
-    """The pids still running after `grace` seconds: a Chromium helper can outlive `browser.close()` by a moment."""
-    deadline = time.time() + grace
-    while (running := [pid for pid in pids if alive(pid)]) and time.time() < deadline:
-        time.sleep(0.2)
-    return running
-
-
-def body(response) -> str:
-    try:
-        return response.text()[:2000]
-    except Exception as unreadable:  # the browser may have dropped it: keep the error being reported
-        return f"<body unreadable: {unreadable}>"
-
-
-def submit_from_the_form(url: str, deployed: dict, artifacts: Path, service_pids: set[int]) -> list[int]:
+def submit_from_the_form(url: str, deployed: dict, artifacts: Path) -> list[int]:
     """Change `algorithm` and `grpo.beta` on the form, screenshot it, submit; returns the browser's pids (closed by
     then)."""
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
-    already = set(children(os.getpid()))  # what this process started before (another test's servers)
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1280, "height": 900})
-        page.set_default_timeout(60_000)  # a busy 2-core machine renders the ~30,000-pixel form slowly
-        refused = []  # the API's answers >= 400: the UI shows only "Oops. Something went wrong."
-        page.on("response", lambda response: refused.append(response) if response.status >= 400 else None)
-        try:
-            page.goto(url)
-            algorithm = field(page, "algorithm (Optional)").get_by_role("group").get_by_role("button")
-            expect(algorithm).to_have_text(deployed["algorithm"])  # the form opens filled in from the deployment
-            # It leads with the stage that runs: the ppo block above every block rlhf/full does not use (issue 16).
-            unused = "(unused: this deployment runs ppo) (Optional)"
-            blocks = [
-                field(page, "ppo (Optional)").first,
-                *(field(page, f"{block} {unused}").first for block in ("dpo", "kto", "grpo", "rloo")),
-            ]
-            for block in blocks:  # the form renders section by section: each is drawn before it is measured
-                expect(block).to_be_visible()
-            tops = [block.bounding_box()["y"] for block in blocks]
-            assert all(tops[0] < top for top in tops[1:]), tops
-            # A click on prefect-design's select button leaves its list closed here (a click on its chevron, Space or
-            # ArrowDown opens it).
-            algorithm.press("ArrowDown")
-            page.get_by_role("listbox").get_by_role("option", name=ALGORITHM, exact=True).click()
-            expect(algorithm).to_have_text(ALGORITHM)
-            beta = field(field(page, f"grpo {unused}"), "Beta (Optional)").get_by_role("spinbutton")
-            expect(beta).to_have_value(str(deployed["grpo"]["beta"]))
-            beta.fill(str(BETA))
-            expect(beta).to_have_value(str(BETA))
+    with chromium(artifacts / "ui_form_failed.png", width=1280, height=900) as browser:
+        page = browser.page
+        page.goto(url)
+        algorithm = field(page, "algorithm (Optional)").get_by_role("group").get_by_role("button")
+        expect(algorithm).to_have_text(deployed["algorithm"])  # the form opens filled in from the deployment
+        # It leads with the stage that runs: the ppo block above every block rlhf/full does not use (issue 16).
+        unused = "(unused: this deployment runs ppo) (Optional)"
+        blocks = [
+            field(page, "ppo (Optional)").first,
+            *(field(page, f"{block} {unused}").first for block in ("dpo", "kto", "grpo", "rloo")),
+        ]
+        for block in blocks:  # the form renders section by section: each is drawn before it is measured
+            expect(block).to_be_visible()
+        tops = [block.bounding_box()["y"] for block in blocks]
+        assert all(tops[0] < top for top in tops[1:]), tops
+        # A click on prefect-design's select button leaves its list closed here (a click on its chevron, Space or
+        # ArrowDown opens it).
+        algorithm.press("ArrowDown")
+        page.get_by_role("listbox").get_by_role("option", name=ALGORITHM, exact=True).click()
+        expect(algorithm).to_have_text(ALGORITHM)
+        beta = field(field(page, f"grpo {unused}"), "Beta (Optional)").get_by_role("spinbutton")
+        expect(beta).to_have_value(str(deployed["grpo"]["beta"]))
+        beta.fill(str(BETA))
+        expect(beta).to_have_value(str(BETA))
 
-            # The page scrolls inside `.app-router-view`, not the document: a full-page shot needs a viewport that tall.
-            height = page.locator(".app-router-view").evaluate("view => view.scrollHeight")
-            page.set_viewport_size({"width": 1280, "height": height})
-            page.screenshot(path=artifacts / "ui_form.png", full_page=True)
+        # The page scrolls inside `.app-router-view`, not the document: a full-page shot needs a viewport that tall.
+        height = page.locator(".app-router-view").evaluate("view => view.scrollHeight")
+        page.set_viewport_size({"width": 1280, "height": height})
+        page.screenshot(path=artifacts / "ui_form.png", full_page=True)
 
-            for attempt in range(3):
-                # Prefect's SQLite store can answer a write that races its own services with "database is locked",
-                # sent as 503 (retryable for its Python client); the UI shows "Something went wrong" and a person
-                # submits again. A 503 creates no run.
-                with page.expect_response(lambda response: response.url.endswith("/create_flow_run")) as created:
-                    page.get_by_role("button", name="Submit", exact=True).click()
-                if created.value.status != 503 or attempt == 2:
-                    break
-                refused.clear()
-            page.wait_for_url(
-                lambda address: not address.rstrip("/").endswith("/run")
-            )  # Submit leads to the deployment's page
-        except Exception as error:
-            page.screenshot(path=artifacts / "ui_form_failed.png")
-            for response in refused:
-                error.add_note(f"{response.status} {response.request.method} {response.url}: {body(response)}")
-            raise
-        finally:
-            browser_pids = process_tree(
-                set(children(os.getpid())) - already - service_pids
-            )  # Playwright's driver, Chromium under it
-            browser.close()
-    return browser_pids
+        for attempt in range(3):
+            # Prefect's SQLite store can answer a write that races its own services with "database is locked",
+            # sent as 503 (retryable for its Python client); the UI shows "Something went wrong" and a person
+            # submits again. A 503 creates no run.
+            with page.expect_response(lambda response: response.url.endswith("/create_flow_run")) as created:
+                page.get_by_role("button", name="Submit", exact=True).click()
+            if created.value.status != 503 or attempt == 2:
+                break
+            browser.refused.clear()
+        page.wait_for_url(
+            lambda address: not address.rstrip("/").endswith("/run")
+        )  # Submit leads to the deployment's page
+    return browser.pids
 
 
 COMPLETED_FILL = (
@@ -179,29 +124,23 @@ def the_flow_run_graph(url: str, stages: int, artifacts: Path) -> tuple[dict, li
     """Open the flow run's page as a person would and wait for its graph: the graph the page itself fetched
     (`/graph-v2`) and the node boxes drawn, as soon as `stages` of them are (or what is drawn after 60 s); screenshot
     kept."""
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 900})
-        page.set_default_timeout(60_000)
-        try:
-            with page.expect_response(lambda response: "/graph-v2" in response.url) as fetched:
-                page.goto(url)
-            canvas = page.locator("canvas").first
-            expect(canvas).to_be_visible()
-            deadline = time.monotonic() + 60
-            while len(boxes := node_boxes(canvas.screenshot())) < stages and time.monotonic() < deadline:
-                time.sleep(0.5)  # drawn over a few frames once the page has its data
-            page.screenshot(path=artifacts / "flow_run_graph.png")
-            return fetched.value.json(), boxes
-        finally:
-            browser.close()
+    with chromium(artifacts / "flow_run_graph_failed.png", height=900) as browser:
+        page = browser.page
+        with page.expect_response(lambda response: "/graph-v2" in response.url) as fetched:
+            page.goto(url)
+        canvas = page.locator("canvas").first
+        expect(canvas).to_be_visible()
+        deadline = time.monotonic() + 60
+        while len(boxes := node_boxes(canvas.screenshot())) < stages and time.monotonic() < deadline:
+            time.sleep(0.5)  # drawn over a few frames once the page has its data
+        page.screenshot(path=artifacts / "flow_run_graph.png")
+        return fetched.value.json(), boxes
 
 
 @pytest.mark.e2e
 def test_a_run_submitted_from_the_ui_form_has_the_typed_parameters_and_completes(tmp_path, screenshots):
-    assert Path(CHROMIUM).is_file(), f"{CHROMIUM} is missing: `apt-get install -y chromium` (as .ci/run does)"
     (tmp_path / "service").mkdir()
     preset = tmp_path / "ui.yaml"
     preset.write_text(yaml.safe_dump({"extends": CI_PRESET, **SMALLER_BATCHES}))
@@ -213,7 +152,7 @@ def test_a_run_submitted_from_the_ui_form_has_the_typed_parameters_and_completes
         deployed = full.parameters
         assert deployed["algorithm"] != ALGORITHM and deployed["grpo"]["beta"] != BETA  # the form has to change both
         url = f"{service['env']['PREFECT_API_URL'].removesuffix('/api')}/deployments/deployment/{full.id}/run"
-        browser_pids = submit_from_the_form(url, deployed, screenshots, {p.pid for p in service["processes"]})
+        browser_pids = submit_from_the_form(url, deployed, screenshots)
         assert browser_pids and still_alive(browser_pids) == []
 
         with service["client"]() as client:

@@ -110,32 +110,26 @@ def test_a_second_machine_evaluates_the_champion_and_finds_its_lineage_through_m
 def shows_models_and_datasets_in_the_mlflow_ui(experiment, models, run, dataset, screenshots) -> None:
     """MLflow's own UI in headless Chromium: the experiment's Models tab lists the stages' logged models, and the dpo
     run's page its logged model and the datasets it trained on."""
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
-    from tests.deployments.test_ui_form import CHROMIUM, CHROMIUM_ARGS
+    from tests.browser import chromium
 
     ui = tracking.ui_url()
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.set_default_timeout(90_000)
-        expect.set_options(timeout=90_000)  # a busy 2-core machine renders the app slowly
-        try:
-            page.goto(f"{ui}/#/experiments/{experiment}/models?{tracking.TRAINING_VIEW}")
-            for stage in ("sft", "rm", "dpo"):
-                expect(page.get_by_role("link", name=stage, exact=True).first).to_be_visible()
-            expect(page.get_by_text("Ready")).to_have_count(len(models))
-            page.screenshot(path=screenshots / "mlflow_models.png", full_page=True)
+    with chromium(screenshots / "mlflow_lineage_failed.png", timeout_s=90) as browser:
+        page = browser.page
+        page.goto(f"{ui}/#/experiments/{experiment}/models?{tracking.TRAINING_VIEW}")
+        for stage in ("sft", "rm", "dpo"):
+            expect(page.get_by_role("link", name=stage, exact=True).first).to_be_visible()
+        expect(page.get_by_text("Ready")).to_have_count(len(models))
+        page.screenshot(path=screenshots / "mlflow_models.png", full_page=True)
 
-            page.goto(tracking.run_url(run.info.run_id))
-            # Its model inputs and output: sft in, dpo out (registered), and the dataset it trained on.
-            expect(page.get_by_role("heading", name="Logged models (2)")).to_be_visible()
-            rows = page.get_by_role("row")
-            for kind, stage in (("Input", "sft"), ("Output", "dpo")):
-                row = rows.filter(has=page.get_by_role("gridcell", name=kind, exact=True))
-                expect(row.get_by_role("link", name=stage, exact=True)).to_be_visible()
-            expect(rows.filter(has_text="Output").get_by_role("link", name="lineage-test")).to_be_visible()
-            expect(page.get_by_role("button", name=f"{dataset.name} ({dataset.digest})")).to_be_visible()
-            page.screenshot(path=screenshots / "mlflow_run_lineage.png", full_page=True)
-        finally:
-            browser.close()
+        page.goto(tracking.run_url(run.info.run_id))
+        # Its model inputs and output: sft in, dpo out (registered), and the dataset it trained on.
+        expect(page.get_by_role("heading", name="Logged models (2)")).to_be_visible()
+        rows = page.get_by_role("row")
+        for kind, stage in (("Input", "sft"), ("Output", "dpo")):
+            row = rows.filter(has=page.get_by_role("gridcell", name=kind, exact=True))
+            expect(row.get_by_role("link", name=stage, exact=True)).to_be_visible()
+        expect(rows.filter(has_text="Output").get_by_role("link", name="lineage-test")).to_be_visible()
+        expect(page.get_by_role("button", name=f"{dataset.name} ({dataset.digest})")).to_be_visible()
+        page.screenshot(path=screenshots / "mlflow_run_lineage.png", full_page=True)

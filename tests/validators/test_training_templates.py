@@ -18,23 +18,17 @@ from rlhf_pipeline.validators import DataValidationError, validate_dataset
 from rlhf_pipeline.validators.template_rules import PROBE
 from tests.foreign_models import qwen2_folder, qwen25_folder, qwen25_template
 from tests.helpers import write_jsonl
+from tests.validators.test_template_rules import CHAT as RULES_CHAT
 
-CHAT = [
+CHAT = [  # test_template_rules' rows, the first one turn longer: every end of turn in a conversation is trained
     {
         "messages": [
-            {"role": "user", "content": "Describe the red cat."},
-            {"role": "assistant", "content": "The red cat is calm."},
+            *RULES_CHAT[0]["messages"],
             {"role": "user", "content": "And the fox?"},
             {"role": "assistant", "content": "Kind."},
         ]
     },
-    {
-        "messages": [
-            {"role": "system", "content": "Be brief."},
-            {"role": "user", "content": "Describe the fox."},
-            {"role": "assistant", "content": "Calm."},
-        ]
-    },
+    *RULES_CHAT[1:],
 ]
 
 
