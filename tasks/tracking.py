@@ -381,15 +381,32 @@ def logged_model(model_id: str):
 
 def download_logged_model(model_id: str, dst: Path) -> Path:
     """The files of a logged model, downloaded once to `dst` (a temporary folder renamed into place)."""
+    return _download(client().get_logged_model(model_id).artifact_location, dst)
+
+
+def _download(location: str, dst: Path) -> Path:
+    """The files at artifact `location` (a logged model's or a version's own location, never a `models:/` URI: MLflow
+    3.17 resolves those through the process-wide tracking and registry URIs, not the ones it is given, so a run on
+    the default store looked them up in a new `mlflow.db` in the working directory), downloaded once to `dst` through
+    a temporary folder of this process, renamed into place. A process that loses the race to another keeps theirs."""
+    import shutil
+
     import mlflow
 
-    if not (dst / "config.json").is_file():
-        tmp = dst.with_name(dst.name + ".partial")
-        tmp.mkdir(parents=True, exist_ok=True)
-        mlflow.artifacts.download_artifacts(
-            artifact_uri=f"models:/{model_id}", dst_path=str(tmp), tracking_uri=tracking_uri()
-        )
-        tmp.rename(dst)
+    if (dst / "config.json").is_file():
+        return dst
+    tmp = dst.with_name(f"{dst.name}.partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        # not mlflow.set_tracking_uri: that would outlive the call, process-wide
+        got = mlflow.artifacts.download_artifacts(artifact_uri=location, dst_path=str(tmp), tracking_uri=tracking_uri())
+        Path(got).rename(dst)  # the location's own folder, inside `tmp`
+    except OSError:
+        if not (dst / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return dst
 
 
@@ -505,19 +522,7 @@ def version_tags(name: str, version: str) -> dict[str, str]:
 
 def download_version(name: str, version: str, dst: Path) -> Path:
     """The files of a registered version, downloaded once to `dst`."""
-    import mlflow
-
-    if not (dst / "config.json").is_file():
-        tmp = dst.with_name(dst.name + ".partial")
-        tmp.mkdir(parents=True, exist_ok=True)
-        mlflow.artifacts.download_artifacts(  # not mlflow.set_tracking_uri: that would outlive the call, process-wide
-            artifact_uri=f"models:/{name}/{version}",
-            dst_path=str(tmp),
-            tracking_uri=tracking_uri(),
-            registry_uri=os.environ.get("MLFLOW_REGISTRY_URI") or tracking_uri(),  # as client() resolves it
-        )
-        tmp.rename(dst)
-    return dst
+    return _download(client().get_model_version_download_uri(name, version), dst)
 
 
 def artifact_uri(run_id: str, path: str) -> str:

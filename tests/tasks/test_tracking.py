@@ -51,3 +51,35 @@ def test_processes_that_open_a_new_sqlite_store_at_once_all_get_its_tables(tmp_p
     made = {experiment.name for experiment in MlflowClient(tracking_uri=uri).search_experiments()}
     assert made >= {f"opened-by-{opener.pid}" for opener in openers}
     assert (tmp_path / "store" / "mlflow.db.lock").exists()
+
+
+def test_a_registered_version_downloads_from_the_default_store_whatever_the_working_directory(tmp_path, monkeypatch):
+    """With no MLFLOW_TRACKING_URI the store is the state folder's SQLite file. A version (and a logged model) is
+    downloaded through that store, not through MLflow's process-wide default (a new `mlflow.db` in the working
+    directory, where the version does not exist: an identical re-run of `rlhf run` failed at eval's champion)."""
+    from rlhf_pipeline.tasks import tracking
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_REGISTRY_URI", raising=False)
+    monkeypatch.setenv("RLHF_STATE_DIR", str(tmp_path / "state"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    (folder / "model.safetensors").write_bytes(b"weights")
+    experiment = tracking.experiment_id("downloads")
+    run_id = tracking.client().create_run(experiment).info.run_id
+    model_id, uploaded = tracking.log_model(run_id, experiment, "dpo", folder, "d" * 64, {}, {}, "llama")
+    assert uploaded
+    version = tracking.register_version(
+        "rlhf-policy", tracking.logged_model(model_id).artifact_location, run_id, {}, model_id=model_id
+    )
+
+    got = tracking.download_version("rlhf-policy", version, tmp_path / "registry" / "v1" / "model")
+    assert (got / "model.safetensors").read_bytes() == b"weights"
+    logged = tracking.download_logged_model(model_id, tmp_path / "logged" / "model")
+    assert (logged / "config.json").read_text() == '{"model_type": "llama"}'
+    assert sorted(p.name for p in got.parent.iterdir()) == ["model"]  # no partial folder left
+    assert list(elsewhere.iterdir()) == []  # no store made in the working directory
