@@ -257,8 +257,8 @@ def log_metric_rows(run_id: str, rows: list[tuple[int, dict[str, float], int]]) 
     from mlflow.entities import Metric
 
     metrics = [Metric(k, float(v), stamp, step) for stamp, values, step in rows for k, v in values.items()]
-    if metrics:
-        client().log_batch(run_id, metrics=metrics)
+    for start in range(0, len(metrics), 1000):  # MLflow caps a batch at 1000 metrics
+        client().log_batch(run_id, metrics=metrics[start : start + 1000])
 
 
 def log_dataset_input(
