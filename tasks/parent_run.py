@@ -138,6 +138,8 @@ def report_failure(flow: Any, flow_run: Any, state: Any) -> None:
     experiment_name = (flow_run.parameters or {}).get("experiment_name") or "rlhf"
     state_folder = tracking.state_dir()
     try:
+        # A server that does not answer fails here in seconds; MLflow's own client retries for ~4 minutes first.
+        tracking.check_reachable()
         run_id = find_parent_run(str(flow_run.id), experiment_name)
         if run_id is None:
             mlflow = f"no MLflow run was opened (experiment {experiment_name!r} in {tracking.shown_uri()})"
