@@ -239,6 +239,31 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def entry() -> None:
+    """The `rlhf` command (and `python -m rlhf_pipeline`): `main`, then exit as soon as everything it leaves behind is
+    done. The exit handlers run (Prefect's last logs and events, the temporary server's stop, logging's flush) and the
+    threads that are not daemons are joined, as at a normal exit; then the process ends without tearing down the ~3,000
+    modules a run imports, ~0.9 s of a cached re-run's ~9 s (bench.cache). `main` itself returns (tests call it)."""
+    import atexit
+    import threading
+
+    try:
+        code = main()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:
+        raise  # a traceback, as Python prints it, and the normal exit
+    threading._shutdown()  # type: ignore[attr-defined]  # what the interpreter does first at exit: join the threads
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+
+
 def _console(args) -> None:
     """The terminal a person reads (CONSOLE_SETTINGS, and the console's bars), set once the parameters are valid and a
     run starts: not for a command that only checks or prints, nor with --verbose."""

@@ -131,8 +131,6 @@ def publish_report(
     (`plots_section`)."""
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-    from rlhf_pipeline.trainers import plots
-
     link = tracking.run_link(ctx.parent_run_id)
     summary = (report.path / "summary.md").read_text()
     if pairs is not None and (pairs.path / "pairs.json").is_file():
@@ -157,7 +155,8 @@ def publish_report(
     with tempfile.TemporaryDirectory() as scratch:
         figures = sorted((report.path / "plots").glob("*.png"))
         if histories:
-            figures.append(plots.training_curves(histories, Path(scratch) / "training_curves.png"))
+            curves_root = Path(ctx.artifact_root) / "eval" / ".curves"
+            figures.append(curves_figure(histories, [ref for ref in stages if ref], curves_root, Path(scratch)))
             tracking.log_artifacts(ctx.parent_run_id, figures[-1], "plots")
         create_markdown_artifact(
             key="rlhf-eval-summary",
@@ -166,6 +165,32 @@ def publish_report(
             description="Held-out evaluation of the policy against SFT (and the champion), with its plots.",
         )
     tracking.log_artifacts(ctx.parent_run_id, report.path / "plots", "plots")
+
+
+def curves_figure(
+    histories: dict[str, list[tuple[int, float]]], stages: list[ArtifactRef], root: Path, scratch: Path
+) -> Path:
+    """The training curves of `stages` as one figure, drawn once per set of stage artifacts (their keys say which
+    curves: a published artifact never changes) and kept in the state folder: a cached re-run, or one that changes
+    only eval, reuses it instead of drawing it again (~1 s of matplotlib on 2 cores)."""
+    import hashlib
+    import os
+
+    from rlhf_pipeline.trainers import plots
+
+    name = hashlib.sha256(json.dumps(sorted(f"{ref.stage}/{ref.key}" for ref in stages)).encode()).hexdigest()[:32]
+    kept = root / name / "training_curves.png"  # its name is its title, in MLflow and in the Prefect summary
+    if kept.is_file():
+        return kept
+    figure = plots.training_curves(histories, scratch / "training_curves.png")
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        partial = kept.with_name(f".partial-{os.getpid()}.png")
+        partial.write_bytes(figure.read_bytes())
+        partial.rename(kept)
+    except OSError:  # a read-only or full state folder: drawn again next time
+        return figure
+    return kept
 
 
 MAX_IMAGE_BYTES = 256_000

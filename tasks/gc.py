@@ -116,7 +116,8 @@ def collect(keep_runs: int = 5) -> list[Doomed]:
     for stage_root in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
         stage = stage_root.name
         for folder in sorted(stage_root.iterdir()):
-            if folder.name in (".locks", ".work", ".labels") or not folder.is_dir():  # .labels: people's work
+            # .labels: people's work; .curves: eval's drawn training curves (tasks.eval.curves_figure)
+            if folder.name in (".locks", ".work", ".labels", ".curves") or not folder.is_dir():
                 continue
             if folder.name.startswith((".tmp-", ".trash-", ".damaged-")):
                 key = folder.name.split("-")[1]
