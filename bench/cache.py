@@ -47,9 +47,9 @@ def rlhf_run(env: dict, overrides: list[str], log: Path) -> tuple[float, dict[st
     ]
     seconds, printed = timed(command, env, log)
     text = printed.rsplit("== finished ==", 1)[-1]
-    artifacts = {
-        match[1]: Path(match[2]) for match in re.finditer(r"^  (\w+)\s+(\S+)$", text, re.M) if Path(match[2]).is_dir()
-    }
+    # The closing table's rows: `stage  state  seconds  artifact` (rlhf_pipeline.cli.closing_table).
+    rows = re.finditer(r"^(\w+)\s+\w+\s+\S+\s+(/\S+)$", text, re.M)
+    artifacts = {match[1]: Path(match[2]) for match in rows if Path(match[2]).is_dir()}
     return seconds, artifacts
 
 
