@@ -224,11 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         extra = {"no_cache": True} if args.no_cache else {}
         params = load_params(args.config, args.overrides, **extra)
     except (ValidationError, ValueError) as exc:
-        if url := _TEMPORARY.get("url"):  # started for nothing: stopped, and no longer named
-            _stop_temporary_server()
-            for name in ("PREFECT_API_URL", "RLHF_TEMPORARY_PREFECT_API_URL"):
-                if os.environ.get(name) == url:
-                    del os.environ[name]
+        _stop_temporary_server()  # started for nothing
         print(f"rlhf: invalid parameters:\n{redact_text(str(exc))}", file=sys.stderr)
         return 2
     if args.command == "params":
@@ -261,8 +257,6 @@ def entry() -> None:
             print(exc.code, file=sys.stderr)
     except KeyboardInterrupt:
         code = 130
-    except BaseException:
-        raise  # a traceback, as Python prints it, and the normal exit
     threading._shutdown()  # type: ignore[attr-defined]  # what the interpreter does first at exit: join the threads
     atexit._run_exitfuncs()
     sys.stdout.flush()
@@ -271,8 +265,9 @@ def entry() -> None:
 
 
 def _console(args) -> None:
-    """The terminal a person reads (CONSOLE_SETTINGS, and the console's bars), set once the parameters are valid and a
-    run starts: not for a command that only checks or prints, nor with --verbose."""
+    """The terminal a person reads (CONSOLE_SETTINGS, and the console's bars), set when `rlhf run` starts (before its
+    parameters load, so the temporary server starts with it): not for a command that only checks or prints, nor with
+    --verbose."""
     if not getattr(args, "verbose", False):
         os.environ.update(CONSOLE_SETTINGS)
         from rlhf_pipeline import console
@@ -374,8 +369,13 @@ def _wait_for_temporary_server() -> None:
 
 
 def _stop_temporary_server() -> None:
+    """Stop the temporary server, if one was started, and stop naming it in the environment."""
     import subprocess
 
+    url = _TEMPORARY.pop("url", None)
+    for name in ("PREFECT_API_URL", "RLHF_TEMPORARY_PREFECT_API_URL"):
+        if url is not None and os.environ.get(name) == url:
+            del os.environ[name]
     process = _TEMPORARY.pop("process", None)
     if process is not None and process.poll() is None:
         process.terminate()  # the last logs are sent (`_report`); uvicorn finishes its shutdown on its own

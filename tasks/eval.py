@@ -182,14 +182,12 @@ def curves_figure(
     kept = root / name / "training_curves.png"  # its name is its title, in MLflow and in the Prefect summary
     if kept.is_file():
         return kept
-    figure = plots.training_curves(histories, scratch / "training_curves.png")
+    partial = kept.with_name(f".partial-{os.getpid()}.png")  # a reader never sees half a figure
     try:
-        kept.parent.mkdir(parents=True, exist_ok=True)
-        partial = kept.with_name(f".partial-{os.getpid()}.png")
-        partial.write_bytes(figure.read_bytes())
-        partial.rename(kept)
-    except OSError:  # a read-only or full state folder: drawn again next time
-        return figure
+        plots.training_curves(histories, partial).rename(kept)
+    except OSError:  # a read-only or full state folder: drawn in the scratch folder, and again next time
+        partial.unlink(missing_ok=True)
+        return plots.training_curves(histories, scratch / "training_curves.png")
     return kept
 
 

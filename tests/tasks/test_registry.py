@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -104,7 +106,7 @@ def publish(ctx: RunContext, stage: str, seed: int, metrics: dict, cfg: Registry
     return policy, report, ctx
 
 
-def test_first_version_is_champion_a_loser_is_refused_a_winner_promoted(ctx, monkeypatch):
+def test_first_version_is_champion_a_loser_is_refused_a_winner_promoted(ctx):
     cfg = RegistryConfig(model_name="test-policy")
     client = MlflowClient()
 
@@ -140,12 +142,10 @@ def test_first_version_is_champion_a_loser_is_refused_a_winner_promoted(ctx, mon
 
     # models:/test-policy@champion loads with from_pretrained (model + tokenizer).
     import mlflow
-    from mlflow.tracking._tracking_service import utils
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    # What `mlflow.set_tracking_uri` sets, for this test alone: set, it outlived the test and pointed every later
-    # MlflowClient() of this process at this store (another test's 'experiment not found').
-    monkeypatch.setattr(utils, "_tracking_uri", tracking.tracking_uri())
+    # MLflow resolves models:/ through MLFLOW_TRACKING_URI, the store tracking_uri() names (tests/conftest.py).
+    assert os.environ["MLFLOW_TRACKING_URI"] == tracking.tracking_uri()
     local = mlflow.artifacts.download_artifacts(artifact_uri="models:/test-policy@champion")
     assert AutoModelForCausalLM.from_pretrained(local).config.hidden_size == 32
     assert (
