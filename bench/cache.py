@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
 import socket
 import statistics
@@ -27,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.runs import ROOT, timed
+from bench.runs import ROOT, printed_artifacts, timed
 
 
 def free_port() -> int:
@@ -46,11 +45,7 @@ def rlhf_run(env: dict, overrides: list[str], log: Path) -> tuple[float, dict[st
         *[part for item in overrides for part in ("--set", item)],
     ]
     seconds, printed = timed(command, env, log)
-    text = printed.rsplit("== finished ==", 1)[-1]
-    # The closing table's rows: `stage  state  seconds  artifact` (rlhf_pipeline.cli.closing_table).
-    rows = re.finditer(r"^(\w+)\s+\w+\s+\S+\s+(/\S+)$", text, re.M)
-    artifacts = {match[1]: Path(match[2]) for match in rows if Path(match[2]).is_dir()}
-    return seconds, artifacts
+    return seconds, printed_artifacts(printed)
 
 
 def own_seconds(artifact: Path) -> float:

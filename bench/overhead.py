@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
 import statistics
 import sys
@@ -31,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.runs import ROOT, clean_env, timed
+from bench.runs import ROOT, clean_env, printed_artifacts, timed
 
 HALF = ["sft.max_steps=150", "rm.max_steps=75", "dpo.max_steps=100", "ppo.total_episodes=2560"]
 STAGES = ("data", "sft", "rm", "dpo", "ppo", "eval")
@@ -147,13 +146,11 @@ def plain(out: Path, overrides: list[str]) -> None:
 
 def pipeline_breakdown(printed: str) -> dict[str, float]:
     """Each stage's build seconds from the manifests of the artifacts `rlhf run` printed."""
-    text = printed.rsplit("== finished ==", 1)[-1]
-    builds = {}
-    for match in re.finditer(r"^  (\w+)\s+(\S+)$", text, re.M):
-        manifest = Path(match[2]) / "manifest.json"
-        if manifest.is_file():
-            builds[match[1]] = json.loads(manifest.read_text())["resources"]["seconds"]
-    return builds
+    return {
+        stage: json.loads((folder / "manifest.json").read_text())["resources"]["seconds"]
+        for stage, folder in printed_artifacts(printed).items()
+        if (folder / "manifest.json").is_file()
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

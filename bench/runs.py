@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -28,3 +29,11 @@ def timed(command: list[str], env: dict, log: Path) -> tuple[float, str]:
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed with {done.returncode}; see {log}")
     return seconds, log.read_text().rsplit("\n$ ", 1)[-1]
+
+
+def printed_artifacts(printed: str) -> dict[str, Path]:
+    """stage -> artifact folder, from the closing table `rlhf run` prints last (rlhf_pipeline.cli.closing_table: rows
+    `stage  state  seconds  artifact`)."""
+    text = printed.rsplit("== finished ==", 1)[-1]
+    rows = re.finditer(r"^(\w+)\s+\w+\s+\S+\s+(/\S+)$", text, re.M)
+    return {match[1]: Path(match[2]) for match in rows if Path(match[2]).is_dir()}
