@@ -16,8 +16,9 @@ from rlhf_pipeline.tasks.orchestration import coordinated, current_flow_run, ens
 from rlhf_pipeline.tasks.secrets import install_log_filter, redact, redact_text
 from rlhf_pipeline.trainers.stopping import checkpoint_on_sigterm
 
-MODEL_LOGGED, MODEL_URI = "rlhf.model_logged", "rlhf.model_uri"
-"""Parent-run tags: this run holds the policy's weights under `model/`; or where an earlier run holds the same bytes."""
+MODEL_LOGGED, MODEL_URI, POLICY_MODEL = "rlhf.model_logged", "rlhf.model_uri", "rlhf.policy_model_id"
+"""Parent-run tags: where the policy's weights are (its stage's logged model; or, for a policy with none in this
+store, an earlier run's copy, or this run's own under `model/`), and the policy's logged model id."""
 
 
 @dataclass
@@ -33,16 +34,18 @@ class PipelineRun:
         registered: dict | None = None,
         states: dict[str, str] | None = None,
     ) -> dict:
-        """Log the evaluation (and the final model, if the registry did not) to the parent run; return where everything
-        is (`stages`: each one's state in this run, e.g. Cached, given in `states`, and the seconds its build took)."""
+        """Log the evaluation to the parent run and link the policy's weights (its logged model: no second copy); return
+        where everything is (`stages`: each one's state in this run, e.g. Cached, given in `states`, and the seconds
+        its build took)."""
         run_id = self.ctx.parent_run_id
         metrics = report.manifest()["metrics"]
         tracking.log_metrics(run_id, metrics)
         tracking.log_artifacts(run_id, report.path / "summary.md", "eval")
         tags = {"rlhf.policy": policy.uri, "rlhf.policy_stage": policy.stage, "rlhf.policy_digest": policy.digest}
-        if tracking.has_artifact(run_id, "model"):  # the registry logged it for a new version
-            tags[MODEL_LOGGED] = "true"
-        elif earlier := tracking.find_run(
+        if model_id := tracking.find_logged_model(policy.digest):  # its stage's logged model: a link, no copy
+            tags[MODEL_URI] = tracking.logged_model(model_id).artifact_location
+            tags[POLICY_MODEL] = model_id
+        elif earlier := tracking.find_run(  # a policy with no logged model in this store: weights once per policy
             self.ctx.experiment_id, {"rlhf.policy_digest": policy.digest, MODEL_LOGGED: "true"}
         ):
             tags[MODEL_URI] = tracking.artifact_uri(earlier, "model")  # the same bytes: a link, not another copy

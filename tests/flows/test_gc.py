@@ -31,7 +31,10 @@ def test_gc_keeps_what_the_registry_and_the_newest_run_use_and_removes_the_rest(
     assert first["registry"]["version"] == "1"
     client = tracking.client()  # the store this test set, whatever mlflow's process-wide URI is
     second_copy = Path(client.get_run(second["mlflow_run_id"]).info.artifact_uri.removeprefix("file://")) / "model"
-    assert second_copy.is_dir()
+    assert not second_copy.exists()  # runs link their policy's logged model; runs made before kept their own copy:
+    tracking.log_artifacts(second["mlflow_run_id"], Path(second["artifacts"]["dpo"]) / "model", "model")
+    tracking.set_tags(second["mlflow_run_id"], {"rlhf.model_logged": "true"})
+    assert (second_copy / "model.safetensors").is_file()
 
     assert main(["gc", "--dry-run", "--keep-runs", "1"]) == 0
     out = capsys.readouterr().out

@@ -54,8 +54,11 @@ def test_pipeline_runs_caches_and_reruns_only_what_changed(prefect, state, monke
     assert "rm/eval/accuracy" in by_stage["rm"].data.metrics
     assert "eval/heldout/policy_exact_match" in parent.data.metrics
     top = {a.path for a in client.list_artifacts(parent.info.run_id)}
-    assert {"model", "config.yaml", "eval"} <= top
-    assert "model/model.safetensors" in {a.path for a in client.list_artifacts(parent.info.run_id, "model")}
+    assert {"config.yaml", "eval"} <= top and "model" not in top  # the weights: the dpo run's logged model, linked
+    policy_model = client.get_logged_model(parent.data.tags["rlhf.policy_model_id"])
+    assert policy_model.source_run_id == by_stage["dpo"].info.run_id
+    assert parent.data.tags["rlhf.model_uri"] == policy_model.artifact_location
+    assert "model.safetensors" in {a.path for a in client.list_logged_model_artifacts(policy_model.model_id)}
     assert {a.path for a in client.list_artifacts(by_stage["data"].info.run_id, "report")} >= {
         "report/sft",
         "report/preference",
@@ -70,10 +73,10 @@ def test_pipeline_runs_caches_and_reruns_only_what_changed(prefect, state, monke
         [parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{second.result()['mlflow_run_id']}'"
     )
     assert len(cached) == 5 and all(r.data.tags["rlhf.cached"] == "true" for r in cached)
-    # A cached run links the policy's weights the first run logged; it does not copy them again.
+    # A cached run links the same logged model; it does not copy the weights.
     again = client.get_run(second.result()["mlflow_run_id"])
     assert "model" not in {a.path for a in client.list_artifacts(again.info.run_id)}
-    assert again.data.tags["rlhf.model_uri"] == f"{parent.info.artifact_uri}/model"
+    assert again.data.tags["rlhf.model_uri"] == policy_model.artifact_location
 
     # Only dpo.beta changed: only dpo and eval run.
     third = run_without_registry("dpo.beta=0.2")
