@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -70,6 +71,22 @@ class PipelineRun:
         return self.summary
 
 
+class _ThreadTimeoutWarning(logging.Filter):
+    """Prefect 3.9.1 warns, for every task with `timeout_seconds` that runs in a worker thread, that the timeout cannot
+    interrupt a blocking call. Every stage has one (`retry.timeout_seconds`) and runs in a worker thread; the timeout
+    reaches it between training steps, and the launcher polls its ranks every 0.5 s (tests/flows/test_faults.py), so
+    the warning, on every stage of every run, says nothing that applies here."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Timeout of %s seconds configured for this task, but the task is running")
+
+
+def quiet_thread_timeout_warning() -> None:
+    logger = logging.getLogger("prefect.task_runs")
+    if not any(isinstance(f, _ThreadTimeoutWarning) for f in logger.filters):
+        logger.addFilter(_ThreadTimeoutWarning())
+
+
 @contextlib.contextmanager
 def pipeline_run(params: Any) -> Iterator[PipelineRun]:
     """`params`: the run's `PipelineParams` (or `EvalParams`)."""
@@ -82,6 +99,7 @@ def pipeline_run(params: Any) -> Iterator[PipelineRun]:
         experiment, flow_run_name, {"prefect.flow_run_id": flow_run_id, "rlhf.algorithm": params.algorithm}
     )
     install_log_filter()
+    quiet_thread_timeout_warning()
     config = redact(params.model_dump(mode="json"))
     tracking.log_params(run_id, config)
     tracking.log_text(run_id, yaml.safe_dump(config, sort_keys=False), "config.yaml")

@@ -33,6 +33,22 @@ def test_pipeline_runs_caches_and_reruns_only_what_changed(prefect, state, monke
         data_running_before_the_next_submission(patched)  # as under a real server, so the graph below is what users see
         first = run_without_registry()
     assert first.is_completed(), first.message
+    # The stages' own logs, without Prefect's warning about timeouts in worker threads on every stage.
+    import time
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    deadline = time.monotonic() + 60
+    with get_client(sync_client=True) as client:
+        while True:  # shipped in batches from a worker thread: the last ones may arrive after the run has ended
+            logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[first.state_details.flow_run_id])))
+            messages = [log.message for log in logs]
+            if any(message.startswith("eval: done in") for message in messages) or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+    assert any(message.startswith("eval: done in") for message in messages), messages
+    assert not [message for message in messages if "running in a worker thread" in message]
     assert task_states(first) == {stage: "Completed" for stage in DPO_RUN_STAGES}
     # The Prefect UI's graph: every stage a top-level node with its upstream edges (issue 16).
     assert_a_flat_graph(graph_of(first.state_details.flow_run_id), DPO_RUN_STAGES)
