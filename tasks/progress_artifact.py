@@ -7,9 +7,8 @@ for the time a stage builds (`orchestration.device_hold` enters it): no module a
 code version (its import closure) moves because of a display.
 
 The Prefect API is called from a thread of its own, never from the training thread: the newest reading is sent at most
-once every `INTERVAL` seconds (older ones are dropped), an API that does not answer is logged once and tried again
-with a growing pause, and the stage neither waits for it nor fails by it (its last value waits `CLOSE_WAIT` seconds at
-most).
+once a second (older ones are dropped), an API that does not answer is logged once and tried again with a growing
+pause, and the stage neither waits for it nor fails by it (its last value waits `CLOSE_WAIT` seconds at most).
 """
 
 from __future__ import annotations
@@ -24,9 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
-INTERVAL = 5.0
-"""Seconds between two calls to the Prefect API, at least. Each call costs the API server CPU time beside the training
-(issue 29, `bench.overhead`: the embedded default's builds took ~8 s less with no updates than with one a second)."""
+INTERVAL = 1.0
+"""Seconds between two calls to the Prefect API, at least."""
 MAX_PAUSE = 30.0
 """The longest pause between two tries while the API does not answer."""
 CLOSE_WAIT = 5.0
