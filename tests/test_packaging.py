@@ -159,15 +159,20 @@ def test_the_wheel_pins_every_dependency_and_torch_at_2_13_0(wheel):
 
 @pytest.mark.parametrize(("lock", "extras"), [("runtime", ""), ("dev", "[dev]")])
 def test_pip_resolves_the_wheel_to_exactly_the_locked_versions_and_files(wheel, tmp_path, lock, extras):
-    """`pip install` of the wheel, as of the lock's moment (PyPI's upload times: later releases are out of sight, so
-    this does not go red when a dependency publishes), picks every locked version and a file whose hash the lock has;
-    nothing more, nothing less. Metadata only (--dry-run): nothing is downloaded or installed."""
+    """`pip install` of the wheel with the lock's versions as constraints picks every locked version and a file whose
+    hash the lock has; nothing more, nothing less: the lock is one whole, consistent resolution of the wheel's pins (a
+    dependency it lacks would come unpinned, one it has that nothing needs would not be picked, a version the pins
+    refuse would fail the resolution). Constraints, not the lock's as-of moment alone: an index can add a release
+    uploaded to PyPI before that moment (redis 8.2.0 appeared here on 12-04, uploaded 11-23), so the moment does not
+    keep a newer version out of sight. Metadata only (--dry-run): nothing is downloaded or installed."""
     import pip
 
     assert Version(pip.__version__) >= Version("26"), (
         f"pip {pip.__version__} has no --uploaded-prior-to: pip install --require-hashes -r requirements/dev.txt"
     )
     as_of, locked = read_lock(LOCKS / f"{lock}.txt")
+    constraints = tmp_path / "constraints.txt"  # pip takes no hashes in a constraints file; they are compared below
+    constraints.write_text("".join(f"{name}=={version}\n" for name, (version, _) in locked.items()))
     report = tmp_path / "report.json"
     pip_run = subprocess.run(
         [
@@ -181,6 +186,8 @@ def test_pip_resolves_the_wheel_to_exactly_the_locked_versions_and_files(wheel, 
             "--report",
             str(report),
             f"--uploaded-prior-to={as_of}",
+            "--constraint",
+            str(constraints),
             f"rlhf-pipeline{extras} @ {wheel.as_uri()}",
         ],
         env=os.environ | {"PIP_DISABLE_PIP_VERSION_CHECK": "1"},
@@ -201,7 +208,7 @@ def test_pip_resolves_the_wheel_to_exactly_the_locked_versions_and_files(wheel, 
     pinned = {(n, str(Version(v))) for n, (v, _) in locked.items()}
     assert resolved == pinned, (
         f"pip resolves the wheel{extras} to {sorted(resolved - pinned)} where requirements/{lock}.txt has "
-        f"{sorted(pinned - resolved)}: run .ci/lock"
+        f"{sorted(pinned - resolved)} (resolved with the lock as constraints): run .ci/lock"
     )
     unhashed = {n: h["sha256"] for n, (_, h) in chosen.items() if h.get("sha256") not in locked[n][1]}
     assert not unhashed, f"pip would fetch files whose sha256 requirements/{lock}.txt lacks: {unhashed}"

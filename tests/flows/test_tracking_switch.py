@@ -43,7 +43,11 @@ def test_a_new_empty_tracking_store_gets_every_run_from_the_artifacts(prefect, s
         parent.data.metrics["eval/heldout/policy_exact_match"] == produced["metrics"]["eval/heldout/policy_exact_match"]
     )
     top = {a.path for a in client.list_artifacts(parent.info.run_id)}
-    assert {"eval", "plots", "model"} <= top
+    assert {"eval", "plots"} <= top and "model" not in top
+    # The weights: the cached dpo run's logged model, uploaded to the new store from the artifacts and linked.
+    policy_model = client.get_logged_model(parent.data.tags["rlhf.policy_model_id"])
+    assert policy_model.model_id in {m.model_id for m in by_stage["dpo"].outputs.model_outputs}
+    assert "model.safetensors" in {a.path for a in client.list_logged_model_artifacts(policy_model.model_id)}
     assert "plots/training_curves.png" in {a.path for a in client.list_artifacts(parent.info.run_id, "plots")}
     # The registry of the new store starts over: the policy becomes its first version and champion.
     assert summary["registry"]["version"] == "1" and summary["registry"]["promoted"]
