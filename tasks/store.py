@@ -43,7 +43,7 @@ from rlhf_pipeline.tasks.artifacts import (
 )
 from rlhf_pipeline.tasks.code_version import code_version
 from rlhf_pipeline.tasks.metric_queue import MetricQueue
-from rlhf_pipeline.tasks.resources import PeakMemory, child_pids, kill_process
+from rlhf_pipeline.tasks.resources import PeakMemory, child_pids, frozen_heap, kill_process
 from rlhf_pipeline.tasks.secrets import redact
 from rlhf_pipeline.trainers import stopping
 from rlhf_pipeline.trainers.failures import permanent_reason
@@ -192,7 +192,7 @@ def run_stage(
         with stopping.training():
             try:
                 monitored = tracking.system_metrics(run_id) if system_metrics else contextlib.nullcontext()
-                with hold(), monitored, PeakMemory() as memory:
+                with hold(), monitored, frozen_heap(), PeakMemory() as memory:
                     metrics = build(tmp, work_dir, log_metrics)
                 if history.is_file():
                     shutil.copy(history, tmp / HISTORY)

@@ -26,6 +26,17 @@ def test_eval_of_a_registry_uri_without_version_or_alias_exits_2_showing_the_acc
     assert "models:/<name>/<version>" in err and "models:/<name>@<alias>" in err and "a model folder" in err
 
 
+def test_rlhf_run_with_invalid_parameters_exits_2_with_garbage_collection_on_again(capsys, monkeypatch):
+    """`rlhf run` turns the garbage collector off while it imports (cli._settle_heap): every way out turns it on."""
+    import gc
+
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # no temporary server for parameters that fail
+    assert gc.isenabled()
+    assert main(["run", "--set", "sft.max_steps=-1"]) == 2
+    assert "invalid parameters" in capsys.readouterr().err
+    assert gc.isenabled()
+
+
 def test_the_state_folder_is_beside_the_working_directory(tmp_path, monkeypatch):
     from rlhf_pipeline.tasks import tracking
 
