@@ -248,12 +248,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _settle_heap() -> None:
-    """After `rlhf run`'s imports: what they made (~600,000 objects: Prefect, MLflow, SQLAlchemy, pydantic models) is
-    moved out of the cyclic garbage collector's reach and collection starts again. Imports make next to no garbage,
-    but with collection on, its full passes over the growing heap took ~0.75 s of start-up (measured with
-    `gc.callbacks`), and every later full pass would walk these objects again. Python's documented pattern
-    (`gc.freeze`: disable early, freeze once the long-lived objects are made). A build freezes and unfreezes its own
-    way (`tasks.resources.frozen_heap`). No-op when collection is on."""
+    """After `rlhf run`'s imports: what they made is moved out of the cyclic garbage collector's reach (`gc.freeze`)
+    and collection starts again; imports make next to no garbage (docs/ARCHITECTURE.md, the collector's passes). A
+    build freezes and unfreezes its own way (`tasks.resources.frozen_heap`). No-op when collection is on."""
     if not gc.isenabled():
         gc.freeze()
         gc.enable()

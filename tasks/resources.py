@@ -12,12 +12,10 @@ from rlhf_pipeline.trainers.loop import PEAK_GPU
 
 @contextlib.contextmanager
 def frozen_heap():
-    """While a build runs, the objects alive before it (Prefect, MLflow, SQLAlchemy, Great Expectations, the libraries'
-    modules: 600,000-950,000 in an `rlhf run`) are out of the cyclic garbage collector's reach (`gc.freeze`), so that
-    its full passes walk the build's own objects only: over that heap a full pass took 0.27-0.56 s, and TRL's Trainer
-    asks for one at each `train()`. At the end, while they are still out of reach, one pass frees the build's own
-    garbage (its trainer and model, held in reference cycles) over the build's objects alone; then they are unfrozen,
-    so nothing stays out of reach for good."""
+    """While a build runs, the objects alive before it are out of the cyclic garbage collector's reach (`gc.freeze`),
+    so that its full passes, which TRL's Trainer asks for at each `train()`, walk the build's own objects only
+    (docs/ARCHITECTURE.md, the collector's passes). At the end, while they are still out of reach, one pass frees the
+    build's own cyclic garbage (its trainer and model); then they are unfrozen, so nothing stays out of reach."""
     import gc
 
     gc.freeze()
