@@ -28,7 +28,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rlhf_pipeline.tasks.secrets import redact
 from rlhf_pipeline.trainers.progress import emit
@@ -44,7 +44,8 @@ from rlhf_pipeline.trainers.rank import (
 )
 from rlhf_pipeline.trainers.stopping import TERMINATING, Terminated
 
-Launcher = Literal["inprocess", "accelerate"]
+Launcher = Literal["inprocess", "accelerate", "ray"]
+PLACEMENT = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 ENGINES = ("ddp", "zero2", "zero3", "fsdp2")
 ENGINE_DIR = Path(str(resources.files("rlhf_pipeline.deployments") / "accelerate"))
 PERMANENT_BY_NAME = {cls.__name__: cls for cls in PERMANENT}
@@ -56,9 +57,12 @@ class LaunchConfig(BaseModel):
     same artifact."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    launcher: Literal["auto", "inprocess", "accelerate"] = Field(
+    launcher: Literal["auto", "inprocess", "accelerate", "ray"] = Field(
         "auto",
-        description="'auto': accelerate whenever a CUDA GPU is present, else in the flow run's process; or force one.",
+        description=(
+            "'auto': accelerate whenever a CUDA GPU is present, else in the flow run's process; or force one. 'ray': a "
+            "Ray Train job on the cluster at ray_address / RAY_ADDRESS (else a local one), num_workers workers."
+        ),
     )
     stages: dict[str, Launcher] = Field(default_factory=dict, description="Per-stage override, e.g. {ppo: inprocess}.")
     num_processes: int | None = Field(
@@ -68,8 +72,24 @@ class LaunchConfig(BaseModel):
         "ddp",
         description=(
             "accelerate engine: ddp, zero2, zero3 (DeepSpeed ZeRO), fsdp2 (deployments/accelerate/<engine>.yaml), or "
-            "the path of an accelerate config file. On a CPU: gloo DDP. Multi-node: RLHF_NUM_MACHINES, "
-            "RLHF_MACHINE_RANK, RLHF_MAIN_PROCESS_IP, RLHF_MAIN_PROCESS_PORT."
+            "the path of an accelerate config file. On a CPU: gloo DDP. One machine; several: launcher ray."
+        ),
+    )
+    num_workers: int = Field(
+        1, ge=1, description="Ray Train workers (launcher ray), one torch rank each, across the cluster's nodes."
+    )
+    resources_per_worker: dict[str, float] = Field(
+        default_factory=lambda: {"CPU": 1},
+        description="What each Ray worker holds, e.g. {CPU: 8, GPU: 1} (a GPU: NCCL; none: gloo).",
+    )
+    placement_strategy: PLACEMENT = Field(
+        "PACK", description="How Ray places the workers: PACK fills a node first, STRICT_SPREAD one worker per node."
+    )
+    ray_address: str | None = Field(
+        None,
+        description=(
+            "The Ray cluster (ray://host:10001 or host:6379). None: RAY_ADDRESS, else a local cluster started for "
+            "the stage (127.0.0.1)."
         ),
     )
     kill_grace_seconds: float = Field(
@@ -93,6 +113,18 @@ class LaunchConfig(BaseModel):
                 )
         return engine
 
+    @model_validator(mode="after")
+    def _ray_installed(self) -> "LaunchConfig":
+        if "ray" in (self.launcher, *self.stages.values()):
+            import importlib.util
+
+            if importlib.util.find_spec("ray") is None:
+                raise ValueError(
+                    "launch.launcher='ray' runs a Ray Train job, and Ray is not installed: pip install "
+                    "'rlhf-pipeline[ray]'"
+                )
+        return self
+
     def launcher_of(self, stage: str) -> Launcher:
         chosen = self.stages.get(stage, self.launcher)
         if chosen == "auto":
@@ -101,13 +133,18 @@ class LaunchConfig(BaseModel):
             return "accelerate" if torch.cuda.is_available() else "inprocess"
         return chosen
 
-    def command(self, spec: Path) -> list[str]:
-        """The `accelerate launch` command line for this machine (CPU: gloo DDP over `num_processes` processes)."""
+    def command(self, spec: Path, launcher: Launcher = "accelerate") -> list[str]:
+        """The command that runs the stage's ranks: `accelerate launch` on this machine (CPU: gloo DDP over
+        `num_processes` processes), or the Ray Train job's driver (`trainers.ray_job`)."""
+        if launcher == "ray":
+            ray = [sys.executable, "-m", "rlhf_pipeline.trainers.ray_job", str(spec)]
+            ray += ["--workers", str(self.num_workers), "--resources", json.dumps(self.resources_per_worker)]
+            ray += ["--strategy", self.placement_strategy]
+            return ray + (["--address", self.ray_address] if self.ray_address else [])
         import torch
 
         cuda = torch.cuda.is_available()
         processes = self.num_processes or (torch.cuda.device_count() if cuda else 1)
-        machines = int(os.environ.get("RLHF_NUM_MACHINES", "1"))
         command = [sys.executable, "-m", "accelerate.commands.launch"]
         if cuda:
             config = ENGINE_DIR / f"{self.engine}.yaml" if self.engine in ENGINES else Path(self.engine).expanduser()
@@ -116,15 +153,7 @@ class LaunchConfig(BaseModel):
             # A MULTI_CPU config takes accelerate's simple launcher (one process); --multi_gpu with use_cpu inside gives
             # gloo DDP (docs/ARCHITECTURE.md, "Library facts the code relies on", accelerate).
             command += ["--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no"]
-        command += ["--num_processes", str(processes * machines), "--num_machines", str(machines)]
-        if machines > 1:
-            command += [
-                "--machine_rank",
-                os.environ["RLHF_MACHINE_RANK"],
-                "--main_process_ip",
-                os.environ["RLHF_MAIN_PROCESS_IP"],
-            ]
-        command += ["--main_process_port", os.environ.get("RLHF_MAIN_PROCESS_PORT") or str(_free_port())]
+        command += ["--num_processes", str(processes), "--num_machines", "1", "--main_process_port", str(_free_port())]
         return [*command, "-m", "rlhf_pipeline.trainers.rank", str(spec)]
 
 
@@ -143,14 +172,15 @@ def run_launched(
     log: Callable[[str], None],
     launch: LaunchConfig,
 ) -> dict[str, float]:
-    """Run `trainer.train(**arguments)` under `accelerate launch`; its final metrics, as the in-process call returns
-    them."""
+    """Run `trainer.train(**arguments)` under `accelerate launch` or as a Ray Train job (`launch.launcher_of(stage)`);
+    its final metrics, as the in-process call returns them."""
     work_dir.mkdir(parents=True, exist_ok=True)
     spec = work_dir / "launch.json"
     for stale in (work_dir / RESULT_FILE, work_dir / ERROR_FILE):
         stale.unlink(missing_ok=True)
     hidden = write_spec(spec, trainer, arguments, mask=redact)  # secrets reach the ranks by environment, not file
-    command = launch.command(spec)
+    launcher = launch.launcher_of(stage)
+    command = launch.command(spec, launcher)
     env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1", "RLHF_STAGE": stage}
     if hidden:
         env[SECRETS_ENV] = json.dumps(hidden)
@@ -181,16 +211,15 @@ def run_launched(
     error = work_dir / ERROR_FILE
     if error.is_file():
         reported = json.loads(error.read_text())
-        raise PERMANENT_BY_NAME.get(reported["type"], RuntimeError)(
-            f"{stage} (rank {reported['rank']}): {reported['message']}"
-        )
+        where = f"{stage} (rank {reported['rank']})" if reported["rank"] is not None else stage
+        raise PERMANENT_BY_NAME.get(reported["type"], RuntimeError)(f"{where}: {reported['message']}")
     if returncode != 0 and TERMINATING.is_set():
         raise Terminated(f"{stage}: the ranks stopped on SIGTERM; the next attempt resumes from their checkpoint")
     if returncode != 0:
         last = "\n".join(tail)
+        what = "accelerate launch" if launcher == "accelerate" else "the Ray job"
         raise RuntimeError(
-            f"{stage}: accelerate launch exited with {returncode} (a rank failed or was killed); its last "
-            f"lines:\n{last}"
+            f"{stage}: {what} exited with {returncode} (a rank failed or was killed); its last lines:\n{last}"
         )
     return json.loads((work_dir / RESULT_FILE).read_text())
 

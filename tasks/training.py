@@ -102,7 +102,7 @@ def train_stage(
             for param, source in MODEL_INPUTS.items()
         }
         arguments = {name: value for name, value in given.items() if name in wanted}
-        if ctx.launch.launcher_of(stage) == "accelerate":  # processes of its own; rank 0 writes into out_dir
+        if ctx.launch.launcher_of(stage) != "inprocess":  # processes of its own; rank 0 writes into out_dir
             return run_launched(stage, row.trainer, arguments, work_dir, log_metrics, prefect_log, ctx.launch)
         return importlib.import_module(row.trainer).train(**arguments, log_metrics=log_metrics)
 

@@ -100,19 +100,28 @@ def main(argv: list[str]) -> int:
             print(METRICS_MARK + json.dumps({"step": step, "values": values}), flush=True)
 
     try:
-        trainer, arguments = read_spec(spec)  # the configs are validated again here, in the rank's environment
-        # A SIGTERM (the parent's, or the whole group's) checkpoints and stops the rank, which then ends by it.
-        with checkpoint_on_sigterm(), training():
-            metrics = importlib.import_module(trainer).train(**arguments, log_metrics=log_metrics)
+        metrics = run_spec(spec, log_metrics)
     except PERMANENT as exc:
-        kind = next(
-            cls.__name__ for cls in PERMANENT if isinstance(exc, cls)
-        )  # pydantic's ValidationError is a ValueError
-        (work_dir / ERROR_FILE).write_text(json.dumps({"rank": rank(), "type": kind, "message": str(exc)}))
+        (work_dir / ERROR_FILE).write_text(json.dumps(permanent_error(exc, rank())))
         raise
     if rank() == 0:
         (work_dir / RESULT_FILE).write_text(json.dumps(metrics))
     return 0
+
+
+def run_spec(spec: Path, log_metrics: Callable[[dict[str, float], int], None]) -> dict[str, float]:
+    """`train(**arguments)` of the trainer `launch.json` names, in this rank; its final metrics."""
+    trainer, arguments = read_spec(spec)  # the configs are validated again here, in the rank's environment
+    # A SIGTERM (the parent's, or the whole group's) checkpoints and stops the rank, which then ends by it.
+    with checkpoint_on_sigterm(), training():
+        return importlib.import_module(trainer).train(**arguments, log_metrics=log_metrics)
+
+
+def permanent_error(exc: BaseException, rank: int | None) -> dict[str, Any]:
+    """What `ERROR_FILE` holds for an error no retry can fix: the rank, the error's type (one of `PERMANENT`'s names;
+    pydantic's ValidationError is a ValueError) and its message."""
+    kind = next(cls.__name__ for cls in PERMANENT if isinstance(exc, cls))
+    return {"rank": rank, "type": kind, "message": str(exc)}
 
 
 class _ProgressLines(logging.Handler):

@@ -1,0 +1,117 @@
+"""A real Ray cluster of two nodes on this host, started and stopped by the tests: a head node and a second node that
+joins it, each a `ray start --block` process of its own (its own session, stopped by its process group id) with one
+CPU, on loopback addresses of their own (127.0.0.2, 127.0.0.3: Ray takes 127.0.0.1 for "this machine" and refuses a
+second node there). Ray's servers listen on every interface in a cluster of several nodes (Ray 2.60 has no switch for
+it); the cluster takes only drivers and nodes holding its token (`RAY_AUTH_MODE=token`)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+HEAD, SECOND = "127.0.0.2", "127.0.0.3"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(arguments: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+    ray = Path(sys.executable).with_name("ray")
+    return subprocess.Popen(
+        [str(ray), "start", "--block", "--num-cpus", "1", "--num-gpus", "0", *arguments],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
+
+
+def _stop(process: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGTERM to the node's process group (`ray start` and the servers and workers under it), SIGKILL to what is left
+    after `timeout`."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            break
+        process.poll()
+        time.sleep(0.2)
+    else:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=10)
+
+
+def alive_nodes(address: str, env: dict[str, str]) -> int:
+    """How many nodes the cluster at `address` has alive, as a driver sees it."""
+    probe = "import ray; ray.init(address=%r, log_to_driver=False); print(sum(n['Alive'] for n in ray.nodes()))"
+    answer = subprocess.run(
+        [sys.executable, "-c", probe % address], capture_output=True, text=True, env=env, timeout=120
+    )
+    return int(answer.stdout.strip() or 0)
+
+
+@contextlib.contextmanager
+def two_nodes(timeout: float = 120) -> Iterator[dict[str, str]]:
+    """The cluster, up with both nodes; yields the environment a driver needs (`RAY_ADDRESS` and the token)."""
+    folder = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # short: Ray's socket paths must fit in 107 bytes
+    port = _free_port()
+    env = {
+        **os.environ,
+        "RAY_ADDRESS": f"{HEAD}:{port}",
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": secrets.token_hex(16),
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
+    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
+    head = _start(
+        ["--head", "--node-ip-address", HEAD, "--port", str(port), "--include-dashboard", "false"]
+        + ["--temp-dir", str(folder / "head")],
+        folder / "head.log",
+        env,
+    )
+    nodes = [head]
+    try:
+        deadline = time.time() + timeout
+        while alive_nodes(env["RAY_ADDRESS"], env) < 1:
+            assert head.poll() is None and time.time() < deadline, (folder / "head.log").read_text()[-3000:]
+            time.sleep(1)
+        nodes.append(_start(["--address", env["RAY_ADDRESS"], "--node-ip-address", SECOND], folder / "node.log", env))
+        while alive_nodes(env["RAY_ADDRESS"], env) < 2:
+            assert nodes[1].poll() is None and time.time() < deadline, (folder / "node.log").read_text()[-3000:]
+            time.sleep(1)
+        yield {
+            name: env[name] for name in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_USAGE_STATS_ENABLED")
+        }
+    finally:
+        for node in reversed(nodes):
+            _stop(node)
+
+
+def train_workers() -> list:
+    """Ray Train worker processes on this host (`ray::RayTrainWorker...`), of any cluster."""
+    import psutil
+
+    found = []
+    for process in psutil.process_iter(["name", "cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if "RayTrainWorker" in " ".join(process.info["cmdline"] or []) or "RayTrainWorker" in (
+                process.info["name"] or ""
+            ):
+                found.append(process)
+    return found

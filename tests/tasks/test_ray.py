@@ -1,0 +1,134 @@
+"""Training stages as Ray Train jobs (`launch.launcher: ray`) on a real Ray cluster of two nodes on this host (a head
+and a second node joining it, each its own process: tests/ray_cluster.py), as the flow runs them (`train_stage`),
+without Prefect."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import psutil
+import pytest
+from mlflow.tracking import MlflowClient
+
+from rlhf_pipeline.tasks import tracking
+from rlhf_pipeline.tasks.artifacts import ArtifactRef, RunContext, read_history
+from rlhf_pipeline.tasks.launcher import LaunchConfig
+from rlhf_pipeline.tasks.training import train_stage
+from rlhf_pipeline.trainers.config import CallbackSpec
+from rlhf_pipeline.trainers.sft import SftConfig
+from tests import ray_cluster
+from tests.helpers import FAST, SMALL_MODEL, write_data_dir
+
+pytestmark = pytest.mark.e2e  # a Ray cluster of two nodes, and each stage starts two Ray workers with torch
+
+SPREAD = LaunchConfig(launcher="ray", num_workers=2, placement_strategy="STRICT_SPREAD", kill_grace_seconds=5)
+"""Two workers, one on each node."""
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with ray_cluster.two_nodes() as env, pytest.MonkeyPatch.context() as patch:
+        for name, value in env.items():  # the stage's driver (a child of this process) joins it
+            patch.setenv(name, value)
+        yield env
+
+
+@pytest.fixture
+def ctx(tmp_path, cluster) -> RunContext:
+    experiment = tracking.experiment_id("test-ray")
+    parent = tracking.start_run(experiment, "parent", {})
+    return RunContext(
+        artifact_root=str(tmp_path / "artifacts"), experiment_id=experiment, parent_run_id=parent, launch=SPREAD
+    )
+
+
+@pytest.fixture
+def data(tmp_path) -> ArtifactRef:
+    return ArtifactRef(stage="data", key="d", uri=str(write_data_dir(tmp_path / "data", rows=64)))
+
+
+def placed(messages: list[str]) -> dict[int, str]:
+    """Each worker's node, from the `ray worker <rank>/<world> on node <id> (<ip>)` lines."""
+    found = (re.fullmatch(r"ray worker (\d+)/(\d+) on node (\w+) \(([\d.]+)\)", m) for m in messages)
+    return {int(m[1]): f"{m[3]} ({m[4]})" for m in found if m}
+
+
+def test_sft_and_dpo_span_both_nodes_of_the_cluster_and_publish_as_in_process(ctx, data, caplog):
+    caplog.set_level(logging.INFO, logger="rlhf")
+    config = SftConfig(max_steps=4, **{**FAST, "per_device_train_batch_size": 8})
+    outcome = train_stage("sft", config, {"model": SMALL_MODEL}, {"data": data}, ctx)
+    assert "sft: world size 2 (distributed, gloo)" in caplog.messages
+    nodes = placed(caplog.messages)
+    assert sorted(nodes) == [0, 1] and len(set(nodes.values())) == 2, nodes  # a worker on each node
+    assert {nodes[0].split()[1], nodes[1].split()[1]} == {f"({ray_cluster.HEAD})", f"({ray_cluster.SECOND})"}
+    assert any(m.startswith("sft: Ray cluster at 127.0.0.2:") and "2 node(s), 2 CPUs" in m for m in caplog.messages)
+    assert [step for step, values in read_history(outcome.ref.path) if "sft/train/loss" in values] == [1, 2, 3, 4]
+    manifest = outcome.ref.manifest()
+    assert manifest["training"] == {"global_step": 4, "max_steps": 4, "stopped_early": False} and manifest["tokenizer"]
+    assert (outcome.ref.path / "model" / "model.safetensors").is_file()
+    metrics = MlflowClient().get_run(outcome.mlflow_run_id).data.metrics
+    assert metrics["sft/train/loss"] == manifest["metrics"]["sft/train/loss"]
+    inprocess = ctx.model_copy(update={"launch": LaunchConfig(launcher="inprocess")})
+    assert train_stage("sft", config, {"model": SMALL_MODEL}, {"data": data}, inprocess).cached  # not in the key
+    assert ray_cluster.train_workers() == []  # no worker outlived its stage
+
+    from rlhf_pipeline.trainers.dpo import DpoConfig
+
+    caplog.clear()
+    dpo = train_stage(
+        "dpo",
+        DpoConfig(max_steps=2, **{**FAST, "per_device_train_batch_size": 8}),
+        {},
+        {"data": data, "sft": outcome.ref},
+        ctx,
+    )
+    assert (
+        "dpo: world size 2 (distributed, gloo)" in caplog.messages and len(set(placed(caplog.messages).values())) == 2
+    )
+    assert (
+        dpo.ref.manifest()["training"]["global_step"] == 2 and (dpo.ref.path / "model" / "model.safetensors").is_file()
+    )
+
+
+def test_a_worker_killed_mid_stage_fails_the_attempt_and_the_retry_resumes_from_its_checkpoint(
+    ctx, data, tmp_path, caplog
+):
+    caplog.set_level(logging.INFO, logger="rlhf")
+    kill = CallbackSpec(
+        path="tests.user_code:KillAtStep", kwargs={"step": 3, "rank": 1, "once": str(tmp_path / "killed")}
+    )
+    config = SftConfig(max_steps=4, callbacks=[kill], **{**FAST, "per_device_train_batch_size": 8, "save_steps": 2})
+    with pytest.raises(RuntimeError, match=r"sft: the Ray job exited with 1 \(a rank failed or was killed\)"):
+        train_stage("sft", config, {"model": SMALL_MODEL}, {"data": data}, ctx)
+    assert (tmp_path / "killed").is_file()
+    assert psutil.wait_procs(ray_cluster.train_workers(), timeout=30)[1] == []  # the other worker ended with the job
+    work = next((tmp_path / "artifacts" / "sft" / ".work").iterdir())
+    caplog.clear()
+    outcome = train_stage("sft", config, {"model": SMALL_MODEL}, {"data": data}, ctx)
+    assert any(m == f"sft: resuming from {work / 'checkpoint-2'}" for m in caplog.messages), caplog.messages
+    assert MlflowClient().get_run(outcome.mlflow_run_id).data.tags["rlhf.resumed_from"] == "checkpoint-2"
+    steps = [step for step, values in read_history(outcome.ref.path) if "sft/train/loss" in values]
+    assert steps[-2:] == [3, 4]  # the retry trained steps 3 and 4 only
+    assert outcome.ref.manifest()["training"]["global_step"] == 4
+
+
+def test_an_error_no_retry_fixes_fails_at_once_with_its_type_and_a_cluster_too_small_before_any_worker(
+    ctx, data, tmp_path
+):
+    config = SftConfig(max_steps=2, **{**FAST, "optimizer_factory": "tests.user_code:frozen_only"})
+    with pytest.raises(ValueError, match=r"sft \(rank [01]\): "):
+        train_stage("sft", config, {"model": SMALL_MODEL}, {"data": data}, ctx)
+    three = ctx.model_copy(update={"launch": SPREAD.model_copy(update={"num_workers": 3})})
+    with pytest.raises(
+        ValueError,
+        match=r"sft: the Ray cluster at 127\.0\.0\.2:\d+ cannot hold the stage's workers: placement_strategy "
+        r"STRICT_SPREAD puts each of 3 workers on a node of its own; it has 2",
+    ):
+        train_stage("sft", SftConfig(max_steps=2, **FAST), {"model": SMALL_MODEL}, {"data": data}, three)
+    gpus = ctx.model_copy(update={"launch": SPREAD.model_copy(update={"resources_per_worker": {"CPU": 1, "GPU": 1}})})
+    with pytest.raises(
+        ValueError,
+        match=r"launch.num_workers=2 x launch.resources_per_worker=\{CPU: 1, GPU: 1\}, and its 2 node\(s\) hold 0",
+    ):
+        train_stage("sft", SftConfig(max_steps=2, **FAST), {"model": SMALL_MODEL}, {"data": data}, gpus)
