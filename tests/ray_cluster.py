@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -38,9 +39,9 @@ def _start(arguments: list[str], log: Path, env: dict[str, str]) -> subprocess.P
     )
 
 
-def _stop(process: subprocess.Popen, timeout: float = 30) -> None:
+def _stop(process: subprocess.Popen, timeout: float = 5) -> None:
     """SIGTERM to the node's process group (`ray start` and the servers and workers under it), SIGKILL to what is left
-    after `timeout`."""
+    after `timeout` (a head's GCS server outlives SIGTERM by 30 s)."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGTERM)
     deadline = time.time() + timeout
@@ -101,6 +102,7 @@ def two_nodes(timeout: float = 120) -> Iterator[dict[str, str]]:
     finally:
         for node in reversed(nodes):
             _stop(node)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def train_workers() -> list:

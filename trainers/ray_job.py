@@ -64,10 +64,12 @@ def main(argv: list[str]) -> int:
     work_dir = args.spec.parent
     stage = os.environ.get("RLHF_STAGE", "stage")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no phoning home from a training job
+    address = args.address or os.environ.get("RAY_ADDRESS") or None
+    if not address:  # Ray's servers on the loopback interface only (docs/ARCHITECTURE.md, "Library facts": Ray)
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
     import ray
 
-    address = args.address or os.environ.get("RAY_ADDRESS") or None
     if address:
         ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
     else:  # a cluster of this machine alone, on the loopback interface; its processes end with this one

@@ -319,3 +319,58 @@ def test_cancelling_a_flow_run_stops_every_rank_of_a_launched_stage(service):
     assert cancelled.state.type.value == "CANCELLED", explain(service, cancelled)
     gone, alive = psutil.wait_procs(ranks, timeout=30)
     assert alive == [] and launched() == [], [p.pid for p in alive]
+
+
+def test_cancelling_a_flow_run_stops_its_ray_job_and_every_worker_within_30_seconds(service):
+    import time
+
+    import psutil
+    from prefect.states import Cancelling
+
+    from tests import ray_cluster
+
+    def ours(processes: list[psutil.Process]) -> list[psutil.Process]:
+        """Those started for this service's runs (their environment names its state folder)."""
+        found = []
+        for process in processes:
+            with contextlib.suppress(psutil.Error):
+                if str(service["tmp"]) in process.environ().get("RLHF_STATE_DIR", ""):
+                    found.append(process)
+        return found
+
+    def cluster() -> list[psutil.Process]:
+        """The stage's Ray job's driver and the local cluster it started (servers, workers of every kind)."""
+        return ours(
+            [
+                p
+                for p in psutil.process_iter(["name", "cmdline"])
+                if "ray" in (p.info["name"] or "") or "ray" in " ".join(p.info["cmdline"] or [])
+            ]
+        )
+
+    endless = {
+        **TINY_RUN,
+        "sft": {"max_steps": 100_000, "logging_steps": 10, "save_steps": 100_000},
+        "launch": {"launcher": "ray", "num_workers": 2},
+    }
+    full = deployment(service, "rlhf/full")
+    with service["client"]() as client:
+        run = client.create_flow_run_from_deployment(full.id, parameters=endless)
+    deadline = time.time() + 300
+    while len(ours(ray_cluster.train_workers())) < 2:  # both Ray Train workers of sft are up
+        assert time.time() < deadline, explain(service, wait_for(service, run.id, timeout=1))
+        time.sleep(1)
+    work = service["tmp"]
+    while not list(work.rglob("sft/.work/*/history.jsonl")):  # and training
+        assert time.time() < deadline, explain(service, wait_for(service, run.id, timeout=1))
+        time.sleep(1)
+    started = cluster()
+    with service["client"]() as client:
+        client.set_flow_run_state(run.id, Cancelling(), force=True)
+    asked = time.time()
+    gone, alive = psutil.wait_procs(started, timeout=30)
+    stopped_in = time.time() - asked
+    assert alive == [] and ours(ray_cluster.train_workers()) == [], [(p.pid, p.name()) for p in alive]
+    cancelled = wait_for(service, run.id, timeout=120)
+    assert cancelled.state.type.value == "CANCELLED", explain(service, cancelled)
+    assert stopped_in <= 30 and cluster() == []

@@ -215,20 +215,33 @@ def test_engine_configs_and_the_kubernetes_job_template_ship_with_the_package():
             LaunchConfig(engine="zero3")
 
 
-def test_sft_dpo_and_ppo_on_two_ranks_reach_the_held_out_exact_match_of_one_process_within_3_points(ctx, tmp_path):
-    """The embedded default's sft (300 steps of 64), once in this process and once on 2 ranks of 32: the same held-out
-    figure. Then dpo and ppo from the in-process sft, on shorter budgets than the preset's (so each is still moving), in
-    both ways. (The preset's full budgets side by side: `python -m bench.launch_parity`.)"""
+def test_sft_dpo_and_ppo_on_two_ranks_and_two_ray_workers_reach_the_held_out_exact_match_of_one_process_within_3_points(
+    ctx, tmp_path, caplog
+):
+    """The embedded default's sft (300 steps of 64), once in this process, once on 2 accelerate ranks of 32 and once on
+    2 Ray Train workers of 32 (a local Ray cluster on 127.0.0.1, started for each stage): the same held-out figure. Then
+    dpo and ppo from the in-process sft, on shorter budgets than the preset's (so each is still moving), in the three
+    ways. (The preset's full budgets side by side: `python -m bench.launch_parity`.)"""
     from rlhf_pipeline.flows.params import load_params
     from rlhf_pipeline.trainers.loop import load_split
     from rlhf_pipeline.trainers.models import load_causal_lm
     from rlhf_pipeline.trainers.sort_task import exact_match
     from rlhf_pipeline.trainers.text import generate
 
+    caplog.set_level(logging.INFO, logger="rlhf")
     params = load_params("tiny")
     data = ArtifactRef(stage="data", key="all", uri=str(write_data_dir(tmp_path / "data", rows=10**9)))
     held_out = load_split(data.path, "prompts_eval")
-    inprocess = ctx.model_copy(update={"launch": LaunchConfig(launcher="inprocess")})
+    runs = {
+        "inprocess": ctx.model_copy(update={"launch": LaunchConfig(launcher="inprocess")}),
+        "accelerate": ctx,
+        "ray": ctx.model_copy(  # artifacts of its own: the launcher is not in the key, and accelerate's would be reused
+            update={
+                "launch": LaunchConfig(launcher="ray", num_workers=2, kill_grace_seconds=5),
+                "artifact_root": str(tmp_path / "ray-artifacts"),
+            }
+        ),
+    }
 
     def halved(config):
         return config.model_copy(update={"per_device_train_batch_size": config.per_device_train_batch_size // 2})
@@ -238,30 +251,39 @@ def test_sft_dpo_and_ppo_on_two_ranks_reach_the_held_out_exact_match_of_one_proc
         answers = generate(model, tokenizer, held_out["prompt"], max_new_tokens=12, batch_size=200)
         return sum(exact_match(held_out["prompt"], answers, answer=held_out["answer"])) / len(answers)
 
-    sft = train_stage("sft", params.sft, {"model": params.model}, {"data": data}, inprocess)
-    scores = {
-        "sft": (
-            score(sft.ref),
-            score(train_stage("sft", halved(params.sft), {"model": params.model}, {"data": data}, ctx).ref),
-        )
-    }
+    def trained(stage, config, settings, upstream) -> dict[str, float]:
+        """The stage's held-out exact match in each way; the same global batch (each of 2 ranks takes half)."""
+        found = {}
+        for way, run in runs.items():
+            caplog.clear()
+            ref = train_stage(stage, config if way == "inprocess" else halved(config), settings, upstream, run).ref
+            found[way] = score(ref)
+            if way != "inprocess":
+                assert any(m.startswith(f"{stage}: world size 2 ") for m in caplog.messages), (way, caplog.messages)
+            if way == "ray":
+                assert any(
+                    m.startswith(f"{stage}: Ray cluster at a local cluster (127.0.0.1)") for m in caplog.messages
+                )
+        return found
+
+    sft = train_stage("sft", params.sft, {"model": params.model}, {"data": data}, runs["inprocess"])
+    scores = {"sft": trained("sft", params.sft, {"model": params.model}, {"data": data})}
+    assert scores["sft"]["inprocess"] == score(sft.ref)  # cached: the in-process sft is the one dpo and ppo start from
     upstream = {"data": data, "sft": sft.ref}
-    dpo = params.dpo.model_copy(update={"max_steps": 60})
-    scores["dpo"] = tuple(
-        score(train_stage("dpo", config, {}, upstream, run).ref)
-        for config, run in ((dpo, inprocess), (halved(dpo), ctx))
-    )
-    ppo, rewards = (
-        params.ppo.model_copy(update={"total_episodes": 1280}),
-        {"rewards": params.rewards},
-    )  # 20 updates; the rollout batch is global
-    scores["ppo"] = tuple(score(train_stage("ppo", ppo, rewards, upstream, run).ref) for run in (inprocess, ctx))
+    scores["dpo"] = trained("dpo", params.dpo.model_copy(update={"max_steps": 60}), {}, upstream)
+    # 20 updates; the rollout batch is global (ppo splits it over the ranks itself: not halved)
+    ppo = params.ppo.model_copy(update={"total_episodes": 1280})
+    scores["ppo"] = {
+        way: score(train_stage("ppo", ppo, {"rewards": params.rewards}, upstream, run).ref) for way, run in runs.items()
+    }
     assert (
-        scores["sft"][0] > 0.5
-        and scores["dpo"][0] > scores["sft"][0] + 0.05
-        and scores["ppo"][0] > scores["sft"][0] + 0.05
+        scores["sft"]["inprocess"] > 0.5
+        and scores["dpo"]["inprocess"] > scores["sft"]["inprocess"] + 0.05
+        and scores["ppo"]["inprocess"] > scores["sft"]["inprocess"] + 0.05
     )  # each trained
-    assert all(abs(launched - single) <= 0.03 for single, launched in scores.values()), scores
+    assert all(
+        abs(stage[way] - stage["inprocess"]) <= 0.03 for stage in scores.values() for way in ("accelerate", "ray")
+    ), scores
 
 
 def test_a_sigterm_reaches_the_ranks_which_checkpoint_and_stop_and_the_retry_resumes_there(ctx, data, tmp_path):

@@ -132,3 +132,43 @@ def test_an_error_no_retry_fixes_fails_at_once_with_its_type_and_a_cluster_too_s
         match=r"launch.num_workers=2 x launch.resources_per_worker=\{CPU: 1, GPU: 1\}, and its 2 node\(s\) hold 0",
     ):
         train_stage("sft", SftConfig(max_steps=2, **FAST), {"model": SMALL_MODEL}, {"data": data}, gpus)
+
+
+@pytest.fixture(scope="module")
+def sft_ref(tmp_path_factory) -> ArtifactRef:
+    from rlhf_pipeline.trainers.base_model import load_base_model
+    from rlhf_pipeline.trainers.models import save_model
+
+    folder = tmp_path_factory.mktemp("sft")
+    policy, tokenizer = load_base_model(SMALL_MODEL)
+    save_model(policy, tokenizer, folder / "model")
+    return ArtifactRef(stage="sft", key="s", uri=str(folder))
+
+
+HALF = {**FAST, "per_device_train_batch_size": 4, "max_steps": 2}
+"""Each of the two workers takes 4 rows a step: the global batch of 8 that the stages' own tests train with."""
+
+
+@pytest.mark.parametrize("stage", ["rm", "kto", "orpo", "grpo", "rloo"])
+def test_every_other_trl_stage_trains_on_two_workers(ctx, data, sft_ref, stage, caplog):
+    from rlhf_pipeline.tasks.stages import BY_NAME
+    from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, RewardsConfig
+
+    caplog.set_level(logging.INFO, logger="rlhf")
+    online = {"max_completion_length": 6, "num_generations": 4} if stage in ("grpo", "rloo") else {}
+    settings = (
+        {
+            "rewards": RewardsConfig(
+                reward_model_weight=0, functions=[RewardFunctionSpec(path="tests.helpers:length_reward")]
+            )
+        }
+        if stage in ("grpo", "rloo")
+        else {}
+    )
+    config = BY_NAME[stage].config(**HALF, **online)
+    outcome = train_stage(stage, config, settings, {"data": data, "sft": sft_ref}, ctx)
+    assert f"{stage}: world size 2 (distributed, gloo)" in caplog.messages, caplog.messages
+    assert len(set(placed(caplog.messages).values())) == 2
+    assert outcome.ref.manifest()["training"]["global_step"] == 2
+    assert (outcome.ref.path / "model" / "model.safetensors").is_file()
+    assert [step for step, values in read_history(outcome.ref.path) if f"{stage}/train/loss" in values] == [1, 2]
