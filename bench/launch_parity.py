@@ -1,13 +1,15 @@
-"""The accelerate launcher against the in-process run on the embedded default: sft, then dpo and ppo from it, side by \
-side.
+"""The accelerate or Ray launcher against the in-process run on the embedded default: sft, then dpo and ppo from it, \
+side by side.
 
     python -m bench.launch_parity                  # 2 CPU processes (gloo) against one process; ~6 minutes on 2 cores
     python -m bench.launch_parity --processes 4
+    python -m bench.launch_parity --launcher ray   # 2 Ray Train workers on a local Ray cluster (RAY_ADDRESS: that one)
 
 Each stage is trained twice with the tiny preset's settings, interleaved: once in this process and once under
-`accelerate launch` with the same global batch (per-device batch / processes for sft and dpo; ppo's rollout batch is
-global already). Every model is then scored by greedy held-out exact match on the bundled `prompts_eval`, and the
-table shows seconds, exact match with its 95% interval, and the launched run's difference in points.
+`accelerate launch` (or as a Ray Train job) with the same global batch (per-device batch / processes for sft and dpo;
+ppo's rollout batch is global already). Every model is then scored by greedy held-out exact match on the bundled
+`prompts_eval`, and the table shows seconds, exact match with its 95% interval, and the launched run's difference
+in points.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ def exact_match(model_dir: Path, prompts: list, answers: list) -> tuple[float, f
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--processes", type=int, default=2, help="accelerate's processes, or Ray's workers")
+    parser.add_argument("--launcher", choices=("accelerate", "ray"), default="accelerate")
     parser.add_argument("--keep", type=Path, default=None, help="keep the models here (default: a temporary folder)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
@@ -51,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     data = write_data_dir(root / "data", rows=10**9)
     held_out = load_split(data, "prompts_eval")
     prompts, answers = held_out["prompt"], held_out["answer"]
-    launch = LaunchConfig(launcher="accelerate", num_processes=args.processes)
+    launch = LaunchConfig(launcher=args.launcher, num_processes=args.processes, num_workers=args.processes)
+    launched = args.launcher
     per_device = {
         stage: getattr(params, stage).model_copy(
             update={"per_device_train_batch_size": getattr(params, stage).per_device_train_batch_size // args.processes}
@@ -87,21 +91,22 @@ def main(argv: list[str] | None = None) -> int:
 
     sft = {
         "inprocess": build("sft", "inprocess", {"cfg": params.sft, "model": params.model}),
-        "accelerate": build("sft", "accelerate", {"cfg": per_device["sft"], "model": params.model}),
+        launched: build("sft", launched, {"cfg": per_device["sft"], "model": params.model}),
     }
-    for mode in ("inprocess", "accelerate"):
+    for mode in ("inprocess", launched):
         build("dpo", mode, {"cfg": params.dpo if mode == "inprocess" else per_device["dpo"], "sft_model": sft[mode]})
-    for mode in ("inprocess", "accelerate"):
+    for mode in ("inprocess", launched):
         build("ppo", mode, {"cfg": params.ppo, "rewards": params.rewards, "sft_model": sft[mode], "reward_model": None})
 
     print(
-        f"\n{args.processes} processes (gloo on CPU) against 1, the same global batch; held-out exact match on "
+        f"\n{args.processes} {'processes' if launched == 'accelerate' else 'Ray workers'} (gloo on CPU) against 1, the "
+        "same global batch; held-out exact match on "
         f"{len(prompts)} prompts"
     )
     print("stage  in-process        launched          difference  time ratio")
     for stage in ("sft", "dpo", "ppo"):
         one, many = (
-            next(r for r in rows if r["stage"] == stage and r["mode"] == mode) for mode in ("inprocess", "accelerate")
+            next(r for r in rows if r["stage"] == stage and r["mode"] == mode) for mode in ("inprocess", launched)
         )
         points = 100 * (many["exact_match"] - one["exact_match"])
         print(

@@ -234,8 +234,9 @@ def test_sft_dpo_and_ppo_on_two_ranks_and_two_ray_workers_reach_the_held_out_exa
     held_out = load_split(data.path, "prompts_eval")
     runs = {
         "inprocess": ctx.model_copy(update={"launch": LaunchConfig(launcher="inprocess")}),
-        "accelerate": ctx,
-        "ray": ctx.model_copy(  # artifacts of its own: the launcher is not in the key, and accelerate's would be reused
+        # Artifacts of their own: the launcher is not in the key, so another way's artifact would be reused.
+        "accelerate": ctx.model_copy(update={"artifact_root": str(tmp_path / "accelerate-artifacts")}),
+        "ray": ctx.model_copy(
             update={
                 "launch": LaunchConfig(launcher="ray", num_workers=2, kill_grace_seconds=5),
                 "artifact_root": str(tmp_path / "ray-artifacts"),
@@ -251,12 +252,13 @@ def test_sft_dpo_and_ppo_on_two_ranks_and_two_ray_workers_reach_the_held_out_exa
         answers = generate(model, tokenizer, held_out["prompt"], max_new_tokens=12, batch_size=200)
         return sum(exact_match(held_out["prompt"], answers, answer=held_out["answer"])) / len(answers)
 
-    def trained(stage, config, settings, upstream) -> dict[str, float]:
+    def trained(stage, config, settings, upstream, halve=True) -> dict[str, float]:
         """The stage's held-out exact match in each way; the same global batch (each of 2 ranks takes half)."""
         found = {}
         for way, run in runs.items():
             caplog.clear()
-            ref = train_stage(stage, config if way == "inprocess" else halved(config), settings, upstream, run).ref
+            launched = halved(config) if halve and way != "inprocess" else config
+            ref = train_stage(stage, launched, settings, upstream, run).ref
             found[way] = score(ref)
             if way != "inprocess":
                 assert any(m.startswith(f"{stage}: world size 2 ") for m in caplog.messages), (way, caplog.messages)
@@ -273,9 +275,7 @@ def test_sft_dpo_and_ppo_on_two_ranks_and_two_ray_workers_reach_the_held_out_exa
     scores["dpo"] = trained("dpo", params.dpo.model_copy(update={"max_steps": 60}), {}, upstream)
     # 20 updates; the rollout batch is global (ppo splits it over the ranks itself: not halved)
     ppo = params.ppo.model_copy(update={"total_episodes": 1280})
-    scores["ppo"] = {
-        way: score(train_stage("ppo", ppo, {"rewards": params.rewards}, upstream, run).ref) for way, run in runs.items()
-    }
+    scores["ppo"] = trained("ppo", ppo, {"rewards": params.rewards}, upstream, halve=False)
     assert (
         scores["sft"]["inprocess"] > 0.5
         and scores["dpo"]["inprocess"] > scores["sft"]["inprocess"] + 0.05

@@ -172,3 +172,39 @@ def test_every_other_trl_stage_trains_on_two_workers(ctx, data, sft_ref, stage, 
     assert outcome.ref.manifest()["training"]["global_step"] == 2
     assert (outcome.ref.path / "model" / "model.safetensors").is_file()
     assert [step for step, values in read_history(outcome.ref.path) if f"{stage}/train/loss" in values] == [1, 2]
+
+
+def test_the_pipeline_runs_end_to_end_with_its_training_stages_on_the_ray_cluster(
+    cluster, prefect, tmp_path, monkeypatch
+):
+    """The flow as users start it (`--set launch.launcher=ray ...`): every training stage a Ray job of two workers, one
+    on each node; Prefect's task states and logs and the eval as on one machine."""
+    import time
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    from tests.flows.helpers import DPO_RUN_STAGES, run, task_states
+
+    monkeypatch.setenv(tracking.STATE_ENV, str(tmp_path / "state"))
+    state = run(
+        "launch.launcher=ray",
+        "launch.num_workers=2",
+        "launch.placement_strategy=STRICT_SPREAD",
+        "registry.enabled=false",
+        "experiment_name=ray",
+    )
+    assert state.is_completed(), state.message
+    assert task_states(state) == {stage: "Completed" for stage in DPO_RUN_STAGES}
+    wanted = [f"{stage}: world size 2 (distributed, gloo)" for stage in ("sft", "rm", "dpo")]
+    deadline = time.monotonic() + 60
+    with get_client(sync_client=True) as client:
+        while True:  # shipped in batches from a worker thread: the last ones may arrive after the run has ended
+            logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+            messages = [log.message for log in logs]
+            if all(line in messages for line in wanted) or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+    assert all(line in messages for line in wanted), [m for m in messages if "world size" in m or "Ray" in m]
+    assert "eval/heldout/policy_exact_match" in state.result()["metrics"]
+    assert ray_cluster.train_workers() == []
