@@ -3,22 +3,27 @@
 It resolves the parameters as `rlhf run` does, loads the base tokenizer, checks every dataset with it
 exactly as the data stage will (`validators.stage.check_datasets`), prints the token lengths each stage
 will see against its limit, and estimates the memory each stage holds with accelerate's estimator on
-a model built on the meta device. It exits 2 on invalid parameters, 1 on anything else the run would
-fail on (a data rule, an unreadable dataset, a tokenizer or model config that cannot be loaded, a
-stage whose estimate exceeds the free CUDA memory), 0 with a one-line "ready" verdict otherwise.
+a model built on the meta device. Where a training stage runs under Ray (`launch.launcher: ray`), it
+says which Ray cluster the stages would use, its nodes, the workers requested and the memory each
+worker holds (a DDP rank holds the whole stage: its estimate). It exits 2 on invalid parameters, 1 on
+anything else the run would fail on (a data rule, an unreadable dataset, a tokenizer or model config
+that cannot be loaded, a stage whose estimate exceeds the free CUDA memory, a Ray cluster that cannot be
+reached or cannot hold the workers), 0 with a one-line "ready" verdict otherwise.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import re
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from rlhf_pipeline.tasks.stages import BY_NAME
+from rlhf_pipeline.tasks.stages import BY_NAME, TRAIN_STAGE
 
 PERCENTILES = (50, 90, 99)
 
@@ -44,8 +49,8 @@ def check(preset: str, overrides: list[str], report_dir: Path | None = None) -> 
     if counted:
         _print_lengths(params, counted)
     build = _empty_model_builder(params, tokenizer, problems)
-    if build is not None:
-        _print_memory(params, build, problems)
+    totals = _print_memory(params, build, problems) if build is not None else {}
+    cluster = _check_ray(params, totals, problems)
 
     if problems:
         print(
@@ -54,8 +59,9 @@ def check(preset: str, overrides: list[str], report_dir: Path | None = None) -> 
         )
         return 1
     print(
-        f"\nready: parameters, tokenizer, {len(params.data.sources())} datasets and the memory of {len(plan)} stages "
-        "checked"
+        f"\nready: parameters, tokenizer, {len(params.data.sources())} datasets"
+        + (f", the Ray cluster at {cluster}" if cluster else "")
+        + f" and the memory of {len(plan)} stages checked"
     )
     return 0
 
@@ -242,7 +248,8 @@ def _empty_model_builder(params, tokenizer, problems: list[str]):
         return None
 
 
-def _print_memory(params, build, problems: list[str]) -> None:
+def _print_memory(params, build, problems: list[str]) -> dict[str, int]:
+    """Prints the estimate of every stage; returns each stage's total in bytes."""
     from accelerate.utils import convert_bytes, get_max_memory, is_cuda_available
 
     from rlhf_pipeline.trainers.memory import stage_memory
@@ -253,10 +260,12 @@ def _print_memory(params, build, problems: list[str]) -> None:
         "gradients and AdamW states of what the stage trains; activations, KV cache and batches NOT included)"
     )
     rows = []
+    totals: dict[str, int] = {}
     for stage in params.plan():
         estimate = stage_memory(
             held_models(params, stage), params.model.dtype, getattr(params.config(stage), "bf16", None), build
         )
+        totals[stage] = estimate.total
         if not estimate.total:
             rows.append([stage, estimate.holds, "-", "-", "-", "-"] + ([""] if free is not None else []))
             continue
@@ -281,6 +290,111 @@ def _print_memory(params, build, problems: list[str]) -> None:
             f"device: cuda:0 with {convert_bytes(free)} free (a stage that fits may still run out of memory on "
             "activations)"
         )
+    return totals
+
+
+# --- Ray ------------------------------------------------------------------------------------
+
+LOCAL_CLUSTER = "a local cluster on this machine, started for each stage"
+LOCAL_NODE = "127.0.0.1 (this machine)"
+
+
+def _check_ray(params, totals: dict[str, int], problems: list[str]) -> str | None:
+    """The Ray cluster the stages under `launch.launcher: ray` would use (`trainers.ray_job` joins the same one): its
+    nodes, whether it can hold `launch.num_workers` workers of `launch.resources_per_worker` each as placed, and the
+    memory of each worker. Each worker is a DDP rank that holds the whole stage: the stage's estimate. Returns where the
+    cluster is (None: no stage runs under Ray)."""
+    launch = params.launch
+    stages = [
+        stage for stage in params.plan() if BY_NAME[stage].task == TRAIN_STAGE and launch.launcher_of(stage) == "ray"
+    ]
+    if not stages:
+        return None
+    from rlhf_pipeline.trainers.ray_job import describe, shown, too_small
+
+    address = launch.ray_address or os.environ.get("RAY_ADDRESS") or None
+    where = address or LOCAL_NODE
+    print(f"\nRay: {', '.join(stages)} run as Ray Train jobs on {address or LOCAL_CLUSTER}")
+    if address is None:  # not started here: the stage's driver starts one; this machine is its only node
+        nodes, error = [_this_machine()], None
+    else:
+        nodes, error = _ray_nodes(address)
+    if error is not None:
+        print(f"Ray cluster at {address}: cannot be reached: {error}")
+        problems.append(f"the Ray cluster at {address} cannot be reached")
+    else:
+        print(describe(nodes, where))
+        _print_table(
+            ["Ray node", "address", "CPUs", "GPUs"],
+            [
+                [
+                    node.get("NodeID", "-")[:12],
+                    node.get("NodeManagerAddress", "-"),
+                    f"{node['Resources'].get('CPU', 0):g}",
+                    f"{node['Resources'].get('GPU', 0):g}",
+                ]
+                for node in nodes
+                if node.get("Alive")
+            ],
+        )
+    workers, resources = launch.num_workers, launch.resources_per_worker
+    print(
+        f"workers: launch.num_workers={workers} x launch.resources_per_worker={shown(resources)}, placement_strategy "
+        f"{launch.placement_strategy}; each a DDP rank holding the whole stage"
+    )
+    refused = too_small(nodes, workers, resources, launch.placement_strategy) if error is None else None
+    if refused:
+        print(f"  cannot hold the workers: {refused}")
+        problems.append(f"the Ray cluster at {where} cannot hold the workers: {refused}")
+    from accelerate.utils import convert_bytes
+
+    rows = []
+    for stage in stages:
+        total = totals.get(stage)
+        rows.append(
+            [stage, convert_bytes(total), workers, convert_bytes(total * workers)]
+            if total
+            else [stage, "-", workers, "-"]
+        )
+    _print_table(["Ray stage", "per worker", "workers", "in all"], rows)
+    return where
+
+
+def _this_machine() -> dict:
+    """This machine as the one node of a local Ray cluster, in the shape `ray.nodes()` gives a node."""
+    import torch
+
+    resources = {"CPU": float(os.cpu_count() or 1), "node:127.0.0.1": 1.0}
+    gpus = torch.cuda.device_count()
+    if gpus:  # Ray lists a GPU resource only where there is one
+        resources["GPU"] = float(gpus)
+    return {
+        "NodeID": "this machine",
+        "Alive": True,
+        "NodeManagerAddress": "127.0.0.1",
+        "NodeManagerHostname": socket.gethostname(),
+        "Resources": resources,
+    }
+
+
+def _ray_nodes(address: str) -> tuple[list[dict], str | None]:
+    """`ray.nodes()` of the cluster at `address`, or why it cannot be reached."""
+    from rlhf_pipeline.trainers.ray_job import unreachable
+
+    problem = unreachable(address)
+    if problem is not None:
+        return [], problem[0]
+    import logging
+
+    import ray
+
+    try:
+        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+        return ray.nodes(), None
+    except Exception as exc:  # refused token, not a Ray address, a version mismatch
+        return [], _first_line(exc)
+    finally:
+        ray.shutdown()
 
 
 # --- output ---------------------------------------------------------------------------------

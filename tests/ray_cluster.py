@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 HEAD, SECOND = "127.0.0.2", "127.0.0.3"
+CLIENT = "RLHF_TEST_RAY_CLIENT"
+"""The head's Ray Client address (`ray://...`), for a driver on a machine that runs no node of the cluster."""
 
 
 def _free_port() -> int:
@@ -41,7 +43,7 @@ def _start(arguments: list[str], log: Path, env: dict[str, str]) -> subprocess.P
 
 def _stop(process: subprocess.Popen, timeout: float = 5) -> None:
     """SIGTERM to the node's process group (`ray start` and the servers and workers under it), SIGKILL to what is left
-    after `timeout` (a head's GCS server outlives SIGTERM by 30 s)."""
+    after `timeout` (a head node's processes take ~30 s to end on SIGTERM)."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGTERM)
     deadline = time.time() + timeout
@@ -71,7 +73,7 @@ def alive_nodes(address: str, env: dict[str, str]) -> int:
 def two_nodes(timeout: float = 120) -> Iterator[dict[str, str]]:
     """The cluster, up with both nodes; yields the environment a driver needs (`RAY_ADDRESS` and the token)."""
     folder = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # short: Ray's socket paths must fit in 107 bytes
-    port = _free_port()
+    port, client = _free_port(), _free_port()
     env = {
         **os.environ,
         "RAY_ADDRESS": f"{HEAD}:{port}",
@@ -81,7 +83,8 @@ def two_nodes(timeout: float = 120) -> Iterator[dict[str, str]]:
     }
     env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
     head = _start(
-        ["--head", "--node-ip-address", HEAD, "--port", str(port), "--include-dashboard", "false"]
+        ["--head", "--node-ip-address", HEAD, "--port", str(port), "--ray-client-server-port", str(client)]
+        + ["--include-dashboard", "false"]
         + ["--temp-dir", str(folder / "head")],
         folder / "head.log",
         env,
@@ -96,9 +99,8 @@ def two_nodes(timeout: float = 120) -> Iterator[dict[str, str]]:
         while alive_nodes(env["RAY_ADDRESS"], env) < 2:
             assert nodes[1].poll() is None and time.time() < deadline, (folder / "node.log").read_text()[-3000:]
             time.sleep(1)
-        yield {
-            name: env[name] for name in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_USAGE_STATS_ENABLED")
-        }
+        names = ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_USAGE_STATS_ENABLED")
+        yield {**{name: env[name] for name in names}, CLIENT: f"ray://{HEAD}:{client}"}
     finally:
         for node in reversed(nodes):
             _stop(node)

@@ -45,6 +45,7 @@ def test_the_wheel_claims_one_import_name_and_ships_presets_and_the_bundled_task
     assert bundled == ["preference.jsonl", "preference_eval.jsonl", "prompts.jsonl", "prompts_eval.jsonl", "sft.jsonl"]
     assert {
         "rlhf_pipeline/deployments/prefect.yaml",
+        "rlhf_pipeline/deployments/kubernetes/raycluster.yaml",
         "rlhf_pipeline/flows/rlhf.py",
         "rlhf_pipeline/tasks/stages.py",
     } <= set(names)
@@ -125,13 +126,15 @@ def exact_pin(requirement: str) -> tuple[str, str | None]:
 
 
 def test_every_lock_line_is_pinned_with_hashes_and_the_locks_agree():
-    (as_of, runtime), (dev_as_of, dev), (nodeps_as_of, no_deps) = (
-        read_lock(LOCKS / f"{name}.txt") for name in ("runtime", "dev", "no-deps")
+    (as_of, runtime), (dev_as_of, dev), (ray_as_of, ray), (nodeps_as_of, no_deps) = (
+        read_lock(LOCKS / f"{name}.txt") for name in ("runtime", "dev", "ray", "no-deps")
     )
-    assert as_of == dev_as_of == nodeps_as_of, "the locks were resolved at different moments: run .ci/lock"
+    assert as_of == dev_as_of == ray_as_of == nodeps_as_of, "the locks were resolved at different moments: run .ci/lock"
     assert len(runtime) > 150 and runtime.keys() < dev.keys()  # the whole closure; dev adds its tools
-    differ = {n: (v, dev[n]) for n, v in runtime.items() if dev[n] != v}
-    assert not differ, f"runtime.txt and dev.txt pin different versions or files: {differ}"
+    assert runtime.keys() < ray.keys() and ray["ray"][0] == "2.60.0"  # the ray extra adds Ray and what it needs
+    for name, extra in (("dev", dev), ("ray", ray)):
+        differ = {n: (v, extra[n]) for n, v in runtime.items() if extra[n] != v}
+        assert not differ, f"runtime.txt and {name}.txt pin different versions or files: {differ}"
     assert dev["torch"][0] == "2.13.0+cpu" and {"pytest", "pip", "setuptools"} <= dev.keys()
     listed = dict(
         exact_pin(line) for line in (LOCKS / "no-deps.in").read_text().splitlines() if line and not line.startswith("#")
@@ -157,7 +160,7 @@ def test_the_wheel_pins_every_dependency_and_torch_at_2_13_0(wheel):
     assert not loose, f"not pinned exactly in pyproject.toml: {loose}"
 
 
-@pytest.mark.parametrize(("lock", "extras"), [("runtime", ""), ("dev", "[dev]")])
+@pytest.mark.parametrize(("lock", "extras"), [("runtime", ""), ("dev", "[dev]"), ("ray", "[ray]")])
 def test_pip_resolves_the_wheel_to_exactly_the_locked_versions_and_files(wheel, tmp_path, lock, extras):
     """`pip install` of the wheel with the lock's versions as constraints picks every locked version and a file whose
     hash the lock has; nothing more, nothing less: the lock is one whole, consistent resolution of the wheel's pins (a

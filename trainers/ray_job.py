@@ -71,6 +71,14 @@ def main(argv: list[str]) -> int:
     import ray
 
     if address:
+        problem = unreachable(address)
+        if problem is not None:
+            message, permanent = problem
+            message = f"the Ray cluster at {address} cannot be joined: {message}"
+            if permanent:
+                (work_dir / ERROR_FILE).write_text(json.dumps({"rank": None, "type": "ValueError", "message": message}))
+            print(message, flush=True)
+            return 2
         ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
     else:  # a cluster of this machine alone, on the loopback interface; its processes end with this one
         ray.init(
@@ -166,22 +174,56 @@ def _finish(lines, done: threading.Event, printer: threading.Thread) -> None:
     ray.kill(lines.actor)
 
 
+REACH_SECONDS = 10
+"""How long a cluster's address gets to accept a connection: `ray.init` waits without end for one that does not
+answer."""
+
+
+def unreachable(address: str) -> tuple[str, bool] | None:
+    """Why a driver on this machine cannot join the cluster at `address`, and whether that is for good (a
+    parameter to change, not a network to wait for); None when it can try. Ray 2.60 joins a driver through a GCS
+    address (host:port) only on one of the cluster's nodes: elsewhere it looks for a raylet on this host for 60 s, then
+    fails; Ray Client (`ray://<head>:10001`) works from anywhere."""
+    import socket
+
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if host and port.isdigit():
+        try:
+            socket.create_connection((host, int(port)), timeout=REACH_SECONDS).close()
+        except OSError as exc:
+            return f"{host}:{port} does not answer ({exc})", False
+    if not address.startswith("ray://"):
+        from ray._private.services import find_node_ids
+
+        if not find_node_ids():
+            return (
+                "no Ray node runs on this machine, and a driver joins a cluster through host:port only on one of its "
+                f"nodes: join it first (ray start --address {address} --num-cpus 0 --num-gpus 0) or give its Ray "
+                "Client address, ray://<head>:10001",
+                True,
+            )
+    return None
+
+
 def too_small(nodes: list[dict], workers: int, resources: dict[str, float], strategy: str) -> str | None:
     """Why a cluster of these nodes (`ray.nodes()`) cannot place `workers` workers of `resources` each, or None. Counts
     what the nodes have, not what is free: workers wait for resources busy with other jobs."""
     alive = [node["Resources"] for node in nodes if node.get("Alive")]
-    if strategy == "STRICT_SPREAD" and len(alive) < workers:
+    asked = {name: amount for name, amount in resources.items() if amount > 0}
+    holds = [
+        min((int(node.get(name, 0) // amount) for name, amount in asked.items()), default=workers) for node in alive
+    ]
+    if strategy == "STRICT_SPREAD" and sum(1 for n in holds if n) < workers:
         return (
-            f"placement_strategy STRICT_SPREAD puts each of {workers} workers on a node of its own; it has {len(alive)}"
+            f"placement_strategy STRICT_SPREAD puts each of {workers} workers on a node of its own; it has "
+            f"{sum(1 for n in holds if n)} that can hold one"
         )
-    fits = sum(
-        min(int(node.get(name, 0) // amount) for name, amount in resources.items() if amount > 0) for node in alive
-    )
+    fits = sum(holds)
     if fits < workers:
         total = {name: sum(node.get(name, 0) for node in alive) for name in resources}
         return (
             f"launch.num_workers={workers} x launch.resources_per_worker={shown(resources)}, and its {len(alive)} "
-            f"node(s) hold {fits} such worker(s) ({', '.join(f'{n} {name}' for name, n in total.items())} in all)"
+            f"node(s) hold {fits} such worker(s) ({', '.join(f'{n:g} {name}' for name, n in total.items())} in all)"
         )
     return None
 

@@ -5,6 +5,7 @@ without Prefect."""
 from __future__ import annotations
 
 import logging
+import os
 import re
 
 import psutil
@@ -208,3 +209,21 @@ def test_the_pipeline_runs_end_to_end_with_its_training_stages_on_the_ray_cluste
     assert all(line in messages for line in wanted), [m for m in messages if "world size" in m or "Ray" in m]
     assert "eval/heldout/policy_exact_match" in state.result()["metrics"]
     assert ray_cluster.train_workers() == []
+
+
+def test_a_driver_joins_through_ray_client_as_from_a_machine_that_is_no_node(ctx, data, caplog):
+    """`launch.ray_address=ray://<head>:<client port>`: how a Prefect job's pod beside a KubeRay cluster reaches it."""
+    caplog.set_level(logging.INFO, logger="rlhf")
+    address = os.environ[ray_cluster.CLIENT]
+    client = ctx.model_copy(update={"launch": SPREAD.model_copy(update={"ray_address": address})})
+    outcome = train_stage(
+        "sft",
+        SftConfig(max_steps=2, **{**FAST, "per_device_train_batch_size": 8}),
+        {"model": SMALL_MODEL},
+        {"data": data},
+        client,
+    )
+    assert "sft: world size 2 (distributed, gloo)" in caplog.messages
+    assert any(m.startswith("sft: Ray cluster at ray://127.0.0.2:") for m in caplog.messages), caplog.messages
+    assert len(set(placed(caplog.messages).values())) == 2
+    assert outcome.ref.manifest()["training"]["global_step"] == 2
