@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 HEAD, SECOND = "127.0.0.2", "127.0.0.3"
+NODES: dict[str, list[int]] = {}
+"""The `ray start` processes (one per node) of each cluster started here, by its address."""
 CLIENT = "RLHF_TEST_RAY_CLIENT"
 """The head's Ray Client address (`ray://...`), for a driver on a machine that runs no node of the cluster."""
 
@@ -99,23 +101,27 @@ def two_nodes(timeout: float = 120) -> Iterator[dict[str, str]]:
         while alive_nodes(env["RAY_ADDRESS"], env) < 2:
             assert nodes[1].poll() is None and time.time() < deadline, (folder / "node.log").read_text()[-3000:]
             time.sleep(1)
+        NODES[env["RAY_ADDRESS"]] = [node.pid for node in nodes]
         names = ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_USAGE_STATS_ENABLED")
         yield {**{name: env[name] for name in names}, CLIENT: f"ray://{HEAD}:{client}"}
     finally:
+        NODES.pop(env["RAY_ADDRESS"], None)
         for node in reversed(nodes):
             _stop(node)
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def train_workers() -> list:
-    """Ray Train worker processes on this host (`ray::RayTrainWorker...`), of any cluster."""
+def train_workers(address: str | None = None) -> list:
+    """Ray Train worker processes on this host (`ray::RayTrainWorker...`): of the cluster at `address` started here
+    (descendants of its nodes' `ray start` processes; each worker is a session of its own), or of any cluster
+    (another test's, under xdist, included)."""
     import psutil
 
+    nodes = set(NODES.get(address, [])) if address else None
     found = []
     for process in psutil.process_iter(["name", "cmdline"]):
         with contextlib.suppress(psutil.Error):
-            if "RayTrainWorker" in " ".join(process.info["cmdline"] or []) or "RayTrainWorker" in (
-                process.info["name"] or ""
-            ):
+            named = " ".join(process.info["cmdline"] or []) + (process.info["name"] or "")
+            if "RayTrainWorker" in named and (nodes is None or nodes & {p.pid for p in process.parents()}):
                 found.append(process)
     return found

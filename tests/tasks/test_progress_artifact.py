@@ -77,12 +77,17 @@ def test_a_record_costs_the_training_thread_nothing_while_the_api_hangs():
     with watched(api, lines, close_wait=1.0) as progress:
         bar = Progress("sft", total=steps)
         started = time.monotonic()
+        longest = 0.0
         for step in range(1, steps + 1):
+            before = time.monotonic()
             bar.step(step)
+            longest = max(longest, time.monotonic() - before)
         spent = time.monotonic() - started
         closing = time.monotonic()
     closed_in = time.monotonic() - closing
-    assert spent < 2.0, f"{steps} steps took {spent:.2f}s with the artifact watching"
+    # No step waited for the API (a call hangs 20 s). Timed per step, not in all: 20,000 records take ~1 s alone and
+    # several times that on a core shared with another test's processes.
+    assert longest < 1.0 and spent < 20.0, f"{steps} steps took {spent:.2f}s, the longest {longest:.3f}s"
     assert closed_in < 2.0  # the build ends (after close_wait), whatever the API does
     assert progress.calls == 1 and api.calls == []  # one call in flight, none answered
 

@@ -72,7 +72,7 @@ def test_sft_and_dpo_span_both_nodes_of_the_cluster_and_publish_as_in_process(ct
     assert metrics["sft/train/loss"] == manifest["metrics"]["sft/train/loss"]
     inprocess = ctx.model_copy(update={"launch": LaunchConfig(launcher="inprocess")})
     assert train_stage("sft", config, {"model": SMALL_MODEL}, {"data": data}, inprocess).cached  # not in the key
-    assert ray_cluster.train_workers() == []  # no worker outlived its stage
+    assert ray_cluster.train_workers(os.environ["RAY_ADDRESS"]) == []  # no worker outlived its stage
 
     from rlhf_pipeline.trainers.dpo import DpoConfig
 
@@ -103,7 +103,8 @@ def test_a_worker_killed_mid_stage_fails_the_attempt_and_the_retry_resumes_from_
     with pytest.raises(RuntimeError, match=r"sft: the Ray job exited with 1 \(a rank failed or was killed\)"):
         train_stage("sft", config, {"model": SMALL_MODEL}, {"data": data}, ctx)
     assert (tmp_path / "killed").is_file()
-    assert psutil.wait_procs(ray_cluster.train_workers(), timeout=30)[1] == []  # the other worker ended with the job
+    left = psutil.wait_procs(ray_cluster.train_workers(os.environ["RAY_ADDRESS"]), timeout=30)[1]
+    assert left == []  # the other worker ended with the job
     work = next((tmp_path / "artifacts" / "sft" / ".work").iterdir())
     caplog.clear()
     outcome = train_stage("sft", config, {"model": SMALL_MODEL}, {"data": data}, ctx)
@@ -127,7 +128,13 @@ def test_an_error_no_retry_fixes_fails_at_once_with_its_type_and_a_cluster_too_s
         r"STRICT_SPREAD puts each of 3 workers on a node of its own; it has 2",
     ):
         train_stage("sft", SftConfig(max_steps=2, **FAST), {"model": SMALL_MODEL}, {"data": data}, three)
-    gpus = ctx.model_copy(update={"launch": SPREAD.model_copy(update={"resources_per_worker": {"CPU": 1, "GPU": 1}})})
+    gpus = ctx.model_copy(
+        update={
+            "launch": SPREAD.model_copy(
+                update={"resources_per_worker": {"CPU": 1, "GPU": 1}, "placement_strategy": "PACK"}
+            )
+        }
+    )
     with pytest.raises(
         ValueError,
         match=r"launch.num_workers=2 x launch.resources_per_worker=\{CPU: 1, GPU: 1\}, and its 2 node\(s\) hold 0",
@@ -208,7 +215,8 @@ def test_the_pipeline_runs_end_to_end_with_its_training_stages_on_the_ray_cluste
             time.sleep(1)
     assert all(line in messages for line in wanted), [m for m in messages if "world size" in m or "Ray" in m]
     assert "eval/heldout/policy_exact_match" in state.result()["metrics"]
-    assert ray_cluster.train_workers() == []
+    # The last stage's workers end with its job, seconds after its driver.
+    assert psutil.wait_procs(ray_cluster.train_workers(os.environ["RAY_ADDRESS"]), timeout=30)[1] == []
 
 
 def test_a_driver_joins_through_ray_client_as_from_a_machine_that_is_no_node(ctx, data, caplog):
