@@ -55,3 +55,23 @@ def unchanged(before: dict, after) -> list[str]:
 def length_reward(prompts, completions, **_) -> list[float]:
     """Varies on an untrained model's samples (unlike exact match), so group advantages are non-zero."""
     return [float(len(c if isinstance(c, str) else c[-1]["content"])) for c in completions]
+
+
+def stage_context(tmp_path: Path, experiment: str, launch):
+    """What the flow hands a stage task (`RunContext`): artifacts under `tmp_path`, a parent MLflow run in
+    `experiment`, `launch` as the run's launch block."""
+    from rlhf_pipeline.tasks import tracking
+    from rlhf_pipeline.tasks.artifacts import RunContext
+
+    experiment_id = tracking.experiment_id(experiment)
+    parent = tracking.start_run(experiment_id, "parent", {})
+    return RunContext(
+        artifact_root=str(tmp_path / "artifacts"), experiment_id=experiment_id, parent_run_id=parent, launch=launch
+    )
+
+
+def data_artifact(tmp_path: Path, rows: int = 64):
+    """A `data` artifact of `rows` rows of the bundled task, as the data stage hands it on."""
+    from rlhf_pipeline.tasks.artifacts import ArtifactRef
+
+    return ArtifactRef(stage="data", key="d", uri=str(write_data_dir(tmp_path / "data", rows=rows)))

@@ -9,13 +9,12 @@ import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 
-from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.artifacts import ArtifactRef, RunContext, read_history
 from rlhf_pipeline.tasks.launcher import LaunchConfig
 from rlhf_pipeline.tasks.training import train_stage
 from rlhf_pipeline.trainers.config import CallbackSpec
 from rlhf_pipeline.trainers.sft import SftConfig
-from tests.helpers import FAST, SMALL_MODEL, write_data_dir
+from tests.helpers import FAST, SMALL_MODEL, data_artifact, stage_context, write_data_dir
 
 pytestmark = pytest.mark.e2e  # each launch starts two Python processes with torch (~10 s)
 
@@ -24,16 +23,12 @@ TWO_RANKS = LaunchConfig(launcher="accelerate", num_processes=2, kill_grace_seco
 
 @pytest.fixture
 def ctx(tmp_path) -> RunContext:
-    experiment = tracking.experiment_id("test-launcher")
-    parent = tracking.start_run(experiment, "parent", {})
-    return RunContext(
-        artifact_root=str(tmp_path / "artifacts"), experiment_id=experiment, parent_run_id=parent, launch=TWO_RANKS
-    )
+    return stage_context(tmp_path, "test-launcher", TWO_RANKS)
 
 
 @pytest.fixture
 def data(tmp_path) -> ArtifactRef:
-    return ArtifactRef(stage="data", key="d", uri=str(write_data_dir(tmp_path / "data", rows=64)))
+    return data_artifact(tmp_path)
 
 
 def launched_processes(spec_dir) -> list[psutil.Process]:

@@ -19,7 +19,7 @@ from rlhf_pipeline.tasks.training import train_stage
 from rlhf_pipeline.trainers.config import CallbackSpec
 from rlhf_pipeline.trainers.sft import SftConfig
 from tests import ray_cluster
-from tests.helpers import FAST, SMALL_MODEL, write_data_dir
+from tests.helpers import FAST, SMALL_MODEL, data_artifact, stage_context
 
 pytestmark = pytest.mark.e2e  # a Ray cluster of two nodes, and each stage starts two Ray workers with torch
 
@@ -37,16 +37,12 @@ def cluster():
 
 @pytest.fixture
 def ctx(tmp_path, cluster) -> RunContext:
-    experiment = tracking.experiment_id("test-ray")
-    parent = tracking.start_run(experiment, "parent", {})
-    return RunContext(
-        artifact_root=str(tmp_path / "artifacts"), experiment_id=experiment, parent_run_id=parent, launch=SPREAD
-    )
+    return stage_context(tmp_path, "test-ray", SPREAD)
 
 
 @pytest.fixture
 def data(tmp_path) -> ArtifactRef:
-    return ArtifactRef(stage="data", key="d", uri=str(write_data_dir(tmp_path / "data", rows=64)))
+    return data_artifact(tmp_path)
 
 
 def placed(messages: list[str]) -> dict[int, str]:
