@@ -121,6 +121,9 @@ def rlhf_eval(
         checked = stage(validate_data).submit(params.data, run.ctx)  # held-out sets only need their own rules
         inputs = {"data": checked, "sft": sft_model, "policy": policy, "rm": reward_model}
         report = stage(evaluate).submit(params.eval, params.model, inputs, params.registry, run.ctx)
+        built = {"data": checked.result(), "eval": report.result()}
+        states = {ref.stage: "input" for ref in (sft_model, policy)}  # resolved here, not built by this run
+        states |= {"data": checked.state.name, "eval": report.state.name}  # Completed, or Cached
         return run.finish(
-            policy=policy, report=report.result(), stages=[checked.result(), sft_model, policy, report.result()]
+            policy=policy, report=built["eval"], stages=[built["data"], sft_model, policy, built["eval"]], states=states
         )

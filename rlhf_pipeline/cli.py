@@ -25,6 +25,7 @@ import sys
 from pydantic import ValidationError
 
 from rlhf_pipeline.deployments.env import CONSOLE_SETTINGS, QUIET_ENV
+from rlhf_pipeline.interrupt import stop_on_ctrl_c
 from rlhf_pipeline.tasks.secrets import redact_text
 
 
@@ -240,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
 
         _wait_for_temporary_server()
         _settle_heap()
-        summary = rlhf(**dict(params))
+        with stop_on_ctrl_c(_stop_temporary_server):
+            summary = rlhf(**dict(params))
     finally:
         _settle_heap()
     _report(summary)
@@ -344,7 +346,9 @@ def _start_temporary_server() -> None:
     ]
     from rlhf_pipeline.trainers.rank import die_with_parent  # stdlib only; a killed `rlhf run` leaves no server behind
 
-    process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
+    # A process group of its own: Ctrl-C, which the terminal sends the whole foreground group, must not stop it before
+    # the run has recorded its stop (rlhf_pipeline.interrupt); it is stopped last.
+    process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent, process_group=0)
     _TEMPORARY.update(process=process, url=f"http://127.0.0.1:{port}/api")
     os.environ["PREFECT_API_URL"] = _TEMPORARY["url"]
     # Its leases die with it, so device slots are not shared through it (tasks.orchestration.coordinated); the name is
@@ -433,6 +437,7 @@ def _gc(dry_run: bool, keep_runs: int) -> int:
 def _evaluate(args) -> int:
     from rlhf_pipeline.flows.evaluate import EvalParams, rlhf_eval
     from rlhf_pipeline.flows.params import apply_overrides
+    from rlhf_pipeline.tasks.resolve import check_model_exists
 
     values = apply_overrides({"policy": args.policy, "sft_model": args.sft, "reward_model": args.rm}, args.overrides)
     try:
@@ -440,11 +445,20 @@ def _evaluate(args) -> int:
     except (ValidationError, ValueError) as exc:
         print(f"rlhf: invalid parameters:\n{redact_text(str(exc))}", file=sys.stderr)
         return 2
+    try:
+        for role, source in (("policy", params.policy), ("sft", params.sft_model), ("reward", params.reward_model)):
+            if source:  # before any server starts: a missing model is said in seconds
+                check_model_exists(source, role)
+    except ValueError as exc:
+        print(f"rlhf eval: {redact_text(str(exc))}", file=sys.stderr)
+        return 2
     _console(args)
     _start_temporary_server()
     _warm_up_imports()
     _wait_for_temporary_server()
-    _report(rlhf_eval(**dict(params)))
+    with stop_on_ctrl_c(_stop_temporary_server):
+        summary = rlhf_eval(**dict(params))
+    _report(summary)
     return 0
 
 
@@ -465,7 +479,7 @@ def closing_table(summary: dict) -> str:
     for stage, uri in summary["artifacts"].items():
         info = stages.get(stage, {})
         seconds = f"{info['seconds']:.1f}" if info.get("seconds") is not None else "-"
-        lines.append(f"{stage:16} {info.get('state', '-'):10} {seconds:>8}  {uri}")
+        lines.append(f"{stage:16} {info.get('state') or '-':10} {seconds:>8}  {uri}")  # a resolved input has no state
     from rlhf_pipeline.trainers.eval import HELDOUT as held
     from rlhf_pipeline.trainers.ifeval_eval import IFBENCH
 

@@ -185,8 +185,8 @@ def run_launched(
     if hidden:
         env[SECRETS_ENV] = json.dumps(hidden)
     log(f"{stage}: {' '.join(command[2:])}")
-    # In the flow run's process group, so that a runner cancelling the run (SIGTERM to the group) or Ctrl-C reaches
-    # every rank.
+    # In the flow run's process group, so that a runner cancelling the run (SIGTERM to the group) reaches every rank.
+    # Ctrl-C, which the terminal sends the whole group, is the flow run's alone: it sends the ranks SIGTERM (`_stream`).
     process = subprocess.Popen(
         command,
         stdout=subprocess.PIPE,
@@ -194,7 +194,7 @@ def run_launched(
         text=True,
         bufsize=1,
         env=env,
-        preexec_fn=die_with_parent,
+        preexec_fn=_rank_start,
     )
     ranks = ProcessTree(process.pid)
     tail: deque[str] = deque(maxlen=30)
@@ -222,6 +222,13 @@ def run_launched(
             f"{stage}: {what} exited with {returncode} (a rank failed or was killed); its last lines:\n{last}"
         )
     return json.loads((work_dir / RESULT_FILE).read_text())
+
+
+def _rank_start() -> None:
+    """In the launch's process, before it execs: it dies with the flow run, and ignores Ctrl-C (inherited by the ranks;
+    Python keeps an ignored SIGINT ignored)."""
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class ProcessTree:

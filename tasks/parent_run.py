@@ -22,6 +22,10 @@ MODEL_LOGGED, MODEL_URI, POLICY_MODEL = "rlhf.model_logged", "rlhf.model_uri", "
 store, an earlier run's copy, or this run's own under `model/`), and the policy's logged model id."""
 
 
+_OPEN: dict[str, str] = {}
+"""The flow runs this process is inside (`pipeline_run`), by Prefect flow run id: their MLflow parent runs."""
+
+
 @dataclass
 class PipelineRun:
     ctx: RunContext
@@ -113,6 +117,8 @@ def pipeline_run(params: Any) -> Iterator[PipelineRun]:
     )
     prefect_log(f"MLflow: {tracking.run_link(run_id)}")
     prefect_log(f"Artifacts: {ctx.artifact_root}")
+    if flow_run_id:
+        _OPEN[flow_run_id] = run_id
     try:
         # SIGTERM (an eviction, a preemption, Prefect's cancel): every training stage checkpoints and stops first.
         with checkpoint_on_sigterm():
@@ -121,7 +127,47 @@ def pipeline_run(params: Any) -> Iterator[PipelineRun]:
         tracking.set_tags(run_id, {"rlhf.error": f"{type(exc).__name__}: {exc}"})
         tracking.end_run(run_id, failed=True)
         raise
+    finally:
+        _OPEN.pop(flow_run_id or "", None)
     tracking.end_run(run_id)
+
+
+def open_runs() -> dict[str, str]:
+    """The flow runs this process is inside now, by Prefect flow run id, with their MLflow parent runs."""
+    return dict(_OPEN)
+
+
+def cancel_runs(runs: dict[str, str], reason: str) -> list[str]:
+    """`runs` (from `open_runs`) end Cancelled, as a person stopping them expects (Ctrl-C): in Prefect the flow run
+    and its task runs still running or waiting, forced past whatever state the flow reached meanwhile; in MLflow the
+    parent run KILLED and its stage runs still RUNNING too, tagged with `reason`. Each store is tried on its own, so
+    one that does not answer does not keep the other's record. Returns the flow run names."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskRunFilter, TaskRunFilterStateType
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Cancelled
+
+    names = []
+    for flow_run_id, run_id in runs.items():
+        with contextlib.suppress(Exception):
+            mlflow = tracking.client()
+            experiment = mlflow.get_run(run_id).info.experiment_id
+            running = mlflow.search_runs(
+                [experiment], f"tags.mlflow.parentRunId = '{run_id}' and attributes.status = 'RUNNING'"
+            )
+            for stopped in [run_id, *(stage_run.info.run_id for stage_run in running)]:
+                mlflow.set_tag(stopped, "rlhf.error", f"Cancelled: {reason}")
+                mlflow.set_terminated(stopped, status="KILLED")
+        with contextlib.suppress(Exception), get_client(sync_client=True) as client:
+            unfinished = [StateType.RUNNING, StateType.PENDING, StateType.SCHEDULED, StateType.PAUSED]
+            for task_run in client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+                task_run_filter=TaskRunFilter(state=dict(type=TaskRunFilterStateType(any_=unfinished))),
+            ):
+                client.set_task_run_state(task_run.id, Cancelled(message=reason), force=True)
+            client.set_flow_run_state(flow_run_id, Cancelled(message=reason), force=True)
+            names.append(client.read_flow_run(flow_run_id).name)
+    return names
 
 
 def preset_label(preset: str | None) -> str:

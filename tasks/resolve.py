@@ -62,6 +62,49 @@ def check_model_source(source: str) -> str:
     return source
 
 
+def check_model_exists(source: str, role: str) -> None:
+    """A model that is not there is refused in seconds, before any server or flow starts: a folder that does not exist
+    or holds no model, a registered model, version or alias the tracking server does not have, an unknown logged
+    model. Raises ValueError naming what is missing and where it was looked for."""
+    check_model_source(source)
+    if not source.startswith("models:/"):
+        folder = Path(source).expanduser()
+        if not folder.exists():
+            raise ValueError(f"{role} model {source!r} does not exist")
+        if not ((folder / "model" / "config.json").is_file() or (folder / "config.json").is_file()):
+            raise ValueError(
+                f"{role} model {source!r} holds no model: expected config.json in it, or a 'model' folder holding one"
+            )
+        return
+    from mlflow.exceptions import MlflowException
+
+    where = f"(tracking server {tracking.shown_uri()})"
+    tracking.check_reachable()
+    if LOGGED_MODEL.match(source):
+        try:
+            tracking.logged_model(source.removeprefix("models:/"))
+        except MlflowException:
+            raise ValueError(f"{role} model {source!r}: the logged model does not exist {where}") from None
+        return
+    match = MODEL_URI.match(source)
+    name = match["name"]
+    try:
+        registered = tracking.client().get_registered_model(name)
+    except MlflowException:
+        raise ValueError(f"{role} model {source!r}: registered model {name!r} does not exist {where}") from None
+    if match["alias"] and match["alias"] not in registered.aliases:
+        known = ", ".join(sorted(registered.aliases)) or "none"
+        raise ValueError(
+            f"{role} model {source!r}: alias {match['alias']!r} does not exist on {name!r} (its aliases: {known})"
+        )
+    if match["version"]:
+        try:
+            tracking.client().get_model_version(name, match["version"])
+        except MlflowException:
+            missing = f"{role} model {source!r}: version {match['version']} of {name!r} does not exist"
+            raise ValueError(missing) from None
+
+
 def _registered(uri: str) -> tuple[ArtifactRef, dict[str, str]]:
     match = MODEL_URI.match(check_model_source(uri))
     name, alias_or_version = match["name"], match["version"] or match["alias"]

@@ -51,9 +51,10 @@ def training() -> Iterator[None]:
             _idle.notify_all()
 
 
-def _wait_for_checkpoints(grace: float) -> None:
+def wait_for_checkpoints(grace: float) -> bool:
+    """Wait up to `grace` seconds for every stage that is training to checkpoint and leave; whether they all did."""
     with _idle:
-        _idle.wait_for(lambda: not _training, timeout=grace)
+        return _idle.wait_for(lambda: not _training, timeout=grace)
 
 
 def _pass_on(previous, signum: int, frame) -> None:
@@ -85,7 +86,7 @@ def checkpoint_on_sigterm() -> Iterator[None]:
         except BaseException as exc:
             if type(exc).__name__ == "TerminationSignal":
                 TERMINATING.set()
-                _wait_for_checkpoints(grace_seconds())
+                wait_for_checkpoints(grace_seconds())
             raise
         return
     passed = threading.Event()
@@ -94,7 +95,7 @@ def checkpoint_on_sigterm() -> Iterator[None]:
         TERMINATING.set()
         if threading.get_ident() in _training:
             return  # this very thread trains: it checkpoints at its step's end; leaving the block passes it on
-        _wait_for_checkpoints(grace_seconds())
+        wait_for_checkpoints(grace_seconds())
         passed.set()
         _pass_on(previous, signum, frame)
 

@@ -26,6 +26,24 @@ def test_eval_of_a_registry_uri_without_version_or_alias_exits_2_showing_the_acc
     assert "models:/<name>/<version>" in err and "models:/<name>@<alias>" in err and "a model folder" in err
 
 
+@pytest.mark.parametrize("model", ["/no/such/folder", "models:/no-such-model@champion", "models:/no-such-model/3"])
+def test_eval_of_a_model_that_does_not_exist_says_so_in_seconds_before_any_server_starts(model, tmp_path):
+    import time
+
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "rlhf_pipeline", "eval", model],
+        env={**os.environ, "RLHF_STATE_DIR": str(tmp_path), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'm.db'}"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert f"policy model {model!r}" in done.stderr and "does not exist" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "temporary Prefect server" not in done.stderr, done.stderr
+    assert time.monotonic() - started < 20
+
+
 def test_rlhf_run_with_invalid_parameters_exits_2_with_garbage_collection_on_again(capsys, monkeypatch):
     """`rlhf run` turns the garbage collector off while it imports (cli._settle_heap): every way out turns it on."""
     import gc

@@ -132,3 +132,88 @@ def test_sigterm_mid_sft_checkpoints_exits_within_the_grace_and_the_next_run_res
     assert by_status["FINISHED"].data.tags["rlhf.resumed_from"] == f"checkpoint-{stopped_at}"
     steps = sorted({m.step for m in mlflow.get_metric_history(by_status["FINISHED"].info.run_id, "sft/train/loss")})
     assert steps and steps[0] > stopped_at and steps[-1] == 60, steps  # the step counter continues from the signal
+
+
+def wait_for_a_logged_sft_step(process: subprocess.Popen, state: Path, log: Path) -> None:
+    deadline = time.time() + 300
+    while not list((state / "artifacts" / "sft" / ".work").glob("*/history.jsonl")):
+        assert process.poll() is None, f"the run ended before sft trained:\n{log.read_text()[-3000:]}"
+        assert time.time() < deadline, "sft logged no step within 300s"
+        time.sleep(0.05)
+
+
+def temporary_server_answers(output: str) -> bool:
+    """Whether the temporary Prefect server this run's output names still accepts connections."""
+    import re
+    import socket
+
+    port = int(re.search(r"Starting temporary Prefect server on http://127\.0\.0\.1:(\d+)", output)[1])
+    with socket.socket() as probe:
+        probe.settimeout(1)
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+def prefect_states(state: Path) -> tuple[list[str], list[str]]:
+    """The flow runs' and task runs' state types in the run's temporary server's database (read after it stopped)."""
+    import contextlib
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(state / "prefect" / "prefect.db")) as store:
+        flows = [row[0] for row in store.execute("SELECT state_type FROM flow_run")]
+        tasks = [row[0] for row in store.execute("SELECT state_type FROM task_run")]
+    return flows, tasks
+
+
+def test_ctrl_c_mid_sft_checkpoints_cancels_the_run_stops_the_server_last_exits_130_and_the_next_run_resumes(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from rlhf_pipeline.trainers.stopping import DEFAULT_GRACE
+
+    state, log = tmp_path / "state", tmp_path / "run.log"
+    no_periodic_checkpoint = "sft.save_steps=1000"  # the only checkpoint is the one Ctrl-C writes
+    process = start(state, log, no_periodic_checkpoint)
+    wait_for_a_logged_sft_step(process, state, log)
+    os.killpg(process.pid, signal.SIGINT)  # as a terminal sends Ctrl-C: to every process of the foreground group
+    sent = time.time()
+    code = process.wait(DEFAULT_GRACE + 30)
+    output = log.read_text()
+    assert code == 130, (code, output[-3000:])
+    assert time.time() - sent < DEFAULT_GRACE, f"exited {time.time() - sent:.1f}s after Ctrl-C"
+    assert "Traceback" not in output and "All connection attempts failed" not in output, output[-3000:]
+    last = output.strip().splitlines()[-1]
+    assert "resumes from the last checkpoint" in last and "rlhf run --set=algorithm=dpo" in last, last
+    assert not temporary_server_answers(output)
+    [marker] = (state / "artifacts" / "sft" / ".work").glob("*/checkpoint-*/checkpoint.complete")
+    stopped_at = int(marker.parent.name.split("-")[1])
+    assert 5 <= stopped_at < 60
+    flows, tasks = prefect_states(state)
+    assert flows == ["CANCELLED"] and "RUNNING" not in tasks and "PENDING" not in tasks, (flows, tasks)
+    mlflow = MlflowClient(tracking_uri=f"sqlite:///{state / 'mlflow.db'}")
+    experiment = mlflow.get_experiment_by_name("rlhf").experiment_id
+    statuses = {run.info.run_name: run.info.status for run in mlflow.search_runs([experiment])}
+    assert "RUNNING" not in statuses.values() and statuses["sft"] == "FAILED", statuses  # sft: its Terminated
+
+    finish(start(state, log, no_periodic_checkpoint), log)
+    [resumed] = mlflow.search_runs([experiment], "attributes.run_name = 'sft' and attributes.status = 'FINISHED'")
+    assert resumed.data.tags["rlhf.resumed_from"] == f"checkpoint-{stopped_at}"
+
+
+def test_a_second_ctrl_c_exits_at_once_without_tracebacks(tmp_path):
+    state, log = tmp_path / "state", tmp_path / "run.log"
+    # Stopped while eval generates: no checkpoint to wait for, but the first Ctrl-C waits for the flow to record its
+    # end (interrupt.SETTLE_SECONDS), and eval on every held-out prompt keeps it busy longer than that.
+    process = start(state, log, "sft.max_steps=4", "dpo.max_steps=2", "eval.max_prompts=600")
+    deadline = time.time() + 300
+    while not list((state / "artifacts" / "eval").glob(".tmp-*")):
+        assert process.poll() is None, f"the run ended before eval started:\n{log.read_text()[-3000:]}"
+        assert time.time() < deadline, "eval did not start within 300s"
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGINT)
+    time.sleep(0.5)
+    os.killpg(process.pid, signal.SIGINT)
+    sent = time.time()
+    code = process.wait(30)
+    output = log.read_text()
+    assert code == 130 and time.time() - sent < 3, (code, time.time() - sent, output[-3000:])
+    assert "Traceback" not in output and "stopped at once" in output, output[-3000:]
+    assert not temporary_server_answers(output)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 from prefect import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
@@ -56,3 +60,24 @@ def test_report_artifacts_and_on_demand_evaluation_of_the_champion(prefect, stat
     # Same model, same held-out prompts, same greedy decoding: same score.
     assert result["metrics"]["eval/heldout/policy_exact_match"] == exact
     assert set(task_states(on_demand)) == {"data", "eval"}
+
+    # The same evaluation as a person starts it: `rlhf eval`, a process of its own with its own temporary server.
+    command = [
+        "eval",
+        "models:/eval-flow-test@champion",
+        "--set",
+        "eval.max_prompts=20",
+        "--set",
+        "eval.max_new_tokens=8",
+    ]
+    environment = {name: value for name, value in os.environ.items() if name != "PREFECT_API_URL"}
+    done = subprocess.run(
+        [sys.executable, "-m", "rlhf_pipeline", *command], env=environment, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    table = done.stdout[done.stdout.index("== finished ==") :].splitlines()
+    states = {line.split()[0]: line.split()[1] for line in table[3:] if len(line.split()) > 2}
+    assert states["data"] == "Cached" and states["eval"] == "Cached", table  # the report on_demand made
+    assert states["sft"] == states["dpo"] == "input", table
+    [policy] = [line for line in table if line.startswith("exact match: policy")]
+    assert f"{exact:8.3f}" in policy, policy
