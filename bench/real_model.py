@@ -1,15 +1,18 @@
-"""Learning on a real model, measured: SmolLM2-135M-Instruct through GRPO with IFEval's checkers as the reward.
+"""Learning on a real model, measured: SmolLM2-135M-Instruct through GRPO with IFEval's checkers as the reward, scored
+on IFEval's 541 prompts and IFBench's test prompts, over several training seeds.
 
-    python -m bench.real_model                       # ~60 minutes on 2 CPU cores; prints the figures and the verdict
-    python -m bench.real_model --steps 10 --eval-prompts 40 --ifbench-prompts 20     # a quicker look
+    python -m bench.real_model --seeds 0 1 2          # one run per seed; each seed's figures, then the verdict
+    python -m bench.real_model --steps 10 --ifeval-prompts 60 --ifbench-prompts 60 --seeds 0     # a quicker look
 
-One `rlhf run --config smollm2` in a fresh state folder (the GGUF file converted there too, so the wall time counts
-it), with the settings below, then the figures from its artifacts: in-distribution (the held-out prompts of
-data/ifeval, requests no training prompt uses) and IFBench (out of distribution) strict accuracy of the starting
-policy (the chat model as shipped) and the policy, with 95% bootstrap intervals and the paired gain; each stage's
-seconds, and the tokens/s of GRPO's build. The verdict is issue 25's acceptance: in-distribution prompt-level gain
-at least 5 points with the lower end of its interval above 0, IFBench no more than 2 points lower, all within 60
-minutes.
+Each seed is one `rlhf run --config smollm2 --set grpo.seed=<seed>` in a fresh state folder (the GGUF conversion
+counts), with the settings below; the figures come from its eval artifact: IFEval and IFBench prompt- and
+instruction-level accuracy (strict and loose) of the start (the chat model as shipped) and the policy with 95%
+bootstrap intervals over prompts, the paired gains, the share of answers the 512-token budget cut, each stage's
+seconds and GRPO's tokens/s. A subset (fewer prompts) is a seeded stratified sample, named "n of N".
+
+The verdict is issue 41's, on the intervals' bounds: a seed passes when its IFEval prompt-level strict gain is at
+least 5 points with its lower bound above 0, IFBench's gain lower bound is at least -2 points, and its run took at
+most 120 minutes; the bench passes when at least 2 of 3 seeds (a majority) pass. Exits 1 otherwise.
 """
 
 from __future__ import annotations
@@ -22,17 +25,19 @@ from pathlib import Path
 
 from bench.runs import clean_env, timed
 
-GAIN, IFBENCH_SLACK, BUDGET = 0.05, 0.02, 3600.0
+GAIN, IFBENCH_FLOOR, BUDGET = 0.05, -0.02, 7200.0
 
 
-def settings(args) -> list[str]:
+def settings(args, seed: int) -> list[str]:
     return [
         f"grpo.max_steps={args.steps}",
         f"grpo.learning_rate={args.learning_rate}",
         f"grpo.save_steps={max(1, args.steps // 3)}",
+        f"grpo.seed={seed}",
         f"eval.max_prompts={args.eval_prompts}",
+        f"eval.instruction_following.ifeval_prompts={args.ifeval_prompts}",
         f"eval.instruction_following.ifbench_prompts={args.ifbench_prompts}",
-        "eval.batch_size=32",  # generation's throughput on 2 cores: 16 left eval at 23 min of the hour
+        "eval.batch_size=32",  # generation's throughput on 2 cores
         "registry.enabled=false",
     ]
 
@@ -58,45 +63,39 @@ def figures(state: Path) -> dict:
     return {"metrics": evaluated, "stages": stages}
 
 
-def report(found: dict, wall: float) -> bool:
+def report(found: dict, wall: float, seed: int) -> bool:
+    """One seed's figures and checks; whether it passes."""
+    from rlhf_pipeline.trainers.eval_report import benchmark_label
+
     m = found["metrics"]
 
     def cell(name: str) -> str:
         return f"{m[name]:.3f} [{m[name + '_low']:.3f}, {m[name + '_high']:.3f}]"
 
-    print(f"\n{'':36} {'start (SmolLM2-135M-Instruct)':>30} {'policy (grpo)':>24}")
-    for prefix, label in (("eval/heldout/", "in distribution"), ("eval/ifbench/", "IFBench")):
-        for level, what in (
-            ("if_prompt_strict", "prompt-level strict"),
-            ("if_instruction_strict", "instruction-level"),
-        ):
-            print(f"{label + ', ' + what:36} {cell(f'{prefix}sft_{level}'):>30} {cell(f'{prefix}policy_{level}'):>24}")
-        print(f"{label + ', prompt-level gain':36} {cell(prefix + 'if_prompt_strict_gain'):>30}")
-    families = sorted({n.split("/")[-1] for n in m if n.startswith("eval/heldout/if_family/policy/")})
-    for family in families:
-        start, policy = m[f"eval/heldout/if_family/sft/{family}"], m[f"eval/heldout/if_family/policy/{family}"]
-        print(f"  in distribution, {family:19} {start:30.3f} {policy:24.3f}")
-    print(
-        f"\nprompts: {int(m['eval/heldout/num_prompts'])} in distribution, "
-        f"{int(m['eval/ifbench/num_prompts'])} IFBench ({int(m['eval/ifbench/num_refused'])} left out: checkers this "
-        "machine cannot run)"
-    )
+    print(f"\n== seed {seed} ==\n{'':36} {'start (SmolLM2-135M-Instruct)':>30} {'policy (grpo)':>24}")
+    for prefix in ("eval/heldout/", "eval/ifeval/", "eval/ifbench/"):
+        label = "in distribution" if prefix == "eval/heldout/" else benchmark_label(m, prefix)
+        print(label)
+        for level in ("prompt_strict", "instruction_strict", "prompt_loose", "instruction_loose"):
+            name = f"if_{level}"
+            print(
+                f"  {level.replace('_', '-'):34} {cell(f'{prefix}sft_{name}'):>30} {cell(f'{prefix}policy_{name}'):>24}"
+            )
+        print(f"  {'prompt-strict gain':34} {cell(prefix + 'if_prompt_strict_gain'):>30}")
+        print(f"  {'cut by the budget':34} {m[prefix + 'sft_if_cut']:30.3f} {m[prefix + 'policy_if_cut']:24.3f}")
     for stage, info in found["stages"].items():
         seconds = info["seconds"] or 0.0
         rate = f", {info['tokens'] / seconds:.1f} tokens/s" if info.get("tokens") and seconds else ""
         print(f"{stage:6} {seconds:8.1f} s{rate}")
-    gain = m["eval/heldout/if_prompt_strict_gain"]
-    ifbench_drop = m["eval/ifbench/sft_if_prompt_strict"] - m["eval/ifbench/policy_if_prompt_strict"]
+    gain, low = m["eval/ifeval/if_prompt_strict_gain"], m["eval/ifeval/if_prompt_strict_gain_low"]
+    ifbench_low = m["eval/ifbench/if_prompt_strict_gain_low"]
     checks = {
-        f"in-distribution gain {gain:+.3f} >= {GAIN}": gain >= GAIN,
-        f"its interval's lower end {m['eval/heldout/if_prompt_strict_gain_low']:+.3f} > 0": m[
-            "eval/heldout/if_prompt_strict_gain_low"
-        ]
-        > 0,
-        f"IFBench drop {ifbench_drop:+.3f} <= {IFBENCH_SLACK}": ifbench_drop <= IFBENCH_SLACK,
+        f"IFEval prompt-strict gain {gain:+.3f} >= {GAIN}": gain >= GAIN,
+        f"its lower bound {low:+.3f} > 0": low > 0,
+        f"IFBench gain's lower bound {ifbench_low:+.3f} >= {IFBENCH_FLOOR}": ifbench_low >= IFBENCH_FLOOR,
         f"wall {wall:.0f} s <= {BUDGET:.0f} s": wall <= BUDGET,
     }
-    print(f"\nwall to wall: {wall:.0f} s")
+    print(f"wall to wall: {wall:.0f} s")
     for check, held in checks.items():
         print(f"{'PASS' if held else 'FAIL'}  {check}")
     return all(checks.values())
@@ -121,13 +120,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30, help="GRPO steps (4 prompts x 4 samples each)")
     parser.add_argument("--learning-rate", type=float, default=1e-5)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="training seeds (grpo.seed)")
     parser.add_argument("--eval-prompts", type=int, default=150, help="held-out prompts (of 300)")
-    parser.add_argument("--ifbench-prompts", type=int, default=60, help="IFBench prompts (of 294)")
-    parser.add_argument("--state", type=Path, default=None, help="state folder (default: a fresh temporary one)")
+    parser.add_argument("--ifeval-prompts", type=int, default=541, help="IFEval prompts (of 541)")
+    parser.add_argument("--ifbench-prompts", type=int, default=294, help="IFBench prompts (of 294)")
+    parser.add_argument("--state", type=Path, default=None, help="parent of each seed's state (default: temporary)")
     args = parser.parse_args()
-    state = args.state or Path(tempfile.mkdtemp(prefix="bench-real-model-")) / "state"
-    wall = run_smollm2(settings(args), state)
-    raise SystemExit(0 if report(figures(state), wall) else 1)
+    root = args.state or Path(tempfile.mkdtemp(prefix="bench-real-model-"))
+    passed = []
+    for seed in args.seeds:
+        state = root / f"seed-{seed}" / "state"
+        wall = run_smollm2(settings(args, seed), state)
+        passed.append(report(figures(state), wall, seed))
+    needed = len(args.seeds) // 2 + 1
+    print(f"\nseeds passing: {sum(passed)} of {len(passed)} (needed: {needed})")
+    raise SystemExit(0 if sum(passed) >= needed else 1)
 
 
 if __name__ == "__main__":

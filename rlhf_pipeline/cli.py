@@ -481,22 +481,23 @@ def closing_table(summary: dict) -> str:
         seconds = f"{info['seconds']:.1f}" if info.get("seconds") is not None else "-"
         lines.append(f"{stage:16} {info.get('state') or '-':10} {seconds:>8}  {uri}")  # a resolved input has no state
     from rlhf_pipeline.trainers.eval import HELDOUT as held
-    from rlhf_pipeline.trainers.ifeval_eval import IFBENCH
+    from rlhf_pipeline.trainers.eval_report import benchmark_label
+    from rlhf_pipeline.trainers.ifeval_eval import BENCHMARKS
 
     def section(title: str, prefix: str, rows: tuple[tuple[str, str], ...]) -> None:
         """The rows `metrics` has under `prefix`, each with its 95% interval where it has one."""
         present = [(label, name) for label, name in rows if prefix + name in metrics]
         if not present:
             return
-        count = int(metrics.get(prefix + "num_prompts", 0))
-        lines.extend(["", f"{title + ' (' + str(count) + ' prompts)':34} {'value':>8}  95% interval"])
+        lines.extend(["", f"{title:38} {'value':>8}  95% interval"])
         for label, name in present:
             low, high = metrics.get(f"{prefix}{name}_low"), metrics.get(f"{prefix}{name}_high")
-            interval = f"[{low:.3f}, {high:.3f}]" if low is not None and high is not None else ""
-            lines.append(f"{label:34} {metrics[prefix + name]:8.3f}  {interval}")
+            interval = f"[{low:+.3f}, {high:+.3f}]" if "gain" in name else f"[{low:.3f}, {high:.3f}]"
+            shown = f"{metrics[prefix + name]:+8.3f}" if "gain" in name else f"{metrics[prefix + name]:8.3f}"
+            lines.append(f"{label:38} {shown}  {interval if low is not None and high is not None else ''}")
 
     section(
-        "held-out",
+        f"held-out ({int(metrics.get(held + 'num_prompts', 0))} prompts)",
         held,
         (
             ("exact match: policy", "policy_exact_match"),
@@ -517,18 +518,18 @@ def closing_table(summary: dict) -> str:
             ("KL(policy || sft), nats", "kl_to_sft"),
         ),
     )
-    section(
-        "IFBench",
-        IFBENCH,
-        (
-            ("prompt-level: policy", "policy_if_prompt_strict"),
-            ("prompt-level: start", "sft_if_prompt_strict"),
-            ("prompt-level: champion", "champion_if_prompt_strict"),
-            ("prompt-level: gain", "if_prompt_strict_gain"),
-            ("each instruction: policy", "policy_if_instruction_strict"),
-            ("each instruction: start", "sft_if_instruction_strict"),
-        ),
-    )
+    for benchmark in BENCHMARKS.values():  # as the model cards report them: strict and loose, start vs policy
+        rows = tuple(
+            (f"{level.replace('_', ' ')}: {label}", f"{model}_if_{level}")
+            for level in ("prompt_strict", "instruction_strict", "prompt_loose", "instruction_loose")
+            for label, model in (("start", "sft"), ("policy", "policy"), ("champion", "champion"))
+        )
+        gains = (("prompt strict: gain", "if_prompt_strict_gain"), ("prompt loose: gain", "if_prompt_loose_gain"))
+        cut = tuple(
+            (f"cut by the budget: {label}", f"{model}_if_cut")
+            for label, model in (("start", "sft"), ("policy", "policy"))
+        )
+        section(benchmark_label(metrics, benchmark.prefix), benchmark.prefix, rows + gains + cut)
     warnings = summary.get("warnings") or []
     lines.append(
         f"{'hacking warnings':34} {len(warnings) if warnings else int(metrics.get(held + 'hacking_warnings', 0)):8d}"

@@ -24,7 +24,7 @@ from rlhf_pipeline.trainers.config import AttentionField, ModelConfig
 from rlhf_pipeline.trainers.ifeval_eval import InstructionFollowing
 from rlhf_pipeline.trainers.judges import JudgeConfig
 from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, as_completions
-from rlhf_pipeline.trainers.text import generate, reward_scores
+from rlhf_pipeline.trainers.text import generate, generate_answers, reward_scores
 
 MODELS = ("base", "sft", "policy", "champion")
 HELDOUT = "eval/heldout/"
@@ -207,9 +207,10 @@ def evaluate(
     if champion_model is not None:
         loaders["champion"] = lambda: load_causal_lm(champion_model, attn_implementation=attention)
     completions: dict[str, list[str]] = {}
+    cut: dict[str, list[bool]] = {}
     for name, load in loaders.items():  # one model in memory at a time
         model, tokenizer = load()
-        completions[name] = generate(model, tokenizer, prompts, cfg.max_new_tokens, cfg.batch_size)
+        completions[name], cut[name] = generate_answers(model, tokenizer, prompts, cfg.max_new_tokens, cfg.batch_size)
         del model
 
     # The gold metric, where there is one: a named function, else exact match against the reference.
@@ -234,7 +235,8 @@ def evaluate(
         _put(metrics, f"{HELDOUT}{gold_name}_gain_vs_champion", gain.mean, gain.low, gain.high)
 
     following = cfg.instruction_following
-    if following is not None:  # IFEval's strict scores: in distribution, then IFBench (one model at a time)
+    benchmarks: dict[str, str] = {}
+    if following is not None:  # in distribution, then IFEval and IFBench (one model at a time)
         from rlhf_pipeline.trainers import ifeval_eval
 
         rated = {name: c for name, c in completions.items() if name != "base"}
@@ -245,16 +247,11 @@ def evaluate(
                     f"eval.instruction_following.heldout: the held-out prompts have no {missing} columns to check "
                     "the answers by (set heldout=false)"
                 )
-            metrics.update(ifeval_eval.score(HELDOUT, list(prompts_ds), rated, "ifeval", boot))
-        if following.ifbench_prompts:
-            bench, _, _ = ifeval_eval.evaluate_ifbench(
-                following,
-                {name: load for name, load in loaders.items() if name != "base"},
-                cfg.max_new_tokens,
-                cfg.batch_size,
-                boot,
-            )
-            metrics.update(bench)
+            metrics.update(ifeval_eval.score(HELDOUT, list(prompts_ds), rated, "ifeval", boot, cut))
+        scored, benchmarks = ifeval_eval.evaluate_benchmarks(
+            following, {name: load for name, load in loaders.items() if name != "base"}, cfg.batch_size, boot
+        )
+        metrics.update(scored)
 
     # KL(policy || SFT) and diversity, on samples drawn from the policy (the k1 estimate needs them).
     import torch

@@ -51,14 +51,18 @@ def write_report(
         plots.reward_distributions(rewards, figures / "reward_distributions.png")
     if win_rates:
         plots.win_rate_bars(win_rates, figures / "win_rates.png", title="Win rate judged by the reward model")
-    for prefix, name in (("eval/heldout/", "held-out prompts"), ("eval/ifbench/", "IFBench")):
+    for prefix, name in (
+        ("eval/heldout/", "held-out prompts"),
+        ("eval/ifeval/", "IFEval"),
+        ("eval/ifbench/", "IFBench"),
+    ):
         shares: dict[str, dict[str, float]] = {}
         for metric, value in metrics.items():
             if metric.startswith(f"{prefix}if_family/"):
                 model, family = metric.removeprefix(f"{prefix}if_family/").split("/", 1)
                 shares.setdefault(model, {})[family] = value
         if shares:
-            file = "if_families.png" if prefix == "eval/heldout/" else "ifbench_families.png"
+            file = "if_families.png" if prefix == "eval/heldout/" else f"{prefix.split('/')[1]}_families.png"
             plots.family_bars(shares, figures / file, title=f"Constraints followed by family, {name}")
     if judged:
         plots.win_rate_bars(
@@ -67,14 +71,36 @@ def write_report(
 
 
 def summary_markdown(metrics: dict[str, float], warnings: list[str]) -> str:
-    """One row per metric, with its 95% interval where there is one."""
+    """One row per metric, with its 95% interval where there is one; then each instruction-following benchmark's
+    per-instruction-id table, named with what it scored ("IFBench (60 of 294, seed 0)")."""
+    from rlhf_pipeline.trainers.ifeval_eval import BENCHMARKS, HELDOUT, instruction_table
+
     lines = ["| metric | value | 95% interval |", "|---|---|---|"]
     for name in sorted(metrics):
-        if name.endswith(("_low", "_high")):
+        if name.endswith(("_low", "_high")) or "/if_instruction/" in name:
             continue
         low, high = metrics.get(f"{name}_low"), metrics.get(f"{name}_high")
         interval = f"[{low:.3f}, {high:.3f}]" if low is not None and high is not None else ""
         lines.append(f"| `{name}` | {metrics[name]:.4f} | {interval} |")
     if warnings:
         lines += ["", "**Warnings**", ""] + [f"- {w}" for w in warnings]
+    sections = [(HELDOUT, "Held-out prompts")] + [
+        (b.prefix, benchmark_label(metrics, b.prefix)) for b in BENCHMARKS.values()
+    ]
+    for prefix, title in sections:
+        if table := instruction_table(metrics, prefix):
+            lines += ["", f"**{title}: each instruction id, share followed (strict)**", "", table.rstrip("\n")]
     return "\n".join(lines) + "\n"
+
+
+def benchmark_label(metrics: dict[str, float], prefix: str) -> str:
+    """A benchmark as its metrics name what was scored: `IFEval (541 of 541)`, `IFBench (60 of 294, seed 0; ...)`."""
+    from rlhf_pipeline.trainers.ifeval_eval import BENCHMARKS, ids_label, sample_label
+
+    benchmark = next(b for b in BENCHMARKS.values() if b.prefix == prefix)
+    if f"{prefix}num_prompts" not in metrics:
+        return benchmark.name
+    refused = int(metrics[f"{prefix}num_refused"])
+    shown, seed = int(metrics[f"{prefix}num_prompts"]), int(metrics[f"{prefix}sample_seed"])
+    ids = ids_label(int(metrics[f"{prefix}num_ids"]), int(metrics[f"{prefix}num_ids_total"]))
+    return sample_label(benchmark, shown, benchmark.total - refused, refused, seed, ids)

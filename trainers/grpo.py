@@ -18,8 +18,8 @@ class GrpoConfig(online.OnlineConfig):
         0.04,
         ge=0,
         description=(
-            "KL coefficient to the reference model. TRL's default is 0 (no reference); 0.04 keeps the policy near SFT "
-            "and reports the KL."
+            "KL coefficient to the reference model (SFT): the penalty on the KL, which is then reported. TRL's "
+            "default is 0 (no reference model in memory)."
         ),
     )
     loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo"] = Field(

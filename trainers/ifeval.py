@@ -92,19 +92,35 @@ def check_supported(instruction_ids: list[str], benchmark: Benchmark = "ifeval")
             raise ValueError(f"instruction {instruction_id!r} is not one of {benchmark}'s {len(known)} checkers")
 
 
+def loose_variants(response: str) -> list[str]:
+    """IFEval's loose mode (Zhou et al. 2023, "Instruction-Following Evaluation for Large Language Models", sec. 2.2):
+    the response, without its first line, without its last, without both, and each of these with every '*' removed
+    (markdown emphasis); an instruction is followed when any variant follows it."""
+    lines = response.split("\n")
+    cut = [response, "\n".join(lines[1:]).strip(), "\n".join(lines[:-1]).strip(), "\n".join(lines[1:-1]).strip()]
+    return cut + [text.replace("*", "") for text in cut]
+
+
 def check(
-    response: str, instruction_ids: list[str], kwargs: Any, prompt: str = "", benchmark: Benchmark = "ifeval"
+    response: str,
+    instruction_ids: list[str],
+    kwargs: Any,
+    prompt: str = "",
+    benchmark: Benchmark = "ifeval",
+    loose: bool = False,
 ) -> Checked:
-    """IFEval's strict check of one response against each instruction (an empty response follows none)."""
+    """IFEval's strict check of one response against each instruction (an empty response follows none); with `loose`,
+    its loose check (`loose_variants`)."""
     check_supported(instruction_ids, benchmark)
     known = registry(benchmark)
+    responses = loose_variants(response) if loose else [response]
     followed = []
     for instruction_id, arguments in zip(instruction_ids, _arguments(kwargs, len(instruction_ids))):
         checker = known[instruction_id](instruction_id)
         checker.build_description(**{k: v for k, v in arguments.items() if v is not None})
         if "prompt" in (checker.get_instruction_args() or {}):
             checker.build_description(prompt=prompt)
-        followed.append(bool(response.strip()) and bool(checker.check_following(response)))
+        followed.append(any(text.strip() and checker.check_following(text) for text in responses))
     return Checked(list(instruction_ids), followed)
 
 

@@ -69,6 +69,31 @@ def bootstrap_mean(
     return _bootstrap_mean(array, n_bootstrap, confidence, seed)
 
 
+def bootstrap_ratio(
+    numerators: Sequence[float],
+    denominators: Sequence[float],
+    *,
+    n_bootstrap: int = 1000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> Interval:
+    """sum(numerators) / sum(denominators) with a percentile-bootstrap interval that resamples the items (e.g. prompts,
+    each with its count of instructions followed and given): a cluster bootstrap, for parts of one item (a prompt's
+    instructions) are not independent. The same `seed` draws the same items as `bootstrap_mean` over as many items."""
+    import numpy as np
+
+    top, bottom = np.asarray(numerators, dtype=np.float64), np.asarray(denominators, dtype=np.float64)
+    if top.shape != bottom.shape or top.ndim != 1 or len(top) == 0 or (bottom <= 0).any():
+        raise ValueError(f"bootstrap_ratio needs equally long non-empty lists, denominators > 0 (got {top.shape})")
+    if n_bootstrap < 1 or not 0 < confidence < 1:
+        raise ValueError(f"n_bootstrap={n_bootstrap} must be >= 1 and confidence={confidence} in (0, 1)")
+    idx = np.random.default_rng(seed).integers(0, len(top), size=(n_bootstrap, len(top)))
+    ratios = top[idx].sum(axis=1) / bottom[idx].sum(axis=1)
+    tail = (1 - confidence) / 2
+    low, high = np.quantile(ratios, [tail, 1 - tail])
+    return Interval(float(top.sum() / bottom.sum()), float(low), float(high), len(top))
+
+
 def win_rate(
     scores_a: Sequence[float],
     scores_b: Sequence[float],

@@ -91,10 +91,26 @@ def generate(
     """Greedy (or, with `sample`, at `temperature` with nucleus `top_p`; by default pure) completions for standard or
     conversational prompts, stopped at EOS or the chat template's end of turn; nothing is inherited from the model's
     generation config."""
+    return generate_answers(model, tokenizer, prompts, max_new_tokens, batch_size, sample, temperature, top_p)[0]
+
+
+def generate_answers(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list,
+    max_new_tokens: int,
+    batch_size: int,
+    sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+) -> tuple[list[str], list[bool]]:
+    """`generate`'s completions, and for each whether the budget cut it (it reached `max_new_tokens` without a stop
+    token)."""
     import torch
 
     model.eval()
     out: list[str] = []
+    cut: list[bool] = []
     with own_sampling(model, tokenizer) as stops:
         for start in range(0, len(prompts), batch_size):
             input_ids, attention = pad(
@@ -117,8 +133,12 @@ def generate(
                     eos_token_id=stops,
                     **settings,
                 )
-            out.extend(tokenizer.batch_decode(generated[:, input_ids.shape[1] :], skip_special_tokens=True))
-    return out
+            answers = generated[:, input_ids.shape[1] :]
+            out.extend(tokenizer.batch_decode(answers, skip_special_tokens=True))
+            stop_ids = torch.tensor(list(stops) if isinstance(stops, (list, tuple)) else [stops], device=answers.device)
+            stopped = torch.isin(answers, stop_ids).any(dim=1)
+            cut.extend((~stopped & (answers.shape[1] >= max_new_tokens)).tolist())
+    return out, cut
 
 
 def reward_scores(

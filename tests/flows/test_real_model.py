@@ -77,19 +77,20 @@ def test_smoke_grpo_from_the_chat_model_on_the_instruction_task(prefect, state, 
     # workflow tests below, whose rewards always differ, assert that they change)
 
     metrics = summary["metrics"]
-    for prefix in ("eval/heldout/", "eval/ifbench/"):
+    for prefix in ("eval/heldout/", "eval/ifeval/", "eval/ifbench/"):
         for model in ("sft", "policy"):
-            for level in ("if_prompt_strict", "if_instruction_strict"):
+            for level in ("if_prompt_strict", "if_instruction_strict", "if_prompt_loose", "if_instruction_loose"):
                 name = f"{prefix}{model}_{level}"
                 assert metrics[f"{name}_low"] <= metrics[name] <= metrics[f"{name}_high"], name
-    assert metrics["eval/ifbench/num_prompts"] == 4
+    assert metrics["eval/ifbench/num_prompts"] == 4 and metrics["eval/ifeval/num_prompts"] == 4
     assert "eval/heldout/base_if_prompt_strict" not in metrics, "the start is the base model: one row, not two"
     assert any(name.startswith("eval/heldout/if_family/policy/") for name in metrics)
     assert summary["registry"]["version"]
     from rlhf_pipeline.cli import closing_table
 
     table = closing_table(summary)
-    assert "IFBench (4 prompts)" in table and "instructions, prompt-level: gain" in table, table
+    assert "IFBench (4 of 294, seed 0, 4 of 56 instruction ids; 6 left out" in table, table
+    assert "IFEval (4 of 541, seed 0" in table and "instructions, prompt-level: gain" in table, table
     assert f"{'sft':16} Skipped" in table, table
 
     # Nothing changed: every stage is reused.

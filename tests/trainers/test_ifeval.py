@@ -101,15 +101,57 @@ def test_the_generator_is_seeded_and_holds_requests_out(tmp_path):
         ifeval.check("An answer.", row["instruction_id_list"], row["kwargs"], row["prompt"][0]["content"])
 
 
-def test_ifbench_prompts_come_from_the_wheel_with_the_unsupported_left_out():
-    from rlhf_pipeline.trainers.ifeval_eval import ifbench_rows
+def test_the_benchmarks_are_ifevals_541_and_ifbenchs_294_prompts_from_their_wheels():
+    from rlhf_pipeline.trainers.ifeval_eval import BENCHMARKS, benchmark_rows
 
-    rows, refused = ifbench_rows(294)
-    assert len(rows) + refused == 294 and refused == 6
-    assert all("words:start_verb" not in row["instruction_id_list"] for row in rows)
+    ifeval_rows, ifeval_refused = benchmark_rows(BENCHMARKS["ifeval"])
+    assert len(ifeval_rows) == 541 and ifeval_refused == 0
+    assert len({i for row in ifeval_rows for i in row["instruction_id_list"]}) == 25  # IFEval's 25 instruction types
+    ifbench_rows, ifbench_refused = benchmark_rows(BENCHMARKS["ifbench"])
+    assert len(ifbench_rows) + ifbench_refused == 294 and ifbench_refused == 6
+    assert all("words:start_verb" not in row["instruction_id_list"] for row in ifbench_rows)
 
 
-def test_eval_scores_prompts_instructions_families_and_the_paired_gain():
+def test_a_subset_is_a_seeded_stratified_sample_covering_every_instruction_id_never_the_first_rows():
+    from rlhf_pipeline.trainers.ifeval_eval import BENCHMARKS, benchmark_rows, ids_covered, stratified_sample
+
+    rows, _ = benchmark_rows(BENCHMARKS["ifbench"])  # sorted by constraint type: its first 60 cover 12 ids
+    assert ids_covered(rows[:60]) < 20
+    picked = stratified_sample(rows, 60, seed=0)
+    assert len(set(picked)) == 60 and ids_covered([rows[i] for i in picked]) == ids_covered(rows)
+    assert picked == stratified_sample(rows, 60, seed=0) and picked != stratified_sample(rows, 60, seed=1)
+    assert stratified_sample(rows, 1000, seed=0) == list(range(len(rows)))
+    # The strata (rows by first id) keep their shares: the largest stratum gets its share of the sample, +-2.
+    first = [row["instruction_id_list"][0] for row in rows]
+    largest = max(set(first), key=first.count)
+    share = first.count(largest) * 60 / len(rows)
+    assert abs(sum(1 for i in picked if first[i] == largest) - share) <= 2, (largest, share)
+
+
+def test_loose_scoring_forgives_a_first_line_and_markdown_as_ifeval_defines_it():
+    ids, kwargs = ["detectable_format:title", "punctuation:no_comma"], "[{}, {}]"
+    answer = "Sure, here it is:\n<<The park>>\nTrees and a pond."  # the first line holds a comma
+    assert ifeval.check(answer, ids, kwargs).followed == [True, False]
+    assert ifeval.check(answer, ids, kwargs, loose=True).followed == [True, True]
+    quoted = '*"Trees and a pond"*'  # wrapped in quotes inside markdown emphasis: the loose variants drop the '*'
+    assert ifeval.check(quoted, ["startend:quotation"], "[{}]").followed == [False]
+    assert ifeval.check(quoted, ["startend:quotation"], "[{}]", loose=True).followed == [True]
+
+
+def test_instruction_level_intervals_resample_prompts_as_a_ratio():
+    from rlhf_pipeline.trainers.metrics import bootstrap_ratio
+
+    # Two prompts: one with 3 instructions all followed, one with 1 not followed: 3 of 4 instructions.
+    interval = bootstrap_ratio([3.0, 0.0], [3.0, 1.0], n_bootstrap=2000, seed=0)
+    assert interval.mean == 0.75 and interval.n == 2
+    # A resample is (a, a), (b, b) or a mix: 1.0, 0.0 or 0.75; nothing else can come out.
+    assert interval.low == 0.0 and interval.high == 1.0
+    with pytest.raises(ValueError, match="denominators > 0"):
+        bootstrap_ratio([1.0], [0.0])
+
+
+def test_eval_scores_prompts_instructions_strict_and_loose_families_ids_cut_and_the_paired_gain():
+    from rlhf_pipeline.trainers.eval_report import summary_markdown
     from rlhf_pipeline.trainers.ifeval_eval import InstructionFollowing, planned, score
 
     rows = [
@@ -120,17 +162,23 @@ def test_eval_scores_prompts_instructions_families_and_the_paired_gain():
         "sft": ["Trees, a pond.", "<<Park>> trees, a pond."] * 5,  # follows 1 of 3 constraints, no prompt
         "policy": ["Trees and a pond.", "<<Park>> trees and a pond."] * 5,  # follows all
     }
-    metrics = score("eval/heldout/", rows, completions, "ifeval", {"n_bootstrap": 200, "seed": 0})
+    cut = {"sft": [True, False] * 5, "policy": [False] * 10}
+    metrics = score("eval/heldout/", rows, completions, "ifeval", {"n_bootstrap": 200, "seed": 0}, cut)
     assert metrics["eval/heldout/sft_if_prompt_strict"] == 0.0
     assert metrics["eval/heldout/sft_if_instruction_strict"] == 1 / 3
     assert metrics["eval/heldout/policy_if_prompt_strict"] == 1.0
+    assert metrics["eval/heldout/sft_if_cut"] == 0.5 and metrics["eval/heldout/policy_if_cut"] == 0.0
     assert (
         metrics["eval/heldout/if_prompt_strict_gain"] == 1.0 and metrics["eval/heldout/if_prompt_strict_gain_low"] > 0
     )
     assert metrics["eval/heldout/if_family/sft/detectable_format"] == 1.0
     assert metrics["eval/heldout/if_family/sft/punctuation"] == 0.0
-    expected = planned(InstructionFollowing(ifbench_prompts=0), ["sft", "policy"])
-    assert expected == {name for name in metrics if "/if_family/" not in name}
+    assert metrics["eval/heldout/if_instruction/sft/punctuation:no_comma"] == 0.0
+    assert metrics["eval/heldout/if_instruction/policy/punctuation:no_comma"] == 1.0
+    table = summary_markdown(metrics, [])
+    assert "| `punctuation:no_comma` | 0.000 | 1.000 | +1.000 |" in table, table
+    expected = planned(InstructionFollowing(ifeval_prompts=0, ifbench_prompts=0), ["sft", "policy"])
+    assert expected == {name for name in metrics if "/if_family/" not in name and "/if_instruction/" not in name}
 
 
 def test_the_gate_may_use_instruction_following_and_only_when_eval_measures_it():

