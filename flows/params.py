@@ -288,6 +288,15 @@ class RunSettings(StrictModel):
             )
         )
 
+    def benchmarks(self) -> tuple[str, ...]:
+        """The benchmarks eval scores (IFEval, IFBench), whose test prompts the data stage keeps out of training."""
+        following = self.config("eval").instruction_following
+        if following is None:
+            return ()
+        from rlhf_pipeline.trainers.ifeval_eval import BENCHMARKS
+
+        return tuple(key for key in BENCHMARKS if following.prompts(key) > 0)
+
     def required_columns(self) -> dict[str, tuple[str, ...]]:
         """Columns the data stage must find because the gate reads a metric made from them (checked there for a hub
         dataset, whose columns the parameters cannot see)."""

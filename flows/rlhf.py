@@ -59,6 +59,7 @@ def _rlhf(**blocks) -> dict:
             pair_readers(plan),
             params.sft.assistant_only_loss,
             params.required_columns(),
+            params.benchmarks(),
         )
 
         def make_pairs_from(after, inputs: dict | None = None, round_: int = 0, earlier=None):

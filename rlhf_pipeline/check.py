@@ -137,6 +137,7 @@ def _check_data(params, tokenizer, report_dir: Path | None, problems: list[str])
             params.sft.assistant_only_loss,
             tokenizer=tokenizer,
             required_columns=params.required_columns(),
+            benchmarks=params.benchmarks(),
         )
         print(f"data: {len(sources)} datasets checked, {len(passed)} passed")
         dropped = False

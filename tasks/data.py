@@ -25,6 +25,7 @@ def validate_data(
     pairs_for: dict[str, tuple[str, ...]] | None = None,
     assistant_only_loss: bool = False,
     required_columns: dict[str, tuple[str, ...]] | None = None,
+    benchmarks: tuple[str, ...] = (),
 ) -> StageOutcome:
     """Validate every dataset of `config`; publish nothing unless all pass (`validators.stage.train`).
 
@@ -47,6 +48,8 @@ def validate_data(
         }
         keyed = {**keyed, "max_tokens": limits, "tokenizer": tokenizer_id, "assistant_only_loss": assistant_only_loss}
     keyed = {**keyed, "pairs_for": {name: list(stages) for name, stages in sorted(pairs_for.items())}}
+    if benchmarks:  # the benchmarks whose test prompts no training prompt may be (validators.stage)
+        keyed = {**keyed, "benchmarks": list(benchmarks)}
     if required_columns:
         keyed = {
             **keyed,
@@ -68,6 +71,7 @@ def validate_data(
                 assistant_only_loss=assistant_only_loss,
                 required_columns=required_columns,
                 fingerprints=fingerprints,
+                benchmarks=benchmarks,
                 gx_project=tracking.state_dir(),  # GX's file context, its validation history: <state>/gx/
             )
         except Exception:

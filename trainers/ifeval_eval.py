@@ -100,9 +100,16 @@ class InstructionFollowing(StrictModel):
 
 def benchmark_rows(benchmark: Benchmark) -> tuple[list[dict], int]:
     """Every prompt of `benchmark` this machine can check, in the file's order, and how many it left out."""
-    from importlib import metadata
-
     from rlhf_pipeline.trainers.ifeval import UNSUPPORTED
+
+    _, rows = benchmark_file(benchmark)
+    kept = [row for row in rows if not set(row["instruction_id_list"]) & set(UNSUPPORTED)]
+    return kept, len(rows) - len(kept)
+
+
+def benchmark_file(benchmark: Benchmark) -> tuple[Path, list[dict]]:
+    """The benchmark's data file in its installed wheel, and all of its rows."""
+    from importlib import metadata
 
     try:
         dist = metadata.distribution(benchmark.dist)
@@ -113,9 +120,7 @@ def benchmark_rows(benchmark: Benchmark) -> tuple[list[dict], int]:
             f"{benchmark.checkers}_prompts=0)"
         ) from None
     path = Path(dist.locate_file(benchmark.file))
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    kept = [row for row in rows if not set(row["instruction_id_list"]) & set(UNSUPPORTED)]
-    return kept, len(rows) - len(kept)
+    return path, [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def stratified_sample(rows: list[dict], n: int, seed: int) -> list[int]:

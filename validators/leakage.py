@@ -74,6 +74,27 @@ def check_leakages(checks: list[tuple[Split, list[Split]]], batch_rows: int = BA
     return results
 
 
+BENCHMARK_RULE = "no_benchmark_prompt_in_training"
+
+
+def check_benchmark_leakage(training: Split, benchmark: str, source: str, prompts: list[str]) -> RuleResult:
+    """The rows of a training split whose prompt (any user turn, normalised) is one of a benchmark's test prompts
+    (`prompts`, in the benchmark file's order): a score on a prompt trained on measures memory. Each example names
+    the training row and the benchmark's row."""
+    wanted: dict[str, int] = {}
+    for row, text in enumerate(prompts):
+        if (prompt := normalise(text)) is not None:
+            wanted.setdefault(prompt, row)
+    leaked: list[dict] = []
+    for row, prompt in _rows_with_prompts(training, wanted=set(wanted)):
+        if not leaked or leaked[-1]["row"] != row:
+            leaked.append(
+                {"row": row, "value": f"{short_repr(prompt)} is row {wanted[prompt]} of {benchmark} ({source})"}
+            )
+    description = f"a prompt trained on must not be one of {benchmark}'s test prompts, which eval scores ({source})"
+    return RuleResult(BENCHMARK_RULE, description, not leaked, len(leaked), leaked[:MAX_EXAMPLES])
+
+
 def _rows_with_prompts(
     split: Split, batch_rows: int = BATCH_ROWS, wanted: set[str] | None = None
 ) -> Iterator[tuple[int, str]]:

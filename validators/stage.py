@@ -31,6 +31,7 @@ def train(
     required_columns: dict[str, tuple[str, ...]] | None = None,
     fingerprints: dict[str, str] | None = None,
     gx_project: Path | None = None,
+    benchmarks: tuple[str, ...] = (),
 ) -> dict[str, float]:
     """The `data` stage: check every dataset (`check_datasets`), then freeze Parquet copies into
     `out_dir/datasets/<name>.parquet` for later stages. Every broken dataset is reported at once and nothing
@@ -48,6 +49,7 @@ def train(
         required_columns=required_columns,
         fingerprints=fingerprints,
         gx_project=gx_project,
+        benchmarks=benchmarks,
     )
     # Report every broken dataset at once, then stop before any training.
     if len(failures) == 1:
@@ -76,6 +78,7 @@ def check_datasets(
     required_columns: dict[str, tuple[str, ...]] | None = None,
     fingerprints: dict[str, str] | None = None,
     gx_project: Path | None = None,
+    benchmarks: tuple[str, ...] = (),
 ) -> tuple[dict[str, tuple], list[ValueError]]:
     """Check every dataset: raw file, Great Expectations rules, chat template and token lengths (counted
     with `model`'s tokenizer, or `tokenizer`), train/eval leakage. Returns the datasets that passed
@@ -178,7 +181,33 @@ def check_datasets(
         if not report.success:
             failures.append(DataValidationError(report))
             del passed[held_out]
+    failures += _benchmark_leaks(passed, benchmarks, report_dir)
     return passed, failures
+
+
+def _benchmark_leaks(passed: dict[str, tuple], benchmarks: tuple[str, ...], report_dir: Path) -> list[ValueError]:
+    """Rule `no_benchmark_prompt_in_training` on every dataset trained on, for each benchmark eval scores (`benchmarks`:
+    keys of `trainers.ifeval_eval.BENCHMARKS`): all of its test prompts, the ones this machine cannot check too. A
+    dataset that breaks it fails (and is dropped from `passed`)."""
+    from rlhf_pipeline.trainers.ifeval_eval import BENCHMARKS, benchmark_file
+    from rlhf_pipeline.validators.leakage import check_benchmark_leakage
+    from rlhf_pipeline.validators.report import DataValidationError
+    from rlhf_pipeline.validators.validate import REPORT_FILE
+
+    failures: list[ValueError] = []
+    trained = sorted({name for names in HELD_OUT.values() for name in names})
+    for key in benchmarks:
+        benchmark = BENCHMARKS[key]
+        path, rows = benchmark_file(benchmark)
+        prompts = [row["prompt"] for row in rows]
+        for name in [name for name in trained if name in passed]:
+            split, report = passed[name]
+            report.rules.append(check_benchmark_leakage(split, benchmark.name, str(path), prompts))
+            report.write_json(report_dir / name / REPORT_FILE)
+            if not report.success:
+                failures.append(DataValidationError(report))
+                del passed[name]
+    return failures
 
 
 DUPLICATES = "no_duplicate_rows"

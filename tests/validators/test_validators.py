@@ -372,3 +372,33 @@ def test_fits_max_length_counts_conversations_with_the_chat_template():
     assert "messages is 56 tokens > 20" in message
     with pytest.raises(ValueError, match="needs the tokenizer"):
         validate_dataset("sft", make(rows), source=SOURCE, max_tokens=20)
+
+
+def test_no_training_prompt_is_an_ifeval_or_ifbench_test_prompt_and_a_planted_one_fails_naming_file_row_and_rule(
+    tmp_path,
+):
+    """The smollm2 preset's training prompts (data/ifeval) hold no test prompt of the benchmarks its eval scores; one
+    planted in them (as a user would write it: other case, other spaces, a zero-width space) stops the data stage."""
+    from rlhf_pipeline.flows.params import load_params
+    from rlhf_pipeline.trainers.ifeval_eval import BENCHMARKS, benchmark_file
+    from rlhf_pipeline.validators.stage import check_datasets
+
+    params = load_params("smollm2")
+    assert params.benchmarks() == ("ifeval", "ifbench")
+    passed, failures = check_datasets(params.data, None, {}, tmp_path / "clean", benchmarks=params.benchmarks())
+    assert not failures and "prompts" in passed, failures
+
+    _, ifbench = benchmark_file(BENCHMARKS["ifbench"])
+    rows = [json.loads(line) for line in pathlib.Path(params.data.prompts.path).read_text().splitlines()][:40]
+    planted = "  " + ifbench[200]["prompt"].upper().replace(" ", "\u200b ", 1) + " "
+    rows.insert(17, {**rows[0], "prompt": [{"role": "user", "content": planted}]})
+    leaky = tmp_path / "prompts.jsonl"
+    leaky.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    data = params.data.model_copy(update={"prompts": params.data.prompts.model_copy(update={"path": str(leaky)})})
+    passed, failures = check_datasets(data, None, {}, tmp_path / "leaky", benchmarks=params.benchmarks())
+    assert "prompts" not in passed and len(failures) == 1, failures
+    message = str(failures[0])
+    assert str(leaky) in message and "no_benchmark_prompt_in_training" in message and "row 17" in message, message
+    assert "row 200 of IFBench" in message, message
+    # Without the benchmarks in the run (no eval.instruction_following), the same file passes.
+    assert not check_datasets(data, None, {}, tmp_path / "off")[1]
