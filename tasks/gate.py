@@ -47,6 +47,14 @@ class RegistryConfig(StageConfig):
         ),
     )
 
+    beat_start: bool = Field(
+        True,
+        description=(
+            "Promote only a policy that beats its own start (sft) on the held-out gold metric (eval.gold_metric, else "
+            "exact match): the paired gain's lower 95% bound above 0, even as the first version. No gold metric: not "
+            "checked. The training reward alone never promotes."
+        ),
+    )
     hacking_gate: bool = Field(
         True,
         description=(
@@ -113,6 +121,25 @@ def hacking(cfg: RegistryConfig, metrics: dict[str, float]) -> str | None:
             f"{policy:.4f} (no gold metric; tolerance {cfg.hacking_tolerance})"
         )
     return None
+
+
+START_GAINS = (f"{HELDOUT}gold_gain_vs_sft", f"{HELDOUT}exact_match_gain_vs_sft")
+"""The policy's paired gain over its start on the held-out gold metric: the first the run's eval reports."""
+
+
+def below_start(cfg: RegistryConfig, metrics: dict[str, float]) -> str | None:
+    """Why the policy is no champion for not beating its own start on the held-out gold metric (with the numbers), or
+    None (it does, `beat_start` is off, or eval measures no gold metric)."""
+    name = next((name for name in START_GAINS if name in metrics), None)
+    if not cfg.beat_start or name is None:
+        return None
+    low = metrics.get(f"{name}_low", float("-inf"))
+    if low > 0:
+        return None
+    return (
+        f"it does not beat its start on the held-out gold metric: {name}={metrics[name]:+.4f}, lower bound "
+        f"{low:+.4f} is not above 0 (registry.beat_start)"
+    )
 
 
 def gate(cfg: RegistryConfig, metrics: dict[str, float]) -> tuple[bool, str]:

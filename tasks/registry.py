@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 from rlhf_pipeline.tasks import lineage, tracking
 from rlhf_pipeline.tasks.artifacts import ArtifactRef, RunContext
-from rlhf_pipeline.tasks.gate import CANDIDATE, CHAMPION, RegistryConfig, gate, hacking
+from rlhf_pipeline.tasks.gate import CANDIDATE, CHAMPION, RegistryConfig, below_start, gate, hacking
 from rlhf_pipeline.tasks.orchestration import current_flow_run, prefect_log
 
 
@@ -100,6 +100,8 @@ def register_policy(
         champion = tracking.alias_version(cfg.model_name, CHAMPION)
         if hacked := hacking(cfg, metrics):  # even a first version: a policy that games its reward is no champion
             promoted, reason = False, hacked
+        elif weaker := below_start(cfg, metrics):  # even a first version: no worse than where it started
+            promoted, reason = False, weaker
         elif champion == version:
             promoted, reason = True, "already champion"
         elif champion != seen:

@@ -120,7 +120,7 @@ def planned_metrics(
 
     gold = "gold" if cfg.gold_metric is not None else "exact_match" if has_reference and cfg.answer_column else None
     if gold:
-        names |= {n for m in models for n in bounded(f"{m}_{gold}")}
+        names |= {n for m in models for n in bounded(f"{m}_{gold}")} | bounded(f"{gold}_gain_vs_sft")
         if champion:
             names |= bounded(f"{gold}_gain_vs_champion")
     if reward_model:
@@ -230,9 +230,9 @@ def evaluate(
     accuracy = {name: stats.bootstrap_mean(hits, **boot) for name, hits in correct.items()}
     for name, interval in accuracy.items():
         _put(metrics, f"{HELDOUT}{name}_{gold_name}", interval.mean, interval.low, interval.high)
-    if "champion" in correct:  # paired: the same prompts, so the interval is on the differences
-        gain = stats.bootstrap_mean([p - c for p, c in zip(correct["policy"], correct["champion"])], **boot)
-        _put(metrics, f"{HELDOUT}{gold_name}_gain_vs_champion", gain.mean, gain.low, gain.high)
+    for rival in [name for name in ("sft", "champion") if name in correct]:  # paired: intervals on the differences
+        gain = stats.bootstrap_mean([p - c for p, c in zip(correct["policy"], correct[rival])], **boot)
+        _put(metrics, f"{HELDOUT}{gold_name}_gain_vs_{rival}", gain.mean, gain.low, gain.high)
 
     following = cfg.instruction_following
     benchmarks: dict[str, str] = {}

@@ -6,8 +6,9 @@ Every `eval_steps` the policy answers a fixed sample of the held-out prompts (`p
 - exact_match: against the reference answers, where the prompts have them (the gold metric);
 - kl, sqrt_kl: KL(policy || SFT) on policy samples (k1, nats per answer), the x axis of Gao et al.'s curves.
 They are logged as `<stage>/heldout/<name>` curves and appended to `heldout.jsonl` (the eval stage plots them). With
-`keep_best`, the stage publishes the policy of the probe with the best `score` = proxy_reward - disagreement, and says
-which.
+`keep_best`, the stage publishes the policy of the probe with the best `score`, and says which: held-out exact match
+where the prompts have reference answers (the gold metric: the training reward alone never chooses), else
+proxy_reward - disagreement.
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ class ProbeFields(StageConfig):
     keep_best: bool | None = Field(
         None,
         description=(
-            "With eval_steps: publish the policy of the probe with the best proxy_reward - disagreement, not the last "
-            "one. None: only when a reward-model ensemble measures the disagreement (with one reward model the best "
-            "proxy is the most over-optimised)."
+            "With eval_steps: publish the policy of the probe with the best held-out exact match (where the prompts "
+            "have answers), else the best proxy_reward - disagreement, not the last one. None: only when a "
+            "reward-model ensemble measures the disagreement (with one reward model the best proxy is the most "
+            "over-optimised)."
         ),
     )
 
@@ -126,6 +128,8 @@ class Probe:
             _, spread = self.members.score(self.prompts, greedy)
             values |= {"proxy_reward": statistics.fmean(proxy), "disagreement": statistics.fmean(spread)}
             values["score"] = values["proxy_reward"] - values["disagreement"]
+        if "exact_match" in values:  # the gold metric, where there is one, chooses the kept policy
+            values["score"] = values["exact_match"]
         return values
 
 

@@ -126,6 +126,16 @@ def test_a_policy_that_games_its_reward_model_is_refused_promotion_with_the_numb
     assert outcome["reason"].startswith("reward hacking: the held-out reward-model score rose from ")
     for name in ("sft_mean_reward", "policy_mean_reward", "sft_exact_match", "policy_exact_match"):
         assert f"{metrics[held + name]:.4f}" in outcome["reason"], name
+    # The held-out gold metric alone refuses it too (registry.beat_start), and the probes' best exact match is not
+    # the last policy: keep_best, which chooses by the gold metric where there is one, would publish an earlier one.
+    from rlhf_pipeline.tasks.gate import RegistryConfig, below_start
+
+    assert metrics[f"{held}exact_match_gain_vs_sft_high"] < 0
+    assert "does not beat its start" in below_start(RegistryConfig(hacking_gate=False), metrics)
+    probes = Path(summary["artifacts"]["ppo"]) / "heldout.jsonl"
+    curves = [json.loads(line) for line in probes.read_text().splitlines()]
+    assert [c["score"] for c in curves] == [c["exact_match"] for c in curves]
+    assert max(curves, key=lambda c: c["exact_match"])["step"] != curves[-1]["step"], curves
 
 
 def test_a_feedback_round_retrains_rm_on_the_policys_labelled_samples_then_the_policy(prefect, state):

@@ -155,6 +155,45 @@ def test_first_version_is_champion_a_loser_is_refused_a_winner_promoted(ctx):
     assert champion.digest == policy.digest and (champion.path / "model" / "model.safetensors").is_file()
 
 
+def test_a_policy_that_does_not_beat_its_start_on_the_gold_metric_is_no_champion_even_as_the_first_version(ctx):
+    """A training reward that rose (the reward model's win rate over sft) does not promote a policy whose held-out
+    gold metric did not beat its start: not as the first version, not against a champion."""
+    cfg = RegistryConfig(model_name="start-gate")
+    client = MlflowClient()
+    pleases_its_reward = {"eval/heldout/win_rate_vs_sft": 0.81, "eval/heldout/win_rate_vs_sft_low": 0.74}
+    flat = {
+        **pleases_its_reward,
+        "eval/heldout/gold_gain_vs_sft": 0.02,
+        "eval/heldout/gold_gain_vs_sft_low": -0.03,
+        "eval/heldout/gold_gain_vs_sft_high": 0.07,
+    }
+    policy, report, run_ctx = publish(ctx, "grpo", 10, flat, cfg)
+    refused = register_policy(cfg, policy, report, [policy, report], run_ctx)
+    assert not refused["promoted"], refused
+    assert refused["reason"] == (
+        "it does not beat its start on the held-out gold metric: eval/heldout/gold_gain_vs_sft=+0.0200, lower bound "
+        "-0.0300 is not above 0 (registry.beat_start)"
+    )
+    assert CHAMPION not in client.get_registered_model("start-gate").aliases
+    # The same figures with the check off: the first version becomes champion, as before.
+    lenient = cfg.model_copy(update={"beat_start": False})
+    policy, report, run_ctx = publish(ctx, "grpo", 11, flat, lenient)
+    assert register_policy(lenient, policy, report, [policy, report], run_ctx)["promoted"]
+    # Against a champion: a win over it does not promote a policy that falls short of its own start.
+    beats_champion = {
+        **flat,
+        "eval/heldout/gold_gain_vs_champion": 0.05,
+        "eval/heldout/gold_gain_vs_champion_low": 0.01,
+        "eval/heldout/gold_gain_vs_sft_low": 0.0,
+    }
+    policy, report, run_ctx = publish(ctx, "grpo", 12, beats_champion, cfg)
+    outcome = register_policy(cfg, policy, report, [policy, report], run_ctx)
+    assert not outcome["promoted"] and "lower bound +0.0000 is not above 0" in outcome["reason"], outcome
+    better = {**beats_champion, "eval/heldout/gold_gain_vs_sft_low": 0.01}
+    policy, report, run_ctx = publish(ctx, "grpo", 13, better, cfg)
+    assert register_policy(cfg, policy, report, [policy, report], run_ctx)["promoted"]
+
+
 def test_two_registrations_at_once_move_champion_once_and_the_other_stays_candidate_saying_why(ctx):
     """Both runs' evals beat the same champion; whichever registers first becomes champion, the other was never
     compared with it and stays a candidate (compare and set)."""
@@ -203,6 +242,7 @@ def test_gate_on_measured_exact_match_refuses_the_untrained_base_and_promotes_a_
         gate_metric="eval/heldout/exact_match_gain_vs_champion",
         min_value=0.0,
         min_lower_bound=0.0,
+        beat_start=False,  # the policies here are evaluated against themselves as sft: the champion gate alone
     )
     eval_cfg = EvalConfig(max_prompts=100, max_new_tokens=8, perplexity_rows=0, n_bootstrap=200)
     parent = tracking.start_run(ctx.experiment_id, "gate", {})
