@@ -206,9 +206,21 @@ def evaluate(
     }
     if champion_model is not None:
         loaders["champion"] = lambda: load_causal_lm(champion_model, attn_implementation=attention)
+    folders = {"sft": sft_model, "policy": policy_model, "champion": champion_model}
+    twins = {  # a model that is another's folder (`rlhf eval` of the start: policy and sft alike) answers once
+        name: first
+        for name in ("policy", "champion")
+        for first in ("sft", "policy")
+        if first != name
+        and folders[name] is not None
+        and Path(folders[name]).resolve() == Path(folders[first]).resolve()
+    }
     completions: dict[str, list[str]] = {}
     cut: dict[str, list[bool]] = {}
     for name, load in loaders.items():  # one model in memory at a time
+        if name in twins:
+            completions[name], cut[name] = completions[twins[name]], cut[twins[name]]
+            continue
         model, tokenizer = load()
         completions[name], cut[name] = generate_answers(model, tokenizer, prompts, cfg.max_new_tokens, cfg.batch_size)
         del model
@@ -248,9 +260,8 @@ def evaluate(
                     "the answers by (set heldout=false)"
                 )
             metrics.update(ifeval_eval.score(HELDOUT, list(prompts_ds), rated, "ifeval", boot, cut))
-        scored, benchmarks = ifeval_eval.evaluate_benchmarks(
-            following, {name: load for name, load in loaders.items() if name != "base"}, cfg.batch_size, boot
-        )
+        rated_loaders = {name: load for name, load in loaders.items() if name != "base"}
+        scored, benchmarks = ifeval_eval.evaluate_benchmarks(following, rated_loaders, cfg.batch_size, boot, twins)
         metrics.update(scored)
 
     # KL(policy || SFT) and diversity, on samples drawn from the policy (the k1 estimate needs them).

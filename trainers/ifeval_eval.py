@@ -259,10 +259,15 @@ def _checked(rows: list[dict], answers: list[str], benchmark: str) -> dict[str, 
 
 
 def evaluate_benchmarks(
-    cfg: InstructionFollowing, loaders: dict[str, Any], batch_size: int, boot: dict[str, Any]
+    cfg: InstructionFollowing,
+    loaders: dict[str, Any],
+    batch_size: int,
+    boot: dict[str, Any],
+    twins: dict[str, str] | None = None,
 ) -> tuple[dict[str, float], dict[str, str]]:
     """Answer each benchmark's (sampled) prompts with each model (one in memory at a time, greedy, `cfg`'s budget) and
-    score them. Returns the metrics and each benchmark's label ("IFEval (100 of 541, seed 0)")."""
+    score them; a model in `twins` is the same model as the one it names and takes its answers. Returns the metrics
+    and each benchmark's label ("IFEval (100 of 541, seed 0)")."""
     from rlhf_pipeline.trainers.text import generate_answers
 
     metrics: dict[str, float] = {}
@@ -285,6 +290,10 @@ def evaluate_benchmarks(
     answers: dict[str, dict[str, list[str]]] = {key: {} for key in chosen}
     cut: dict[str, dict[str, list[bool]]] = {key: {} for key in chosen}
     for model, load in loaders.items():  # each model loaded once for both benchmarks
+        if model in (twins or {}):
+            for key in chosen:
+                answers[key][model], cut[key][model] = answers[key][twins[model]], cut[key][twins[model]]
+            continue
         policy, tokenizer = load()
         for key, (_, rows) in chosen.items():
             prompts = [[{"role": "user", "content": row["prompt"]}] for row in rows]
