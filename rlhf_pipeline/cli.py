@@ -492,9 +492,9 @@ def closing_table(summary: dict) -> str:
         lines.extend(["", f"{title:38} {'value':>8}  95% interval"])
         for label, name in present:
             low, high = metrics.get(f"{prefix}{name}_low"), metrics.get(f"{prefix}{name}_high")
-            interval = f"[{low:+.3f}, {high:+.3f}]" if "gain" in name else f"[{low:.3f}, {high:.3f}]"
-            shown = f"{metrics[prefix + name]:+8.3f}" if "gain" in name else f"{metrics[prefix + name]:8.3f}"
-            lines.append(f"{label:38} {shown}  {interval if low is not None and high is not None else ''}")
+            sign = "+" if "gain" in name else ""
+            interval = f"[{low:{sign}.3f}, {high:{sign}.3f}]" if low is not None and high is not None else ""
+            lines.append(f"{label:38} {metrics[prefix + name]:{sign}8.3f}  {interval}")
 
     section(
         f"held-out ({int(metrics.get(held + 'num_prompts', 0))} prompts)",

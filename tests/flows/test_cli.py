@@ -130,3 +130,34 @@ def test_rlhf_run_creates_prefect_home_state_and_tracking_folders_that_do_not_ex
     ui = progress_in_the_prefect_ui(fresh / "prefect" / "prefect.db")
     assert all(ui.get(stage, 0) >= 2 for stage in ("sft", "rm", "dpo")), ui  # kept off the terminal, not off the UI
     assert not (elsewhere / "state").exists()  # RLHF_STATE_DIR wins over ./state
+
+
+def test_the_closing_table_shows_figures_with_and_without_intervals_and_names_the_benchmark_samples():
+    from rlhf_pipeline.cli import closing_table
+
+    held, ifeval = "eval/heldout/", "eval/ifeval/"
+    metrics = {
+        f"{held}num_prompts": 50.0,
+        f"{held}policy_exact_match": 0.9,
+        f"{held}policy_exact_match_low": 0.82,
+        f"{held}policy_exact_match_high": 0.96,
+        f"{held}exact_match_gain_vs_sft": 0.3,
+        f"{held}exact_match_gain_vs_sft_low": 0.2,
+        f"{held}exact_match_gain_vs_sft_high": 0.4,
+        f"{held}kl_to_sft": 1.25,  # no interval
+        f"{ifeval}num_prompts": 30.0,
+        f"{ifeval}num_total": 541.0,
+        f"{ifeval}num_refused": 0.0,
+        f"{ifeval}sample_seed": 0.0,
+        f"{ifeval}num_ids": 25.0,
+        f"{ifeval}num_ids_total": 25.0,
+        f"{ifeval}if_prompt_strict_gain": -0.05,
+        f"{ifeval}if_prompt_strict_gain_low": -0.15,
+        f"{ifeval}if_prompt_strict_gain_high": 0.05,
+    }
+    summary = {"metrics": metrics, "artifacts": {"eval": "/x"}, "stages": {"eval": {"state": None}}, "mlflow": "m"}
+    table = closing_table(summary)
+    assert "exact match: gain over sft" in table and "+0.300  [+0.200, +0.400]" in table, table
+    assert [line for line in table.splitlines() if line.startswith("KL(policy || sft)")][0].rstrip().endswith("1.250")
+    assert "IFEval (30 of 541, seed 0)" in table and "-0.050  [-0.150, +0.050]" in table, table
+    assert any(line.split()[:2] == ["eval", "-"] for line in table.splitlines()), table
