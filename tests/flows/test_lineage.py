@@ -37,7 +37,10 @@ def test_a_second_machine_evaluates_the_champion_and_finds_its_lineage_through_m
 
     first = tmp_path / "first-machine"
     monkeypatch.setenv(tracking.STATE_ENV, str(first))
-    trained = run("registry.model_name=lineage-test", "experiment_name=lineage")
+    # A sample a second, over 40 dpo steps: the preset's 4 can end before MLflow's monitor takes its first sample.
+    monkeypatch.setattr(tracking, "SYSTEM_METRICS_SECONDS", 1.0)
+    settings = ("registry.model_name=lineage-test", "experiment_name=lineage", "dpo.max_steps=40")
+    trained = run(*settings)
     assert trained.is_completed(), trained.message
     summary = trained.result()
     client = MlflowClient()
@@ -81,7 +84,7 @@ def test_a_second_machine_evaluates_the_champion_and_finds_its_lineage_through_m
     shows_models_and_datasets_in_the_mlflow_ui(experiment, models, dpo_run, datasets["preference"].dataset, screenshots)
 
     # A cached re-run links the same logged models: nothing is uploaded twice.
-    again = run("registry.model_name=lineage-test", "experiment_name=lineage")
+    again = run(*settings)
     assert again.is_completed(), again.message
     assert len(client.search_logged_models([experiment])) == len(models)
 
