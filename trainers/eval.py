@@ -20,11 +20,12 @@ from pathlib import Path
 
 from pydantic import Field
 
+from rlhf_pipeline.trainers.answers import answering, greedy_answers
 from rlhf_pipeline.trainers.config import AttentionField, ModelConfig
 from rlhf_pipeline.trainers.ifeval_eval import InstructionFollowing
 from rlhf_pipeline.trainers.judges import JudgeConfig
 from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, as_completions
-from rlhf_pipeline.trainers.text import generate, generate_answers, reward_scores
+from rlhf_pipeline.trainers.text import generate, reward_scores
 
 MODELS = ("base", "sft", "policy", "champion")
 HELDOUT = "eval/heldout/"
@@ -222,7 +223,9 @@ def evaluate(
             completions[name], cut[name] = completions[twins[name]], cut[twins[name]]
             continue
         model, tokenizer = load()
-        completions[name], cut[name] = generate_answers(model, tokenizer, prompts, cfg.max_new_tokens, cfg.batch_size)
+        completions[name], cut[name] = greedy_answers(
+            model, tokenizer, prompts, cfg.max_new_tokens, cfg.batch_size, **answering(f"held-out, {name}")
+        )
         del model
 
     # The gold metric, where there is one: a named function, else exact match against the reference.

@@ -268,7 +268,7 @@ def evaluate_benchmarks(
     """Answer each benchmark's (sampled) prompts with each model (one in memory at a time, greedy, `cfg`'s budget) and
     score them; a model in `twins` is the same model as the one it names and takes its answers. Returns the metrics
     and each benchmark's label ("IFEval (100 of 541, seed 0)")."""
-    from rlhf_pipeline.trainers.text import generate_answers
+    from rlhf_pipeline.trainers.answers import answering, greedy_answers
 
     metrics: dict[str, float] = {}
     labels: dict[str, str] = {}
@@ -297,8 +297,13 @@ def evaluate_benchmarks(
         policy, tokenizer = load()
         for key, (_, rows) in chosen.items():
             prompts = [[{"role": "user", "content": row["prompt"]}] for row in rows]
-            answers[key][model], cut[key][model] = generate_answers(
-                policy, tokenizer, prompts, cfg.max_new_tokens, batch_size
+            answers[key][model], cut[key][model] = greedy_answers(
+                policy,
+                tokenizer,
+                prompts,
+                cfg.max_new_tokens,
+                batch_size,
+                **answering(f"{BENCHMARKS[key].name}, {model}"),
             )
         del policy
     for key, (benchmark, rows) in chosen.items():

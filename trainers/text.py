@@ -9,7 +9,7 @@ generation prompt, the reply closed by the template).
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     import torch
@@ -103,26 +103,25 @@ def generate_answers(
     sample: bool = False,
     temperature: float = 1.0,
     top_p: float = 1.0,
+    progress: Callable[[int, int], None] | None = None,
 ) -> tuple[list[str], list[bool]]:
     """`generate`'s completions, and for each whether the budget cut it (it reached `max_new_tokens` without a stop
-    token)."""
+    token); `progress(done, total)` after each batch."""
     import torch
 
     model.eval()
-    out: list[str] = []
-    cut: list[bool] = []
+    rendered = [prompt_ids(tokenizer, p) for p in prompts]
+    out: list[str] = [""] * len(rendered)
+    cut: list[bool] = [False] * len(rendered)
+    settings = (
+        {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": top_p} if sample else {"do_sample": False}
+    )
     with own_sampling(model, tokenizer) as stops:
-        for start in range(0, len(prompts), batch_size):
+        stop_ids = torch.tensor(list(stops) if isinstance(stops, (list, tuple)) else [stops], device=model.device)
+        done = 0
+        for batch in length_batches([len(r) for r in rendered], batch_size):
             input_ids, attention = pad(
-                [prompt_ids(tokenizer, p) for p in prompts[start : start + batch_size]],
-                tokenizer.pad_token_id,
-                left=True,
-                device=model.device,
-            )
-            settings = (
-                {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": top_p}
-                if sample
-                else {"do_sample": False}
+                [rendered[i] for i in batch], tokenizer.pad_token_id, left=True, device=model.device
             )
             with torch.no_grad():
                 generated = model.generate(
@@ -134,11 +133,29 @@ def generate_answers(
                     **settings,
                 )
             answers = generated[:, input_ids.shape[1] :]
-            out.extend(tokenizer.batch_decode(answers, skip_special_tokens=True))
-            stop_ids = torch.tensor(list(stops) if isinstance(stops, (list, tuple)) else [stops], device=answers.device)
             stopped = torch.isin(answers, stop_ids).any(dim=1)
-            cut.extend((~stopped & (answers.shape[1] >= max_new_tokens)).tolist())
+            budget = answers.shape[1] >= max_new_tokens
+            for i, text, ended in zip(batch, tokenizer.batch_decode(answers, skip_special_tokens=True), stopped):
+                out[i], cut[i] = text, bool(not ended and budget)
+            done += len(batch)
+            if progress is not None:
+                progress(done, len(rendered))
     return out, cut
+
+
+def length_batches(lengths: list[int], batch_size: int) -> list[list[int]]:
+    """Indices of prompts of these token lengths in generation batches: longest first, at most `batch_size` to a
+    batch, none shorter than half its batch's longest. A batch pads to its longest prompt and runs until its last
+    answer stops, so one long prompt among short ones would cost each of them its length (IFBench holds a 2,591-token
+    prompt among prompts of ~100); the longest batch first also finds a too small memory at once."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and len(batches[-1]) < batch_size and 2 * lengths[i] >= lengths[batches[-1][0]]:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
 
 
 def reward_scores(

@@ -123,3 +123,48 @@ def test_evaluate_without_reference_answers_reports_what_needs_none_and_a_judge(
     assert (tmp_path / "out" / "plots" / "judge_win_rates.png").is_file() and not (
         tmp_path / "out" / "plots" / "exact_match.png"
     ).exists()
+
+
+def test_length_batches_keep_a_long_prompt_from_padding_short_ones():
+    from rlhf_pipeline.trainers.text import length_batches
+
+    lengths = [90, 2591, 100, 757, 95, 110, 80]
+    batches = length_batches(lengths, batch_size=3)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    # the 2,591- and 757-token prompts answer alone; the rest, longest first, three at most to a batch
+    assert batches == [[1], [3], [5, 2, 4], [0, 6]]
+    for batch in batches:
+        assert all(2 * lengths[i] >= lengths[batch[0]] for i in batch)
+
+
+def test_greedy_answers_are_made_once_per_model_prompts_and_budget(tmp_path, monkeypatch):
+    from rlhf_pipeline.trainers import text
+    from rlhf_pipeline.trainers.answers import answers_dir, greedy_answers
+
+    monkeypatch.setenv("RLHF_MODEL_CACHE", str(tmp_path / "models"))
+    model, tokenizer = load_base_model(SMALL_MODEL)
+    prompts = [[{"role": "user", "content": "sort 321 -> "}], [{"role": "user", "content": "sort 4321 -> "}]]
+    made, ticks = greedy_answers(model, tokenizer, prompts, 4, 2), []
+    assert made == text.generate_answers(model, tokenizer, prompts, 4, 2)
+    assert len(list(answers_dir().glob("*.jsonl"))) == 1
+
+    calls = []
+    real = text.generate_answers
+    monkeypatch.setattr(text, "generate_answers", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert greedy_answers(model, tokenizer, prompts, 4, 2, log=ticks.append) == made
+    assert calls == [] and "from the answer cache" in ticks[0]
+    # another budget, other prompts or other weights are other answers
+    greedy_answers(model, tokenizer, prompts, 3, 2)
+    greedy_answers(model, tokenizer, prompts[:1], 4, 2)
+    with __import__("torch").no_grad():
+        next(model.parameters()).add_(0.01)
+    greedy_answers(model, tokenizer, prompts, 4, 2, progress=lambda done, total: ticks.append((done, total)))
+    assert len(calls) == 3 and ticks[-1] == (2, 2)
+    assert len(list(answers_dir().glob("*.jsonl"))) == 4
+    # the same weights saved and loaded again (a GGUF's converted folder, sft's copy of it) are the same model
+    save_model(model, tokenizer, tmp_path / "copy")
+    from rlhf_pipeline.trainers.models import load_causal_lm
+
+    again, again_tokenizer = load_causal_lm(tmp_path / "copy")
+    greedy_answers(again, again_tokenizer, prompts, 4, 2)
+    assert len(calls) == 3
