@@ -19,7 +19,7 @@ from rlhf_pipeline.tasks.orchestration import RetryConfig
 from rlhf_pipeline.tasks.stages import ALGORITHMS, BY_NAME, POLICY_STAGE, STAGES, reads
 from rlhf_pipeline.trainers.config import TINY, ModelConfig, StrictModel
 from rlhf_pipeline.trainers.feedback import FeedbackConfig
-from rlhf_pipeline.trainers.rewards import RewardsConfig
+from rlhf_pipeline.trainers.rewards import GoldMetric, RewardsConfig
 
 CONFIG_DIR = Path(str(resources.files("rlhf_pipeline.configs")))  # package data: present in a wheel too
 DEFAULT_PRESET = "tiny"
@@ -64,6 +64,15 @@ class RunSettings(StrictModel):
     def config(self, stage: str) -> Any:
         """The block of `stage`: an instance of its row's config class (`tasks.stages`)."""
         return getattr(self, stage)
+
+    def setting(self, block: str, stage: str) -> Any:
+        """A run-level block `stage`'s trainer takes (`tasks.training.SETTINGS`): `model`, `rewards`, and `gold`, the
+        held-out gold metric of eval that the stage's probes score and keep_best chooses by (empty where the stage
+        does not probe, so eval's gold metric keys only the stages that use it)."""
+        if block == "gold":
+            probes = getattr(self.config(stage), "evaluates", False)
+            return GoldMetric(function=self.config("eval").gold_metric if probes else None)
+        return getattr(self, block)
 
     @model_validator(mode="after")
     def _feedback_rounds_possible(self):

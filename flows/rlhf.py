@@ -42,7 +42,7 @@ def _rlhf(**blocks) -> dict:
             """Submit one training stage; it waits for the stage before it, so one stage trains on the device at a
             time."""
             inputs = inputs or {name: built[name] for name in params.upstream(stage)}
-            settings = {block: getattr(params, block) for block in settings_of(BY_NAME[stage])}
+            settings = {block: params.setting(block, stage) for block in settings_of(BY_NAME[stage])}
             stage_task = task(TASKS[stage])
             if round_:
                 stage_task = stage_task.with_options(task_run_name=f"{stage} (round {round_})")

@@ -36,8 +36,8 @@ from rlhf_pipeline.trainers.config import Block, ModelConfig, StageConfig
 MODEL_INPUTS = {"sft_model": "sft", "reward_model": "rm"}
 """Trainer parameter -> the upstream stage whose `model/` folder it receives (a feedback round's policy starts from
 the last round's: it arrives as `sft`)."""
-SETTINGS = ("model", "rewards")
-"""Run-level blocks a trainer may take besides its own config."""
+SETTINGS = ("model", "rewards", "gold")
+"""Run-level blocks a trainer may take besides its own config (`gold`: the held-out gold metric its probes score)."""
 LOGGED = ("samples.jsonl", "heldout.jsonl")
 """Files a trainer may write beside its model that are also logged to its MLflow run (ppo's sample tables, the
 held-out probes)."""
@@ -56,7 +56,7 @@ def trainer_parameters(stage: Stage) -> tuple[str, ...]:
 
 
 def settings_of(stage: Stage) -> tuple[str, ...]:
-    """The run-level blocks (`model`, `rewards`) the stage's trainer takes: they key the stage."""
+    """The run-level blocks (`model`, `rewards`, `gold`) the stage's trainer takes: they key the stage."""
     return tuple(name for name in trainer_parameters(stage) if name in SETTINGS)
 
 

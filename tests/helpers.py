@@ -57,6 +57,11 @@ def length_reward(prompts, completions, **_) -> list[float]:
     return [float(len(c if isinstance(c, str) else c[-1]["content"])) for c in completions]
 
 
+def brevity(prompts, completions, **_) -> list[float]:
+    """A gold metric at odds with `length_reward`: 1 / (1 + characters)."""
+    return [1.0 / (1.0 + r) for r in length_reward(prompts, completions)]
+
+
 def stage_context(tmp_path: Path, experiment: str, launch):
     """What the flow hands a stage task (`RunContext`): artifacts under `tmp_path`, a parent MLflow run in
     `experiment`, `launch` as the run's launch block."""

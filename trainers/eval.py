@@ -24,7 +24,7 @@ from rlhf_pipeline.trainers.answers import answering, greedy_answers
 from rlhf_pipeline.trainers.config import AttentionField, ModelConfig
 from rlhf_pipeline.trainers.ifeval_eval import InstructionFollowing
 from rlhf_pipeline.trainers.judges import JudgeConfig
-from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, as_completions
+from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, as_completions, gold_scores
 from rlhf_pipeline.trainers.text import generate, reward_scores
 
 MODELS = ("base", "sft", "policy", "champion")
@@ -232,13 +232,7 @@ def evaluate(
     gold_name, correct = None, {}
     if gold_fn is not None:
         gold_name = "gold"
-        correct = {
-            name: [
-                0.0 if s is None else float(s)
-                for s in gold_fn(prompts=prompts, completions=as_completions(prompts, c), **columns)
-            ]
-            for name, c in completions.items()
-        }
+        correct = {name: gold_scores(gold_fn, prompts, c, columns) for name, c in completions.items()}
     elif has_reference:
         gold_name = "exact_match"
         correct = {name: _exact(c, answers) for name, c in completions.items()}

@@ -9,7 +9,7 @@ from pydantic import Field
 
 from rlhf_pipeline.trainers import online
 from rlhf_pipeline.trainers.config import LogMetrics
-from rlhf_pipeline.trainers.rewards import RewardsConfig
+from rlhf_pipeline.trainers.rewards import GoldMetric, RewardsConfig
 
 
 class GrpoConfig(online.OnlineConfig):
@@ -42,5 +42,6 @@ def train(
     out_dir: Path,
     work_dir: Path,
     log_metrics: LogMetrics | None = None,
+    gold: GoldMetric | None = None,
 ) -> dict[str, float]:
-    return online.train("grpo", cfg, rewards, sft_model, reward_model, data_dir, out_dir, work_dir, log_metrics)
+    return online.train("grpo", cfg, rewards, sft_model, reward_model, data_dir, out_dir, work_dir, log_metrics, gold)

@@ -14,7 +14,7 @@ from pydantic import Field, model_validator
 
 from rlhf_pipeline.trainers.config import LogMetrics, TrainingConfig
 from rlhf_pipeline.trainers.probes import ProbeFields
-from rlhf_pipeline.trainers.rewards import RewardsConfig
+from rlhf_pipeline.trainers.rewards import GoldMetric, RewardsConfig
 
 
 class OnlineConfig(ProbeFields, TrainingConfig):
@@ -92,6 +92,7 @@ def train(
     out_dir: Path,
     work_dir: Path,
     log_metrics: LogMetrics | None = None,
+    gold: GoldMetric | None = None,
 ) -> dict[str, float]:
     """Train with TRL's GRPOTrainer (`stage="grpo"`) or RLOOTrainer (`stage="rloo"`) on `prompts`."""
     import trl
@@ -137,6 +138,7 @@ def train(
             "reward_model": reward_model,
             "rewards": rewards,
             "max_new_tokens": cfg.max_completion_length,
+            "gold": gold,
         }
         probe = probe_callback(stage, cfg, probe_args, work_dir, log_metrics)
         callbacks.insert(1, probe)  # after the metrics callback, before the checkpoint marker and the user's

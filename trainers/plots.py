@@ -172,22 +172,17 @@ def overoptimisation(curves: list[dict], path: Path, stage: str, kept_step: int 
                 fontsize=7,
                 color="C0",
             )
-    if any("exact_match" in c for c in points):
+    metric = "gold" if any("gold" in c for c in points) else "exact_match"  # eval's gold metric, else exact match
+    if any(metric in c for c in points):
         gold = ax.twinx()
-        handles += gold.plot(
-            x,
-            [c.get("exact_match", math.nan) for c in points],
-            color="C3",
-            marker="s",
-            lw=0.8,
-            label="gold: exact match",
-        )
-        gold.set(ylabel="exact match", ylim=(0, 1))
+        label = "gold: eval.gold_metric" if metric == "gold" else "gold: exact match"
+        handles += gold.plot(x, [c.get(metric, math.nan) for c in points], color="C3", marker="s", lw=0.8, label=label)
+        gold.set(ylabel=label.removeprefix("gold: "), **({"ylim": (0, 1)} if metric == "exact_match" else {}))
         for c in points:
-            if "exact_match" in c:
+            if metric in c:
                 gold.annotate(
                     str(c["step"]),
-                    (c["sqrt_kl"], c["exact_match"]),
+                    (c["sqrt_kl"], c[metric]),
                     textcoords="offset points",
                     xytext=(3, -10),
                     fontsize=7,

@@ -41,7 +41,7 @@ from rlhf_pipeline.trainers.ppo_math import (
 from rlhf_pipeline.trainers.ppo_parallel import Ranks, cpu_threads, load_checkpoint, save_checkpoint, tf32
 from rlhf_pipeline.trainers.probes import ProbeFields
 from rlhf_pipeline.trainers.progress import PROGRESS, Progress
-from rlhf_pipeline.trainers.rewards import RewardsConfig
+from rlhf_pipeline.trainers.rewards import GoldMetric, RewardsConfig
 from rlhf_pipeline.trainers.stopping import Terminated, stop_requested
 
 if TYPE_CHECKING:
@@ -316,6 +316,7 @@ def train(
     out_dir: Path,
     work_dir: Path,
     log_metrics: LogMetrics | None = None,
+    gold: GoldMetric | None = None,
 ) -> dict[str, float]:
     """Write the trained policy to `out_dir/model` (merged under LoRA unless keep_adapter) and the sample tables to
     `out_dir/samples.jsonl`; return the last logged metrics.
@@ -411,6 +412,7 @@ def train(
             cfg.response_length,
             device,
             reference=(lambda: _reference_of(policy)) if reference is None else None,
+            gold=gold,
         )
         if reference is not None:
             probe.reference = reference  # the PPO reference is the SFT model already

@@ -3,12 +3,13 @@
 Every `eval_steps` the policy answers a fixed sample of the held-out prompts (`prompts_eval`):
 - proxy_reward: the reward the policy optimises (the reward model, or the ensemble's aggregate), on its greedy answers;
 - disagreement: the reward-model members' standard deviation on those answers (0 with one reward model);
-- exact_match: against the reference answers, where the prompts have them (the gold metric);
+- gold: eval's `gold_metric` on the greedy answers, where one is set (a verifier: IFEval's checkers), else
+- exact_match: against the reference answers, where the prompts have them;
 - kl, sqrt_kl: KL(policy || SFT) on policy samples (k1, nats per answer), the x axis of Gao et al.'s curves.
 They are logged as `<stage>/heldout/<name>` curves and appended to `heldout.jsonl` (the eval stage plots them). With
-`keep_best`, the stage publishes the policy of the probe with the best `score`, and says which: held-out exact match
-where the prompts have reference answers (the gold metric: the training reward alone never chooses), else
-proxy_reward - disagreement.
+`keep_best`, the stage publishes the policy of the probe with the best `score`, and says which: the held-out gold
+metric (eval's `gold_metric`, else exact match where the prompts have reference answers: the training reward alone
+never chooses), else proxy_reward - disagreement.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pydantic import Field
 from rlhf_pipeline.trainers.config import StageConfig
 
 if TYPE_CHECKING:
-    from rlhf_pipeline.trainers.rewards import RewardsConfig
+    from rlhf_pipeline.trainers.rewards import GoldMetric, RewardsConfig
 
 CURVES = "heldout.jsonl"
 BEST = "best-policy"
@@ -42,8 +43,9 @@ class ProbeFields(StageConfig):
     keep_best: bool | None = Field(
         None,
         description=(
-            "With eval_steps: publish the policy of the probe with the best held-out exact match (where the prompts "
-            "have answers), else the best proxy_reward - disagreement, not the last one. None: only when a "
+            "With eval_steps: publish the policy of the probe with the best held-out gold metric (eval.gold_metric, "
+            "else exact match where the prompts have answers), else the best proxy_reward - disagreement, not the "
+            "last one. None: only when a "
             "reward-model ensemble measures the disagreement (with one reward model the best proxy is the most "
             "over-optimised)."
         ),
@@ -72,6 +74,7 @@ class Probe:
         max_new_tokens: int,
         device,
         reference=None,
+        gold: GoldMetric | None = None,
     ):
         from rlhf_pipeline.trainers.ensemble import TextEnsemble, member_dirs, scoring_dirs
         from rlhf_pipeline.trainers.loop import load_split
@@ -81,6 +84,15 @@ class Probe:
         rows = rows.select(range(min(cfg.eval_prompts, len(rows))))
         self.stage, self.prompts, self.max_new_tokens = stage, rows["prompt"], max_new_tokens
         self.answers = rows["answer"] if "answer" in rows.column_names else None
+        self.gold = None
+        if gold is not None and gold.function is not None:  # imported and tried on the prompts before training
+            from rlhf_pipeline.trainers.rewards import as_completions, check_function, load_function
+
+            self.gold = load_function(gold.function)
+            self.columns = {name: rows[name] for name in rows.column_names if name != "prompt"}
+            check_function(
+                gold.function, self.gold, self.prompts, as_completions(self.prompts, [""] * len(rows)), self.columns
+            )
         self.tokenizer = load_tokenizer(sft_model)
         # `reference`: a callable giving a context in which the policy is its own reference (LoRA), else the SFT model
         # is loaded.
@@ -101,6 +113,7 @@ class Probe:
         import torch
 
         from rlhf_pipeline.trainers import metrics as stats
+        from rlhf_pipeline.trainers.rewards import gold_scores
         from rlhf_pipeline.trainers.text import generate
 
         was_training = policy.training
@@ -128,8 +141,11 @@ class Probe:
             _, spread = self.members.score(self.prompts, greedy)
             values |= {"proxy_reward": statistics.fmean(proxy), "disagreement": statistics.fmean(spread)}
             values["score"] = values["proxy_reward"] - values["disagreement"]
-        if "exact_match" in values:  # the gold metric, where there is one, chooses the kept policy
-            values["score"] = values["exact_match"]
+        if self.gold is not None:
+            values["gold"] = statistics.fmean(gold_scores(self.gold, self.prompts, greedy, self.columns))
+        gold = "gold" if "gold" in values else "exact_match" if "exact_match" in values else None
+        if gold is not None:  # the gold metric, where there is one, chooses the kept policy
+            values["score"] = values[gold]
         return values
 
 

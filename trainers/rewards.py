@@ -76,6 +76,23 @@ class RewardsConfig(Block):
         return [spec.path for spec in self.functions]
 
 
+class GoldMetric(Block):
+    """The held-out gold metric the online stages' probes score, and `keep_best` chooses by: eval's `gold_metric`
+    (a function of prompts, completions and the held-out rows' columns, as eval calls it), else exact match against
+    the reference answers. Derived from the `eval` block (`PipelineParams.gold`): it keys the online stages."""
+
+    function: RewardFunctionSpec | None = Field(None, description="eval.gold_metric; None: exact match.")
+
+    def code_paths(self) -> list[str]:
+        return [self.function.path] if self.function is not None else []
+
+
+def gold_scores(fn: RewardFunction, prompts: list, texts: list[str], columns: dict[str, list]) -> list[float]:
+    """A gold metric's score of each answer (None counts 0: it did not pass)."""
+    scored = fn(prompts=prompts, completions=as_completions(prompts, texts), **columns)
+    return [0.0 if s is None else float(s) for s in scored]
+
+
 def import_function(path: str, what: str = "reward function") -> Callable:
     """The function `package.module:function` names, callable as fn(prompts=, completions=, **columns); fails naming the
     path."""

@@ -194,6 +194,10 @@ def test_the_reward_model_labels_sfts_answers_after_training_on_the_given_pairs_
     # Scores of an untrained head are all different: every prompt with two distinct answers makes a pair, and the
     # reward model is scored against the held-out preferences.
     assert labelled.data.metrics["pairs/made"] > 0 and labelled.data.tags["rlhf.labeller"] == "reward_model"
-    assert 0.0 <= labelled.data.metrics["pairs/labeller_agreement"] <= 1.0
+    # every held-out preference scored once, each agreeing (1), tied (0.5) or not (0)
+    held_out = len(Path(load_params().data.preference_eval.path).read_text().splitlines())
+    scored = labelled.data.metrics["pairs/labeller_agreement_pairs"]
+    assert scored == held_out > 0
+    assert (2 * labelled.data.metrics["pairs/labeller_agreement"] * scored) % 1 < 1e-6
     dpo = json.loads((Path(runs[("dpo", "")].data.tags["rlhf.artifact"]) / "manifest.json").read_text())
     assert dpo["upstream"]["pairs"]["key"] == labelled.data.tags["rlhf.key"]

@@ -218,3 +218,17 @@ def test_a_kept_sft_adapter_needs_each_later_stage_to_choose_merge_or_stack():
     ]
     with pytest.raises(ValidationError, match="sft.lora.handoff: sft starts from the base model"):
         load_params("tiny", ["sft.lora.handoff=merge"])
+
+
+def test_eval_gold_metric_reaches_and_keys_only_the_online_stages_that_probe():
+    from rlhf_pipeline.tasks.stages import BY_NAME
+    from rlhf_pipeline.tasks.training import settings_of
+
+    gold = "eval.gold_metric={path: tests.helpers:brevity}"
+    quiet, probing = load_params(None, [gold]), load_params(None, [gold, "grpo.eval_steps=2"])
+    assert "gold" in settings_of(BY_NAME["grpo"]) and "gold" in settings_of(BY_NAME["ppo"])
+    assert "gold" not in settings_of(BY_NAME["dpo"])
+    assert quiet.setting("gold", "grpo").function is None  # no probes: eval's gold metric does not key grpo
+    assert probing.setting("gold", "grpo").function.path == "tests.helpers:brevity"
+    assert probing.setting("gold", "grpo").code_paths() == ["tests.helpers:brevity"]
+    assert probing.setting("rewards", "grpo") is probing.rewards

@@ -161,3 +161,35 @@ def test_online_stages_probe_the_held_out_prompts_with_an_ensemble_and_publish_t
     published = load_causal_lm(tmp_path / "out" / "model")[0].state_dict()
     assert kept and all(torch.equal(published[name], tensor) for name, tensor in kept.items() if name in published)
     assert sum(name in published for name in kept) == len(published)
+
+
+def test_keep_best_chooses_by_the_held_out_gold_metric_when_the_training_reward_rises_and_it_falls(tmp_path, sft_dir):
+    """The training reward (answer length) rises while eval's gold metric (brevity) falls: the probes score the gold
+    metric, keep_best publishes the probe that was best on it, which is not the last, and the reward never chose."""
+    import json
+
+    from rlhf_pipeline.trainers.probes import CURVES
+    from rlhf_pipeline.trainers.rewards import GoldMetric
+
+    logged: list[tuple[int, dict]] = []
+    cfg = grpo.GrpoConfig(**{**ONLINE, "max_steps": 8, "learning_rate": 1e-2}, eval_steps=2, eval_prompts=8)
+    metrics = grpo.train(
+        cfg.model_copy(update={"keep_best": True}),
+        VERIFIER,
+        sft_dir,
+        None,
+        write_data_dir(tmp_path / "data", rows=16),
+        tmp_path / "out",
+        tmp_path / "work",
+        lambda values, step: logged.append((step, values)),
+        gold=GoldMetric(function=RewardFunctionSpec(path="tests.helpers:brevity")),
+    )
+    rewards = [v["grpo/train/reward"] for _, v in logged if "grpo/train/reward" in v]
+    assert rewards[-1] > rewards[0], rewards  # the training reward rose
+    curves = [json.loads(line) for line in (tmp_path / "out" / CURVES).read_text().splitlines()]
+    assert [c["step"] for c in curves] == [2, 4, 6, 8]
+    assert all(c["score"] == c["gold"] for c in curves)  # the gold metric scores the probes, not exact match
+    best = max(curves, key=lambda c: c["gold"])
+    assert curves[-1]["gold"] < best["gold"], curves  # ... and it fell
+    outcome = json.loads((tmp_path / "out" / "training.json").read_text())
+    assert outcome["kept_step"] == best["step"] != 8 and metrics["grpo/heldout/kept_step"] == best["step"]
