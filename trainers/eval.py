@@ -103,6 +103,7 @@ def planned_metrics(
         f"{HELDOUT}{n}"
         for n in (
             "num_prompts",
+            "num_left_out",  # rows the policy stage chose its kept probe on (`chosen_on_rows`)
             "kl_to_sft",
             "policy_distinct_2",
             "policy_mean_length",
@@ -175,6 +176,15 @@ def evaluate(
     from rlhf_pipeline.trainers.models import load_causal_lm, load_sequence_classifier, load_tokenizer
 
     prompts_ds = load_split(data_dir, "prompts_eval")
+    chosen_on = chosen_on_rows(Path(policy_model))
+    if chosen_on is not None:  # the rows the policy stage chose its kept probe on: every model is scored on the rest
+        prompts_ds = prompts_ds.select([i for i in range(len(prompts_ds)) if not chosen_on[0] <= i < chosen_on[1]])
+        if not len(prompts_ds):
+            raise ValueError(
+                f"the {policy_stage} stage chose the policy it kept (keep_best) on every held-out prompt (rows "
+                f"{chosen_on[0]}-{chosen_on[1] - 1} of prompts_eval): none is left to score it on; give prompts_eval "
+                "more rows"
+            )
     if cfg.max_prompts:
         prompts_ds = prompts_ds.select(range(min(cfg.max_prompts, len(prompts_ds))))
     prompts = prompts_ds["prompt"]
@@ -195,7 +205,10 @@ def evaluate(
             {k: v[sample] for k, v in columns.items()},
         )
     boot = {"n_bootstrap": cfg.n_bootstrap, "seed": cfg.seed}
-    metrics: dict[str, float] = {f"{HELDOUT}num_prompts": float(len(prompts))}
+    metrics: dict[str, float] = {
+        f"{HELDOUT}num_prompts": float(len(prompts)),
+        f"{HELDOUT}num_left_out": float(chosen_on[1] - chosen_on[0]) if chosen_on else 0.0,
+    }
     attention = cfg.attn_implementation
     check_device(attention, training=False)  # before the first model loads
 
@@ -369,6 +382,18 @@ def evaluate(
     )
     _overoptimisation_plot(Path(policy_model), out_dir, policy_stage)
     return metrics
+
+
+def chosen_on_rows(policy_model: Path) -> tuple[int, int] | None:
+    """The [start, end) rows of `prompts_eval` on which the policy's stage chose the probe it kept (keep_best), from
+    its `training.json`; None when nothing was chosen on held-out rows."""
+    import json
+
+    from rlhf_pipeline.trainers.loop import OUTCOME
+
+    outcome = policy_model.parent / OUTCOME
+    rows = json.loads(outcome.read_text()).get("chosen_on_rows") if outcome.is_file() else None
+    return (int(rows[0]), int(rows[1])) if rows else None
 
 
 def _overoptimisation_plot(policy_model: Path, out_dir: Path, stage: str) -> None:

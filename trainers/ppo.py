@@ -609,6 +609,8 @@ def train(
     hooks("on_train_end")
     if ranks.main:  # the weights are the same on every rank
         kept = keeper.restore(policy, update) if probe is not None else {}
+        if kept:
+            kept["chosen_on_rows"] = list(probe.rows)
         write_outcome(out_dir, update, num_updates)
         if kept:  # which probe's policy is published, and why
             add_outcome(out_dir, kept)

@@ -1,6 +1,9 @@
 """Overoptimisation curves of the online stages (Gao et al. 2022) and the policy they keep.
 
-Every `eval_steps` the policy answers a fixed sample of the held-out prompts (`prompts_eval`):
+Every `eval_steps` the policy answers a fixed sample of the held-out prompts: the last `eval_prompts` rows of
+`prompts_eval` (`probe_rows`). Where the stage keeps the best probe's policy, it chose on those rows, so `training.json`
+names them (`chosen_on_rows`) and the eval stage scores every model on the other rows (a model chosen on a test set
+looks better on it than it is):
 - proxy_reward: the reward the policy optimises (the reward model, or the ensemble's aggregate), on its greedy answers;
 - disagreement: the reward-model members' standard deviation on those answers (0 with one reward model);
 - gold: eval's `gold_metric` on the greedy answers, where one is set (a verifier: IFEval's checkers), else
@@ -39,7 +42,14 @@ class ProbeFields(StageConfig):
             "SFT, logged as <stage>/heldout/* curves. None: no probes."
         ),
     )
-    eval_prompts: int = Field(200, ge=1, description="Held-out prompts each probe answers (the first of prompts_eval).")
+    eval_prompts: int = Field(
+        200,
+        ge=1,
+        description=(
+            "Held-out prompts each probe answers: the last of prompts_eval, half of them at most (with keep_best, "
+            "eval scores the others)."
+        ),
+    )
     keep_best: bool | None = Field(
         None,
         description=(
@@ -58,6 +68,12 @@ class ProbeFields(StageConfig):
     def held_out(self) -> tuple[str, ...]:
         """The held-out prompts the probes answer: a dataset the stage reads (and keys on) only with eval_steps."""
         return ("prompts_eval",) if self.evaluates else ()
+
+
+def probe_rows(available: int, wanted: int) -> tuple[int, int]:
+    """The [start, end) rows of `prompts_eval` the probes answer: the last `wanted` of them, and never more than half,
+    so that eval keeps rows a kept probe was not chosen on."""
+    return available - min(wanted, max(available // 2, 1)), available
 
 
 class Probe:
@@ -81,7 +97,8 @@ class Probe:
         from rlhf_pipeline.trainers.models import load_causal_lm, load_tokenizer
 
         rows = load_split(data_dir, "prompts_eval")
-        rows = rows.select(range(min(cfg.eval_prompts, len(rows))))
+        self.rows = probe_rows(len(rows), cfg.eval_prompts)
+        rows = rows.select(range(*self.rows))
         self.stage, self.prompts, self.max_new_tokens = stage, rows["prompt"], max_new_tokens
         self.answers = rows["answer"] if "answer" in rows.column_names else None
         self.gold = None
@@ -264,5 +281,7 @@ def probe_callback(stage: str, cfg: ProbeFields, probe_args: dict, work_dir: Pat
         def on_train_end(self, args, state, control, model=None, **kwargs):
             if self.probe is not None:
                 self.kept = self.keeper.restore(model, state.global_step)
+                if self.kept:
+                    self.kept["chosen_on_rows"] = list(self.probe.rows)
 
     return ProbeCallback()

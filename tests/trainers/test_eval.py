@@ -168,3 +168,40 @@ def test_greedy_answers_are_made_once_per_model_prompts_and_budget(tmp_path, mon
     again, again_tokenizer = load_causal_lm(tmp_path / "copy")
     greedy_answers(again, again_tokenizer, prompts, 4, 2)
     assert len(calls) == 3
+
+
+def test_eval_scores_every_model_on_the_rows_a_kept_probe_was_not_chosen_on(tmp_path):
+    import shutil
+
+    from rlhf_pipeline.trainers.probes import probe_rows
+
+    assert probe_rows(600, 200) == (400, 600) and probe_rows(40, 200) == (20, 40) and probe_rows(1, 8) == (0, 1)
+    data = write_data_dir(tmp_path / "data", rows=40)
+    sft.train(sft.SftConfig(max_steps=2, **FAST), SMALL_MODEL, data, tmp_path / "sft", tmp_path / "work")
+    shutil.copytree(tmp_path / "sft", tmp_path / "policy")
+    (tmp_path / "policy" / "training.json").write_text(json.dumps({"kept_step": 4, "chosen_on_rows": [30, 40]}))
+    metrics = evaluation.evaluate(
+        evaluation.EvalConfig(max_new_tokens=4, use_reward_model=False, num_samples_logged=40),
+        SMALL_MODEL,
+        tmp_path / "sft" / "model",
+        tmp_path / "policy" / "model",
+        None,
+        data,
+        tmp_path / "out",
+        "grpo",
+    )
+    assert metrics["eval/heldout/num_prompts"] == 30 and metrics["eval/heldout/num_left_out"] == 10
+    rows = [json.loads(line) for line in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
+    assert [row["prompt"] for row in rows] == load_split(data, "prompts_eval")["prompt"][:30]
+    (tmp_path / "policy" / "training.json").write_text(json.dumps({"kept_step": 4, "chosen_on_rows": [0, 40]}))
+    with pytest.raises(ValueError, match="chose the policy it kept .* on every held-out prompt"):
+        evaluation.evaluate(
+            evaluation.EvalConfig(max_new_tokens=4, use_reward_model=False),
+            SMALL_MODEL,
+            tmp_path / "sft" / "model",
+            tmp_path / "policy" / "model",
+            None,
+            data,
+            tmp_path / "out2",
+            "grpo",
+        )
