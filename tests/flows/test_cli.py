@@ -26,7 +26,9 @@ def test_eval_of_a_registry_uri_without_version_or_alias_exits_2_showing_the_acc
     assert "models:/<name>/<version>" in err and "models:/<name>@<alias>" in err and "a model folder" in err
 
 
-@pytest.mark.parametrize("model", ["/no/such/folder", "models:/no-such-model@champion", "models:/no-such-model/3"])
+@pytest.mark.parametrize(
+    "model", ["/no/such/folder", "/no/such/model.gguf", "models:/no-such-model@champion", "models:/no-such-model/3"]
+)
 def test_eval_of_a_model_that_does_not_exist_says_so_in_seconds_before_any_server_starts(model, tmp_path):
     import time
 
@@ -42,6 +44,25 @@ def test_eval_of_a_model_that_does_not_exist_says_so_in_seconds_before_any_serve
     assert f"policy model {model!r}" in done.stderr and "does not exist" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and "temporary Prefect server" not in done.stderr, done.stderr
     assert time.monotonic() - started < 20
+
+
+def test_a_model_folder_no_stage_wrote_is_evaluated_through_a_link_keyed_by_its_content(tmp_path, monkeypatch):
+    """A hub download or a GGUF's converted folder is not a stage artifact (`<ref>/model`): `rlhf eval` reads it
+    through `inputs/<digest>/model` in the run state, a link to the folder itself."""
+    from rlhf_pipeline.tasks.artifacts import content_digest
+    from rlhf_pipeline.tasks.resolve import resolve_model
+    from rlhf_pipeline.trainers.base_model import load_base_model
+    from rlhf_pipeline.trainers.models import save_model
+    from tests.helpers import SMALL_MODEL
+
+    monkeypatch.setenv("RLHF_MODEL_CACHE", str(tmp_path / "models"))
+    folder = save_model(*load_base_model(SMALL_MODEL), tmp_path / "SmallLM-hub-download")
+    ref, lineage = resolve_model(str(folder), "policy")
+    assert lineage == {} and (ref.path / "model").resolve() == folder.resolve()
+    assert ref.digest == content_digest(folder) and ref.path.parent == tmp_path / "models" / "inputs"
+    assert resolve_model(str(folder), "sft")[0].path == ref.path  # the same folder, the same input
+    (folder / "generation_config.json").write_text("{}")  # another content: another input
+    assert resolve_model(str(folder), "policy")[0].digest != ref.digest
 
 
 def test_rlhf_run_with_invalid_parameters_exits_2_with_garbage_collection_on_again(capsys, monkeypatch):
