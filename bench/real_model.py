@@ -4,11 +4,12 @@ on IFEval's 541 prompts and IFBench's test prompts, over several training seeds.
     python -m bench.real_model --seeds 0 1 2          # one run per seed; each seed's figures, then the verdict
     python -m bench.real_model --steps 10 --ifeval-prompts 60 --ifbench-prompts 60 --seeds 0     # a quicker look
 
-Each seed is one `rlhf run --config smollm2 --set grpo.seed=<seed>` in a fresh state folder (the GGUF conversion
-counts), with the settings below; the figures come from its eval artifact: IFEval and IFBench prompt- and
-instruction-level accuracy (strict and loose) of the start (the chat model as shipped) and the policy with 95%
-bootstrap intervals over prompts, the paired gains, the share of answers the 512-token budget cut, each stage's
-seconds and GRPO's tokens/s. A subset (fewer prompts) is a seeded stratified sample, named "n of N".
+Each seed is one `rlhf run --config smollm2 --set grpo.seed=<seed>` in a fresh state folder, with the settings below;
+the GGUF's converted folder and the start's greedy answers come from the checkout's `state/models` (`MODEL_CACHE`), made
+once for every seed and bench (bench.real_baseline makes the start's); the figures come from its eval artifact: IFEval
+and IFBench prompt- and instruction-level accuracy (strict and loose) of the start (the chat model as shipped) and the
+policy with 95% bootstrap intervals over prompts, the paired gains, the share of answers the 512-token budget cut, each
+stage's seconds and GRPO's tokens/s. A subset (fewer prompts) is a seeded stratified sample, named "n of N".
 
 The verdict is issue 41's, on the intervals' bounds: a seed passes when its IFEval prompt-level strict gain is at
 least 5 points with its lower bound above 0, IFBench's gain lower bound is at least -2 points, and its run took at
@@ -26,6 +27,9 @@ from pathlib import Path
 from bench.runs import clean_env, timed
 
 GAIN, IFBENCH_FLOOR, BUDGET = 0.05, -0.02, 7200.0
+MODEL_CACHE = Path("state/models").resolve()
+"""The converted GGUF and the start's answers (`trainers.answers`), shared by every seed and bench, and by
+bench.real_baseline and `rlhf run` in this checkout: the start's eval is computed once."""
 
 
 def settings(args, seed: int) -> list[str]:
@@ -37,7 +41,6 @@ def settings(args, seed: int) -> list[str]:
         f"eval.max_prompts={args.eval_prompts}",
         f"eval.instruction_following.ifeval_prompts={args.ifeval_prompts}",
         f"eval.instruction_following.ifbench_prompts={args.ifbench_prompts}",
-        "eval.batch_size=32",  # generation's throughput on 2 cores
         "registry.enabled=false",
     ]
 
@@ -107,7 +110,9 @@ def run_smollm2(overrides: list[str], state: Path) -> float:
     command = ["python", "-m", "rlhf_pipeline", "run", "--config", "smollm2"]
     for item in overrides:
         command += ["--set", item]
-    env = clean_env(RLHF_STATE_DIR=str(state), PREFECT_HOME=str(state.parent / "prefect"))
+    env = clean_env(
+        RLHF_STATE_DIR=str(state), PREFECT_HOME=str(state.parent / "prefect"), RLHF_MODEL_CACHE=str(MODEL_CACHE)
+    )
     log = state.parent / "run.log"
     state.parent.mkdir(parents=True, exist_ok=True)
     print(f"{' '.join(command)}\nstate: {state}; log: {log}", flush=True)

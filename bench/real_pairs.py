@@ -6,12 +6,11 @@ prompts, IFEval's checkers label best vs worst, DPO trains on those pairs.
 
 One `rlhf run --config smollm2` with `algorithm=dpo` and the `pairs` stage on (labeller: the share of a prompt's
 constraints an answer follows, `rlhf_pipeline.trainers.ifeval:constraints_followed`), in a fresh state folder (the
-GGUF conversion counts), then the figures from its artifacts: the pairs made and dropped; IFEval (541 prompts),
-IFBench (294) and in-distribution prompt- and instruction-level accuracy, strict and loose, of the starting policy and
-of the DPO policy with 95% bootstrap intervals over prompts and the paired gains; each stage's seconds. The verdict is
-issue 41's, on the intervals' bounds: IFEval's prompt-level strict gain has its lower bound above 0, IFBench's lower
-bound is at least -2 points, within 120 minutes. Exits 1 otherwise.
-"""
+converted GGUF and the start's answers shared, `bench.real_model.MODEL_CACHE`), then the figures from its artifacts: the
+pairs made and dropped; IFEval (541 prompts), IFBench (294) and in-distribution prompt- and instruction-level accuracy,
+strict and loose, of the starting policy and of the DPO policy with 95% bootstrap intervals over prompts and the paired
+gains; each stage's seconds. The verdict is issue 41's, on the intervals' bounds: IFEval's prompt-level strict gain has
+its lower bound above 0, IFBench's lower bound is at least -2 points, within 120 minutes. Exits 1 otherwise."""
 
 from __future__ import annotations
 
@@ -41,7 +40,6 @@ def settings(args) -> list[str]:
         f"eval.max_prompts={args.eval_prompts}",
         f"eval.instruction_following.ifeval_prompts={args.ifeval_prompts}",
         f"eval.instruction_following.ifbench_prompts={args.ifbench_prompts}",
-        "eval.batch_size=32",
         "registry.enabled=false",
     ]
 
