@@ -55,9 +55,8 @@ class ProbeFields(StageConfig):
         description=(
             "With eval_steps: publish the policy of the probe with the best held-out gold metric (eval.gold_metric, "
             "else exact match where the prompts have answers), else the best proxy_reward - disagreement, not the "
-            "last one. None: only when a "
-            "reward-model ensemble measures the disagreement (with one reward model the best proxy is the most "
-            "over-optimised)."
+            "last one. None: when the probes score a gold metric, or a reward-model ensemble measures the "
+            "disagreement (with one reward model and no gold metric the best proxy is the most over-optimised)."
         ),
     )
 
@@ -171,11 +170,12 @@ class Keeper:
     both)."""
 
     def __init__(self, work_dir: Path, keep_best: bool | None, reward_model: Path | None = None):
-        if keep_best is None:  # on when the members can disagree
-            from rlhf_pipeline.trainers.ensemble import member_dirs
+        from rlhf_pipeline.trainers.ensemble import member_dirs
 
-            keep_best = reward_model is not None and len(member_dirs(reward_model)) > 1
-        self.work_dir, self.keep_best = work_dir, keep_best
+        # None: on when the probes score a held-out gold metric (decided at the first probe) or the members of an
+        # ensemble can disagree; with one reward model and no gold metric the best proxy is the most over-optimised.
+        ensemble = reward_model is not None and len(member_dirs(reward_model)) > 1
+        self.work_dir, self.keep_best = work_dir, True if keep_best is None and ensemble else keep_best
         self.curves, self.best = work_dir / CURVES, work_dir / BEST
 
     def resume(self, step: int) -> None:
@@ -202,6 +202,8 @@ class Keeper:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         with self.curves.open("a") as f:
             f.write(json.dumps({"step": step, **values}) + "\n")
+        if self.keep_best is None:
+            self.keep_best = "gold" in values or "exact_match" in values
         score, best = values.get("score"), self.best_score()
         if not self.keep_best or score is None or (best is not None and score <= best):
             return

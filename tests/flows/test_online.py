@@ -113,6 +113,7 @@ def test_a_policy_that_games_its_reward_model_is_refused_promotion_with_the_numb
         "ppo.learning_rate=3e-4",
         "ppo.total_episodes=1280",
         "ppo.eval_steps=5",
+        "ppo.keep_best=false",  # the last policy is published: the one that games the reward model
         "eval.max_prompts=200",
     ]
     hacked = rlhf(**dict(load_params("tiny", hack)), return_state=True)
