@@ -139,6 +139,34 @@ def test_a_policy_that_games_its_reward_model_is_refused_promotion_with_the_numb
     assert max(curves, key=lambda c: c["exact_match"])["step"] != curves[-1]["step"], curves
 
 
+def test_grpo_and_rloo_on_the_reward_model_alone_beat_sft_by_10_points_with_the_defaults(prefect, state):
+    """Issue 41, item 6, one seed each: the embedded default with the reward model as the only reward and nothing
+    else changed but the online stages' length (80 steps of the default 150; rloo reuses grpo's sft and rm). The
+    published policy, kept on the probes' held-out exact match (the last rows of prompts_eval), beats sft by 10 points
+    on the rows eval scores, which the probes did not choose on (bench.learned_reward: 3 seeds of each at the full
+    defaults). With sft and rm shortened as in the test above, the weaker reward model is gamed before the first
+    probe."""
+    from rlhf_pipeline.flows.rlhf import rlhf
+
+    for algorithm in ("grpo", "rloo"):
+        learned = [
+            f"algorithm={algorithm}",
+            "rewards.functions=[]",
+            "rewards.reward_model_weight=1",
+            f"{algorithm}.max_steps=80",
+            "registry.enabled=false",
+        ]
+        done = rlhf(**dict(load_params("tiny", learned)), return_state=True)
+        assert done.is_completed(), done.message
+        summary = done.result()
+        metrics, held = summary["metrics"], "eval/heldout/"
+        assert metrics[f"{held}policy_exact_match"] >= metrics[f"{held}sft_exact_match"] + 0.10, (algorithm, metrics)
+        assert metrics[f"{held}exact_match_gain_vs_sft_low"] > 0, algorithm
+        outcome = json.loads((Path(summary["artifacts"][algorithm]) / "training.json").read_text())
+        assert outcome["chosen_on_rows"] == [400, 600] and metrics[f"{held}num_left_out"] == 200
+        assert metrics[f"{held}num_prompts"] == 400
+
+
 def test_a_feedback_round_retrains_rm_on_the_policys_labelled_samples_then_the_policy(prefect, state):
     from mlflow.tracking import MlflowClient
 
