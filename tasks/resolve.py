@@ -40,8 +40,8 @@ def resolve_model(source: str | None, role: str) -> tuple[ArtifactRef, dict[str,
         return _input_model(folder, role), {}
     else:
         raise ValueError(
-            f"{role} model {source!r}: expected a GGUF file or a package that ships one, a model folder (config.json "
-            "inside) or a stage artifact directory holding one"
+            f"{role} model {source!r}: expected a model folder (config.json inside), a stage artifact directory "
+            "holding one, or a GGUF file or a package that ships one"
         )
     manifest = ref_dir / MANIFEST
     digest = (

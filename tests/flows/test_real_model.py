@@ -108,7 +108,9 @@ def test_smoke_grpo_from_the_chat_model_on_the_instruction_task(prefect, state, 
     assert rebuilt.is_completed(), rebuilt.message
     assert task_states(rebuilt)["data"] == "Completed" and task_states(rebuilt)["grpo"] == "Completed"
     assert (converted / checkpoints.CONVERTED).stat().st_mtime_ns == stamp
-    assert list(model_cache.iterdir()) == [converted], "one folder per file, no leftovers"
+    # one converted folder per file and the eval's kept answers (trainers.answers), no leftovers of either
+    assert sorted(p.name for p in model_cache.iterdir()) == ["answers", converted.name]
+    assert not [p for p in (model_cache / "answers").iterdir() if p.name.startswith(".")]
 
 
 def test_seed_workflow_2_dpo_from_the_instruct_model(prefect, state, model_cache, tmp_path):
