@@ -7,10 +7,12 @@ prefect deployment run rlhf-eval/eval -p policy=models:/rlhf-policy/3
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from prefect import flow, get_run_logger
 from pydantic import Field, field_validator, model_validator
 
-from rlhf_pipeline.flows.params import DEFAULT_PRESET, described_by, from_flow_parameters, load_params
+from rlhf_pipeline.flows.params import DEFAULT_PRESET, as_default, described_by, from_flow_parameters, load_params
 from rlhf_pipeline.tasks.data import validate_data
 from rlhf_pipeline.tasks.eval import evaluate
 from rlhf_pipeline.tasks.gate import RegistryConfig
@@ -21,7 +23,10 @@ from rlhf_pipeline.trainers.config import ModelConfig, StrictModel
 from rlhf_pipeline.trainers.data import DataConfig
 from rlhf_pipeline.trainers.eval import EvalConfig
 
-_defaults = load_params(DEFAULT_PRESET)
+_preset = load_params(DEFAULT_PRESET)
+_defaults = SimpleNamespace(
+    **{name: as_default(getattr(_preset, name)) for name in ("model", "data", "eval", "registry", "retry")}
+)  # the embedded preset's values, none of them given: a run's own preset fills every field (from_flow_parameters)
 
 
 class EvalParams(StrictModel):

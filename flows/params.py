@@ -425,6 +425,14 @@ def preset_values(preset: str | None) -> dict[str, Any]:
 
 
 Params = TypeVar("Params", bound=StrictModel)
+BM = TypeVar("BM", bound=BaseModel)
+
+
+def as_default(block: BM) -> BM:
+    """`block` as a flow parameter's default: the same values with no field marked as given, so that
+    `from_flow_parameters` takes every field from the run's preset (a preset other than the one the defaults were
+    read from must not lose to them)."""
+    return type(block).model_construct(_fields_set=set(), **dict(block))
 
 
 def from_flow_parameters(model: type[Params], given: dict[str, Any]) -> Params:

