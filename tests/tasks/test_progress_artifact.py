@@ -85,9 +85,10 @@ def test_a_record_costs_the_training_thread_nothing_while_the_api_hangs():
         spent = time.monotonic() - started
         closing = time.monotonic()
     closed_in = time.monotonic() - closing
-    # No step waited for the API (a call hangs 20 s). Timed per step, not in all: 20,000 records take ~1 s alone and
-    # several times that on a core shared with another test's processes.
-    assert longest < 1.0 and spent < 20.0, f"{steps} steps took {spent:.2f}s, the longest {longest:.3f}s"
+    # No step waited for the API (a call hangs 20 s). Timed per step, against half the hang: 20,000 records take ~1 s
+    # alone, several times that on a core shared with another test's processes, and one step stalled 6 s there once
+    # (the full suite, 2026-12-05), which a bound of 1 s failed on though nothing waited for the API.
+    assert longest < api.hang / 2, f"{steps} steps took {spent:.2f}s, the longest {longest:.3f}s"
     assert closed_in < 2.0  # the build ends (after close_wait), whatever the API does
     assert progress.calls == 1 and api.calls == []  # one call in flight, none answered
 
