@@ -102,9 +102,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"[{metrics[name + '_low']:.3f}, {metrics[name + '_high']:.3f}]"
             )
         print(f"  cut by the budget    {metrics[p + 'sft_if_cut']:.3f}")
-        print(
-            f"  generation           {seconds / 60:.1f} min, {tokens / max(seconds, 1e-9):.1f} tokens/s (load + hash)"
-        )
+        speed = f"{seconds / 60:.1f} min, {tokens / seconds:.1f} tokens/s" if seconds else "from the answer cache"
+        print(f"  generation           {speed}")
         figure = 50 * (metrics[f"{p}sft_if_prompt_strict"] + metrics[f"{p}sft_if_instruction_strict"])
         print(f"  model-card figure (mean of prompt- and instruction-level strict, x100): {figure:.1f}")
         args.out.mkdir(parents=True, exist_ok=True)
