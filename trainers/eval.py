@@ -384,15 +384,20 @@ def evaluate(
     return metrics
 
 
-def chosen_on_rows(policy_model: Path) -> tuple[int, int] | None:
-    """The [start, end) rows of `prompts_eval` on which the policy's stage chose the probe it kept (keep_best), from
-    its `training.json`; None when nothing was chosen on held-out rows."""
+def training_outcome(policy_model: Path) -> dict:
+    """The policy stage's `training.json` (which probe it kept, the rows it chose on), {} when it wrote none."""
     import json
 
     from rlhf_pipeline.trainers.loop import OUTCOME
 
     outcome = policy_model.parent / OUTCOME
-    rows = json.loads(outcome.read_text()).get("chosen_on_rows") if outcome.is_file() else None
+    return json.loads(outcome.read_text()) if outcome.is_file() else {}
+
+
+def chosen_on_rows(policy_model: Path) -> tuple[int, int] | None:
+    """The [start, end) rows of `prompts_eval` on which the policy's stage chose the probe it kept (keep_best); None
+    when nothing was chosen on held-out rows."""
+    rows = training_outcome(policy_model).get("chosen_on_rows")
     return (int(rows[0]), int(rows[1])) if rows else None
 
 
@@ -406,11 +411,9 @@ def _overoptimisation_plot(policy_model: Path, out_dir: Path, stage: str) -> Non
     if not path.is_file():
         return
     from rlhf_pipeline.trainers import plots
-    from rlhf_pipeline.trainers.loop import OUTCOME
 
     curves = [json.loads(line) for line in path.read_text().splitlines()]
-    outcome = policy_model.parent / OUTCOME
-    kept = json.loads(outcome.read_text()).get("kept_step") if outcome.is_file() else None
+    kept = training_outcome(policy_model).get("kept_step")
     plots.overoptimisation(curves, out_dir / "plots" / "overoptimisation.png", stage, kept)
 
 
