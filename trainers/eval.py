@@ -39,7 +39,7 @@ class EvalConfig(AttentionField):
         None,
         description=(
             "Precision every model computes in here (answers, samples, log-probs), the same for all of them; None: as "
-            "saved. bfloat16 halves the weights read at each generated token: greedy answers came 1.75x faster on a "
+            "saved. bfloat16 halves the weights read at each generated token: greedy answers came 2.3x faster on a "
             "CPU with AVX512-BF16 (docs/PERFORMANCE.md), and differ from float32's in their later tokens."
         ),
     )
