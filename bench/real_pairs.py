@@ -19,7 +19,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from bench.real_model import newest_manifest, run_smollm2
+from bench.real_model import newest_manifest, run_or_reuse
 
 IFBENCH_FLOOR, BUDGET = -0.02, 7200.0
 STAGES = ("data", "sft", "pairs", "dpo", "eval")
@@ -100,7 +100,7 @@ def main() -> None:
     parser.add_argument("--state", type=Path, default=None, help="state folder (default: a fresh temporary one)")
     args = parser.parse_args()
     state = args.state or Path(tempfile.mkdtemp(prefix="bench-real-pairs-")) / "state"
-    wall = run_smollm2(settings(args), state)
+    wall = run_or_reuse(settings(args), state)
     raise SystemExit(0 if report(figures(state), wall) else 1)
 
 
