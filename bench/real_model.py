@@ -3,7 +3,7 @@ on IFEval's 541 prompts and IFBench's test prompts, over several training seeds.
 
     python -m bench.real_model --seeds 0 1 2          # one run per seed; each seed's figures, then the verdict
     python -m bench.real_model --steps 10 --ifeval-prompts 60 --ifbench-prompts 60 --seeds 0     # a quicker look
-    python -m bench.real_model --state state/bench/real/s60 --steps 60 --seeds 0 1 2     # seeds run before: reused
+    python -m bench.real_model --state state/bench/real/s60 --seeds 0 1 2     # seeds run before there are reused
 
 Each seed is one `rlhf run --config smollm2 --set grpo.seed=<seed>` in a fresh state folder, with the settings below;
 the GGUF's converted folder and the start's greedy answers come from the checkout's `state/models` (`MODEL_CACHE`), made
@@ -148,7 +148,7 @@ def run_or_reuse(overrides: list[str], state: Path) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=30, help="GRPO steps (4 prompts x 4 samples each)")
+    parser.add_argument("--steps", type=int, default=60, help="GRPO steps (4 prompts x 4 samples each)")
     parser.add_argument("--learning-rate", type=float, default=1e-5)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="training seeds (grpo.seed)")
     parser.add_argument("--eval-prompts", type=int, default=150, help="held-out prompts (of 300)")
