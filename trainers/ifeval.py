@@ -16,9 +16,11 @@ or wherever `NLTK_DATA` points. The one checker that needs a part-of-speech tagg
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+import random
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -122,11 +124,25 @@ def check(
     followed = []
     for instruction_id, arguments in zip(instruction_ids, _arguments(kwargs, len(instruction_ids))):
         checker = known[instruction_id](instruction_id)
-        checker.build_description(**{k: v for k, v in arguments.items() if v is not None})
-        if "prompt" in (checker.get_instruction_args() or {}):
-            checker.build_description(prompt=prompt)
+        with _drawn_for(f"{instruction_id}\n{prompt}"):
+            checker.build_description(**{k: v for k, v in arguments.items() if v is not None})
+            if "prompt" in (checker.get_instruction_args() or {}):
+                checker.build_description(prompt=prompt)
         followed.append(any(text.strip() and checker.check_following(text) for text in responses))
     return Checked(list(instruction_ids), followed)
+
+
+@contextlib.contextmanager
+def _drawn_for(key: str):
+    """Python's `random` seeded by `key` inside, its state as it was outside. A checker draws what its kwargs leave out
+    or give out of range (IFEval's prompt 1122 asks for '#' as a "letter": `letter_frequency` then checks a random
+    letter), so an unseeded draw gives the same answer two verdicts in two processes."""
+    state = random.getstate()
+    random.seed(key)
+    try:
+        yield
+    finally:
+        random.setstate(state)
 
 
 def text_of(value: Any) -> str:
