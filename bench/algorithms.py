@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.runs import clean_env, printed_artifacts, timed
+from bench.runs import rlhf_run
 
 HELD = "eval/heldout/"
 ALGORITHMS = ("dpo", "kto", "orpo", "grpo", "rloo", "ppo", "pairs")
@@ -37,12 +37,7 @@ def overrides(algorithm: str, seed: int) -> list[str]:
 
 
 def one_run(algorithm: str, seed: int, state: Path, log: Path) -> dict:
-    command = [sys.executable, "-m", "rlhf_pipeline", "run"]
-    for item in (*overrides(algorithm, seed), "registry.enabled=false"):
-        command += ["--set", item]
-    env = clean_env(RLHF_STATE_DIR=str(state), PREFECT_HOME=str(state.parent / "prefect"))
-    seconds, printed = timed(command, env, log)
-    artifacts = printed_artifacts(printed)
+    seconds, artifacts = rlhf_run([*overrides(algorithm, seed), "registry.enabled=false"], state, log)
     metrics = json.loads((artifacts["eval"] / "manifest.json").read_text())["metrics"]
     made = json.loads((artifacts["pairs"] / "pairs.json").read_text())["metrics"] if "pairs" in artifacts else {}
     return {"seconds": seconds, "metrics": metrics, "pairs": made}

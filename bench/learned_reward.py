@@ -23,26 +23,22 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.runs import clean_env, printed_artifacts, timed
+from bench.runs import rlhf_run
 
 MARGIN = 0.10
 HELD = "eval/heldout/"
 
 
 def one_run(algorithm: str, seed: int, state: Path, log: Path, extra: list[str]) -> dict:
-    command = [sys.executable, "-m", "rlhf_pipeline", "run"]
-    for item in (
+    overrides = [
         f"algorithm={algorithm}",
         "rewards.functions=[]",
         "rewards.reward_model_weight=1",
         f"{algorithm}.seed={seed}",
         "registry.enabled=false",
         *(item.replace("<a>", algorithm) for item in extra),
-    ):
-        command += ["--set", item]
-    env = clean_env(RLHF_STATE_DIR=str(state), PREFECT_HOME=str(state.parent / "prefect"))
-    seconds, printed = timed(command, env, log)
-    artifacts = printed_artifacts(printed)
+    ]
+    seconds, artifacts = rlhf_run(overrides, state, log)
     metrics = json.loads((artifacts["eval"] / "manifest.json").read_text())["metrics"]
     policy = artifacts[algorithm]
     curves = [json.loads(line) for line in (policy / "heldout.jsonl").read_text().splitlines()]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -37,3 +38,14 @@ def printed_artifacts(printed: str) -> dict[str, Path]:
     text = printed.rsplit("== finished ==", 1)[-1]
     rows = re.finditer(r"^(\w+)\s+\w+\s+\S+\s+(/\S+)$", text, re.M)
     return {match[1]: Path(match[2]) for match in rows if Path(match[2]).is_dir()}
+
+
+def rlhf_run(overrides: list[str], state: Path, log: Path) -> tuple[float, dict[str, Path]]:
+    """`rlhf run --set ...` as a user types it, in `state` (its Prefect home beside it), logged to `log`: wall seconds
+    and each stage's artifact folder from the closing table."""
+    command = [sys.executable, "-m", "rlhf_pipeline", "run"]
+    for item in overrides:
+        command += ["--set", item]
+    env = clean_env(RLHF_STATE_DIR=str(state), PREFECT_HOME=str(state.parent / "prefect"))
+    seconds, printed = timed(command, env, log)
+    return seconds, printed_artifacts(printed)
