@@ -9,7 +9,8 @@ sft, rm and the made pairs are built by the first run and reused by the others, 
 sft and the seed varies the policy's training alone. `pairs` is dpo on the pairs the `pairs` stage makes from sft's
 own answers (`data.preference=null`, `pairs.enabled=true`, the preset's exact-match labeller), `dpo.seed` the seed.
 For each run: held-out exact match of sft and of the policy with the paired gain's 95% interval over prompts
-(eval's), and its seconds; for `pairs`, the pairs made and dropped.
+(eval's), its seconds and the policy artifact's content digest (a refactor that changes no behaviour prints the same
+digests); for `pairs`, the pairs made and dropped.
 
 The verdict is what README claims: every run's policy beats sft, the paired gain's lower bound above 0. Exits 1
 otherwise.
@@ -40,7 +41,10 @@ def one_run(algorithm: str, seed: int, state: Path, log: Path) -> dict:
     seconds, artifacts = rlhf_run([*overrides(algorithm, seed), "registry.enabled=false"], state, log)
     metrics = json.loads((artifacts["eval"] / "manifest.json").read_text())["metrics"]
     made = json.loads((artifacts["pairs"] / "pairs.json").read_text())["metrics"] if "pairs" in artifacts else {}
-    return {"seconds": seconds, "metrics": metrics, "pairs": made}
+    # The policy's content digest: two checkouts that train it alike publish the same bytes.
+    policy = artifacts["dpo" if algorithm == "pairs" else algorithm]
+    digest = json.loads((policy / "manifest.json").read_text())["digest"]
+    return {"seconds": seconds, "metrics": metrics, "pairs": made, "digest": digest}
 
 
 def show(algorithm: str, seed: int, found: dict) -> bool:
@@ -50,7 +54,8 @@ def show(algorithm: str, seed: int, found: dict) -> bool:
     ok = m[gain + "_low"] > 0
     print(
         f"{algorithm:6} {seed:5d} {found['seconds']:7.0f} {m[HELD + 'num_prompts']:8.0f} {sft:7.3f} {policy:7.3f}  "
-        f"{m[gain]:+.3f} [{m[gain + '_low']:+.3f}, {m[gain + '_high']:+.3f}]  {'PASS' if ok else 'FAIL'}",
+        f"{m[gain]:+.3f} [{m[gain + '_low']:+.3f}, {m[gain + '_high']:+.3f}]  {'PASS' if ok else 'FAIL'}  "
+        f"{found['digest'][:16]}",
         flush=True,
     )
     if found["pairs"]:
@@ -68,7 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     state, log = root / "state", root / "runs.log"
     root.mkdir(parents=True, exist_ok=True)
     print(f"state: {state}; log: {log}", flush=True)
-    print(f"{'policy':6} {'seed':>5} {'seconds':>7} {'prompts':>8} {'sft':>7} {'policy':>7}  gain over sft [95%]")
+    print(
+        f"{'policy':6} {'seed':>5} {'seconds':>7} {'prompts':>8} {'sft':>7} {'policy':>7}  gain over sft [95%]"
+        f"{'':16}policy digest"
+    )
     started, policies = time.perf_counter(), {}
     for seed in args.seeds:  # interleaved: each seed of each algorithm in turn
         for algorithm in args.algorithms:
