@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.runs import clean_env, timed
+from bench.runs import rlhf_command, rlhf_run
 
 GAIN, IFBENCH_FLOOR, BUDGET = 0.05, -0.02, 7200.0
 MODEL_CACHE = Path("state/models").resolve()
@@ -108,17 +108,11 @@ def report(found: dict, wall: float, seed: int) -> bool:
 def run_smollm2(overrides: list[str], state: Path) -> float:
     """One `rlhf run --config smollm2 --set ...` in `state` (its Prefect home beside it, its log in run.log there);
     the wall seconds, from start to exit."""
-    command = ["python", "-m", "rlhf_pipeline", "run", "--config", "smollm2"]
-    for item in overrides:
-        command += ["--set", item]
-    env = clean_env(
-        RLHF_STATE_DIR=str(state), PREFECT_HOME=str(state.parent / "prefect"), RLHF_MODEL_CACHE=str(MODEL_CACHE)
-    )
     log = state.parent / "run.log"
     state.parent.mkdir(parents=True, exist_ok=True)
-    print(f"{' '.join(command)}\nstate: {state}; log: {log}", flush=True)
+    print(f"{' '.join(rlhf_command(overrides, 'smollm2'))}\nstate: {state}; log: {log}", flush=True)
     started = time.perf_counter()
-    timed(command, env, log)
+    rlhf_run(overrides, state, log, "smollm2", RLHF_MODEL_CACHE=str(MODEL_CACHE))
     return time.perf_counter() - started
 
 

@@ -40,12 +40,19 @@ def printed_artifacts(printed: str) -> dict[str, Path]:
     return {match[1]: Path(match[2]) for match in rows if Path(match[2]).is_dir()}
 
 
-def rlhf_run(overrides: list[str], state: Path, log: Path) -> tuple[float, dict[str, Path]]:
-    """`rlhf run --set ...` as a user types it, in `state` (its Prefect home beside it), logged to `log`: wall seconds
-    and each stage's artifact folder from the closing table."""
-    command = [sys.executable, "-m", "rlhf_pipeline", "run"]
+def rlhf_command(overrides: list[str], config: str | None = None) -> list[str]:
+    """`rlhf run [--config ...] --set ...` as a user types it."""
+    command = [sys.executable, "-m", "rlhf_pipeline", "run", *(["--config", config] if config else [])]
     for item in overrides:
         command += ["--set", item]
-    env = clean_env(RLHF_STATE_DIR=str(state), PREFECT_HOME=str(state.parent / "prefect"))
-    seconds, printed = timed(command, env, log)
+    return command
+
+
+def rlhf_run(
+    overrides: list[str], state: Path, log: Path, config: str | None = None, **env: str
+) -> tuple[float, dict[str, Path]]:
+    """`rlhf_command` in `state` (its Prefect home beside it, `env` added), logged to `log`: wall seconds and each
+    stage's artifact folder from the closing table."""
+    env = clean_env(RLHF_STATE_DIR=str(state), PREFECT_HOME=str(state.parent / "prefect"), **env)
+    seconds, printed = timed(rlhf_command(overrides, config), env, log)
     return seconds, printed_artifacts(printed)
