@@ -36,10 +36,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from rlhf_pipeline.trainers.base_model import load_base_model
     from rlhf_pipeline.trainers.config import ModelConfig
-    from rlhf_pipeline.trainers.ifeval_eval import BENCHMARKS, benchmark_rows, score, stratified_sample
-    from rlhf_pipeline.trainers.text import generate_answers, length_batches, prompt_ids
+    from rlhf_pipeline.trainers.evaluation.instructions import BENCHMARKS, benchmark_rows, score, stratified_sample
+    from rlhf_pipeline.trainers.models.base_model import load_base_model
+    from rlhf_pipeline.trainers.models.text import generate_answers, length_batches, prompt_ids
 
     available, _ = benchmark_rows(BENCHMARKS["ifeval"])
     rows = [available[i] for i in stratified_sample(available, args.prompts, args.seed)]

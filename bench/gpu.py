@@ -3,11 +3,12 @@
     bash bench/gpu.sh                    # on a lent GPU machine: install, then this; under 8 minutes on one H200
     python -m bench.gpu --tiny           # the same on a CPU with a 2-layer model (a dry run of the script)
 
-Each stage runs through its own trainer (`trainers.sft.train`, `dpo.train`, `grpo.train`), in this process, with the
-settings below and nothing downloaded: the model folder comes from `bench.gpu_launch.build_model` (Qwen2.5-0.5B's
-configuration, a ChatML tokenizer trained here) and the data is the tests' conversational set (`tests.foreign_models`).
-A callback (`Throughput`, passed as a stage callback like a user's) counts every sequence the model trains on: a forward
-pre-hook reads each batch's attention mask while gradients are on (generation and reference passes do not count).
+Each stage runs through its own trainer (`trainers.algorithms.sft.train`, `dpo.train`, `grpo.train`), in this process,
+with the settings below and nothing downloaded: the model folder comes from `bench.gpu_launch.build_model`
+(Qwen2.5-0.5B's configuration, a ChatML tokenizer trained here) and the data is the tests' conversational set
+(`tests.foreign_models`). A callback (`Throughput`, passed as a stage callback like a user's) counts every sequence the
+model trains on: a forward pre-hook reads each batch's attention mask while gradients are on (generation and reference
+passes do not count).
 - tokens/s: the real (unpadded) tokens of those training forwards over the seconds of `train()`.
 - MFU as NeMo-RL defines it (`nemo_rl/utils/flops_tracker.py`, `flops_formulas.qwen2`): the model FLOPs of a forward
   and backward pass of each sequence at its length (3 x 2 x the GEMMs of attention, MLP and vocabulary, causal attention
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from rlhf_pipeline.trainers.trust import allow_imports
+from rlhf_pipeline.trainers.runtime.trust import allow_imports
 
 allow_imports("bench")  # this bench's callback: the bench is its own operator
 
@@ -108,9 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     from datasets import Dataset
 
     from bench.gpu_launch import build_model
-    from rlhf_pipeline.trainers import dpo, grpo, sft
+    from rlhf_pipeline.trainers.algorithms import dpo, grpo, sft
     from rlhf_pipeline.trainers.config import CallbackSpec, ModelConfig
-    from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, RewardsConfig
+    from rlhf_pipeline.trainers.rewards.mix import RewardFunctionSpec, RewardsConfig
     from tests.foreign_models import chat_data
 
     out = args.out.resolve()

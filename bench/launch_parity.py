@@ -25,10 +25,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def exact_match(model_dir: Path, prompts: list, answers: list) -> tuple[float, float, float]:
-    from rlhf_pipeline.trainers.metrics import bootstrap_mean
-    from rlhf_pipeline.trainers.models import load_causal_lm
-    from rlhf_pipeline.trainers.sort_task import exact_match as score
-    from rlhf_pipeline.trainers.text import generate
+    from rlhf_pipeline.trainers.models.load import load_causal_lm
+    from rlhf_pipeline.trainers.models.text import generate
+    from rlhf_pipeline.trainers.rewards.metrics import bootstrap_mean
+    from rlhf_pipeline.trainers.rewards.sort_task import exact_match as score
 
     model, tokenizer = load_causal_lm(model_dir)
     correct = score(prompts, generate(model, tokenizer, prompts, max_new_tokens=12, batch_size=200), answer=answers)
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from rlhf_pipeline.flows.params import load_params
     from rlhf_pipeline.tasks.launcher import LaunchConfig, run_launched
-    from rlhf_pipeline.trainers.loop import load_split
+    from rlhf_pipeline.trainers.algorithms.loop import load_split
     from tests.helpers import write_data_dir
 
     params = load_params("tiny")

@@ -12,8 +12,8 @@ interleaved: pipeline, plain, pipeline, plain, ...
   eval -> registry, with Prefect (its temporary server), MLflow tracking, content-addressed artifacts and hashing.
 - plain: one Python process that does the same work with no Prefect, MLflow, validation or hashing: the bundled files
   read into Parquet with `datasets`; sft, rm and dpo with TRL's `SFTTrainer`, `RewardTrainer` and `DPOTrainer`, built
-  from the same resolved settings and seeds (`trl_arguments`); ppo with `trainers.ppo.train` (ours: TRL has no PPO since
-  1.0) and the eval with `trainers.eval.evaluate`, called directly, as a script would.
+  from the same resolved settings and seeds (`trl_arguments`); ppo with `trainers.ppo.train.train` (ours: TRL has no PPO
+  since 1.0) and the eval with `trainers.evaluation.stage.evaluate`, called directly, as a script would.
 The pipeline's breakdown comes from its manifests: each stage's build (`resources.seconds`: training, the model loads
 and saves between stages, and for `data` the validation); whatever is left of the wall time is orchestration, tracking
 and start-up. Target (issue 14): ratio <= 1.05.
@@ -43,10 +43,10 @@ def plain(out: Path, overrides: list[str]) -> None:
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from rlhf_pipeline.flows.params import load_params
-    from rlhf_pipeline.trainers import eval as evaluation
-    from rlhf_pipeline.trainers import ppo
     from rlhf_pipeline.trainers.data import load_source
-    from rlhf_pipeline.trainers.tiny import build_model, build_tokenizer
+    from rlhf_pipeline.trainers.evaluation import stage as evaluation
+    from rlhf_pipeline.trainers.models.tiny import build_model, build_tokenizer
+    from rlhf_pipeline.trainers.ppo import train as ppo
 
     params = load_params("tiny", overrides)
     seconds = {"imports": time.perf_counter() - started}

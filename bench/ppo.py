@@ -7,12 +7,12 @@ default.
     python -m bench.ppo --venv /elsewhere/trl-1.12     # a venv of one's own (made there if missing)
 
 One SFT model and one reward model (the tiny preset's sft and rm stages, trained once per run) are the starting policy
-and the only reward of every run: our PPO (`trainers/ppo.py`, the tiny preset's ppo settings with `rewards` = the reward
-model alone) and TRL 1.12's `trl.experimental.ppo.PPOTrainer` with the same hyperparameters, in a virtualenv of its own
-(TRL 1.12 with the project's transformers; never in the project's dependencies), each in a fresh process timed wall to
-wall (interpreter start to exit: imports, model loading and saving included; its CPU seconds beside), interleaved,
-alternating who goes first, every process with the same torch threads (`--threads`). Then GRPO and RLOO (tiny preset,
-the same reward model) on the same budget of generated tokens, one run each.
+and the only reward of every run: our PPO (`trainers/ppo/train.py`, the tiny preset's ppo settings with `rewards` = the
+reward model alone) and TRL 1.12's `trl.experimental.ppo.PPOTrainer` with the same hyperparameters, in a virtualenv of
+its own (TRL 1.12 with the project's transformers; never in the project's dependencies), each in a fresh process timed
+wall to wall (interpreter start to exit: imports, model loading and saving included; its CPU seconds beside),
+interleaved, alternating who goes first, every process with the same torch threads (`--threads`). Then GRPO and RLOO
+(tiny preset, the same reward model) on the same budget of generated tokens, one run each.
 
 Every final policy, and the SFT model it started from, is scored afterwards in this process in the same way: completions
 sampled as in training (temperature, response_length, stopped at EOS) on the held-out `prompts_eval`, scored by the
@@ -60,7 +60,7 @@ ENV = {
 OURS = """
 import importlib, json, sys
 from pathlib import Path
-from rlhf_pipeline.trainers.rewards import RewardsConfig
+from rlhf_pipeline.trainers.rewards.mix import RewardsConfig
 stage, spec = sys.argv[1], json.loads(Path(sys.argv[2]).read_text())
 module = importlib.import_module(f"rlhf_pipeline.trainers.{stage}")
 module.train(
@@ -245,11 +245,11 @@ def held_out_scores(
     left padding."""
     import torch
 
-    from rlhf_pipeline.trainers.models import load_causal_lm, load_tokenizer
-    from rlhf_pipeline.trainers.ppo import truncate_at_stop
-    from rlhf_pipeline.trainers.rewards import RewardsConfig, RewardScorer
-    from rlhf_pipeline.trainers.sort_task import exact_match
-    from rlhf_pipeline.trainers.text import generate, own_sampling, pad, prompt_ids
+    from rlhf_pipeline.trainers.models.load import load_causal_lm, load_tokenizer
+    from rlhf_pipeline.trainers.models.text import generate, own_sampling, pad, prompt_ids
+    from rlhf_pipeline.trainers.ppo.train import truncate_at_stop
+    from rlhf_pipeline.trainers.rewards.mix import RewardsConfig, RewardScorer
+    from rlhf_pipeline.trainers.rewards.sort_task import exact_match
 
     policy, tokenizer = load_causal_lm(model_dir)[0].eval(), load_tokenizer(sft_model)
     scorer = RewardScorer(RewardsConfig(reward_model_weight=1.0, functions=[]), reward_model, policy_model=sft_model)
@@ -354,10 +354,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
 
     from rlhf_pipeline.flows.params import load_params
-    from rlhf_pipeline.trainers import rm, sft
-    from rlhf_pipeline.trainers.loop import load_split
-    from rlhf_pipeline.trainers.models import load_tokenizer
-    from rlhf_pipeline.trainers.text import prompt_ids
+    from rlhf_pipeline.trainers.algorithms import rm, sft
+    from rlhf_pipeline.trainers.algorithms.loop import load_split
+    from rlhf_pipeline.trainers.models.load import load_tokenizer
+    from rlhf_pipeline.trainers.models.text import prompt_ids
     from tests.helpers import write_data_dir
 
     params = load_params("tiny")

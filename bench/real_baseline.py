@@ -4,14 +4,13 @@
     python -m bench.real_baseline                               # all of both; progress every batch
     python -m bench.real_baseline --ifeval 100 --ifbench 0      # a seeded stratified sample of IFEval only
 
-The model card reports IFEval as the mean of prompt- and instruction-level strict accuracy: 29.9. The bench prints
-that figure with the four accuracies (strict and loose, with 95% intervals over prompts), the share of answers the
-token budget cut, and tokens/s. Answers are greedy through the chat template, made and kept as the eval stage makes
-and keeps them (`trainers.answers`: keyed by the model's tensors, the prompts, the budget and the batch size), in the
+The model card reports IFEval as the mean of prompt- and instruction-level strict accuracy: 29.9. The bench prints that
+figure with the four accuracies (strict and loose, with 95% intervals over prompts), the share of answers the token
+budget cut, and tokens/s. Answers are greedy through the chat template, made and kept as the eval stage makes and keeps
+them (`trainers.evaluation.answers`: keyed by the model's tensors, the prompts, the budget and the batch size), in the
 smollm2 preset's eval precision and batch size, so a second run, `rlhf eval` of the same start with the preset, and
-`bench.real_model`'s runs re-score without generating. Exits 1
-when the card figure is more than 5 points away (docs/PERFORMANCE.md, "The start", says where the difference comes
-from).
+`bench.real_model`'s runs re-score without generating. Exits 1 when the card figure is more than 5 points away
+(docs/PERFORMANCE.md, "The start", says where the difference comes from).
 """
 
 from __future__ import annotations
@@ -26,14 +25,14 @@ CARD_IFEVAL, TOLERANCE = 29.9, 5.0
 
 
 def answers_for(rows: list[dict], args, label: str) -> tuple[list[str], list[bool], float, int]:
-    """The start's greedy answers to `rows`, through the answer cache the eval stage uses (`trainers.answers`: the
+    """The start's greedy answers to `rows`, through the eval stage's answer cache (`trainers.evaluation.answers`: the
     same model, prompts, budget and batch size answer once per run state): answers, cut flags, generation seconds
     (0 when they came from the cache) and tokens generated."""
     import torch
 
-    from rlhf_pipeline.trainers.answers import greedy_answers
-    from rlhf_pipeline.trainers.base_model import load_base_model
     from rlhf_pipeline.trainers.config import ModelConfig
+    from rlhf_pipeline.trainers.evaluation.answers import greedy_answers
+    from rlhf_pipeline.trainers.models.base_model import load_base_model
 
     model, tokenizer = load_base_model(ModelConfig(name_or_path=args.model))
     if args.dtype:
@@ -62,7 +61,7 @@ def answers_for(rows: list[dict], args, label: str) -> tuple[list[str], list[boo
 
 def main(argv: list[str] | None = None) -> int:
     from rlhf_pipeline.flows.params import preset_values
-    from rlhf_pipeline.trainers.eval import EvalConfig
+    from rlhf_pipeline.trainers.evaluation.stage import EvalConfig
 
     preset = EvalConfig(**{k: v for k, v in preset_values("smollm2")["eval"].items() if k in ("batch_size", "dtype")})
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -86,8 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("state/bench/real_baseline"), help="metrics written here")
     args = parser.parse_args(argv)
 
-    from rlhf_pipeline.trainers.eval_report import benchmark_label
-    from rlhf_pipeline.trainers.ifeval_eval import BENCHMARKS, benchmark_rows, ids_covered, score, stratified_sample
+    from rlhf_pipeline.trainers.evaluation.instructions import (
+        BENCHMARKS,
+        benchmark_rows,
+        ids_covered,
+        score,
+        stratified_sample,
+    )
+    from rlhf_pipeline.trainers.evaluation.report import benchmark_label
 
     boot = {"n_bootstrap": 1000, "seed": 0}
     card = None

@@ -29,7 +29,7 @@ from bench.runs import rlhf_command, rlhf_run
 
 GAIN, IFBENCH_FLOOR, BUDGET = 0.05, -0.02, 7200.0
 MODEL_CACHE = Path("state/models").resolve()
-"""The converted GGUF and the start's answers (`trainers.answers`), shared by every seed and bench, and by
+"""The converted GGUF and the start's answers (`trainers.evaluation.answers`), shared by every seed and bench, and by
 bench.real_baseline and `rlhf run` in this checkout: the start's eval is computed once."""
 
 
@@ -69,7 +69,7 @@ def figures(state: Path) -> dict:
 
 def report(found: dict, wall: float, seed: int) -> bool:
     """One seed's figures and checks; whether it passes."""
-    from rlhf_pipeline.trainers.eval_report import benchmark_label
+    from rlhf_pipeline.trainers.evaluation.report import benchmark_label
 
     m = found["metrics"]
 

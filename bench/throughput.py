@@ -41,7 +41,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from rlhf_pipeline.trainers.trust import allow_imports
+from rlhf_pipeline.trainers.runtime.trust import allow_imports
 
 allow_imports("bench")  # this bench's callback: the bench is its own operator
 
@@ -104,8 +104,8 @@ def packed_rows(lengths: list[int], strategy: str) -> int:
 
 
 def sft_config(mode: str, steps: int, batch: int, seed: int):
+    from rlhf_pipeline.trainers.algorithms.sft import SftConfig
     from rlhf_pipeline.trainers.config import CallbackSpec
-    from rlhf_pipeline.trainers.sft import SftConfig
 
     overrides = {"train_sampling_strategy": "group_by_length"} if mode == "grouped" else {}
     overrides |= {"packing_strategy": "wrapped"} if mode == "wrapped" else {}
@@ -128,7 +128,7 @@ def sft_config(mode: str, steps: int, batch: int, seed: int):
 
 def run_mode(mode: str, steps: int, batch: int, seed: int, data_dir: Path, out: Path) -> dict:
     from bench.throughput import TrainClock  # the class the callback spec imports (this file may be __main__)
-    from rlhf_pipeline.trainers import sft
+    from rlhf_pipeline.trainers.algorithms import sft
 
     losses: list[float] = []
 
@@ -153,7 +153,7 @@ def heldout_loss(model_dir: Path, rows: list[dict], batch: int = 16) -> float:
     import torch
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-    from rlhf_pipeline.trainers.models import load_causal_lm
+    from rlhf_pipeline.trainers.models.load import load_causal_lm
 
     model, tokenizer = load_causal_lm(model_dir)
     model.eval()
@@ -199,7 +199,7 @@ def isolation_check(rows: list[dict]) -> dict[tuple[str, str], float]:
     from trl import pack_dataset
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-    from rlhf_pipeline.trainers.base_model import load_base_model
+    from rlhf_pipeline.trainers.models.base_model import load_base_model
 
     worst: dict[tuple[str, str], float] = {}
     model, tokenizer = load_base_model(bench_model())
@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()  # loading and saving bars
     torch.set_num_threads(args.threads)
-    from rlhf_pipeline.trainers.tiny import build_tokenizer
+    from rlhf_pipeline.trainers.models.tiny import build_tokenizer
 
     started = time.perf_counter()
     rows, heldout = make_rows(args.steps * args.batch, seed=0), make_rows(64, seed=1)

@@ -5,8 +5,8 @@
 Each prompt is an everyday request followed by one or two verifiable constraints, built by the checker library's own
 instruction builders (`if_verifiable.ifeval`, IFEval's checkers): the constraint's wording and its arguments come
 from the builder, so the reward and the gold metric check exactly what the prompt asks. Rows carry the checker ids
-and their arguments (`instruction_id_list`, `kwargs` as JSON), which `rlhf_pipeline.trainers.ifeval`'s reward and
-gold metric read.
+and their arguments (`instruction_id_list`, `kwargs` as JSON), which `rlhf_pipeline.trainers.rewards.ifeval`'s reward
+and gold metric read.
 
 The families are those a 135M chat model follows some of the time when sampled (measured: docs/ARCHITECTURE.md,
 "The instruction-following task"): a family it never follows gives online RL no group with mixed outcomes to learn

@@ -21,7 +21,7 @@ from rlhf_pipeline.tasks.parent_run import model_label, pipeline_run, report_fai
 from rlhf_pipeline.tasks.resolve import check_model_source, resolve_model
 from rlhf_pipeline.trainers.config import ModelConfig, StrictModel
 from rlhf_pipeline.trainers.data import DataConfig
-from rlhf_pipeline.trainers.eval import EvalConfig
+from rlhf_pipeline.trainers.evaluation.stage import EvalConfig
 
 _preset = load_params(DEFAULT_PRESET)
 _defaults = SimpleNamespace(
@@ -73,7 +73,7 @@ class EvalParams(StrictModel):
         (`tasks.store.check_tokenizers`)."""
         from pathlib import Path
 
-        from rlhf_pipeline.trainers.models import tokenizer_digest
+        from rlhf_pipeline.trainers.models.load import tokenizer_digest
 
         digests = {}
         for role in ("policy", "sft_model", "reward_model"):

@@ -18,8 +18,8 @@ from rlhf_pipeline.tasks.launcher import LaunchConfig
 from rlhf_pipeline.tasks.orchestration import RetryConfig
 from rlhf_pipeline.tasks.stages import ALGORITHMS, BY_NAME, POLICY_STAGE, STAGES, reads
 from rlhf_pipeline.trainers.config import TINY, ModelConfig, StrictModel
-from rlhf_pipeline.trainers.feedback import FeedbackConfig
-from rlhf_pipeline.trainers.rewards import GoldMetric, RewardsConfig
+from rlhf_pipeline.trainers.pairs.feedback import FeedbackConfig
+from rlhf_pipeline.trainers.rewards.mix import GoldMetric, RewardsConfig
 
 CONFIG_DIR = Path(str(resources.files("rlhf_pipeline.configs")))  # package data: present in a wheel too
 DEFAULT_PRESET = "tiny"
@@ -223,7 +223,7 @@ class RunSettings(StrictModel):
         (a hub dataset's columns are unknown here: it is assumed to have the reference column only if eval names
         one)."""
         from rlhf_pipeline.trainers.data import peek_columns
-        from rlhf_pipeline.trainers.eval import planned_metrics
+        from rlhf_pipeline.trainers.evaluation.stage import planned_metrics
 
         cfg, data = self.config("eval"), self.config("data")
         columns = peek_columns(data.prompts_eval)
@@ -302,7 +302,7 @@ class RunSettings(StrictModel):
         following = self.config("eval").instruction_following
         if following is None:
             return ()
-        from rlhf_pipeline.trainers.ifeval_eval import BENCHMARKS
+        from rlhf_pipeline.trainers.evaluation.instructions import BENCHMARKS
 
         return tuple(key for key in BENCHMARKS if following.prompts(key) > 0)
 

@@ -85,8 +85,8 @@ def _rlhf(**blocks) -> dict:
         if params.makes_pairs and labels_with_rm:  # the reward model labels: it trains first, on the given pairs
             pairs = make_pairs_from(after=rm)
         policy = train(params.algorithm, after=pairs or rm or sft)
-        # Feedback rounds (trainers/feedback.py): pairs from the last policy's samples, then rm and an online policy
-        # against it, or an offline policy on the pairs; from SFT or from the last round's policy (then also its
+        # Feedback rounds (trainers/pairs/feedback.py): pairs from the last policy's samples, then rm and an online
+        # policy against it, or an offline policy on the pairs; from SFT or from the last round's policy (then also its
         # KL reference: iterated RLHF).
         online = BY_NAME[params.algorithm].online
         for round_ in range(1, params.feedback.rounds + 1):

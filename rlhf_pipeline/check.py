@@ -102,7 +102,7 @@ def _check_attention(params, problems: list[str]) -> None:
 
 
 def _tokenizer(params, problems: list[str]):
-    from rlhf_pipeline.trainers.base_model import load_base_tokenizer
+    from rlhf_pipeline.trainers.models.base_model import load_base_tokenizer
 
     try:
         tokenizer = load_base_tokenizer(params.model)
@@ -219,7 +219,7 @@ def held_models(params, stage: str) -> list:
     from dataclasses import replace
 
     from rlhf_pipeline.tasks.stages import BY_NAME
-    from rlhf_pipeline.trainers.memory import REFERENCE, REWARD_MODEL, Held
+    from rlhf_pipeline.trainers.models.memory import REFERENCE, REWARD_MODEL, Held
 
     cfg = params.config(stage)
     if stage == "pairs":  # planned for feedback rounds even when the first round's pairs are off
@@ -239,7 +239,7 @@ def held_models(params, stage: str) -> list:
 
 
 def _empty_model_builder(params, tokenizer, problems: list[str]):
-    from rlhf_pipeline.trainers.memory import empty_model_builder
+    from rlhf_pipeline.trainers.models.memory import empty_model_builder
 
     try:
         return empty_model_builder(params, tokenizer)
@@ -253,7 +253,7 @@ def _print_memory(params, build, problems: list[str]) -> dict[str, int]:
     """Prints the estimate of every stage; returns each stage's total in bytes."""
     from accelerate.utils import convert_bytes, get_max_memory, is_cuda_available
 
-    from rlhf_pipeline.trainers.memory import stage_memory
+    from rlhf_pipeline.trainers.models.memory import stage_memory
 
     free = get_max_memory().get(0) if is_cuda_available() else None
     print(
@@ -301,8 +301,8 @@ LOCAL_NODE = "127.0.0.1 (this machine)"
 
 
 def _check_ray(params, totals: dict[str, int], problems: list[str]) -> str | None:
-    """The Ray cluster the stages under `launch.launcher: ray` would use (`trainers.ray_job` joins the same one): its
-    nodes, whether it can hold `launch.num_workers` workers of `launch.resources_per_worker` each as placed, and the
+    """The Ray cluster the stages under `launch.launcher: ray` would use (`trainers.runtime.ray_job` joins the same):
+    its nodes, whether it can hold `launch.num_workers` workers of `launch.resources_per_worker` each as placed, and the
     memory of each worker. Each worker is a DDP rank that holds the whole stage: the stage's estimate. Returns where the
     cluster is (None: no stage runs under Ray)."""
     launch = params.launch
@@ -311,7 +311,7 @@ def _check_ray(params, totals: dict[str, int], problems: list[str]) -> str | Non
     ]
     if not stages:
         return None
-    from rlhf_pipeline.trainers.ray_job import describe, shown, too_small
+    from rlhf_pipeline.trainers.runtime.ray_job import describe, shown, too_small
 
     address = launch.ray_address or os.environ.get("RAY_ADDRESS") or None
     where = address or LOCAL_NODE
@@ -380,7 +380,7 @@ def _this_machine() -> dict:
 
 def _ray_nodes(address: str) -> tuple[list[dict], str | None]:
     """`ray.nodes()` of the cluster at `address`, or why it cannot be reached."""
-    from rlhf_pipeline.trainers.ray_job import unreachable
+    from rlhf_pipeline.trainers.runtime.ray_job import unreachable
 
     problem = unreachable(address)
     if problem is not None:

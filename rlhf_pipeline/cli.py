@@ -148,7 +148,7 @@ def _label(args) -> int:
 
     from rlhf_pipeline.tasks.pairs import read_labels_file
     from rlhf_pipeline.tasks.people import resume_with_labels
-    from rlhf_pipeline.trainers.pairs import LABELS
+    from rlhf_pipeline.trainers.pairs.stage import LABELS
 
     labels: dict[int, str] = {}
     if args.file:
@@ -348,7 +348,9 @@ def _start_temporary_server() -> None:
         "--lifespan",
         "on",
     ]
-    from rlhf_pipeline.trainers.rank import die_with_parent  # stdlib only; a killed `rlhf run` leaves no server behind
+    from rlhf_pipeline.trainers.runtime.rank import (
+        die_with_parent,  # stdlib only; a killed `rlhf run` leaves no server behind
+    )
 
     # A process group of its own: Ctrl-C, which the terminal sends the whole foreground group, must not stop it before
     # the run has recorded its stop (rlhf_pipeline.interrupt); it is stopped last.
@@ -484,9 +486,9 @@ def closing_table(summary: dict) -> str:
         info = stages.get(stage, {})
         seconds = f"{info['seconds']:.1f}" if info.get("seconds") is not None else "-"
         lines.append(f"{stage:16} {info.get('state') or '-':10} {seconds:>8}  {uri}")  # a resolved input has no state
-    from rlhf_pipeline.trainers.eval import HELDOUT as held
-    from rlhf_pipeline.trainers.eval_report import benchmark_label
-    from rlhf_pipeline.trainers.ifeval_eval import BENCHMARKS
+    from rlhf_pipeline.trainers.evaluation.instructions import BENCHMARKS
+    from rlhf_pipeline.trainers.evaluation.report import benchmark_label
+    from rlhf_pipeline.trainers.evaluation.stage import HELDOUT as held
 
     def section(title: str, prefix: str, rows: tuple[tuple[str, str], ...]) -> None:
         """The rows `metrics` has under `prefix`, each with its 95% interval where it has one."""

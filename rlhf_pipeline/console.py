@@ -1,6 +1,6 @@
 """The terminal of `rlhf run` and `rlhf eval`: one bar per training stage, drawn from the trainers' progress records
-(`trainers.progress`), as TRL's caller adds `RichProgressCallback`. Only the CLI imports this module, so nothing here
-is in a stage's code version: a change to the display re-keys no stage (docs/ARCHITECTURE.md, "Layers").
+(`trainers.runtime.progress`), as TRL's caller adds `RichProgressCallback`. Only the CLI imports this module, so nothing
+here is in a stage's code version: a change to the display re-keys no stage (docs/ARCHITECTURE.md, "Layers").
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import warnings
 from typing import Any
 
-from rlhf_pipeline.trainers.progress import PROGRESS, TICKS
+from rlhf_pipeline.trainers.runtime.progress import PROGRESS, TICKS
 
 KEY_METRICS = ("loss", "reward", "accuracy", "kl", "exact_match", "margin")
 """What a stage's bar shows: the first three of these it logs."""

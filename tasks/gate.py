@@ -9,7 +9,7 @@ import math
 from pydantic import Field
 
 from rlhf_pipeline.trainers.config import StageConfig
-from rlhf_pipeline.trainers.eval import HELDOUT
+from rlhf_pipeline.trainers.evaluation.stage import HELDOUT
 
 CHAMPION, CANDIDATE = "champion", "candidate"
 

@@ -1,7 +1,7 @@
 """Where a training stage runs: in the flow run's own process, or in processes of its own under `accelerate launch`.
 
     accelerate launch [--config_file deployments/accelerate/<engine>.yaml | --multi_gpu (CPU: gloo)] --num_processes N \
-        -m rlhf_pipeline.trainers.rank <work_dir>/launch.json
+        -m rlhf_pipeline.trainers.runtime.rank <work_dir>/launch.json
 
 The parent (this module, in the Prefect task) writes the stage's resolved arguments to `launch.json`, starts the
 launcher in the flow run's process group, streams every line into the task's log, forwards rank 0's metrics to
@@ -31,8 +31,8 @@ from typing import Any, Callable, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rlhf_pipeline.tasks.secrets import redact
-from rlhf_pipeline.trainers.progress import emit
-from rlhf_pipeline.trainers.rank import (
+from rlhf_pipeline.trainers.runtime.progress import emit
+from rlhf_pipeline.trainers.runtime.rank import (
     ERROR_FILE,
     METRICS_MARK,
     PERMANENT,
@@ -42,7 +42,7 @@ from rlhf_pipeline.trainers.rank import (
     die_with_parent,
     write_spec,
 )
-from rlhf_pipeline.trainers.stopping import TERMINATING, Terminated
+from rlhf_pipeline.trainers.runtime.stopping import TERMINATING, Terminated
 
 Launcher = Literal["inprocess", "accelerate", "ray"]
 PLACEMENT = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
@@ -135,9 +135,9 @@ class LaunchConfig(BaseModel):
 
     def command(self, spec: Path, launcher: Launcher = "accelerate") -> list[str]:
         """The command that runs the stage's ranks: `accelerate launch` on this machine (CPU: gloo DDP over
-        `num_processes` processes), or the Ray Train job's driver (`trainers.ray_job`)."""
+        `num_processes` processes), or the Ray Train job's driver (`trainers.runtime.ray_job`)."""
         if launcher == "ray":
-            ray = [sys.executable, "-m", "rlhf_pipeline.trainers.ray_job", str(spec)]
+            ray = [sys.executable, "-m", "rlhf_pipeline.trainers.runtime.ray_job", str(spec)]
             ray += ["--workers", str(self.num_workers), "--resources", json.dumps(self.resources_per_worker)]
             ray += ["--strategy", self.placement_strategy]
             return ray + (["--address", self.ray_address] if self.ray_address else [])
@@ -154,7 +154,7 @@ class LaunchConfig(BaseModel):
             # gloo DDP (docs/ARCHITECTURE.md, "Library facts the code relies on", accelerate).
             command += ["--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no"]
         command += ["--num_processes", str(processes), "--num_machines", "1", "--main_process_port", str(_free_port())]
-        return [*command, "-m", "rlhf_pipeline.trainers.rank", str(spec)]
+        return [*command, "-m", "rlhf_pipeline.trainers.runtime.rank", str(spec)]
 
 
 def _free_port() -> int:

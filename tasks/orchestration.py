@@ -20,9 +20,9 @@ from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.artifacts import ArtifactRef, StageOutcome
 from rlhf_pipeline.tasks.progress_artifact import stage_progress
 from rlhf_pipeline.tasks.secrets import redact_text
-from rlhf_pipeline.trainers.failures import permanent_reason
-from rlhf_pipeline.trainers.rank import PERMANENT
-from rlhf_pipeline.trainers.stopping import TERMINATING
+from rlhf_pipeline.trainers.runtime.failures import permanent_reason
+from rlhf_pipeline.trainers.runtime.rank import PERMANENT
+from rlhf_pipeline.trainers.runtime.stopping import TERMINATING
 
 
 def retrying(config: RetryConfig) -> Callable:
@@ -201,7 +201,7 @@ def is_transient(task, task_run, state) -> bool:
 
 
 def is_permanent(exc: BaseException) -> bool:
-    """Bad config or data, MLflow's "does not exist", and what `trainers.failures` names (out of memory, corrupt
+    """Bad config or data, MLflow's "does not exist", and what `trainers.runtime.failures` names (out of memory, corrupt
     weights, refused credentials, a missing or gated repository, no permission, a full disk)."""
     return (
         isinstance(exc, PERMANENT)

@@ -1,4 +1,4 @@
-"""`pairs`: the Prefect task that makes preference pairs from prompts (`trainers.pairs`), in two keyed parts.
+"""`pairs`: the Prefect task that makes preference pairs from prompts (`trainers.pairs.stage`), in two keyed parts.
 
     <artifact_root>/pairs/<key>/     the samples (keyed on prompts, sampling model, sampling settings), and the
                                      labelled pairs (keyed on the samples, the labeller and people's labels)
@@ -18,9 +18,9 @@ from pathlib import Path
 from rlhf_pipeline.tasks.artifacts import ArtifactRef, RunContext, StageOutcome
 from rlhf_pipeline.tasks.orchestration import device_hold, prefect_log, stage_task
 from rlhf_pipeline.tasks.store import run_stage
-from rlhf_pipeline.trainers.pairs import PAIRS, SUMMARY, PairsConfig
+from rlhf_pipeline.trainers.pairs.stage import PAIRS, SUMMARY, PairsConfig
 
-TRAINER = "rlhf_pipeline.trainers.pairs"
+TRAINER = "rlhf_pipeline.trainers.pairs.stage"
 LABELS_DIR = ".labels"
 
 
@@ -40,7 +40,7 @@ def read_store(path: Path) -> tuple[dict[int, str | None], bool]:
 def read_labels_file(path: Path, pairs: int) -> dict[int, str | None]:
     """A labels file people wrote: one {"pair": <id>, "label": "A" | "B" | "tie" | null} per line; a line that is not
     one fails naming the file and the line."""
-    from rlhf_pipeline.trainers.pairs import LABELS
+    from rlhf_pipeline.trainers.pairs.stage import LABELS
 
     if not path.is_file():
         raise ValueError(f"labels file {path}: no such file")
@@ -78,7 +78,7 @@ def make_pairs(
 ) -> StageOutcome:
     """Sample the starting policy (`upstream["policy"]` in a feedback round, else `upstream["sft"]`), then label the
     samples; `earlier`: the last round's pairs, kept beside this round's (the reward model's rounds)."""
-    from rlhf_pipeline.trainers import pairs as made
+    from rlhf_pipeline.trainers.pairs import stage as made
 
     data = upstream["data"]
     start = upstream.get("policy") or upstream["sft"]
@@ -182,6 +182,6 @@ def preference_rules(dataset, source: str) -> None:
 
 
 def _code(config: PairsConfig) -> dict[str, str]:
-    from rlhf_pipeline.trainers.custom import source_digests
+    from rlhf_pipeline.trainers.runtime.custom import source_digests
 
     return source_digests(config.code_paths())

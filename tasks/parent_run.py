@@ -15,7 +15,7 @@ from rlhf_pipeline.tasks.artifacts import ArtifactRef, RunContext
 from rlhf_pipeline.tasks.launcher import LaunchConfig
 from rlhf_pipeline.tasks.orchestration import coordinated, current_flow_run, ensure_device_limit, prefect_log
 from rlhf_pipeline.tasks.secrets import install_log_filter, redact, redact_text
-from rlhf_pipeline.trainers.stopping import checkpoint_on_sigterm
+from rlhf_pipeline.trainers.runtime.stopping import checkpoint_on_sigterm
 
 MODEL_LOGGED, MODEL_URI, POLICY_MODEL = "rlhf.model_logged", "rlhf.model_uri", "rlhf.policy_model_id"
 """Parent-run tags: where the policy's weights are (its stage's logged model; or, for a policy with none in this

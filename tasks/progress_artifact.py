@@ -1,10 +1,10 @@
 """A stage's progress as a Prefect progress artifact, `rlhf-<stage>-progress`, advancing while the stage builds.
 
 The trainers already say how far they are: every TRL stage, ppo and the pairs sampling emit progress records
-(`trainers.progress`: stage, step, total, start) at each step, and under `accelerate launch` rank 0's records come to
-the parent as lines that `tasks.launcher` logs again as records. `StageProgress` is a logging handler on those records
-for the time a stage builds (`orchestration.device_hold` enters it): no module a trainer imports changes, so no stage's
-code version (its import closure) moves because of a display.
+(`trainers.runtime.progress`: stage, step, total, start) at each step, and under `accelerate launch` rank 0's records
+come to the parent as lines that `tasks.launcher` logs again as records. `StageProgress` is a logging handler on those
+records for the time a stage builds (`orchestration.device_hold` enters it): no module a trainer imports changes, so no
+stage's code version (its import closure) moves because of a display.
 
 The Prefect API is called from a thread of its own, never from the training thread: the newest reading is sent at most
 once a second (older ones are dropped), an API that does not answer is logged once and tried again with a growing
@@ -118,14 +118,14 @@ class StageProgress(logging.Handler):
     def __enter__(self) -> StageProgress:
         # The thread runs in the build's context: the artifact belongs to its task run and flow run.
         self._context = contextvars.copy_context()
-        from rlhf_pipeline.trainers.progress import PROGRESS, TICKS
+        from rlhf_pipeline.trainers.runtime.progress import PROGRESS, TICKS
 
         for logger in (PROGRESS, TICKS):
             logger.addHandler(self)
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
-        from rlhf_pipeline.trainers.progress import PROGRESS, TICKS
+        from rlhf_pipeline.trainers.runtime.progress import PROGRESS, TICKS
 
         for logger in (PROGRESS, TICKS):
             logger.removeHandler(self)

@@ -28,7 +28,7 @@ def resolve_model(source: str | None, role: str) -> tuple[ArtifactRef, dict[str,
         return _logged(source.removeprefix("models:/"), role), {}
     if source.startswith("models:/"):
         return _registered(source)
-    from rlhf_pipeline.trainers.checkpoints import converted, gguf_file
+    from rlhf_pipeline.trainers.models.checkpoints import converted, gguf_file
 
     gguf = gguf_file(source)
     folder = converted(gguf) if gguf is not None else Path(source).expanduser().resolve()
@@ -56,7 +56,7 @@ def resolve_model(source: str | None, role: str) -> tuple[ArtifactRef, dict[str,
 def _input_model(folder: Path, role: str) -> ArtifactRef:
     """A model folder that no stage wrote, as the eval stage reads models (`<ref>/model`): a folder in the run state
     (`cache_root()/inputs/<digest>`) whose `model` links to it, keyed by the folder's content."""
-    from rlhf_pipeline.trainers.checkpoints import cache_root
+    from rlhf_pipeline.trainers.models.checkpoints import cache_root
 
     digest = content_digest(folder)
     ref_dir = cache_root() / "inputs" / digest
@@ -91,7 +91,7 @@ def check_model_exists(source: str, role: str) -> None:
     or holds no model, a registered model, version or alias the tracking server does not have, an unknown logged
     model. Raises ValueError naming what is missing and where it was looked for."""
     check_model_source(source)
-    from rlhf_pipeline.trainers.checkpoints import gguf_file
+    from rlhf_pipeline.trainers.models.checkpoints import gguf_file
 
     try:
         if gguf_file(source) is not None:  # a GGUF file, or a package that ships one

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 from typing import Callable
 
-from rlhf_pipeline.trainers.loop import PEAK_GPU
+from rlhf_pipeline.trainers.algorithms.loop import PEAK_GPU
 
 
 @contextlib.contextmanager

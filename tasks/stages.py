@@ -13,13 +13,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlhf_pipeline.tasks.gate import RegistryConfig
+from rlhf_pipeline.trainers.algorithms.dpo import DpoConfig
+from rlhf_pipeline.trainers.algorithms.grpo import GrpoConfig
+from rlhf_pipeline.trainers.algorithms.kto import KtoConfig
+from rlhf_pipeline.trainers.algorithms.orpo import OrpoConfig
+from rlhf_pipeline.trainers.algorithms.rloo import RlooConfig
+from rlhf_pipeline.trainers.algorithms.rm import RewardModelConfig
+from rlhf_pipeline.trainers.algorithms.sft import SftConfig
 from rlhf_pipeline.trainers.config import StageConfig
 from rlhf_pipeline.trainers.data import DataConfig
-from rlhf_pipeline.trainers.dpo import DpoConfig
-from rlhf_pipeline.trainers.eval import EvalConfig
-from rlhf_pipeline.trainers.grpo import GrpoConfig
-from rlhf_pipeline.trainers.kto import KtoConfig
-from rlhf_pipeline.trainers.memory import (
+from rlhf_pipeline.trainers.evaluation.stage import EvalConfig
+from rlhf_pipeline.trainers.models.memory import (
     EVALUATED,
     POLICY,
     REFERENCE,
@@ -29,12 +33,8 @@ from rlhf_pipeline.trainers.memory import (
     VALUE_MODEL,
     Held,
 )
-from rlhf_pipeline.trainers.orpo import OrpoConfig
-from rlhf_pipeline.trainers.pairs import PairsConfig
-from rlhf_pipeline.trainers.ppo import PpoConfig
-from rlhf_pipeline.trainers.rloo import RlooConfig
-from rlhf_pipeline.trainers.rm import RewardModelConfig
-from rlhf_pipeline.trainers.sft import SftConfig
+from rlhf_pipeline.trainers.pairs.stage import PairsConfig
+from rlhf_pipeline.trainers.ppo.train import PpoConfig
 
 POLICY_STAGE = "policy"
 """In `upstream`: the run's policy-optimisation stage, whichever `algorithm` names."""
@@ -59,7 +59,8 @@ class Stage:
     device: bool = False
     """Holds a slot of the device limit (a GPU) while it builds."""
     holds: tuple[Held, ...] = ()
-    """The models in memory at its peak (`trainers.memory`; `rlhf check` adds LoRA, beta and the rewards' choices)."""
+    """The models in memory at its peak (`trainers.models.memory`; `rlhf check` adds LoRA, beta and the rewards'
+    choices)."""
     algorithm: bool = False
     """One of the policy-optimisation choices (`algorithm=<name>`)."""
     online: bool = False
@@ -82,7 +83,7 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         name="sft",
         config=SftConfig,
-        trainer="rlhf_pipeline.trainers.sft",
+        trainer="rlhf_pipeline.trainers.algorithms.sft",
         task=TRAIN_STAGE,
         description="Supervised fine-tuning (TRL SFTTrainer).",
         reads=("sft",),
@@ -93,7 +94,7 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         name="pairs",
         config=PairsConfig,
-        trainer="rlhf_pipeline.trainers.pairs",
+        trainer="rlhf_pipeline.trainers.pairs.stage",
         task="rlhf_pipeline.tasks.pairs:make_pairs",
         description=(
             "Preference pairs made from prompts: the starting policy's samples labelled by a verifier, the reward "
@@ -107,7 +108,7 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         name="rm",
         config=RewardModelConfig,
-        trainer="rlhf_pipeline.trainers.rm",
+        trainer="rlhf_pipeline.trainers.algorithms.rm",
         task=TRAIN_STAGE,
         description="Reward model (TRL RewardTrainer).",
         reads=("preference", "preference_eval"),
@@ -119,7 +120,7 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         name="dpo",
         config=DpoConfig,
-        trainer="rlhf_pipeline.trainers.dpo",
+        trainer="rlhf_pipeline.trainers.algorithms.dpo",
         task=TRAIN_STAGE,
         description="DPO (TRL DPOTrainer).",
         reads=PREFERENCES,
@@ -132,7 +133,7 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         name="kto",
         config=KtoConfig,
-        trainer="rlhf_pipeline.trainers.kto",
+        trainer="rlhf_pipeline.trainers.algorithms.kto",
         task=TRAIN_STAGE,
         description="KTO (TRL KTOTrainer): unpaired binary feedback; pairs are unpaired.",
         reads=PREFERENCES,
@@ -144,7 +145,7 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         name="orpo",
         config=OrpoConfig,
-        trainer="rlhf_pipeline.trainers.orpo",
+        trainer="rlhf_pipeline.trainers.algorithms.orpo",
         task=TRAIN_STAGE,
         description="ORPO (TRL ORPOTrainer): preference pairs, no reference model, the SFT loss folded in.",
         reads=PREFERENCES,
@@ -157,7 +158,7 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         name="grpo",
         config=GrpoConfig,
-        trainer="rlhf_pipeline.trainers.grpo",
+        trainer="rlhf_pipeline.trainers.algorithms.grpo",
         task=TRAIN_STAGE,
         description="GRPO (TRL GRPOTrainer).",
         reads=("prompts",),
@@ -170,7 +171,7 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         name="rloo",
         config=RlooConfig,
-        trainer="rlhf_pipeline.trainers.rloo",
+        trainer="rlhf_pipeline.trainers.algorithms.rloo",
         task=TRAIN_STAGE,
         description="RLOO (TRL RLOOTrainer).",
         reads=("prompts",),
@@ -183,9 +184,9 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         name="ppo",
         config=PpoConfig,
-        trainer="rlhf_pipeline.trainers.ppo",
+        trainer="rlhf_pipeline.trainers.ppo.train",
         task=TRAIN_STAGE,
-        description="PPO (ours: trainers/ppo.py).",
+        description="PPO (ours: trainers/ppo/train.py).",
         reads=("prompts",),
         upstream=ONLINE_UPSTREAM,
         device=True,
@@ -196,7 +197,7 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         name="eval",
         config=EvalConfig,
-        trainer="rlhf_pipeline.trainers.eval",
+        trainer="rlhf_pipeline.trainers.evaluation.stage",
         task="rlhf_pipeline.tasks.eval:evaluate",
         description="Held-out evaluation of the policy against SFT, the base model and the champion.",
         reads=("prompts_eval", "preference_eval", "sft"),

@@ -45,10 +45,10 @@ from rlhf_pipeline.tasks.code_version import code_version
 from rlhf_pipeline.tasks.metric_queue import MetricQueue
 from rlhf_pipeline.tasks.resources import PeakMemory, child_pids, frozen_heap, kill_process
 from rlhf_pipeline.tasks.secrets import redact
-from rlhf_pipeline.trainers import stopping
-from rlhf_pipeline.trainers.failures import permanent_reason
-from rlhf_pipeline.trainers.loop import OUTCOME, PEAK_GPU, last_checkpoint
-from rlhf_pipeline.trainers.models import tokenizer_digest
+from rlhf_pipeline.trainers.algorithms.loop import OUTCOME, PEAK_GPU, last_checkpoint
+from rlhf_pipeline.trainers.models.load import tokenizer_digest
+from rlhf_pipeline.trainers.runtime import stopping
+from rlhf_pipeline.trainers.runtime.failures import permanent_reason
 
 PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "great-expectations", "prefect", "mlflow")
 

@@ -14,7 +14,7 @@ With the `pairs` stage on, `data_dir/datasets/preference.parquet` is the made pa
 
 The blocks a trainer takes besides its own (`model`, `rewards`) are keyed with its config: changing the
 rewards re-runs the online stages only. A trainer writes `out_dir/model`, checkpoints into `work_dir`, returns its
-final metrics and emits progress records (`trainers.progress`); it imports no Prefect.
+final metrics and emits progress records (`trainers.runtime.progress`); it imports no Prefect.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from rlhf_pipeline.tasks.launcher import run_launched
 from rlhf_pipeline.tasks.orchestration import device_hold, prefect_log, stage_task
 from rlhf_pipeline.tasks.stages import BY_NAME, STAGES, TRAIN_STAGE, Stage, reads
 from rlhf_pipeline.tasks.store import run_stage
-from rlhf_pipeline.trainers.checkpoints import keyed_model
 from rlhf_pipeline.trainers.config import Block, ModelConfig, StageConfig
+from rlhf_pipeline.trainers.models.checkpoints import keyed_model
 
 MODEL_INPUTS = {"sft_model": "sft", "reward_model": "rm"}
 """Trainer parameter -> the upstream stage whose `model/` folder it receives (a feedback round's policy starts from
@@ -63,7 +63,7 @@ def settings_of(stage: Stage) -> tuple[str, ...]:
 def code_fingerprints(config: StageConfig, settings: dict[str, Block]) -> dict[str, str]:
     """The source digest of every import path the stage runs (its optimizer factory, callbacks, compute_metrics; the
     reward functions of `rewards`): editing one re-runs the stages that use it and nothing else."""
-    from rlhf_pipeline.trainers.custom import source_digests
+    from rlhf_pipeline.trainers.runtime.custom import source_digests
 
     paths = [*config.code_paths(), *(path for block in settings.values() for path in block.code_paths())]
     return source_digests(paths)
@@ -85,7 +85,7 @@ def train_stage(
     fingerprints = code_fingerprints(config, settings)
 
     def build(out_dir, work_dir, log_metrics) -> dict[str, float]:
-        from rlhf_pipeline.trainers.loop import match_cpu_threads
+        from rlhf_pipeline.trainers.algorithms.loop import match_cpu_threads
 
         match_cpu_threads()
         given: dict[str, Any] = {

@@ -87,8 +87,8 @@ def pytest_collection_modifyitems(config, items: list) -> None:
 def untrained_sft(tmp_path_factory) -> Path:
     """The tests' small tiny model, untrained, saved as the `sft` stage saves its model (weights, tokenizer, chat
     template): the folder a trainer under test starts from. Shared by the session: read it, never write into it."""
-    from rlhf_pipeline.trainers.base_model import load_base_model
-    from rlhf_pipeline.trainers.models import save_model
+    from rlhf_pipeline.trainers.models.base_model import load_base_model
+    from rlhf_pipeline.trainers.models.load import save_model
     from tests.helpers import SMALL_MODEL
 
     return save_model(*load_base_model(SMALL_MODEL), tmp_path_factory.mktemp("untrained-sft") / "model")

@@ -216,7 +216,7 @@ class TerminateAt(TrainerCallback):
         self.step = step
 
     def on_step_end(self, args, state, control, **kwargs):
-        from rlhf_pipeline.trainers.stopping import TERMINATING
+        from rlhf_pipeline.trainers.runtime.stopping import TERMINATING
 
         if state.global_step >= self.step:
             TERMINATING.set()

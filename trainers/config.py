@@ -127,7 +127,7 @@ class ModelConfig(Block):
     @model_validator(mode="after")
     def _remote_code_allowed_by_the_operator(self):
         if self.trust_remote_code:
-            from rlhf_pipeline.trainers.trust import check_remote_code
+            from rlhf_pipeline.trainers.runtime.trust import check_remote_code
 
             check_remote_code(self.name_or_path, "model")
         return self
@@ -241,7 +241,7 @@ class CallbackSpec(StrictModel):
     def _a_trainer_callback(self):
         from transformers import TrainerCallback
 
-        from rlhf_pipeline.trainers.custom import import_object
+        from rlhf_pipeline.trainers.runtime.custom import import_object
 
         cls = import_object(self.path, "callback")
         if not (isinstance(cls, type) and issubclass(cls, TrainerCallback)):
@@ -253,7 +253,7 @@ class CallbackSpec(StrictModel):
         return self
 
     def build(self):
-        from rlhf_pipeline.trainers.custom import import_object
+        from rlhf_pipeline.trainers.runtime.custom import import_object
 
         return import_object(self.path, "callback")(**self.kwargs)
 
@@ -283,7 +283,7 @@ class Customisation(StageConfig):
     @classmethod
     def _factory_importable(cls, path: str | None) -> str | None:
         if path is not None:
-            from rlhf_pipeline.trainers.custom import import_callable
+            from rlhf_pipeline.trainers.runtime.custom import import_callable
 
             import_callable(path, "optimizer_factory", positional=2)
         return path
@@ -339,7 +339,7 @@ class EvalDuringTraining(StageConfig):
     @classmethod
     def _metrics_importable(cls, path: str | None) -> str | None:
         if path is not None:
-            from rlhf_pipeline.trainers.custom import import_callable
+            from rlhf_pipeline.trainers.runtime.custom import import_callable
 
             import_callable(path, "compute_metrics", positional=1)
         return path
@@ -389,7 +389,7 @@ class EvalDuringTraining(StageConfig):
     def metrics_function(self) -> Callable | None:
         if self.compute_metrics is None:
             return None
-        from rlhf_pipeline.trainers.custom import import_callable
+        from rlhf_pipeline.trainers.runtime.custom import import_callable
 
         return import_callable(self.compute_metrics, "compute_metrics", positional=1)
 

@@ -272,8 +272,8 @@ def _reads_back(text: str, number: float) -> bool:
 
 def network_error(exc: BaseException) -> bool:
     """A dropped connection, a timeout or a server error (5xx) on the way to the hub, and not a refusal no retry
-    fixes (a missing or gated dataset, refused credentials: `trainers.failures`)."""
-    from rlhf_pipeline.trainers.failures import causes, permanent_reason
+    fixes (a missing or gated dataset, refused credentials: `trainers.runtime.failures`)."""
+    from rlhf_pipeline.trainers.runtime.failures import causes, permanent_reason
 
     if permanent_reason(exc) is not None:
         return False

@@ -16,7 +16,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
-from rlhf_pipeline.trainers.tiny import ROLES
+from rlhf_pipeline.trainers.models.tiny import ROLES
 from rlhf_pipeline.validators.formats import LABEL, DatasetFormat, value_type
 from rlhf_pipeline.validators.leakage import normalise
 from rlhf_pipeline.validators.report import short_repr

@@ -1,6 +1,6 @@
 """The `data` stage's build: check every dataset (raw bytes, Great Expectations rules, chat template, token lengths,
 train/eval leakage), then freeze Parquet copies that later stages read. It sits beside the validators it runs: the
-trainers only read what it wrote (`trainers.loop.load_split`).
+trainers only read what it wrote (`trainers.algorithms.loop.load_split`).
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def check_datasets(
     sources = cfg.sources()
     limits = {name: limit for name, limit in max_tokens.items() if name in sources}
     if tokenizer is None and model is not None:
-        from rlhf_pipeline.trainers.base_model import load_base_tokenizer
+        from rlhf_pipeline.trainers.models.base_model import load_base_tokenizer
 
         tokenizer = load_base_tokenizer(model)
     model_name = repr(model.name_or_path) if model is not None else "the model"
@@ -187,9 +187,9 @@ def check_datasets(
 
 def _benchmark_leaks(passed: dict[str, tuple], benchmarks: tuple[str, ...], report_dir: Path) -> list[ValueError]:
     """Rule `no_benchmark_prompt_in_training` on every dataset trained on, for each benchmark eval scores (`benchmarks`:
-    keys of `trainers.ifeval_eval.BENCHMARKS`): all of its test prompts, the ones this machine cannot check too. A
-    dataset that breaks it fails (and is dropped from `passed`)."""
-    from rlhf_pipeline.trainers.ifeval_eval import BENCHMARKS, benchmark_file
+    keys of `trainers.evaluation.instructions.BENCHMARKS`): all of its test prompts, the ones this machine cannot check
+    too. A dataset that breaks it fails (and is dropped from `passed`)."""
+    from rlhf_pipeline.trainers.evaluation.instructions import BENCHMARKS, benchmark_file
     from rlhf_pipeline.validators.leakage import check_benchmark_leakage
     from rlhf_pipeline.validators.report import DataValidationError
     from rlhf_pipeline.validators.validate import REPORT_FILE

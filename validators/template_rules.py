@@ -6,7 +6,7 @@ rendered at all (transformers says "Cannot use chat template functions..."); the
 fix is `model.chat_template=chatml` (or a Jinja file), which the rule names.
 With `sft.assistant_only_loss`, TRL trains only the tokens inside the template's
 `{% generation %}` marks; a template without them trains with TRL's own training
-version of it where TRL 1.16 has one (`trainers.templates.training_template`).
+version of it where TRL 1.16 has one (`trainers.models.templates.training_template`).
 The rule renders a sample conversation with the template TRL will use and checks
 the result: the assistant mask covers each assistant turn and nothing of the
 others. A template it cannot train, and one whose marks leave out the end-of-turn
@@ -51,7 +51,7 @@ def template_problem(tokenizer: Any, model_name: str, assistant_only: bool) -> s
 def assistant_mask_problem(tokenizer: Any, model_name: str) -> str | None:
     """Why TRL's assistant mask, computed with the template TRL will train with, does not cover exactly the
     assistant turns of a sample conversation (None: it does)."""
-    from rlhf_pipeline.trainers.templates import assistant_mask, training_template
+    from rlhf_pipeline.trainers.models.templates import assistant_mask, training_template
 
     try:
         template = training_template(tokenizer)
@@ -114,7 +114,7 @@ def untrained_end_of_turns(
     fmt: DatasetFormat, values: dict[str, list[Any]], tokenizer: Any
 ) -> tuple[list[int | None], dict[int, str]]:
     """Per row: assistant turns whose trained span (TRL's assistant mask) does not end with the end-of-turn token."""
-    from rlhf_pipeline.trainers.templates import assistant_mask, end_of_turn, training_template
+    from rlhf_pipeline.trainers.models.templates import assistant_mask, end_of_turn, training_template
 
     eot = end_of_turn(tokenizer)
     eot_id = tokenizer.convert_tokens_to_ids(eot) if eot else tokenizer.eos_token_id

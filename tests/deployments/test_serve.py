@@ -7,7 +7,7 @@ from rlhf_pipeline.flows.evaluate import EvalParams, rlhf_eval
 from rlhf_pipeline.flows.params import PipelineParams, from_flow_parameters, load_params, parameter_order
 from rlhf_pipeline.flows.rlhf import rlhf
 from rlhf_pipeline.tasks.stages import ALGORITHMS
-from rlhf_pipeline.trainers.ppo import PpoConfig
+from rlhf_pipeline.trainers.ppo.train import PpoConfig
 
 
 def test_deployments_carry_valid_typed_parameters_and_the_retrain_schedule():

@@ -296,7 +296,7 @@ def test_cancelling_a_flow_run_stops_every_rank_of_a_launched_stage(service):
         for process in psutil.process_iter(["cmdline"]):
             with contextlib.suppress(psutil.Error):
                 line = " ".join(process.info["cmdline"] or [])
-                if "rlhf_pipeline.trainers.rank" in line and str(service["tmp"]) in line:
+                if "rlhf_pipeline.trainers.runtime.rank" in line and str(service["tmp"]) in line:
                     found.append(process)
         return found
 

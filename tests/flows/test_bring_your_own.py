@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from rlhf_pipeline.flows.params import load_params
-from rlhf_pipeline.trainers.eval import planned_metrics
+from rlhf_pipeline.trainers.evaluation.stage import planned_metrics
 from tests.flows.helpers import CI_PRESET, run, task_states
 from tests.foreign_models import chat_data, gpt2_folder, qwen2_folder
 

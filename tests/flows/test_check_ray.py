@@ -104,7 +104,8 @@ def test_without_an_address_it_describes_this_machine_as_the_local_cluster_and_s
     assert f"Ray: sft, rm, dpo run as Ray Train jobs on {LOCAL_CLUSTER}" in out
     assert f"Ray cluster at {LOCAL_NODE}: 1 node(s), {os.cpu_count()} CPUs, {torch.cuda.device_count()} GPUs" in out
     assert [row["address"] for row in table(out, "Ray node")] == ["127.0.0.1"]
-    # The machine as one node, in ray.nodes()' shape: trainers.ray_job.too_small judges it as it judges a cluster.
+    # The machine as one node, in ray.nodes()' shape: trainers.runtime.ray_job.too_small judges it as it judges a
+    # cluster.
     assert code == 1
     verdict = out.strip().splitlines()[-1]
     assert verdict.endswith(

@@ -51,8 +51,8 @@ def test_a_model_folder_no_stage_wrote_is_evaluated_through_a_link_keyed_by_its_
     through `inputs/<digest>/model` in the run state, a link to the folder itself."""
     from rlhf_pipeline.tasks.artifacts import content_digest
     from rlhf_pipeline.tasks.resolve import resolve_model
-    from rlhf_pipeline.trainers.base_model import load_base_model
-    from rlhf_pipeline.trainers.models import save_model
+    from rlhf_pipeline.trainers.models.base_model import load_base_model
+    from rlhf_pipeline.trainers.models.load import save_model
     from tests.helpers import SMALL_MODEL
 
     monkeypatch.setenv("RLHF_MODEL_CACHE", str(tmp_path / "models"))
@@ -99,7 +99,7 @@ def assert_a_clean_console(stdout: str, stderr: str, trained: list[str]) -> None
     ]  # what stays on screen of each line a bar redraws with \r
     assert "it/s]" not in terminal and "examples/s]" not in terminal, "a library's tqdm bar"  # ours count steps
     assert not [line for line in shown if line.lstrip().startswith("{'")], "a printed log dict"
-    assert "FutureWarning" not in terminal and "rlhf_pipeline.trainers.progress" not in terminal
+    assert "FutureWarning" not in terminal and "rlhf_pipeline.trainers.runtime.progress" not in terminal
     assert "great_expectations" not in terminal and "MLflow database tables" not in terminal, "a library's INFO log"
     for stage in trained:  # one bar each: it starts once and ends full (in a pipe, tqdm writes each refresh as a line)
         bars = [line for line in shown if line.startswith(f"{stage}: ")]
@@ -119,7 +119,8 @@ def progress_in_the_prefect_ui(database: Path) -> dict[str, int]:
     """The progress lines of each stage in the logs the Prefect UI shows: the temporary server's store, read after the
     run."""
     with contextlib.closing(sqlite3.connect(database)) as store:
-        rows = store.execute("SELECT message FROM log WHERE name = 'rlhf_pipeline.trainers.progress'").fetchall()
+        query = "SELECT message FROM log WHERE name = 'rlhf_pipeline.trainers.runtime.progress'"
+        rows = store.execute(query).fetchall()
     return dict(Counter(message.split(":", 1)[0] for (message,) in rows if ": step " in message))
 
 

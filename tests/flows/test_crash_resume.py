@@ -103,7 +103,7 @@ def test_a_killed_run_resumes_sft_and_dpo_from_their_checkpoints_and_ends_where_
 def test_sigterm_mid_sft_checkpoints_exits_within_the_grace_and_the_next_run_resumes_from_that_checkpoint(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from rlhf_pipeline.trainers.stopping import DEFAULT_GRACE
+    from rlhf_pipeline.trainers.runtime.stopping import DEFAULT_GRACE
 
     state, log = tmp_path / "state", tmp_path / "run.log"
     no_periodic_checkpoint = "sft.save_steps=1000"  # the only checkpoint is the one the signal writes
@@ -167,7 +167,7 @@ def prefect_states(state: Path) -> tuple[list[str], list[str]]:
 def test_ctrl_c_mid_sft_checkpoints_cancels_the_run_stops_the_server_last_exits_130_and_the_next_run_resumes(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from rlhf_pipeline.trainers.stopping import DEFAULT_GRACE
+    from rlhf_pipeline.trainers.runtime.stopping import DEFAULT_GRACE
 
     state, log = tmp_path / "state", tmp_path / "run.log"
     no_periodic_checkpoint = "sft.save_steps=1000"  # the only checkpoint is the one Ctrl-C writes

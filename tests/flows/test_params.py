@@ -172,8 +172,11 @@ def test_a_misspelt_import_path_fails_in_rlhf_params_naming_it(capsys):
     callbacks = '[{"path": "tests.usr_code:CountHooks", "kwargs": {"out": "x.json"}}]'
     assert main(["params", "--set", f"ppo.callbacks={callbacks}"]) == 2
     assert "callback 'tests.usr_code:CountHooks': module 'tests.usr_code' does not import" in capsys.readouterr().err
-    assert main(["params", "--set", "rewards.functions=[{path: rlhf_pipeline.trainers.sort_task:exact_macth}]"]) == 2
-    assert "reward function 'rlhf_pipeline.trainers.sort_task:exact_macth'" in capsys.readouterr().err
+    assert (
+        main(["params", "--set", "rewards.functions=[{path: rlhf_pipeline.trainers.rewards.sort_task:exact_macth}]"])
+        == 2
+    )
+    assert "reward function 'rlhf_pipeline.trainers.rewards.sort_task:exact_macth'" in capsys.readouterr().err
     # Spelt right, every path resolves, and each stage's block shows it.
     assert (
         main(["params", "--set", "sft.optimizer_factory=tests.user_code:sgd", "--set", "dpo.eval_strategy=steps"]) == 0

@@ -11,7 +11,7 @@ import pytest
 from safetensors.torch import load_file
 
 from rlhf_pipeline.flows.params import load_params
-from rlhf_pipeline.trainers import checkpoints
+from rlhf_pipeline.trainers.models import checkpoints
 from tests.flows.helpers import task_states
 from tests.foreign_models import chat_data
 from tests.helpers import unchanged
@@ -108,7 +108,7 @@ def test_smoke_grpo_from_the_chat_model_on_the_instruction_task(prefect, state, 
     assert rebuilt.is_completed(), rebuilt.message
     assert task_states(rebuilt)["data"] == "Completed" and task_states(rebuilt)["grpo"] == "Completed"
     assert (converted / checkpoints.CONVERTED).stat().st_mtime_ns == stamp
-    # one converted folder per file and the eval's kept answers (trainers.answers), no leftovers of either
+    # one converted folder per file and the eval's kept answers (trainers.evaluation.answers), no leftovers of either
     assert sorted(p.name for p in model_cache.iterdir()) == ["answers", converted.name]
     assert not [p for p in (model_cache / "answers").iterdir() if p.name.startswith(".")]
 

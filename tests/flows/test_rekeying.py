@@ -65,7 +65,7 @@ def test_editing_a_module_re_runs_the_stages_that_import_it(prefect, state, monk
             lambda file: original(file) + (b"\n# edited\n" if file.as_posix().endswith(suffix) else b""),
         )
 
-    edit("trainers/eval.py")
+    edit("trainers/evaluation/stage.py")
     assert task_states(run(NO_REGISTRY)) == {
         "data": "Cached",
         "sft": "Cached",
@@ -74,7 +74,7 @@ def test_editing_a_module_re_runs_the_stages_that_import_it(prefect, state, monk
         "eval": "Completed",
     }
 
-    edit("trainers/tiny.py")  # the tiny tokenizer and model: read by data, sft and eval (the base model)
+    edit("trainers/models/tiny.py")  # the tiny tokenizer and model: read by data, sft and eval (the base model)
     retokenized = run(NO_REGISTRY)
     states = task_states(retokenized)
     assert (states["data"], states["sft"], states["eval"]) == ("Completed", "Completed", "Completed")

@@ -159,11 +159,13 @@ def test_rlhf_params_and_its_errors_mask_secrets(capsys):
 def test_launch_json_holds_no_secret_and_the_ranks_get_them_by_environment(tmp_path, monkeypatch):
     from rlhf_pipeline.flows.params import load_params
     from rlhf_pipeline.tasks.secrets import redact
-    from rlhf_pipeline.trainers.rank import SECRETS_ENV, read_spec, write_spec
+    from rlhf_pipeline.trainers.runtime.rank import SECRETS_ENV, read_spec, write_spec
 
     sft = load_params("tiny", [f"sft.trl_overrides={{hub_token: {CONFIG_SECRET}}}"]).sft
     spec = tmp_path / "launch.json"
-    hidden = write_spec(spec, "rlhf_pipeline.trainers.sft", {"cfg": sft, "steps": 3, "out": tmp_path}, mask=redact)
+    hidden = write_spec(
+        spec, "rlhf_pipeline.trainers.algorithms.sft", {"cfg": sft, "steps": 3, "out": tmp_path}, mask=redact
+    )
     assert CONFIG_SECRET not in spec.read_text() and '"hub_token": "***"' in spec.read_text()
     assert list(hidden) == ["cfg"]
     monkeypatch.setenv(SECRETS_ENV, json.dumps(hidden))

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from rlhf_pipeline.cli import main
 from rlhf_pipeline.flows.params import load_params
-from rlhf_pipeline.trainers.trust import IMPORTS_ENV, REMOTE_CODE_ENV
+from rlhf_pipeline.trainers.runtime.trust import IMPORTS_ENV, REMOTE_CODE_ENV
 
 
 @pytest.fixture
@@ -40,7 +40,9 @@ def test_an_import_path_the_operator_did_not_allow_is_refused_before_it_is_impor
     assert IMPORTS_ENV in capsys.readouterr().err
     assert not planted.exists(), "the module ran"
     # The pipeline's own modules are always allowed.
-    load_params("tiny", ["algorithm=grpo", "rewards.functions=[{path: rlhf_pipeline.trainers.sort_task:exact_match}]"])
+    load_params(
+        "tiny", ["algorithm=grpo", "rewards.functions=[{path: rlhf_pipeline.trainers.rewards.sort_task:exact_match}]"]
+    )
 
     for allowed in ("planted_lab", "other,planted_lab.rewards", "planted_lab.rewards:score", "*"):
         monkeypatch.setenv(IMPORTS_ENV, allowed)

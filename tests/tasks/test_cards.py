@@ -12,7 +12,7 @@ from huggingface_hub import ModelCard
 
 from rlhf_pipeline.tasks.artifacts import HISTORY, MANIFEST, ArtifactRef
 from rlhf_pipeline.tasks.cards import export, hub_name, pipeline_tag, write_card
-from rlhf_pipeline.trainers.checkpoints import keyed_model
+from rlhf_pipeline.trainers.models.checkpoints import keyed_model
 from tests.helpers import SMALL_MODEL
 
 SFT_DATA = {"path": "data/sort/sft.jsonl", "split": "train", "name": None, "revision": None}

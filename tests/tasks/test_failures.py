@@ -15,7 +15,7 @@ from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.artifacts import RunContext
 from rlhf_pipeline.tasks.orchestration import DEFAULT_TIMEOUT, RetryConfig, is_permanent
 from rlhf_pipeline.tasks.store import run_stage
-from rlhf_pipeline.trainers.failures import permanent_reason
+from rlhf_pipeline.trainers.runtime.failures import permanent_reason
 
 
 def hub_answer(status: int):

@@ -12,8 +12,8 @@ from mlflow.tracking import MlflowClient
 from rlhf_pipeline.tasks.artifacts import ArtifactRef, RunContext, read_history
 from rlhf_pipeline.tasks.launcher import LaunchConfig
 from rlhf_pipeline.tasks.training import train_stage
+from rlhf_pipeline.trainers.algorithms.sft import SftConfig
 from rlhf_pipeline.trainers.config import CallbackSpec
-from rlhf_pipeline.trainers.sft import SftConfig
 from tests.helpers import FAST, SMALL_MODEL, data_artifact, stage_context, write_data_dir
 
 pytestmark = pytest.mark.e2e  # each launch starts two Python processes with torch (~10 s)
@@ -63,7 +63,7 @@ def test_sft_and_dpo_train_on_two_ranks_and_publish_as_in_process(ctx, data, cap
         "sft", config, {"model": SMALL_MODEL}, {"data": data}, ctx
     ).cached  # the launcher is not part of the key
     # dpo from that sft artifact, on two ranks as well.
-    from rlhf_pipeline.trainers.dpo import DpoConfig
+    from rlhf_pipeline.trainers.algorithms.dpo import DpoConfig
 
     caplog.clear()
     dpo = train_stage(
@@ -103,9 +103,9 @@ def test_a_rank_killed_mid_stage_fails_the_stage_leaves_no_process_and_the_retry
 
 
 def test_a_config_a_rank_refuses_fails_at_once_with_the_same_error(ctx, data, tmp_path):
-    from rlhf_pipeline.trainers.base_model import load_base_model
-    from rlhf_pipeline.trainers.dpo import DpoConfig
-    from rlhf_pipeline.trainers.models import save_model
+    from rlhf_pipeline.trainers.algorithms.dpo import DpoConfig
+    from rlhf_pipeline.trainers.models.base_model import load_base_model
+    from rlhf_pipeline.trainers.models.load import save_model
 
     policy, tokenizer = load_base_model(SMALL_MODEL)
     save_model(policy, tokenizer, tmp_path / "sft" / "model")
@@ -120,10 +120,10 @@ def test_a_config_a_rank_refuses_fails_at_once_with_the_same_error(ctx, data, tm
 def test_ppo_on_two_ranks_resumes_a_killed_rank_to_the_same_weights_as_an_unbroken_run(ctx, data, tmp_path, caplog):
     from safetensors.torch import load_file
 
-    from rlhf_pipeline.trainers.base_model import load_base_model
-    from rlhf_pipeline.trainers.models import save_model
-    from rlhf_pipeline.trainers.ppo import PpoConfig
-    from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, RewardsConfig
+    from rlhf_pipeline.trainers.models.base_model import load_base_model
+    from rlhf_pipeline.trainers.models.load import save_model
+    from rlhf_pipeline.trainers.ppo.train import PpoConfig
+    from rlhf_pipeline.trainers.rewards.mix import RewardFunctionSpec, RewardsConfig
 
     caplog.set_level(logging.INFO, logger="rlhf")
     policy, tokenizer = load_base_model(SMALL_MODEL)
@@ -218,10 +218,10 @@ def test_sft_dpo_and_ppo_on_two_ranks_and_two_ray_workers_reach_the_held_out_exa
     dpo and ppo from the in-process sft, on shorter budgets than the preset's (so each is still moving), in the three
     ways. (The preset's full budgets side by side: `python -m bench.launch_parity`.)"""
     from rlhf_pipeline.flows.params import load_params
-    from rlhf_pipeline.trainers.loop import load_split
-    from rlhf_pipeline.trainers.models import load_causal_lm
-    from rlhf_pipeline.trainers.sort_task import exact_match
-    from rlhf_pipeline.trainers.text import generate
+    from rlhf_pipeline.trainers.algorithms.loop import load_split
+    from rlhf_pipeline.trainers.models.load import load_causal_lm
+    from rlhf_pipeline.trainers.models.text import generate
+    from rlhf_pipeline.trainers.rewards.sort_task import exact_match
 
     caplog.set_level(logging.INFO, logger="rlhf")
     params = load_params("tiny")
@@ -285,13 +285,13 @@ def test_a_sigterm_reaches_the_ranks_which_checkpoint_and_stop_and_the_retry_res
     import threading
     import time
 
-    from rlhf_pipeline.trainers.stopping import TERMINATING, Terminated
+    from rlhf_pipeline.trainers.runtime.stopping import TERMINATING, Terminated
 
     config = SftConfig(max_steps=400, **{**FAST, "per_device_train_batch_size": 8, "save_steps": 1000})
     before = {child.pid for child in psutil.Process().children(recursive=True)}
     work = tmp_path / "artifacts" / "sft" / ".work"
 
-    def sigterm_once_training():  # what this process's SIGTERM handler does (trainers.stopping)
+    def sigterm_once_training():  # what this process's SIGTERM handler does (trainers.runtime.stopping)
         deadline = time.time() + 300
         while not list(work.glob("*/history.jsonl")) and time.time() < deadline:
             time.sleep(0.05)

@@ -10,7 +10,7 @@ import threading
 import time
 
 from rlhf_pipeline.tasks.progress_artifact import StageProgress, artifact_key
-from rlhf_pipeline.trainers.progress import Progress
+from rlhf_pipeline.trainers.runtime.progress import Progress
 
 
 class Api:

@@ -16,8 +16,8 @@ from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.artifacts import ArtifactRef, RunContext, read_history
 from rlhf_pipeline.tasks.launcher import LaunchConfig
 from rlhf_pipeline.tasks.training import train_stage
+from rlhf_pipeline.trainers.algorithms.sft import SftConfig
 from rlhf_pipeline.trainers.config import CallbackSpec
-from rlhf_pipeline.trainers.sft import SftConfig
 from tests import ray_cluster
 from tests.helpers import FAST, SMALL_MODEL, data_artifact, stage_context
 
@@ -70,7 +70,7 @@ def test_sft_and_dpo_span_both_nodes_of_the_cluster_and_publish_as_in_process(ct
     assert train_stage("sft", config, {"model": SMALL_MODEL}, {"data": data}, inprocess).cached  # not in the key
     assert ray_cluster.train_workers(os.environ["RAY_ADDRESS"]) == []  # no worker outlived its stage
 
-    from rlhf_pipeline.trainers.dpo import DpoConfig
+    from rlhf_pipeline.trainers.algorithms.dpo import DpoConfig
 
     caplog.clear()
     dpo = train_stage(
@@ -140,8 +140,8 @@ def test_an_error_no_retry_fixes_fails_at_once_with_its_type_and_a_cluster_too_s
 
 @pytest.fixture(scope="module")
 def sft_ref(tmp_path_factory) -> ArtifactRef:
-    from rlhf_pipeline.trainers.base_model import load_base_model
-    from rlhf_pipeline.trainers.models import save_model
+    from rlhf_pipeline.trainers.models.base_model import load_base_model
+    from rlhf_pipeline.trainers.models.load import save_model
 
     folder = tmp_path_factory.mktemp("sft")
     policy, tokenizer = load_base_model(SMALL_MODEL)
@@ -156,7 +156,7 @@ HALF = {**FAST, "per_device_train_batch_size": 4, "max_steps": 2}
 @pytest.mark.parametrize("stage", ["rm", "kto", "orpo", "grpo", "rloo"])
 def test_every_other_trl_stage_trains_on_two_workers(ctx, data, sft_ref, stage, caplog):
     from rlhf_pipeline.tasks.stages import BY_NAME
-    from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, RewardsConfig
+    from rlhf_pipeline.trainers.rewards.mix import RewardFunctionSpec, RewardsConfig
 
     caplog.set_level(logging.INFO, logger="rlhf")
     online = {"max_completion_length": 6, "num_generations": 4} if stage in ("grpo", "rloo") else {}

@@ -12,9 +12,9 @@ from rlhf_pipeline.tasks.artifacts import RunContext
 from rlhf_pipeline.tasks.gate import CANDIDATE, CHAMPION, RegistryConfig, gate, hacking
 from rlhf_pipeline.tasks.registry import current_champion, register_policy
 from rlhf_pipeline.tasks.store import run_stage
-from rlhf_pipeline.trainers.base_model import load_base_model
-from rlhf_pipeline.trainers.models import save_model
-from rlhf_pipeline.trainers.tiny import build_tokenizer
+from rlhf_pipeline.trainers.models.base_model import load_base_model
+from rlhf_pipeline.trainers.models.load import save_model
+from rlhf_pipeline.trainers.models.tiny import build_tokenizer
 from tests.helpers import SMALL_MODEL
 
 
@@ -229,10 +229,10 @@ def test_two_registrations_at_once_move_champion_once_and_the_other_stays_candid
 @pytest.mark.e2e  # trains the full tiny model for 60 steps and runs 4 evaluations: minutes on a CPU
 def test_gate_on_measured_exact_match_refuses_the_untrained_base_and_promotes_a_trained_model(ctx, tmp_path):
     """Every number the gate sees here is measured by the eval stage's code, on purpose-built models."""
-    from rlhf_pipeline.trainers import eval as evaluation
-    from rlhf_pipeline.trainers import sft
+    from rlhf_pipeline.trainers.algorithms import sft
     from rlhf_pipeline.trainers.config import ModelConfig
-    from rlhf_pipeline.trainers.eval import EvalConfig
+    from rlhf_pipeline.trainers.evaluation import stage as evaluation
+    from rlhf_pipeline.trainers.evaluation.stage import EvalConfig
     from tests.helpers import write_data_dir
 
     data = write_data_dir(tmp_path / "data", rows=600)

@@ -8,7 +8,7 @@ from mlflow.tracking import MlflowClient
 from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.artifacts import MANIFEST, ArtifactRef, RunContext
 from rlhf_pipeline.tasks.store import run_stage, stage_key
-from rlhf_pipeline.trainers.dpo import DpoConfig
+from rlhf_pipeline.trainers.algorithms.dpo import DpoConfig
 
 
 @pytest.fixture
@@ -157,9 +157,9 @@ def test_two_runs_with_the_same_inputs_at_once_build_once_and_share_the_result(c
 
 def test_models_with_different_tokenizers_are_refused_at_the_edge_before_the_stage_builds(ctx, tmp_path):
     from rlhf_pipeline.flows.evaluate import EvalParams
-    from rlhf_pipeline.trainers.base_model import load_base_model
     from rlhf_pipeline.trainers.config import ModelConfig
-    from rlhf_pipeline.trainers.models import save_model
+    from rlhf_pipeline.trainers.models.base_model import load_base_model
+    from rlhf_pipeline.trainers.models.load import save_model
     from tests.foreign_models import gpt2_folder
     from tests.helpers import SMALL_MODEL
 
@@ -168,7 +168,7 @@ def test_models_with_different_tokenizers_are_refused_at_the_edge_before_the_sta
     gpt2 = gpt2_folder(tmp_path / "gpt2")
     save_model(*load_base_model(ModelConfig(name_or_path=str(gpt2))), tmp_path / "policy" / "model")
     # A stage that loads its upstream's tokenizer and saves it again keeps the digest (a re-save adds loading options).
-    from rlhf_pipeline.trainers.models import load_causal_lm, tokenizer_digest
+    from rlhf_pipeline.trainers.models.load import load_causal_lm, tokenizer_digest
 
     save_model(*load_causal_lm(tmp_path / "sft" / "model"), tmp_path / "resaved")
     assert tokenizer_digest(tmp_path / "resaved") == tokenizer_digest(tmp_path / "sft" / "model") != ""

@@ -12,8 +12,8 @@ from rlhf_pipeline.tasks.code_version import code_version, project_imports
 from rlhf_pipeline.tasks.stages import BY_NAME, STAGES, TRAIN_STAGE
 from rlhf_pipeline.tasks.training import MODEL_INPUTS, trainer_parameters
 
-TINY = "rlhf_pipeline.trainers.tiny"
-EVAL = "rlhf_pipeline.trainers.eval"
+TINY = "rlhf_pipeline.trainers.models.tiny"
+EVAL = "rlhf_pipeline.trainers.evaluation.stage"
 
 
 def closure(stage: str) -> set[str]:
@@ -37,9 +37,10 @@ def test_every_trainer_takes_what_its_row_says(stage):
 def test_code_versions_follow_the_imports_not_a_list():
     # The tiny tokenizer and model are read by the stages that start from the base model only.
     assert {stage for stage in BY_NAME if BY_NAME[stage].trainer and TINY in closure(stage)} == {"data", "sft", "eval"}
-    # Editing the evaluation code re-keys eval alone (PPO and the rewards render text through trainers.text).
+    # Editing the evaluation code re-keys eval alone (PPO and the rewards render text through trainers.models.text).
     assert {stage for stage in BY_NAME if BY_NAME[stage].trainer and EVAL in closure(stage)} == {"eval"}
-    assert "rlhf_pipeline.trainers.text" in closure("ppo") and "rlhf_pipeline.trainers.rewards" in closure("grpo")
+    assert "rlhf_pipeline.trainers.models.text" in closure("ppo")
+    assert "rlhf_pipeline.trainers.rewards.mix" in closure("grpo")
     # Imports inside functions count: the data stage's validators are imported lazily.
     assert "rlhf_pipeline.validators.rules" in closure("data")
 
@@ -50,14 +51,17 @@ def test_imports_inside_functions_count_and_imports_for_annotations_do_not(tmp_p
     module = tmp_path / "trainer.py"
     module.write_text(
         "from typing import TYPE_CHECKING\n"
-        "if TYPE_CHECKING:\n    from rlhf_pipeline.trainers.tiny import build_model\n"
-        "def train():\n    from rlhf_pipeline.trainers import text\n    import rlhf_pipeline.trainers.metrics\n"
+        "if TYPE_CHECKING:\n    from rlhf_pipeline.trainers.models.tiny import build_model\n"
+        "def train():\n    from rlhf_pipeline.trainers.models import text\n"
+        "    import rlhf_pipeline.trainers.rewards.metrics\n"
     )
     assert set(_imported_modules(module, "trainer")) == {
         "rlhf_pipeline",
         "rlhf_pipeline.trainers",
-        "rlhf_pipeline.trainers.text",
-        "rlhf_pipeline.trainers.metrics",
+        "rlhf_pipeline.trainers.models",
+        "rlhf_pipeline.trainers.models.text",
+        "rlhf_pipeline.trainers.rewards",
+        "rlhf_pipeline.trainers.rewards.metrics",
     }
 
 
@@ -94,7 +98,7 @@ def test_editing_the_console_re_keys_no_stage(monkeypatch):
     # trains or evaluates, and data, which loads the base model's tokenizer (converting a GGUF file, with progress
     # lines).
     assert "rlhf_pipeline.console" in project_imports("rlhf_pipeline.cli")
-    edit("trainers/progress.py")
+    edit("trainers/runtime/progress.py")
     after = {s.name: code_version(s.trainer) for s in STAGES}
     assert {name for name in before if before[name] != after[name]} == {s.name for s in STAGES} - {"registry"}
 

@@ -9,9 +9,9 @@ from mlflow.tracking import MlflowClient
 from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.artifacts import ArtifactRef, RunContext
 from rlhf_pipeline.tasks.training import train_stage
+from rlhf_pipeline.trainers.algorithms.dpo import DpoConfig
+from rlhf_pipeline.trainers.algorithms.sft import SftConfig
 from rlhf_pipeline.trainers.config import CallbackSpec
-from rlhf_pipeline.trainers.dpo import DpoConfig
-from rlhf_pipeline.trainers.sft import SftConfig
 from tests.helpers import FAST, SMALL_MODEL, write_data_dir
 
 

@@ -10,9 +10,10 @@ import torch
 from pydantic import ValidationError
 
 from rlhf_pipeline.cli import main
-from rlhf_pipeline.trainers import ppo, rm, sft
+from rlhf_pipeline.trainers.algorithms import rm, sft
 from rlhf_pipeline.trainers.attention import device_problem
 from rlhf_pipeline.trainers.config import CallbackSpec
+from rlhf_pipeline.trainers.ppo import train as ppo
 from tests.helpers import CI_PRESET, FAST, SMALL_MODEL, write_data_dir
 from tests.trainers.test_ppo import (
     EXACT_MATCH,

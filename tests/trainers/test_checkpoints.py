@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rlhf_pipeline.trainers import checkpoints
+from rlhf_pipeline.trainers.models import checkpoints
 
 
 def _gguf(path, architecture: str, quantization: str = "F32"):

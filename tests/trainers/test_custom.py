@@ -13,12 +13,13 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import load_file
 
-from rlhf_pipeline.trainers import dpo, ppo, sft
-from rlhf_pipeline.trainers.base_model import load_base_model
+from rlhf_pipeline.trainers.algorithms import dpo, sft
+from rlhf_pipeline.trainers.algorithms.loop import OUTCOME
 from rlhf_pipeline.trainers.config import CallbackSpec
-from rlhf_pipeline.trainers.loop import OUTCOME
-from rlhf_pipeline.trainers.models import load_causal_lm, save_model
-from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, RewardsConfig
+from rlhf_pipeline.trainers.models.base_model import load_base_model
+from rlhf_pipeline.trainers.models.load import load_causal_lm, save_model
+from rlhf_pipeline.trainers.ppo import train as ppo
+from rlhf_pipeline.trainers.rewards.mix import RewardFunctionSpec, RewardsConfig
 from tests.helpers import FAST, SMALL_MODEL, trainable, unchanged, write_data_dir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,8 +39,8 @@ def test_an_sgd_factory_trains_sft_and_a_killed_stage_resumes_with_its_state(tmp
     )
     # The first attempt dies by SIGKILL at step 3, after checkpoint-2, in a process of its own.
     script = (
-        "import sys, json; from pathlib import Path; from rlhf_pipeline.trainers import sft; from tests.helpers "
-        "import SMALL_MODEL\n"
+        "import sys, json; from pathlib import Path; from rlhf_pipeline.trainers.algorithms import sft\n"
+        "from tests.helpers import SMALL_MODEL\n"
         "cfg = sft.SftConfig.model_validate_json(sys.argv[1])\n"
         "sft.train(cfg, SMALL_MODEL, Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]))\n"
     )

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_pipeline.trainers import dpo, rm, sft
-from rlhf_pipeline.trainers.base_model import load_base_model
+from rlhf_pipeline.trainers.algorithms import dpo, rm, sft
 from rlhf_pipeline.trainers.data import DatasetSpec, dataset_fingerprint, load_source
-from rlhf_pipeline.trainers.models import load_causal_lm
+from rlhf_pipeline.trainers.models.base_model import load_base_model
+from rlhf_pipeline.trainers.models.load import load_causal_lm
 from rlhf_pipeline.validators import detect_format, validate_dataset
 from tests.helpers import FAST, SMALL_MODEL, trainable, unchanged, write_jsonl
 

@@ -1,8 +1,8 @@
 import pytest
 from pydantic import ValidationError
 
-from rlhf_pipeline.trainers import dpo
-from rlhf_pipeline.trainers.models import load_causal_lm
+from rlhf_pipeline.trainers.algorithms import dpo
+from rlhf_pipeline.trainers.models.load import load_causal_lm
 from tests.helpers import FAST, trainable, unchanged, write_data_dir
 
 

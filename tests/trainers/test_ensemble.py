@@ -8,13 +8,14 @@ import torch
 from pydantic import ValidationError
 from transformers import AutoModelForSequenceClassification
 
-from rlhf_pipeline.trainers import ppo, rm
-from rlhf_pipeline.trainers.ensemble import TextEnsemble, aggregate, member_dirs, scoring_dirs
-from rlhf_pipeline.trainers.loop import load_split
-from rlhf_pipeline.trainers.models import load_causal_lm
-from rlhf_pipeline.trainers.probes import CURVES
-from rlhf_pipeline.trainers.rewards import RewardsConfig, RewardScorer
-from rlhf_pipeline.trainers.text import prompt_ids
+from rlhf_pipeline.trainers.algorithms import rm
+from rlhf_pipeline.trainers.algorithms.loop import load_split
+from rlhf_pipeline.trainers.algorithms.probes import CURVES
+from rlhf_pipeline.trainers.models.load import load_causal_lm
+from rlhf_pipeline.trainers.models.text import prompt_ids
+from rlhf_pipeline.trainers.ppo import train as ppo
+from rlhf_pipeline.trainers.rewards.ensemble import TextEnsemble, aggregate, member_dirs, scoring_dirs
+from rlhf_pipeline.trainers.rewards.mix import RewardsConfig, RewardScorer
 from tests.helpers import FAST, trainable, unchanged, write_data_dir
 
 
@@ -46,7 +47,7 @@ def test_ensemble_fields_are_checked():
 
 @pytest.fixture(scope="module")
 def sft(tmp_path_factory, untrained_sft):
-    from rlhf_pipeline.trainers.models import load_tokenizer
+    from rlhf_pipeline.trainers.models.load import load_tokenizer
 
     root = tmp_path_factory.mktemp("ensemble")
     data = write_data_dir(root / "data", rows=64)

@@ -2,12 +2,12 @@ import json
 
 import pytest
 
-from rlhf_pipeline.trainers import eval as evaluation
-from rlhf_pipeline.trainers import sft
-from rlhf_pipeline.trainers.base_model import load_base_model
-from rlhf_pipeline.trainers.loop import load_split
-from rlhf_pipeline.trainers.models import save_model
-from rlhf_pipeline.trainers.text import generate, reward_scores
+from rlhf_pipeline.trainers.algorithms import sft
+from rlhf_pipeline.trainers.algorithms.loop import load_split
+from rlhf_pipeline.trainers.evaluation import stage as evaluation
+from rlhf_pipeline.trainers.models.base_model import load_base_model
+from rlhf_pipeline.trainers.models.load import save_model
+from rlhf_pipeline.trainers.models.text import generate, reward_scores
 from tests.helpers import FAST, SMALL_MODEL, write_data_dir
 
 
@@ -126,7 +126,7 @@ def test_evaluate_without_reference_answers_reports_what_needs_none_and_a_judge(
 
 
 def test_length_batches_keep_a_long_prompt_from_padding_short_ones():
-    from rlhf_pipeline.trainers.text import length_batches
+    from rlhf_pipeline.trainers.models.text import length_batches
 
     lengths = [90, 2591, 100, 757, 95, 110, 80]
     batches = length_batches(lengths, batch_size=3)
@@ -138,8 +138,8 @@ def test_length_batches_keep_a_long_prompt_from_padding_short_ones():
 
 
 def test_greedy_answers_are_made_once_per_model_prompts_and_budget(tmp_path, monkeypatch):
-    from rlhf_pipeline.trainers import text
-    from rlhf_pipeline.trainers.answers import answers_dir, greedy_answers
+    from rlhf_pipeline.trainers.evaluation.answers import answers_dir, greedy_answers
+    from rlhf_pipeline.trainers.models import text
 
     monkeypatch.setenv("RLHF_MODEL_CACHE", str(tmp_path / "models"))
     model, tokenizer = load_base_model(SMALL_MODEL)
@@ -163,7 +163,7 @@ def test_greedy_answers_are_made_once_per_model_prompts_and_budget(tmp_path, mon
     assert len(list(answers_dir().glob("*.jsonl"))) == 4
     # the same weights saved and loaded again (a GGUF's converted folder, sft's copy of it) are the same model
     save_model(model, tokenizer, tmp_path / "copy")
-    from rlhf_pipeline.trainers.models import load_causal_lm
+    from rlhf_pipeline.trainers.models.load import load_causal_lm
 
     again, again_tokenizer = load_causal_lm(tmp_path / "copy")
     greedy_answers(again, again_tokenizer, prompts, 4, 2)
@@ -173,7 +173,7 @@ def test_greedy_answers_are_made_once_per_model_prompts_and_budget(tmp_path, mon
 def test_eval_scores_every_model_on_the_rows_a_kept_probe_was_not_chosen_on(tmp_path):
     import shutil
 
-    from rlhf_pipeline.trainers.probes import probe_rows
+    from rlhf_pipeline.trainers.algorithms.probes import probe_rows
 
     assert probe_rows(600, 200) == (400, 600) and probe_rows(40, 200) == (20, 40) and probe_rows(1, 8) == (0, 1)
     data = write_data_dir(tmp_path / "data", rows=40)
@@ -212,7 +212,7 @@ def test_eval_answers_in_the_precision_it_is_given_and_keeps_those_answers_apart
 
     import torch
 
-    from rlhf_pipeline.trainers.answers import answers_dir
+    from rlhf_pipeline.trainers.evaluation.answers import answers_dir
 
     monkeypatch.setenv("RLHF_MODEL_CACHE", str(tmp_path / "models"))
     data = write_data_dir(tmp_path / "data", rows=12)

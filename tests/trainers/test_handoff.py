@@ -9,10 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf_pipeline.trainers import dpo, ppo, rm, sft
+from rlhf_pipeline.trainers.algorithms import dpo, rm, sft
 from rlhf_pipeline.trainers.config import LoraConfig
-from rlhf_pipeline.trainers.models import load_causal_lm, load_sequence_classifier, load_tokenizer
-from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, RewardsConfig
+from rlhf_pipeline.trainers.models.load import load_causal_lm, load_sequence_classifier, load_tokenizer
+from rlhf_pipeline.trainers.ppo import train as ppo
+from rlhf_pipeline.trainers.rewards.mix import RewardFunctionSpec, RewardsConfig
 from tests.helpers import FAST, SMALL_MODEL, write_data_dir
 
 ADAPTER = LoraConfig(enabled=True, r=4, lora_alpha=8, lora_dropout=0.0, keep_adapter=True)
@@ -159,7 +160,7 @@ def test_ppo_on_a_stacked_adapter_has_no_kl_to_its_reference_at_the_first_update
 
 
 def test_grpo_trains_a_stacked_adapter_against_its_frozen_copy(adapter, tmp_path):
-    from rlhf_pipeline.trainers import grpo
+    from rlhf_pipeline.trainers.algorithms import grpo
 
     logged: list[tuple[int, dict]] = []
     rewards = RewardsConfig(reward_model_weight=0, functions=[RewardFunctionSpec(path="tests.helpers:length_reward")])
@@ -219,8 +220,8 @@ def test_a_sharded_lora_model_is_saved_from_its_gathered_state_dict(adapter, tmp
     from peft import LoraConfig as PeftLora
     from peft import get_peft_model
 
-    from rlhf_pipeline.trainers.handoff import unsharded_copy
-    from rlhf_pipeline.trainers.models import save_model
+    from rlhf_pipeline.trainers.models.handoff import unsharded_copy
+    from rlhf_pipeline.trainers.models.load import save_model
 
     def gather_and_empty(model) -> dict:
         gathered = {key: value.clone() for key, value in model.state_dict().items()}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_pipeline.trainers import ifeval
+from rlhf_pipeline.trainers.rewards import ifeval
 
 NO_COMMA = ["punctuation:no_comma"]
 TITLE = "detectable_format:title"
@@ -98,7 +98,11 @@ def test_importing_ifbench_checkers_fetches_nothing():
     import sys
 
     done = subprocess.run(
-        [sys.executable, "-c", "from rlhf_pipeline.trainers import ifeval; print(len(ifeval.registry('ifbench')))"],
+        [
+            sys.executable,
+            "-c",
+            "from rlhf_pipeline.trainers.rewards import ifeval; print(len(ifeval.registry('ifbench')))",
+        ],
         capture_output=True,
         text=True,
         env={**os.environ, "NLTK_DATA": ""},
@@ -133,7 +137,7 @@ def test_the_generator_is_seeded_and_holds_requests_out(tmp_path):
 
 
 def test_the_benchmarks_are_ifevals_541_and_ifbenchs_294_prompts_from_their_wheels():
-    from rlhf_pipeline.trainers.ifeval_eval import BENCHMARKS, benchmark_rows
+    from rlhf_pipeline.trainers.evaluation.instructions import BENCHMARKS, benchmark_rows
 
     ifeval_rows, ifeval_refused = benchmark_rows(BENCHMARKS["ifeval"])
     assert len(ifeval_rows) == 541 and ifeval_refused == 0
@@ -144,7 +148,12 @@ def test_the_benchmarks_are_ifevals_541_and_ifbenchs_294_prompts_from_their_whee
 
 
 def test_a_subset_is_a_seeded_stratified_sample_covering_every_instruction_id_never_the_first_rows():
-    from rlhf_pipeline.trainers.ifeval_eval import BENCHMARKS, benchmark_rows, ids_covered, stratified_sample
+    from rlhf_pipeline.trainers.evaluation.instructions import (
+        BENCHMARKS,
+        benchmark_rows,
+        ids_covered,
+        stratified_sample,
+    )
 
     rows, _ = benchmark_rows(BENCHMARKS["ifbench"])  # sorted by constraint type: its first 60 cover 12 ids
     assert ids_covered(rows[:60]) < 20
@@ -170,7 +179,7 @@ def test_loose_scoring_forgives_a_first_line_and_markdown_as_ifeval_defines_it()
 
 
 def test_instruction_level_intervals_resample_prompts_as_a_ratio():
-    from rlhf_pipeline.trainers.metrics import bootstrap_ratio
+    from rlhf_pipeline.trainers.rewards.metrics import bootstrap_ratio
 
     # Two prompts: one with 3 instructions all followed, one with 1 not followed: 3 of 4 instructions.
     interval = bootstrap_ratio([3.0, 0.0], [3.0, 1.0], n_bootstrap=2000, seed=0)
@@ -182,8 +191,8 @@ def test_instruction_level_intervals_resample_prompts_as_a_ratio():
 
 
 def test_eval_scores_prompts_instructions_strict_and_loose_families_ids_cut_and_the_paired_gain():
-    from rlhf_pipeline.trainers.eval_report import summary_markdown
-    from rlhf_pipeline.trainers.ifeval_eval import InstructionFollowing, planned, score
+    from rlhf_pipeline.trainers.evaluation.instructions import InstructionFollowing, planned, score
+    from rlhf_pipeline.trainers.evaluation.report import summary_markdown
 
     rows = [
         {"prompt": _messages("Describe a park without commas."), "instruction_id_list": NO_COMMA, "kwargs": "[{}]"},

@@ -5,10 +5,16 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from rlhf_pipeline.trainers.base_model import load_base_model
 from rlhf_pipeline.trainers.config import ModelConfig, TinyModelConfig
-from rlhf_pipeline.trainers.judges import DEFAULT_TEMPLATE, JudgeConfig, judged_win_rate, load_judge, render_prompt
-from rlhf_pipeline.trainers.models import save_model
+from rlhf_pipeline.trainers.models.base_model import load_base_model
+from rlhf_pipeline.trainers.models.load import save_model
+from rlhf_pipeline.trainers.rewards.judges import (
+    DEFAULT_TEMPLATE,
+    JudgeConfig,
+    judged_win_rate,
+    load_judge,
+    render_prompt,
+)
 from tests.foreign_models import gpt2_folder
 
 SMALL = ModelConfig(

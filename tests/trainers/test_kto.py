@@ -2,9 +2,9 @@ import pytest
 from datasets import Dataset
 from pydantic import ValidationError
 
-from rlhf_pipeline.trainers import kto
-from rlhf_pipeline.trainers.metrics import sequence_logprobs
-from rlhf_pipeline.trainers.models import load_causal_lm
+from rlhf_pipeline.trainers.algorithms import kto
+from rlhf_pipeline.trainers.models.load import load_causal_lm
+from rlhf_pipeline.trainers.rewards.metrics import sequence_logprobs
 from tests.helpers import FAST, trainable, unchanged, write_data_dir
 
 CONFIG = dict(FAST, max_steps=8, per_device_train_batch_size=8)

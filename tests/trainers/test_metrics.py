@@ -2,9 +2,9 @@ import math
 
 import pytest
 
-from rlhf_pipeline.trainers.base_model import load_base_model
 from rlhf_pipeline.trainers.config import ModelConfig, TinyModelConfig
-from rlhf_pipeline.trainers.metrics import (
+from rlhf_pipeline.trainers.models.base_model import load_base_model
+from rlhf_pipeline.trainers.rewards.metrics import (
     Interval,
     bootstrap_mean,
     distinct_n,

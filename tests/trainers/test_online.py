@@ -1,13 +1,13 @@
-"""GRPO and RLOO (trainers/online.py through trainers/grpo.py and trainers/rloo.py)."""
+"""GRPO and RLOO (trainers/algorithms/online.py through trainers/algorithms/grpo.py and trainers/algorithms/rloo.py)."""
 
 import pytest
 from pydantic import ValidationError
 from transformers import AutoModelForSequenceClassification
 
-from rlhf_pipeline.trainers import grpo, rloo
-from rlhf_pipeline.trainers.base_model import load_base_model
-from rlhf_pipeline.trainers.models import load_causal_lm, save_model
-from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, RewardsConfig
+from rlhf_pipeline.trainers.algorithms import grpo, rloo
+from rlhf_pipeline.trainers.models.base_model import load_base_model
+from rlhf_pipeline.trainers.models.load import load_causal_lm, save_model
+from rlhf_pipeline.trainers.rewards.mix import RewardFunctionSpec, RewardsConfig
 from tests.helpers import FAST, SMALL_MODEL, trainable, unchanged, write_data_dir
 
 ONLINE = {**FAST, "per_device_train_batch_size": 8, "max_steps": 2, "max_completion_length": 6, "num_generations": 4}
@@ -120,8 +120,8 @@ def test_online_stages_probe_the_held_out_prompts_with_an_ensemble_and_publish_t
 
     import torch
 
-    from rlhf_pipeline.trainers import rm
-    from rlhf_pipeline.trainers.probes import CURVES
+    from rlhf_pipeline.trainers.algorithms import rm
+    from rlhf_pipeline.trainers.algorithms.probes import CURVES
 
     data = write_data_dir(tmp_path / "data", rows=16)
     rm.train(
@@ -168,8 +168,8 @@ def test_keep_best_chooses_by_the_held_out_gold_metric_when_the_training_reward_
     metric, keep_best publishes the probe that was best on it, which is not the last, and the reward never chose."""
     import json
 
-    from rlhf_pipeline.trainers.probes import CURVES
-    from rlhf_pipeline.trainers.rewards import GoldMetric
+    from rlhf_pipeline.trainers.algorithms.probes import CURVES
+    from rlhf_pipeline.trainers.rewards.mix import GoldMetric
 
     logged: list[tuple[int, dict]] = []
     cfg = grpo.GrpoConfig(**{**ONLINE, "max_steps": 8, "learning_rate": 1e-2}, eval_steps=2, eval_prompts=8)

@@ -3,8 +3,8 @@ from pydantic import ValidationError
 
 from rlhf_pipeline.check import held_models
 from rlhf_pipeline.flows.params import load_params
-from rlhf_pipeline.trainers import orpo
-from rlhf_pipeline.trainers.models import load_causal_lm
+from rlhf_pipeline.trainers.algorithms import orpo
+from rlhf_pipeline.trainers.models.load import load_causal_lm
 from tests.helpers import FAST, trainable, unchanged, write_data_dir
 
 

@@ -9,13 +9,13 @@ import pytest
 from pydantic import ValidationError
 
 from rlhf_pipeline.tasks.pairs import preference_rules
-from rlhf_pipeline.trainers import pairs as made
-from rlhf_pipeline.trainers.judges import JudgeConfig
-from rlhf_pipeline.trainers.loop import load_split
+from rlhf_pipeline.trainers.algorithms.loop import load_split
+from rlhf_pipeline.trainers.pairs import stage as made
+from rlhf_pipeline.trainers.rewards.judges import JudgeConfig
 from rlhf_pipeline.validators.report import DataValidationError
 from tests.helpers import write_data_dir
 
-EXACT = "rlhf_pipeline.trainers.sort_task:exact_match"
+EXACT = "rlhf_pipeline.trainers.rewards.sort_task:exact_match"
 LENGTH = "tests.helpers:length_reward"
 
 

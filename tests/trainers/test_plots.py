@@ -3,8 +3,8 @@ import pytest
 from matplotlib.colors import to_rgb
 from matplotlib.image import imread
 
-from rlhf_pipeline.trainers import plots
-from rlhf_pipeline.trainers.metrics import bootstrap_mean, win_rate
+from rlhf_pipeline.trainers.evaluation import plots
+from rlhf_pipeline.trainers.rewards.metrics import bootstrap_mean, win_rate
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -7,17 +7,17 @@ import pytest
 from pydantic import ValidationError
 from transformers import AutoModelForSequenceClassification
 
-from rlhf_pipeline.trainers import ppo
-from rlhf_pipeline.trainers.base_model import load_base_model
+from rlhf_pipeline.trainers.algorithms.loop import COMPLETE
 from rlhf_pipeline.trainers.config import LoraConfig
-from rlhf_pipeline.trainers.loop import COMPLETE
-from rlhf_pipeline.trainers.models import load_causal_lm, save_model
-from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, RewardsConfig, RewardScorer
-from rlhf_pipeline.trainers.text import prompt_ids as text_prompt_ids
+from rlhf_pipeline.trainers.models.base_model import load_base_model
+from rlhf_pipeline.trainers.models.load import load_causal_lm, save_model
+from rlhf_pipeline.trainers.models.text import prompt_ids as text_prompt_ids
+from rlhf_pipeline.trainers.ppo import train as ppo
+from rlhf_pipeline.trainers.rewards.mix import RewardFunctionSpec, RewardsConfig, RewardScorer
 from tests.helpers import SMALL_MODEL, trainable, unchanged, write_data_dir
 
 EXACT_MATCH = RewardsConfig(
-    reward_model_weight=0, functions=[RewardFunctionSpec(path="rlhf_pipeline.trainers.sort_task:exact_match")]
+    reward_model_weight=0, functions=[RewardFunctionSpec(path="rlhf_pipeline.trainers.rewards.sort_task:exact_match")]
 )
 # 8 prompts per update in 2 mini-batches of 4; 16 episodes = 2 updates.
 FAST = dict(
@@ -68,7 +68,7 @@ def test_sample_tables_are_spaced_as_trl_spaced_them():
 
 def test_import_is_cheap():
     code = (
-        "import sys, rlhf_pipeline.trainers.ppo; assert 'torch' not in sys.modules and 'transformers' not in "
+        "import sys, rlhf_pipeline.trainers.ppo.train; assert 'torch' not in sys.modules and 'transformers' not in "
         "sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -351,7 +351,7 @@ def test_samples_jsonl_every_few_updates_and_once_after_a_resume(tiny, tmp_path)
 
 def test_a_sigterm_mid_ppo_writes_a_checkpoint_publishes_nothing_and_the_next_attempt_resumes_from_it(tiny, tmp_path):
     from rlhf_pipeline.trainers.config import CallbackSpec
-    from rlhf_pipeline.trainers.stopping import TERMINATING, Terminated
+    from rlhf_pipeline.trainers.runtime.stopping import TERMINATING, Terminated
 
     four_updates = {**FAST, "total_episodes": 32, "save_steps": 1000}  # no periodic checkpoint: only the signal's
     terminate = CallbackSpec(path="tests.user_code:TerminateAt", kwargs={"step": 2})

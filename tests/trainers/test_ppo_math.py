@@ -1,11 +1,11 @@
-"""PPO's math (trainers/ppo_math.py) against values worked by hand."""
+"""PPO's math (trainers/ppo/losses.py) against values worked by hand."""
 
 import math
 
 import pytest
 import torch
 
-from rlhf_pipeline.trainers import ppo_math
+from rlhf_pipeline.trainers.ppo import losses as ppo_math
 
 
 def assert_close(actual: torch.Tensor, expected: list) -> None:

@@ -13,12 +13,14 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForSequenceClassification
 
-from rlhf_pipeline.trainers import ppo, rewards, text
-from rlhf_pipeline.trainers.base_model import load_base_model
 from rlhf_pipeline.trainers.config import ModelConfig
-from rlhf_pipeline.trainers.models import load_causal_lm, save_model
-from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, RewardsConfig, RewardScorer
-from rlhf_pipeline.trainers.tiny import build_tokenizer
+from rlhf_pipeline.trainers.models import text
+from rlhf_pipeline.trainers.models.base_model import load_base_model
+from rlhf_pipeline.trainers.models.load import load_causal_lm, save_model
+from rlhf_pipeline.trainers.models.tiny import build_tokenizer
+from rlhf_pipeline.trainers.ppo import train as ppo
+from rlhf_pipeline.trainers.rewards import mix as rewards
+from rlhf_pipeline.trainers.rewards.mix import RewardFunctionSpec, RewardsConfig, RewardScorer
 from tests.foreign_models import chat_data, gpt2_folder, qwen2_folder
 
 P_END_OF_TURN = 0.3

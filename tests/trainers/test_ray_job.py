@@ -1,9 +1,9 @@
-"""What the Ray job's driver checks before it asks the cluster for workers (trainers/ray_job.py), on nodes as
+"""What the Ray job's driver checks before it asks the cluster for workers (trainers/runtime/ray_job.py), on nodes as
 `ray.nodes()` gives them: no Ray started."""
 
 from __future__ import annotations
 
-from rlhf_pipeline.trainers.ray_job import too_small
+from rlhf_pipeline.trainers.runtime.ray_job import too_small
 
 
 def node(cpus: float, gpus: float = 0, alive: bool = True) -> dict:

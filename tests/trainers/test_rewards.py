@@ -3,9 +3,9 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from rlhf_pipeline.trainers import sort_task
-from rlhf_pipeline.trainers.custom import source_digests
-from rlhf_pipeline.trainers.rewards import RewardFunctionSpec, RewardsConfig, load_functions, trl_reward_funcs
+from rlhf_pipeline.trainers.rewards import sort_task
+from rlhf_pipeline.trainers.rewards.mix import RewardFunctionSpec, RewardsConfig, load_functions, trl_reward_funcs
+from rlhf_pipeline.trainers.runtime.custom import source_digests
 
 PROMPTS = ["sort 21 -> ", "sort 312 -> "]
 COLUMNS = {"answer": ["12", "123"]}
@@ -22,7 +22,7 @@ def test_at_least_one_reward_and_well_formed_paths():
     with pytest.raises(ValidationError, match="no reward functions"):
         RewardsConfig(reward_model_weight=0)
     with pytest.raises(ValidationError, match="expected 'package.module:name'"):
-        RewardFunctionSpec(path="rlhf_pipeline.trainers.sort_task.exact_match")
+        RewardFunctionSpec(path="rlhf_pipeline.trainers.rewards.sort_task.exact_match")
 
 
 def _check(path: str):
@@ -59,7 +59,7 @@ def test_broken_reward_functions_fail_with_their_name(tmp_path, monkeypatch):
 def test_trl_reward_funcs_put_the_reward_model_last_with_its_weight(tmp_path):
     cfg = RewardsConfig(
         reward_model_weight=0.5,
-        functions=[RewardFunctionSpec(path="rlhf_pipeline.trainers.sort_task:exact_match", weight=2.0)],
+        functions=[RewardFunctionSpec(path="rlhf_pipeline.trainers.rewards.sort_task:exact_match", weight=2.0)],
     )
     funcs, weights = trl_reward_funcs(cfg, tmp_path / "rm", {"prompt": PROMPTS, **COLUMNS})
     assert funcs[0] is sort_task.exact_match and funcs[1] == str(tmp_path / "rm")

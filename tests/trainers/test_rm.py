@@ -2,11 +2,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification
 
-from rlhf_pipeline.trainers import rm
-from rlhf_pipeline.trainers.base_model import load_base_model
-from rlhf_pipeline.trainers.loop import load_split
-from rlhf_pipeline.trainers.models import save_model
-from rlhf_pipeline.trainers.text import reward_scores
+from rlhf_pipeline.trainers.algorithms import rm
+from rlhf_pipeline.trainers.algorithms.loop import load_split
+from rlhf_pipeline.trainers.models.base_model import load_base_model
+from rlhf_pipeline.trainers.models.load import save_model
+from rlhf_pipeline.trainers.models.text import reward_scores
 from tests.helpers import FAST, SMALL_MODEL, trainable, unchanged, write_data_dir
 
 

@@ -4,10 +4,10 @@ import shutil
 import pytest
 from safetensors.torch import load_file
 
-from rlhf_pipeline.trainers import sft
-from rlhf_pipeline.trainers.base_model import load_base_model
-from rlhf_pipeline.trainers.loop import COMPLETE, last_checkpoint, load_split, metric_name
-from rlhf_pipeline.trainers.models import load_causal_lm
+from rlhf_pipeline.trainers.algorithms import sft
+from rlhf_pipeline.trainers.algorithms.loop import COMPLETE, last_checkpoint, load_split, metric_name
+from rlhf_pipeline.trainers.models.base_model import load_base_model
+from rlhf_pipeline.trainers.models.load import load_causal_lm
 from tests.helpers import FAST, SMALL_MODEL, trainable, unchanged, write_data_dir
 
 
@@ -192,7 +192,7 @@ def test_assistant_only_loss_trains_qwen25s_assistant_turns_through_trls_trainin
 
     from rlhf_pipeline.trainers.config import CallbackSpec, ModelConfig
     from rlhf_pipeline.trainers.data import DatasetSpec, load_source
-    from rlhf_pipeline.trainers.models import load_tokenizer
+    from rlhf_pipeline.trainers.models.load import load_tokenizer
     from tests.foreign_models import chat_data, qwen25_folder, qwen25_template
 
     model = ModelConfig(name_or_path=str(qwen25_folder(tmp_path / "qwen2.5")))

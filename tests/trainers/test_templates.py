@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from rlhf_pipeline.trainers import templates, text
-from rlhf_pipeline.trainers.base_model import load_base_model, load_base_tokenizer
 from rlhf_pipeline.trainers.config import ModelConfig
-from rlhf_pipeline.trainers.models import load_causal_lm, save_model
+from rlhf_pipeline.trainers.models import templates, text
+from rlhf_pipeline.trainers.models.base_model import load_base_model, load_base_tokenizer
+from rlhf_pipeline.trainers.models.load import load_causal_lm, save_model
 from tests.foreign_models import gpt2_folder, qwen2_folder
 
 TURNS = [{"role": "user", "content": "Describe the red cat."}, {"role": "assistant", "content": "The red cat is calm."}]

@@ -1,6 +1,6 @@
-from rlhf_pipeline.trainers.base_model import load_base_model
 from rlhf_pipeline.trainers.config import ModelConfig
-from rlhf_pipeline.trainers.tiny import EOS, build_tokenizer
+from rlhf_pipeline.trainers.models.base_model import load_base_model
+from rlhf_pipeline.trainers.models.tiny import EOS, build_tokenizer
 from tests.helpers import trainable, unchanged
 
 

@@ -9,9 +9,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 
-from rlhf_pipeline.trainers.base_model import load_base_tokenizer
 from rlhf_pipeline.trainers.config import ModelConfig
 from rlhf_pipeline.trainers.data import DatasetSpec, load_source
+from rlhf_pipeline.trainers.models.base_model import load_base_tokenizer
 from rlhf_pipeline.validators import DataValidationError, validate_dataset
 from tests.foreign_models import gpt2_folder, qwen2_folder
 from tests.helpers import write_jsonl

@@ -10,10 +10,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 
-from rlhf_pipeline.trainers.base_model import load_base_tokenizer
 from rlhf_pipeline.trainers.config import ModelConfig
 from rlhf_pipeline.trainers.data import DatasetSpec, load_source
-from rlhf_pipeline.trainers.templates import assistant_mask, has_generation_marks, training_template
+from rlhf_pipeline.trainers.models.base_model import load_base_tokenizer
+from rlhf_pipeline.trainers.models.templates import assistant_mask, has_generation_marks, training_template
 from rlhf_pipeline.validators import DataValidationError, validate_dataset
 from rlhf_pipeline.validators.template_rules import PROBE
 from tests.foreign_models import qwen2_folder, qwen25_folder, qwen25_template

@@ -55,7 +55,7 @@ def expect_failure(tmp_path, rows, rule, row) -> str:
 
 
 def test_good_unpaired_file_passes(tmp_path):
-    from rlhf_pipeline.trainers.tiny import build_tokenizer
+    from rlhf_pipeline.trainers.models.tiny import build_tokenizer
 
     source, dataset = load(tmp_path, unpaired_rows())
     report = validate_dataset("preference", dataset, source=source, max_tokens=20, tokenizer=build_tokenizer())
@@ -117,7 +117,7 @@ def test_the_same_answer_labelled_both_ways(tmp_path):
 
 
 def test_fits_max_length_counts_prompt_and_completion(tmp_path):
-    from rlhf_pipeline.trainers.tiny import build_tokenizer
+    from rlhf_pipeline.trainers.models.tiny import build_tokenizer
 
     rows = unpaired_rows()
     rows[4]["completion"] = "4" * 40

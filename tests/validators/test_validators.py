@@ -179,8 +179,8 @@ def test_report_files_written_on_failure(tmp_path):
 
 
 def test_a_tool_calling_turn_trains_only_with_a_template_that_renders_tool_calls():
-    from rlhf_pipeline.trainers.templates import CHATML
-    from rlhf_pipeline.trainers.tiny import build_tokenizer
+    from rlhf_pipeline.trainers.models.templates import CHATML
+    from rlhf_pipeline.trainers.models.tiny import build_tokenizer
 
     call = [{"type": "function", "function": {"name": "sort", "arguments": "{}"}}]
     messages = [
@@ -364,7 +364,7 @@ def test_import_is_cheap():
 
 
 def test_fits_max_length_counts_conversations_with_the_chat_template():
-    from rlhf_pipeline.trainers.tiny import build_tokenizer
+    from rlhf_pipeline.trainers.models.tiny import build_tokenizer
 
     rows = [{"messages": [user("sort 21"), assistant("12")]}, {"messages": [user("x" * 50), assistant("12")]}]
     # 1 token per byte plus one role token per turn, "<|end|>" after the user turn and EOS after the answer
@@ -380,7 +380,7 @@ def test_no_training_prompt_is_an_ifeval_or_ifbench_test_prompt_and_a_planted_on
     """The smollm2 preset's training prompts (data/ifeval) hold no test prompt of the benchmarks its eval scores; one
     planted in them (as a user would write it: other case, other spaces, a zero-width space) stops the data stage."""
     from rlhf_pipeline.flows.params import load_params
-    from rlhf_pipeline.trainers.ifeval_eval import BENCHMARKS, benchmark_file
+    from rlhf_pipeline.trainers.evaluation.instructions import BENCHMARKS, benchmark_file
     from rlhf_pipeline.validators.stage import check_datasets
 
     params = load_params("smollm2")

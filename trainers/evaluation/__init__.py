@@ -1,0 +1,3 @@
+"""The `eval` stage: the stage itself (stage.py), greedy answers and their cache (answers.py), IFEval and IFBench
+scoring (instructions.py), the report (report.py) and its plots (plots.py). Imports algorithms/ and everything below
+it."""

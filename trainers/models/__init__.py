@@ -1,0 +1,4 @@
+"""Loading and handing models on: tokenizers and models (load.py), the base model's source (base_model.py), what a
+stage hands the next (handoff.py), checkpoints (checkpoints.py), the tiny model (tiny.py), chat templates
+(templates.py), text and token lengths (text.py) and memory estimates (memory.py). Imports config.py, runtime/ and
+attention.py."""

@@ -1,0 +1,175 @@
+"""Text to token ids, the one place that renders prompts and pads batches.
+
+Rows are rendered exactly as TRL renders them, so a score or a sample here
+means what it meant in training: a standard row is `prompt + completion + eos`;
+a conversational row goes through the chat template (the prompt with the
+generation prompt, the reply closed by the template).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt) -> list[int]:
+    """A standard (string) or conversational (messages) prompt, ready for the reply."""
+    if isinstance(prompt, list):
+        return list(
+            tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)[
+                "input_ids"
+            ]
+        )
+    return list(tokenizer(prompt)["input_ids"])
+
+
+def completion_ids(tokenizer: PreTrainedTokenizerBase, prompt, completion) -> tuple[list[int], int]:
+    """Token ids of prompt + completion and where the completion starts."""
+    if isinstance(prompt, list):
+        reply = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
+        full = tokenizer.apply_chat_template(prompt + reply, tokenize=True, return_dict=True)["input_ids"]
+        return list(full), len(
+            prompt_ids(tokenizer, prompt)
+        ) if prompt else 0  # no turns before the reply: all of it is the completion
+    # TRL's standard rows: the completion gets an explicit EOS, which is scored too
+    return list(tokenizer(prompt + completion + tokenizer.eos_token)["input_ids"]), len(prompt_ids(tokenizer, prompt))
+
+
+def pad(rows: list[list[int]], pad_id: int, left: bool = False, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) of rows padded to the longest; left padding for generation."""
+    import torch
+
+    width = max(map(len, rows))
+    fill = [[pad_id] * (width - len(row)) for row in rows]
+    ids = [f + row if left else row + f for f, row in zip(fill, rows)]
+    mask = [[0] * len(f) + [1] * len(row) if left else [1] * len(row) + [0] * len(f) for f, row in zip(fill, rows)]
+    return torch.tensor(ids, device=device), torch.tensor(mask, device=device)
+
+
+def blank_generation_config(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase):
+    """A generation config with nothing but the stop tokens (EOS and the template's end of turn), pad and BOS."""
+    from transformers import GenerationConfig
+
+    from rlhf_pipeline.trainers.models.templates import stop_token_ids
+
+    bos = getattr(model.generation_config, "bos_token_id", None)
+    return GenerationConfig(
+        eos_token_id=stop_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id, bos_token_id=bos
+    )
+
+
+@contextlib.contextmanager
+def own_sampling(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase):
+    """Generate with only the settings the caller names: the model's `generation_config` (Qwen's ships top_k=20,
+    top_p=0.8, repetition_penalty=1.05) is swapped for a blank one that stops at EOS and the template's end of turn.
+    transformers fills every setting a call leaves unset from the model's config, so passing ours is not enough."""
+    target = (
+        model.get_base_model() if hasattr(model, "get_base_model") else model
+    )  # peft's generate copies the inner model's
+    saved = target.generation_config
+    target.generation_config = blank_generation_config(target, tokenizer)
+    try:
+        yield target.generation_config.eos_token_id
+    finally:
+        target.generation_config = saved
+
+
+def generate(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list,
+    max_new_tokens: int,
+    batch_size: int,
+    sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+) -> list[str]:
+    """Greedy (or, with `sample`, at `temperature` with nucleus `top_p`; by default pure) completions for standard or
+    conversational prompts, stopped at EOS or the chat template's end of turn; nothing is inherited from the model's
+    generation config."""
+    return generate_answers(model, tokenizer, prompts, max_new_tokens, batch_size, sample, temperature, top_p)[0]
+
+
+def generate_answers(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list,
+    max_new_tokens: int,
+    batch_size: int,
+    sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[list[str], list[bool]]:
+    """`generate`'s completions, and for each whether the budget cut it (it reached `max_new_tokens` without a stop
+    token); `progress(done, total)` after each batch."""
+    import torch
+
+    model.eval()
+    rendered = [prompt_ids(tokenizer, p) for p in prompts]
+    out: list[str] = [""] * len(rendered)
+    cut: list[bool] = [False] * len(rendered)
+    settings = (
+        {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": top_p} if sample else {"do_sample": False}
+    )
+    with own_sampling(model, tokenizer) as stops:
+        stop_ids = torch.tensor(list(stops) if isinstance(stops, (list, tuple)) else [stops], device=model.device)
+        done = 0
+        for batch in length_batches([len(r) for r in rendered], batch_size):
+            input_ids, attention = pad(
+                [rendered[i] for i in batch], tokenizer.pad_token_id, left=True, device=model.device
+            )
+            with torch.no_grad():
+                generated = model.generate(
+                    input_ids=input_ids,
+                    attention_mask=attention,
+                    max_new_tokens=max_new_tokens,
+                    pad_token_id=tokenizer.pad_token_id,
+                    eos_token_id=stops,
+                    **settings,
+                )
+            answers = generated[:, input_ids.shape[1] :]
+            stopped = torch.isin(answers, stop_ids).any(dim=1)
+            budget = answers.shape[1] >= max_new_tokens
+            for i, text, ended in zip(batch, tokenizer.batch_decode(answers, skip_special_tokens=True), stopped):
+                out[i], cut[i] = text, bool(not ended and budget)
+            done += len(batch)
+            if progress is not None:
+                progress(done, len(rendered))
+    return out, cut
+
+
+def length_batches(lengths: list[int], batch_size: int) -> list[list[int]]:
+    """Indices of prompts of these token lengths in generation batches: longest first, at most `batch_size` to a
+    batch, none shorter than half its batch's longest. A batch pads to its longest prompt and runs until its last
+    answer stops, so one long prompt among short ones would cost each of them its length (IFBench holds a 2,591-token
+    prompt among prompts of ~100); the longest batch first also finds a too small memory at once."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and len(batches[-1]) < batch_size and 2 * lengths[i] >= lengths[batches[-1][0]]:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def reward_scores(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list, completions: list, batch_size: int
+) -> list[float]:
+    """Scalar rewards of prompt + completion, formatted as TRL's RewardTrainer formats them."""
+    import torch
+
+    rows = [completion_ids(tokenizer, p, c)[0] for p, c in zip(prompts, completions)]
+    model.eval()
+    scores: list[float] = []
+    for start in range(0, len(rows), batch_size):
+        input_ids, attention = pad(rows[start : start + batch_size], tokenizer.pad_token_id, device=model.device)
+        with torch.no_grad():
+            logits = model(input_ids=input_ids, attention_mask=attention).logits
+        scores.extend(logits[:, 0].float().tolist())
+    return scores
