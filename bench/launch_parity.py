@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from rlhf_pipeline.flows.params import load_params
     from rlhf_pipeline.tasks.launcher import LaunchConfig, run_launched
-    from rlhf_pipeline.trainers.algorithms.loop import load_split
+    from rlhf_pipeline.trainers.data import load_split
     from tests.helpers import write_data_dir
 
     params = load_params("tiny")

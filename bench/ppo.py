@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from rlhf_pipeline.flows.params import load_params
     from rlhf_pipeline.trainers.algorithms import rm, sft
-    from rlhf_pipeline.trainers.algorithms.loop import load_split
+    from rlhf_pipeline.trainers.data import load_split
     from rlhf_pipeline.trainers.models.load import load_tokenizer
     from rlhf_pipeline.trainers.models.text import prompt_ids
     from tests.helpers import write_data_dir

@@ -31,11 +31,11 @@ from typing import Any, Callable, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rlhf_pipeline.tasks.secrets import redact
+from rlhf_pipeline.trainers.runtime.failures import PERMANENT
 from rlhf_pipeline.trainers.runtime.progress import emit
 from rlhf_pipeline.trainers.runtime.rank import (
     ERROR_FILE,
     METRICS_MARK,
-    PERMANENT,
     PROGRESS_MARK,
     RESULT_FILE,
     SECRETS_ENV,

@@ -20,8 +20,7 @@ from rlhf_pipeline.tasks import tracking
 from rlhf_pipeline.tasks.artifacts import ArtifactRef, StageOutcome
 from rlhf_pipeline.tasks.progress_artifact import stage_progress
 from rlhf_pipeline.tasks.secrets import redact_text
-from rlhf_pipeline.trainers.runtime.failures import permanent_reason
-from rlhf_pipeline.trainers.runtime.rank import PERMANENT
+from rlhf_pipeline.trainers.runtime.failures import PERMANENT, permanent_reason
 from rlhf_pipeline.trainers.runtime.stopping import TERMINATING
 
 

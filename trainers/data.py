@@ -403,3 +403,10 @@ def load_source(spec: DatasetSpec, fingerprint: str | None = None) -> Dataset:
             for copy, path in zip(copies, paths):
                 message = message.replace(str(copy), str(path))
             raise ValueError(f"{spec.path}: could not be read as a dataset: {message}") from exc
+
+
+def load_split(data_dir: Path, name: str):
+    """One dataset written by the `data` stage (`<data artifact>/datasets/<name>.parquet`)."""
+    from datasets import Dataset
+
+    return Dataset.from_parquet(str(data_dir / "datasets" / f"{name}.parquet"))

@@ -218,7 +218,7 @@ def test_sft_dpo_and_ppo_on_two_ranks_and_two_ray_workers_reach_the_held_out_exa
     dpo and ppo from the in-process sft, on shorter budgets than the preset's (so each is still moving), in the three
     ways. (The preset's full budgets side by side: `python -m bench.launch_parity`.)"""
     from rlhf_pipeline.flows.params import load_params
-    from rlhf_pipeline.trainers.algorithms.loop import load_split
+    from rlhf_pipeline.trainers.data import load_split
     from rlhf_pipeline.trainers.models.load import load_causal_lm
     from rlhf_pipeline.trainers.models.text import generate
     from rlhf_pipeline.trainers.rewards.sort_task import exact_match

@@ -9,8 +9,8 @@ from pydantic import ValidationError
 from transformers import AutoModelForSequenceClassification
 
 from rlhf_pipeline.trainers.algorithms import rm
-from rlhf_pipeline.trainers.algorithms.loop import load_split
 from rlhf_pipeline.trainers.algorithms.probes import CURVES
+from rlhf_pipeline.trainers.data import load_split
 from rlhf_pipeline.trainers.models.load import load_causal_lm
 from rlhf_pipeline.trainers.models.text import prompt_ids
 from rlhf_pipeline.trainers.ppo import train as ppo

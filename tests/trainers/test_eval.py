@@ -3,7 +3,7 @@ import json
 import pytest
 
 from rlhf_pipeline.trainers.algorithms import sft
-from rlhf_pipeline.trainers.algorithms.loop import load_split
+from rlhf_pipeline.trainers.data import load_split
 from rlhf_pipeline.trainers.evaluation import stage as evaluation
 from rlhf_pipeline.trainers.models.base_model import load_base_model
 from rlhf_pipeline.trainers.models.load import save_model

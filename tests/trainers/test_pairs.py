@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from rlhf_pipeline.tasks.pairs import preference_rules
-from rlhf_pipeline.trainers.algorithms.loop import load_split
+from rlhf_pipeline.trainers.data import load_split
 from rlhf_pipeline.trainers.pairs import stage as made
 from rlhf_pipeline.trainers.rewards.judges import JudgeConfig
 from rlhf_pipeline.validators.report import DataValidationError

@@ -3,7 +3,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification
 
 from rlhf_pipeline.trainers.algorithms import rm
-from rlhf_pipeline.trainers.algorithms.loop import load_split
+from rlhf_pipeline.trainers.data import load_split
 from rlhf_pipeline.trainers.models.base_model import load_base_model
 from rlhf_pipeline.trainers.models.load import save_model
 from rlhf_pipeline.trainers.models.text import reward_scores

@@ -5,7 +5,8 @@ import pytest
 from safetensors.torch import load_file
 
 from rlhf_pipeline.trainers.algorithms import sft
-from rlhf_pipeline.trainers.algorithms.loop import COMPLETE, last_checkpoint, load_split, metric_name
+from rlhf_pipeline.trainers.algorithms.loop import COMPLETE, last_checkpoint, metric_name
+from rlhf_pipeline.trainers.data import load_split
 from rlhf_pipeline.trainers.models.base_model import load_base_model
 from rlhf_pipeline.trainers.models.load import load_causal_lm
 from tests.helpers import FAST, SMALL_MODEL, trainable, unchanged, write_data_dir

@@ -90,7 +90,8 @@ def train(
 ) -> dict[str, float]:
     import trl
 
-    from rlhf_pipeline.trainers.algorithms.loop import load_split, stage_callbacks, train_and_save
+    from rlhf_pipeline.trainers.algorithms.loop import stage_callbacks, train_and_save
+    from rlhf_pipeline.trainers.data import load_split
     from rlhf_pipeline.trainers.models.handoff import upstream_policy
 
     # The TRL config first: a combination TRL refuses fails before any weights load.

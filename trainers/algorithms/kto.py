@@ -74,7 +74,8 @@ def train(
     import trl
     from trl.data_utils import maybe_extract_prompt, unpair_preference_dataset
 
-    from rlhf_pipeline.trainers.algorithms.loop import load_split, stage_callbacks, train_and_save
+    from rlhf_pipeline.trainers.algorithms.loop import stage_callbacks, train_and_save
+    from rlhf_pipeline.trainers.data import load_split
     from rlhf_pipeline.trainers.models.handoff import upstream_policy
 
     rows = load_split(data_dir, "preference")

@@ -29,13 +29,6 @@ def match_cpu_threads() -> int:
     return cores
 
 
-def load_split(data_dir: Path, name: str):
-    """One dataset written by the `data` stage (`<data artifact>/datasets/<name>.parquet`)."""
-    from datasets import Dataset
-
-    return Dataset.from_parquet(str(data_dir / "datasets" / f"{name}.parquet"))
-
-
 COMPLETE = "checkpoint.complete"
 """Written into a checkpoint folder once the trainer has saved all of it (weights, optimizer,
 scheduler, RNG, trainer state): a folder without it was being written when the process died."""

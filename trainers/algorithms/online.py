@@ -97,7 +97,8 @@ def train(
     """Train with TRL's GRPOTrainer (`stage="grpo"`) or RLOOTrainer (`stage="rloo"`) on `prompts`."""
     import trl
 
-    from rlhf_pipeline.trainers.algorithms.loop import add_outcome, load_split, stage_callbacks, train_and_save
+    from rlhf_pipeline.trainers.algorithms.loop import add_outcome, stage_callbacks, train_and_save
+    from rlhf_pipeline.trainers.data import load_split
     from rlhf_pipeline.trainers.models.handoff import upstream_policy
     from rlhf_pipeline.trainers.models.text import blank_generation_config
     from rlhf_pipeline.trainers.rewards.mix import trl_reward_funcs

@@ -48,7 +48,8 @@ def train(
     work_dir: Path,
     log_metrics: LogMetrics | None = None,
 ) -> dict[str, float]:
-    from rlhf_pipeline.trainers.algorithms.loop import load_split, stage_callbacks, train_and_save
+    from rlhf_pipeline.trainers.algorithms.loop import stage_callbacks, train_and_save
+    from rlhf_pipeline.trainers.data import load_split
     from rlhf_pipeline.trainers.models.handoff import upstream_policy
 
     orpo = trl_orpo()

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from pydantic import Field
 
 from rlhf_pipeline.trainers.config import StageConfig
+from rlhf_pipeline.trainers.models.load import trainable
 
 if TYPE_CHECKING:
     from rlhf_pipeline.trainers.rewards.mix import GoldMetric, RewardsConfig
@@ -91,7 +92,7 @@ class Probe:
         reference=None,
         gold: GoldMetric | None = None,
     ):
-        from rlhf_pipeline.trainers.algorithms.loop import load_split
+        from rlhf_pipeline.trainers.data import load_split
         from rlhf_pipeline.trainers.models.load import load_causal_lm, load_tokenizer
         from rlhf_pipeline.trainers.rewards.ensemble import TextEnsemble, member_dirs, scoring_dirs
 
@@ -237,11 +238,6 @@ class Keeper:
 
             out_dir.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(self.curves, out_dir / CURVES)
-
-
-def trainable(model) -> dict:
-    """The trained parameters (all of a fully trained model, the adapters under LoRA), contiguous for safetensors."""
-    return {name: p.detach().contiguous() for name, p in model.named_parameters() if p.requires_grad}
 
 
 def probe_callback(stage: str, cfg: ProbeFields, probe_args: dict, work_dir: Path, log_metrics):

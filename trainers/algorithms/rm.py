@@ -136,10 +136,10 @@ def _train_one(
     from rlhf_pipeline.trainers.algorithms.loop import (
         final_train_metrics,
         fit,
-        load_split,
         save_on_main,
         stage_callbacks,
     )
+    from rlhf_pipeline.trainers.data import load_split
     from rlhf_pipeline.trainers.models.load import has_adapter, load_sequence_classifier, load_tokenizer
 
     # The TRL config first: a combination TRL refuses fails before any weights load.

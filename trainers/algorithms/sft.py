@@ -86,7 +86,8 @@ def train(
         return start_from_base(model, out_dir)
     import trl
 
-    from rlhf_pipeline.trainers.algorithms.loop import load_split, stage_callbacks, train_and_save
+    from rlhf_pipeline.trainers.algorithms.loop import stage_callbacks, train_and_save
+    from rlhf_pipeline.trainers.data import load_split
     from rlhf_pipeline.trainers.models.base_model import added_token_ids, load_base_model, trainable_tokens
     from rlhf_pipeline.trainers.models.load import head_bias_through_trainable_tokens
 

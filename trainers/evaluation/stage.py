@@ -179,8 +179,8 @@ def evaluate(
     """
     import torch
 
-    from rlhf_pipeline.trainers.algorithms.loop import load_split
     from rlhf_pipeline.trainers.attention import check_device
+    from rlhf_pipeline.trainers.data import load_split
     from rlhf_pipeline.trainers.models.base_model import load_base_model
     from rlhf_pipeline.trainers.models.load import load_causal_lm, load_sequence_classifier, load_tokenizer
     from rlhf_pipeline.trainers.rewards import metrics as stats

@@ -225,3 +225,8 @@ def _save_base(model, out_dir: Path) -> None:
     base.save_pretrained(out_dir / "base", safe_serialization=True)
     for adapter in model.peft_config.values():
         adapter.base_model_name_or_path = None  # found as base/ by `load_adapter_model`, wherever the artifact is
+
+
+def trainable(model) -> dict:
+    """The trained parameters (all of a fully trained model, the adapters under LoRA), contiguous for safetensors."""
+    return {name: p.detach().contiguous() for name, p in model.named_parameters() if p.requires_grad}

@@ -176,7 +176,7 @@ def sample(
 
     import torch
 
-    from rlhf_pipeline.trainers.algorithms.loop import load_split
+    from rlhf_pipeline.trainers.data import load_split
     from rlhf_pipeline.trainers.models.load import load_causal_lm
     from rlhf_pipeline.trainers.models.text import generate
     from rlhf_pipeline.trainers.runtime.progress import Progress

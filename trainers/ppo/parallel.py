@@ -172,7 +172,7 @@ def write_checkpoint(
     import torch
     from safetensors.torch import save_file
 
-    from rlhf_pipeline.trainers.algorithms.probes import trainable
+    from rlhf_pipeline.trainers.models.load import trainable
 
     save_file(trainable(policy), tmp / "policy.safetensors")
     save_file(trainable(value_model), tmp / "value_model.safetensors")

@@ -329,10 +329,11 @@ def train(
     """
     import torch
 
-    from rlhf_pipeline.trainers.algorithms.loop import add_outcome, last_checkpoint, load_split, write_outcome
+    from rlhf_pipeline.trainers.algorithms.loop import add_outcome, last_checkpoint, write_outcome
     from rlhf_pipeline.trainers.algorithms.probes import Keeper, Probe
     from rlhf_pipeline.trainers.attention import check_device
     from rlhf_pipeline.trainers.config import device_precision
+    from rlhf_pipeline.trainers.data import load_split
     from rlhf_pipeline.trainers.models.load import load_tokenizer, save_model
     from rlhf_pipeline.trainers.models.text import prompt_ids as render_prompt
     from rlhf_pipeline.trainers.rewards.mix import RewardScorer, as_completions

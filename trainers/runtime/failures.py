@@ -60,3 +60,7 @@ def permanent_reason(exc: BaseException) -> str | None:
         if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
             return f"the disk is full: {first}"
     return None
+
+
+PERMANENT = (ValueError, TypeError, KeyError, ImportError, NotImplementedError)
+"""Errors no retry can fix (bad config or data); `tasks.orchestration` retries every other one."""

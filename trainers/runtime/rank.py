@@ -21,14 +21,13 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from rlhf_pipeline.trainers.runtime.failures import PERMANENT
 from rlhf_pipeline.trainers.runtime.stopping import checkpoint_on_sigterm, training
 
 METRICS_MARK = "@@rlhf-metrics "
 PROGRESS_MARK = "@@rlhf-progress "
 RESULT_FILE = "result.json"
 ERROR_FILE = "launch-error.json"
-PERMANENT = (ValueError, TypeError, KeyError, ImportError, NotImplementedError)
-"""Errors no retry can fix (bad config or data); `tasks.orchestration` retries every other one."""
 
 
 SECRETS_ENV = "RLHF_LAUNCH_SECRETS"

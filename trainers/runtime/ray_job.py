@@ -32,10 +32,10 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from rlhf_pipeline.trainers.runtime.failures import PERMANENT
 from rlhf_pipeline.trainers.runtime.rank import (
     ERROR_FILE,
     METRICS_MARK,
-    PERMANENT,
     PROGRESS_MARK,
     RESULT_FILE,
     die_with_parent,
