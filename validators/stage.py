@@ -1,6 +1,6 @@
 """The `data` stage's build: check every dataset (raw bytes, Great Expectations rules, chat template, token lengths,
 train/eval leakage), then freeze Parquet copies that later stages read. It sits beside the validators it runs: the
-trainers only read what it wrote (`trainers.algorithms.loop.load_split`).
+trainers only read what it wrote (`trainers.data.load_split`).
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ Rank 0's metrics, progress records and log lines, every rank's warnings, and eac
 this process through a Ray queue and leave on stdout as the lines `trainers.runtime.rank` prints, so the parent reads
 both launchers alike. Ray retries nothing (`FailureConfig(max_failures=0)`): a worker that dies fails the fit, this
 process exits non-zero, and the stage's Prefect task retries, resuming from the newest complete checkpoint. An error no
-retry can fix (`trainers.runtime.rank.PERMANENT`) is written to `<work_dir>/launch-error.json`, rank 0's final metrics
-to `<work_dir>/result.json`. When this process ends, by any signal, the cluster ends the job's actors (the Train
+retry can fix (`trainers.runtime.failures.PERMANENT`) is written to `<work_dir>/launch-error.json`, rank 0's final
+metrics to `<work_dir>/result.json`. When this process ends, by any signal, the cluster ends the job's actors (the Train
 controller and every worker); a local cluster ends with it.
 """
 
