@@ -18,7 +18,7 @@ import sys
 import time
 import urllib.request
 
-from rlhf_pipeline.tasks import tracking
+from rlhf_pipeline.tasks.tracking import client as tracking
 
 HOST = "127.0.0.1"
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlhf_pipeline.flows.params import DEFAULT_PRESET, load_params
-from rlhf_pipeline.tasks.events import DATA_EVENT, DATA_RESOURCE
+from rlhf_pipeline.tasks.orchestration.events import DATA_EVENT, DATA_RESOURCE
 from rlhf_pipeline.tasks.stages import ALGORITHMS
 
 if TYPE_CHECKING:
@@ -157,8 +157,8 @@ def serve(
 ) -> None:
     from prefect import serve as prefect_serve
 
-    from rlhf_pipeline.tasks import tracking
-    from rlhf_pipeline.tasks.orchestration import ensure_device_limit
+    from rlhf_pipeline.tasks.orchestration.stage_task import ensure_device_limit
+    from rlhf_pipeline.tasks.tracking import client as tracking
 
     tracking.client()  # a SQLite store gets its tables now, before the runs served here (and their hooks) open it
     made = deployments(preset, retrain_cron, retrain_overrides, retrain_collision)
@@ -183,7 +183,7 @@ def deploy(
     from prefect.exceptions import ObjectNotFound
 
     from rlhf_pipeline.deployments.env import WORKER_ENV
-    from rlhf_pipeline.tasks.orchestration import ensure_device_limit
+    from rlhf_pipeline.tasks.orchestration.stage_task import ensure_device_limit
 
     with get_client(sync_client=True) as client:
         try:

@@ -16,9 +16,9 @@ from rlhf_pipeline.flows.params import DEFAULT_PRESET, as_default, described_by,
 from rlhf_pipeline.tasks.data import validate_data
 from rlhf_pipeline.tasks.eval import evaluate
 from rlhf_pipeline.tasks.gate import RegistryConfig
-from rlhf_pipeline.tasks.orchestration import RetryConfig, retrying
-from rlhf_pipeline.tasks.parent_run import model_label, pipeline_run, report_failure
-from rlhf_pipeline.tasks.resolve import check_model_source, resolve_model
+from rlhf_pipeline.tasks.orchestration.parent_run import model_label, pipeline_run, report_failure
+from rlhf_pipeline.tasks.orchestration.stage_task import RetryConfig, retrying
+from rlhf_pipeline.tasks.tracking.resolve import check_model_source, resolve_model
 from rlhf_pipeline.trainers.config import ModelConfig, StrictModel
 from rlhf_pipeline.trainers.data import DataConfig
 from rlhf_pipeline.trainers.evaluation.stage import EvalConfig
@@ -70,7 +70,7 @@ class EvalParams(StrictModel):
     @model_validator(mode="after")
     def _one_tokenizer(self):
         """Local folders are compared here; registered versions once downloaded, before any weights load
-        (`tasks.store.check_tokenizers`)."""
+        (`tasks.store.stage.check_tokenizers`)."""
         from pathlib import Path
 
         from rlhf_pipeline.trainers.models.load import tokenizer_digest
@@ -101,7 +101,7 @@ def run_name() -> str:
     flow_run_name=run_name,
     persist_result=False,
     validate_parameters=True,
-    log_prints=False,  # see tasks.orchestration.stage_task
+    log_prints=False,  # see tasks.orchestration.stage_task.stage_task
     on_failure=[report_failure],  # name the MLflow run and the state folder
     on_crashed=[report_failure],
 )

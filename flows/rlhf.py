@@ -19,9 +19,9 @@ from prefect import flow
 from rlhf_pipeline.flows.params import PipelineParams, described_by, from_flow_parameters, load_params, parameter_order
 from rlhf_pipeline.tasks.data import validate_data
 from rlhf_pipeline.tasks.eval import evaluate
-from rlhf_pipeline.tasks.orchestration import retrying
+from rlhf_pipeline.tasks.orchestration.parent_run import pipeline_run, preset_label, report_failure
+from rlhf_pipeline.tasks.orchestration.stage_task import retrying
 from rlhf_pipeline.tasks.pairs import labels_store, make_pairs
-from rlhf_pipeline.tasks.parent_run import pipeline_run, preset_label, report_failure
 from rlhf_pipeline.tasks.people import ask_people
 from rlhf_pipeline.tasks.registry import register_task
 from rlhf_pipeline.tasks.stages import BY_NAME, pair_readers

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from rlhf_pipeline.deployments.env import CONSOLE_SETTINGS, QUIET_ENV
 from rlhf_pipeline.interrupt import stop_on_ctrl_c
-from rlhf_pipeline.tasks.secrets import redact_text
+from rlhf_pipeline.tasks.store.secrets import redact_text
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -168,7 +168,7 @@ def _export(args) -> int:
     """`rlhf export`: the model in Hub layout (weights, tokenizer, generation config, card with held-out metrics)."""
     from pathlib import Path
 
-    from rlhf_pipeline.tasks.cards import export
+    from rlhf_pipeline.tasks.tracking.cards import export
 
     try:
         export(args.model, Path(args.out))
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rlhf: invalid parameters:\n{redact_text(str(exc))}", file=sys.stderr)
             return 2
         if args.command == "params":
-            from rlhf_pipeline.tasks.secrets import redact
+            from rlhf_pipeline.tasks.store.secrets import redact
 
             print(json.dumps(redact(params.model_dump(mode="json")), indent=2))
             return 0
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
 def _settle_heap() -> None:
     """After `rlhf run`'s imports: what they made is moved out of the cyclic garbage collector's reach (`gc.freeze`)
     and collection starts again; imports make next to no garbage (docs/ARCHITECTURE.md, the collector's passes). A
-    build freezes and unfreezes its own way (`tasks.resources.frozen_heap`). No-op when collection is on."""
+    build freezes and unfreezes its own way (`tasks.store.resources.frozen_heap`). No-op when collection is on."""
     if not gc.isenabled():
         gc.freeze()
         gc.enable()
@@ -357,8 +357,9 @@ def _start_temporary_server() -> None:
     process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent, process_group=0)
     _TEMPORARY.update(process=process, url=f"http://127.0.0.1:{port}/api")
     os.environ["PREFECT_API_URL"] = _TEMPORARY["url"]
-    # Its leases die with it, so device slots are not shared through it (tasks.orchestration.coordinated); the name is
-    # written out here, since importing tasks.orchestration would import Prefect before the server starts.
+    # Its leases die with it, so device slots are not shared through it (tasks.orchestration.stage_task.coordinated);
+    # the name is written out here, since importing tasks.orchestration.stage_task would import Prefect before the
+    # server starts.
     os.environ["RLHF_TEMPORARY_PREFECT_API_URL"] = _TEMPORARY["url"]
     atexit.register(_stop_temporary_server)  # registered before Prefect's handlers, so it runs after them
     print(
@@ -428,7 +429,8 @@ def _warm_up_imports() -> None:
 
 
 def _gc(dry_run: bool, keep_runs: int) -> int:
-    from rlhf_pipeline.tasks import gc, tracking
+    from rlhf_pipeline.tasks.tracking import client as tracking
+    from rlhf_pipeline.tasks.tracking import gc
 
     doomed = gc.collect(keep_runs)
     total = sum(item.bytes for item in doomed)
@@ -443,7 +445,7 @@ def _gc(dry_run: bool, keep_runs: int) -> int:
 def _evaluate(args) -> int:
     from rlhf_pipeline.flows.evaluate import EvalParams, rlhf_eval
     from rlhf_pipeline.flows.params import apply_overrides
-    from rlhf_pipeline.tasks.resolve import check_model_exists
+    from rlhf_pipeline.tasks.tracking.resolve import check_model_exists
 
     values = apply_overrides({"policy": args.policy, "sft_model": args.sft, "reward_model": args.rm}, args.overrides)
     try:

@@ -4,8 +4,8 @@ MLflow, the temporary Prefect server stops last, one line says how to resume, an
 shell's code for Ctrl-C). A second Ctrl-C exits at once.
 
 The terminal sends Ctrl-C to every process of the foreground group: the temporary server runs in a group of its own
-(`cli._start_temporary_server`) and launched ranks ignore it (`tasks.launcher`); the ranks get SIGTERM from their
-stage, as under a cancel.
+(`cli._start_temporary_server`) and launched ranks ignore it (`tasks.orchestration.launcher`); the ranks get SIGTERM
+from their stage, as under a cancel.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def stop_on_ctrl_c(stop_server: Callable[[], None]) -> Iterator[None]:
             os.write(2, b"\nrlhf: stopped at once (a second Ctrl-C); checkpoints written so far are kept\n")
             stop_server()
             os._exit(EXIT_CODE)
-        from rlhf_pipeline.tasks.parent_run import open_runs
+        from rlhf_pipeline.tasks.orchestration.parent_run import open_runs
         from rlhf_pipeline.trainers.runtime.stopping import TERMINATING, grace_seconds
 
         TERMINATING.set()
@@ -92,7 +92,7 @@ def _quiet_terminal() -> TextIO:
 def _stop(runs: dict[str, str], settled: threading.Event, stop_server: Callable[[], None], terminal: TextIO) -> None:
     """Wait for the checkpoints, record `runs` as cancelled, send the last logs, stop the server, say how to resume,
     exit."""
-    from rlhf_pipeline.tasks.parent_run import cancel_runs
+    from rlhf_pipeline.tasks.orchestration.parent_run import cancel_runs
     from rlhf_pipeline.trainers.runtime.stopping import grace_seconds, wait_for_checkpoints
 
     checkpointed = wait_for_checkpoints(grace_seconds())

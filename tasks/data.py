@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rlhf_pipeline.tasks import tracking
-from rlhf_pipeline.tasks.artifacts import RunContext, StageOutcome
-from rlhf_pipeline.tasks.orchestration import device_hold, prefect_log, stage_task
+from rlhf_pipeline.tasks.orchestration.stage_task import device_hold, prefect_log, stage_task
 from rlhf_pipeline.tasks.stages import BY_NAME, pair_readers
-from rlhf_pipeline.tasks.store import run_stage
+from rlhf_pipeline.tasks.store.artifacts import RunContext, StageOutcome
+from rlhf_pipeline.tasks.store.stage import run_stage
+from rlhf_pipeline.tasks.tracking import client as tracking
 from rlhf_pipeline.trainers.config import ModelConfig
 from rlhf_pipeline.trainers.data import DataConfig, dataset_fingerprint
 from rlhf_pipeline.trainers.models.checkpoints import content_id

@@ -6,13 +6,13 @@ import json
 import tempfile
 from pathlib import Path
 
-from rlhf_pipeline.tasks import tracking
-from rlhf_pipeline.tasks.artifacts import MANIFEST, ArtifactRef, RunContext, StageOutcome, read_history
 from rlhf_pipeline.tasks.gate import RegistryConfig
-from rlhf_pipeline.tasks.orchestration import device_hold, prefect_log, stage_task
+from rlhf_pipeline.tasks.orchestration.stage_task import device_hold, prefect_log, stage_task
 from rlhf_pipeline.tasks.registry import current_champion
 from rlhf_pipeline.tasks.stages import BY_NAME
-from rlhf_pipeline.tasks.store import run_stage
+from rlhf_pipeline.tasks.store.artifacts import MANIFEST, ArtifactRef, RunContext, StageOutcome, read_history
+from rlhf_pipeline.tasks.store.stage import run_stage
+from rlhf_pipeline.tasks.tracking import client as tracking
 from rlhf_pipeline.trainers.algorithms.sft import SKIPPED
 from rlhf_pipeline.trainers.config import ModelConfig
 from rlhf_pipeline.trainers.evaluation.stage import EvalConfig

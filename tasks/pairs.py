@@ -15,9 +15,9 @@ import hashlib
 import json
 from pathlib import Path
 
-from rlhf_pipeline.tasks.artifacts import ArtifactRef, RunContext, StageOutcome
-from rlhf_pipeline.tasks.orchestration import device_hold, prefect_log, stage_task
-from rlhf_pipeline.tasks.store import run_stage
+from rlhf_pipeline.tasks.orchestration.stage_task import device_hold, prefect_log, stage_task
+from rlhf_pipeline.tasks.store.artifacts import ArtifactRef, RunContext, StageOutcome
+from rlhf_pipeline.tasks.store.stage import run_stage
 from rlhf_pipeline.trainers.pairs.stage import PAIRS, SUMMARY, PairsConfig
 
 TRAINER = "rlhf_pipeline.trainers.pairs.stage"
@@ -158,7 +158,7 @@ def make_pairs(
 
 def log_made_pairs(labelled: StageOutcome, config: PairsConfig, round_: int) -> None:
     """The made pairs as an MLflow dataset input of the run that labelled them: digest, labeller, counts."""
-    from rlhf_pipeline.tasks import tracking
+    from rlhf_pipeline.tasks.tracking import client as tracking
 
     tracking.log_dataset_input(
         labelled.mlflow_run_id,

@@ -21,9 +21,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.tasks.artifacts import ArtifactRef
-from rlhf_pipeline.tasks.orchestration import prefect_log
+from rlhf_pipeline.tasks.orchestration.stage_task import prefect_log
 from rlhf_pipeline.tasks.pairs import read_labels_file, read_store
+from rlhf_pipeline.tasks.store.artifacts import ArtifactRef
 from rlhf_pipeline.trainers.pairs.stage import LABELS, PeopleConfig, people_pairs, read_samples
 
 ARTIFACT_KEY = "rlhf-pairs-to-label"

@@ -12,10 +12,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from rlhf_pipeline.tasks import lineage, tracking
-from rlhf_pipeline.tasks.artifacts import ArtifactRef, RunContext
 from rlhf_pipeline.tasks.gate import CANDIDATE, CHAMPION, RegistryConfig, below_start, gate, hacking
-from rlhf_pipeline.tasks.orchestration import current_flow_run, prefect_log
+from rlhf_pipeline.tasks.orchestration.stage_task import current_flow_run, prefect_log
+from rlhf_pipeline.tasks.store.artifacts import ArtifactRef, RunContext
+from rlhf_pipeline.tasks.tracking import client as tracking
+from rlhf_pipeline.tasks.tracking import lineage
 
 
 def current_champion(cfg: RegistryConfig) -> ArtifactRef | None:
@@ -57,8 +58,8 @@ def register_policy(
     version = tracking.find_version(cfg.model_name, "rlhf.policy_digest", policy.digest)
     if version is None:
         # The policy's logged model (its stage logged it; a policy from elsewhere is logged here, on the parent run),
-        # and the logged models it was built from: what `tasks.resolve` reads on a machine with only the tracking
-        # server.
+        # and the logged models it was built from: what `tasks.tracking.resolve` reads on a machine with only the
+        # tracking server.
         models = lineage.upstream_models({ref.stage: ref for ref in stages})
         model_id = (
             models.get(policy.stage)
@@ -138,7 +139,9 @@ def register_policy(
         f"registry: {cfg.model_name} v{version} is candidate; champion "
         f"{'moved' if promoted and champion != version else 'stays'} ({reason})"
     )
-    from rlhf_pipeline.tasks.events import announce  # rlhf.model.candidate / rlhf.model.promoted for automations
+    from rlhf_pipeline.tasks.orchestration.events import (
+        announce,  # rlhf.model.candidate / rlhf.model.promoted for automations
+    )
 
     announce(outcome, cfg.gate_metric, metrics, ctx.parent_run_id)
     return outcome
@@ -150,7 +153,7 @@ def register_task():
     from prefect import task
     from prefect.cache_policies import NO_CACHE
 
-    from rlhf_pipeline.tasks.orchestration import is_transient
+    from rlhf_pipeline.tasks.orchestration.stage_task import is_transient
 
     return task(
         name="registry",

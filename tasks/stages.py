@@ -5,7 +5,7 @@ stage's datasets it reads, which stages' artifacts it takes, whether it holds th
 which models it holds there. Everything else is derived from it: the `algorithm` choices, `PipelineParams` and the
 flow's parameters (one block per row), the served deployments, the device slots, the token limits the data stage
 checks, the memory `rlhf check` estimates, and each stage's code version (the project modules its `trainer` imports,
-`tasks.code_version`). The trainer contract (what `train(cfg, ...)` is given) is in `tasks.training`.
+`tasks.store.code_version`). The trainer contract (what `train(cfg, ...)` is given) is in `tasks.training`.
 """
 
 from __future__ import annotations

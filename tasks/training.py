@@ -8,7 +8,7 @@ stage needs a trainer and a row, not new plumbing:
     data_dir      the data artifact (it keys on the datasets the row `reads`, not on all of them)
     sft_model     the `sft` artifact's model folder      reward_model  the `rm` artifact's (or None)
     model         the run's base model block              rewards       the run's rewards block
-    out_dir, work_dir, log_metrics                        as in `tasks.store.run_stage`
+    out_dir, work_dir, log_metrics                        as in `tasks.store.stage.run_stage`
 
 With the `pairs` stage on, `data_dir/datasets/preference.parquet` is the made pairs (`with_made_pairs`).
 
@@ -25,11 +25,11 @@ import inspect
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.tasks.artifacts import ArtifactRef, RunContext, StageOutcome
-from rlhf_pipeline.tasks.launcher import run_launched
-from rlhf_pipeline.tasks.orchestration import device_hold, prefect_log, stage_task
+from rlhf_pipeline.tasks.orchestration.launcher import run_launched
+from rlhf_pipeline.tasks.orchestration.stage_task import device_hold, prefect_log, stage_task
 from rlhf_pipeline.tasks.stages import BY_NAME, STAGES, TRAIN_STAGE, Stage, reads
-from rlhf_pipeline.tasks.store import run_stage
+from rlhf_pipeline.tasks.store.artifacts import ArtifactRef, RunContext, StageOutcome
+from rlhf_pipeline.tasks.store.stage import run_stage
 from rlhf_pipeline.trainers.config import Block, ModelConfig, StageConfig
 from rlhf_pipeline.trainers.models.checkpoints import keyed_model
 

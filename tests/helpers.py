@@ -65,8 +65,8 @@ def brevity(prompts, completions, **_) -> list[float]:
 def stage_context(tmp_path: Path, experiment: str, launch):
     """What the flow hands a stage task (`RunContext`): artifacts under `tmp_path`, a parent MLflow run in
     `experiment`, `launch` as the run's launch block."""
-    from rlhf_pipeline.tasks import tracking
-    from rlhf_pipeline.tasks.artifacts import RunContext
+    from rlhf_pipeline.tasks.store.artifacts import RunContext
+    from rlhf_pipeline.tasks.tracking import client as tracking
 
     experiment_id = tracking.experiment_id(experiment)
     parent = tracking.start_run(experiment_id, "parent", {})
@@ -77,6 +77,6 @@ def stage_context(tmp_path: Path, experiment: str, launch):
 
 def data_artifact(tmp_path: Path, rows: int = 64):
     """A `data` artifact of `rows` rows of the bundled task, as the data stage hands it on."""
-    from rlhf_pipeline.tasks.artifacts import ArtifactRef
+    from rlhf_pipeline.tasks.store.artifacts import ArtifactRef
 
     return ArtifactRef(stage="data", key="d", uri=str(write_data_dir(tmp_path / "data", rows=rows)))

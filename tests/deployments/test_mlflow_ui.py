@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from rlhf_pipeline.deployments.local import wait_until_up
-from rlhf_pipeline.tasks import tracking
+from rlhf_pipeline.tasks.tracking import client as tracking
 from tests.browser import alive, chromium
 from tests.deployments.servers import free_port
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlhf_pipeline.tasks import tracking
+from rlhf_pipeline.tasks.tracking import client as tracking
 
 
 @pytest.fixture

@@ -49,8 +49,8 @@ def test_eval_of_a_model_that_does_not_exist_says_so_in_seconds_before_any_serve
 def test_a_model_folder_no_stage_wrote_is_evaluated_through_a_link_keyed_by_its_content(tmp_path, monkeypatch):
     """A hub download or a GGUF's converted folder is not a stage artifact (`<ref>/model`): `rlhf eval` reads it
     through `inputs/<digest>/model` in the run state, a link to the folder itself."""
-    from rlhf_pipeline.tasks.artifacts import content_digest
-    from rlhf_pipeline.tasks.resolve import resolve_model
+    from rlhf_pipeline.tasks.store.artifacts import content_digest
+    from rlhf_pipeline.tasks.tracking.resolve import resolve_model
     from rlhf_pipeline.trainers.models.base_model import load_base_model
     from rlhf_pipeline.trainers.models.load import save_model
     from tests.helpers import SMALL_MODEL
@@ -81,7 +81,7 @@ def test_rlhf_run_with_invalid_parameters_exits_2_with_garbage_collection_on_aga
 
 
 def test_the_state_folder_is_beside_the_working_directory(tmp_path, monkeypatch):
-    from rlhf_pipeline.tasks import tracking
+    from rlhf_pipeline.tasks.tracking import client as tracking
 
     monkeypatch.delenv(tracking.STATE_ENV)
     monkeypatch.chdir(tmp_path)

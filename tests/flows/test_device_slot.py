@@ -6,11 +6,11 @@ import time
 
 import pytest
 
-from rlhf_pipeline.tasks import tracking
-from rlhf_pipeline.tasks.artifacts import RunContext
-from rlhf_pipeline.tasks.orchestration import device_hold, device_limit, ensure_device_limit
+from rlhf_pipeline.tasks.orchestration.stage_task import device_hold, device_limit, ensure_device_limit
 from rlhf_pipeline.tasks.stages import BY_NAME
-from rlhf_pipeline.tasks.store import run_stage
+from rlhf_pipeline.tasks.store.artifacts import RunContext
+from rlhf_pipeline.tasks.store.stage import run_stage
+from rlhf_pipeline.tasks.tracking import client as tracking
 
 pytestmark = pytest.mark.e2e  # a pipeline run end to end: the fast loop skips it (-m 'not e2e')
 

@@ -76,10 +76,10 @@ def test_a_stage_that_times_out_fails_and_kills_its_child_processes(prefect, tmp
     import psutil
     from prefect import flow, task
 
-    from rlhf_pipeline.tasks import tracking
-    from rlhf_pipeline.tasks.artifacts import RunContext
-    from rlhf_pipeline.tasks.orchestration import RetryConfig, retrying
-    from rlhf_pipeline.tasks.store import run_stage
+    from rlhf_pipeline.tasks.orchestration.stage_task import RetryConfig, retrying
+    from rlhf_pipeline.tasks.store.artifacts import RunContext
+    from rlhf_pipeline.tasks.store.stage import run_stage
+    from rlhf_pipeline.tasks.tracking import client as tracking
 
     experiment = tracking.experiment_id("timeout-test")
     ctx = RunContext(
@@ -128,7 +128,7 @@ def test_mlflow_does_not_exist_errors_are_permanent_and_connection_errors_transi
     from mlflow.exceptions import MlflowException
     from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, TEMPORARILY_UNAVAILABLE
 
-    from rlhf_pipeline.tasks.orchestration import is_permanent
+    from rlhf_pipeline.tasks.orchestration.stage_task import is_permanent
 
     assert is_permanent(MlflowException("Run with id=abc not found", error_code=RESOURCE_DOES_NOT_EXIST))
     assert not is_permanent(MlflowException("upstream connect error", error_code=TEMPORARILY_UNAVAILABLE))

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_pipeline.cli import main
-from rlhf_pipeline.tasks import tracking
+from rlhf_pipeline.tasks.tracking import client as tracking
 from tests.flows.helpers import run, task_states
 
 pytestmark = pytest.mark.e2e  # three pipeline runs

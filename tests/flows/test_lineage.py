@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from rlhf_pipeline.tasks import tracking
+from rlhf_pipeline.tasks.tracking import client as tracking
 from tests import mlflow_server
 from tests.deployments.servers import free_port
 from tests.flows.helpers import run

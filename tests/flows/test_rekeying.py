@@ -52,7 +52,7 @@ def test_a_new_file_in_the_preference_glob_re_runs_what_reads_preferences_and_no
 
 
 def test_editing_a_module_re_runs_the_stages_that_import_it(prefect, state, monkeypatch):
-    from rlhf_pipeline.tasks import code_version as code_version_module
+    from rlhf_pipeline.tasks.store import code_version as code_version_module
 
     first = run(NO_REGISTRY)
     assert set(task_states(first).values()) == {"Completed"}

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_pipeline.tasks import tracking
-from rlhf_pipeline.tasks.secrets import redact
+from rlhf_pipeline.tasks.store.secrets import redact
+from rlhf_pipeline.tasks.tracking import client as tracking
 from tests.flows.helpers import run
 
 pytestmark = pytest.mark.e2e  # a pipeline run end to end: the fast loop skips it (-m 'not e2e')
@@ -55,7 +55,7 @@ def test_secrets_appear_in_no_log_param_artifact_or_manifest(prefect, state, mon
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
     from rlhf_pipeline.tasks import eval as eval_stage  # imported here: no other test of this worker may have
-    from rlhf_pipeline.tasks.orchestration import prefect_log
+    from rlhf_pipeline.tasks.orchestration.stage_task import prefect_log
 
     monkeypatch.setenv("HF_TOKEN", ENV_SECRET)
     monkeypatch.setenv("DATABASE_URL", DATABASE_URL)  # a variable named like no secret, with a password in its URI
@@ -114,7 +114,7 @@ def test_secrets_appear_in_no_log_param_artifact_or_manifest(prefect, state, mon
 
 
 def test_every_uri_credential_secret_name_and_short_secret_is_masked_and_settings_are_not(monkeypatch):
-    from rlhf_pipeline.tasks.secrets import redact_text
+    from rlhf_pipeline.tasks.store.secrets import redact_text
 
     monkeypatch.setenv("DATABASE_URL", DATABASE_URL)
     monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", "DefaultEndpointsProtocol=https;AccountKey=azK3y==")
@@ -158,7 +158,7 @@ def test_rlhf_params_and_its_errors_mask_secrets(capsys):
 
 def test_launch_json_holds_no_secret_and_the_ranks_get_them_by_environment(tmp_path, monkeypatch):
     from rlhf_pipeline.flows.params import load_params
-    from rlhf_pipeline.tasks.secrets import redact
+    from rlhf_pipeline.tasks.store.secrets import redact
     from rlhf_pipeline.trainers.runtime.rank import SECRETS_ENV, read_spec, write_spec
 
     sft = load_params("tiny", [f"sft.trl_overrides={{hub_token: {CONFIG_SECRET}}}"]).sft

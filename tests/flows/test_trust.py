@@ -80,7 +80,7 @@ def test_a_flow_run_with_remote_code_fails_with_the_parameters_and_runs_no_stage
 def test_no_experiment_name_reaches_outside_the_artifact_folder(state):
     from mlflow.tracking import MlflowClient
 
-    from rlhf_pipeline.tasks import tracking
+    from rlhf_pipeline.tasks.tracking import client as tracking
 
     for name in ("../../escaped", "/abs/olute", ".."):
         location = MlflowClient().get_experiment(tracking.experiment_id(name)).artifact_location

@@ -1,5 +1,5 @@
-"""Model cards (`tasks.cards`): what a stage's card names, that it is the same for identical builds, and the export's
-Hub layout, card with intervals, and refusals. End to end, on a real run: tests/flows/test_export.py."""
+"""Model cards (`tasks.tracking.cards`): what a stage's card names, that it is the same for identical builds, and the
+export's Hub layout, card with intervals, and refusals. End to end, on a real run: tests/flows/test_export.py."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from huggingface_hub import ModelCard
 
-from rlhf_pipeline.tasks.artifacts import HISTORY, MANIFEST, ArtifactRef
-from rlhf_pipeline.tasks.cards import export, hub_name, pipeline_tag, write_card
+from rlhf_pipeline.tasks.store.artifacts import HISTORY, MANIFEST, ArtifactRef
+from rlhf_pipeline.tasks.tracking.cards import export, hub_name, pipeline_tag, write_card
 from rlhf_pipeline.trainers.models.checkpoints import keyed_model
 from tests.helpers import SMALL_MODEL
 

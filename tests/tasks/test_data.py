@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from rlhf_pipeline.tasks import tracking
-from rlhf_pipeline.tasks.artifacts import RunContext
 from rlhf_pipeline.tasks.data import validate_data
+from rlhf_pipeline.tasks.store.artifacts import RunContext
+from rlhf_pipeline.tasks.tracking import client as tracking
 from rlhf_pipeline.trainers.config import ModelConfig
 from rlhf_pipeline.trainers.data import DataConfig, DatasetSpec
 from tests.helpers import write_data_dir
@@ -87,7 +87,7 @@ def test_a_file_rewritten_with_the_same_time_and_size_is_keyed_and_frozen_by_its
 
 
 def test_a_file_that_changes_while_it_is_read_fails_the_attempt_as_transient(tmp_path):
-    from rlhf_pipeline.tasks.orchestration import is_permanent
+    from rlhf_pipeline.tasks.orchestration.stage_task import is_permanent
     from rlhf_pipeline.trainers.data import DataChanged, dataset_fingerprint, load_source
 
     spec = DatasetSpec(path=str(jsonl(tmp_path / "sft.jsonl", [{"text": "alpha"}])))

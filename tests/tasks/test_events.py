@@ -1,5 +1,5 @@
-"""The registry's events: what `tasks.events.announce` sends for each outcome of the promotion gate, read back from a
-Prefect server (tests/deployments/test_events.py: from the registry task of served retrain runs)."""
+"""The registry's events: what `tasks.orchestration.events.announce` sends for each outcome of the promotion gate, read
+back from a Prefect server (tests/deployments/test_events.py: from the registry task of served retrain runs)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from rlhf_pipeline.tasks.events import announce
+from rlhf_pipeline.tasks.orchestration.events import announce
 
 GATE = "eval/heldout/win_rate_vs_champion"
 METRICS = {GATE: 0.62, f"{GATE}_low": 0.55, f"{GATE}_high": 0.69, "eval/heldout/policy_exact_match": 0.9}

@@ -11,10 +11,10 @@ import threading
 
 import pytest
 
-from rlhf_pipeline.tasks import tracking
-from rlhf_pipeline.tasks.artifacts import RunContext
-from rlhf_pipeline.tasks.orchestration import DEFAULT_TIMEOUT, RetryConfig, is_permanent
-from rlhf_pipeline.tasks.store import run_stage
+from rlhf_pipeline.tasks.orchestration.stage_task import DEFAULT_TIMEOUT, RetryConfig, is_permanent
+from rlhf_pipeline.tasks.store.artifacts import RunContext
+from rlhf_pipeline.tasks.store.stage import run_stage
+from rlhf_pipeline.tasks.tracking import client as tracking
 from rlhf_pipeline.trainers.runtime.failures import permanent_reason
 
 

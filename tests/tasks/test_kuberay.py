@@ -8,7 +8,7 @@ from importlib import resources
 import pytest
 import yaml
 
-from rlhf_pipeline.tasks.tracking import STATE_ENV
+from rlhf_pipeline.tasks.tracking.client import STATE_ENV
 
 
 @pytest.fixture(scope="module")

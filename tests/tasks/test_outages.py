@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 import re
 
-from rlhf_pipeline.tasks import tracking
-from rlhf_pipeline.tasks.artifacts import ArtifactRef, RunContext
+from rlhf_pipeline.tasks.store.artifacts import ArtifactRef, RunContext
+from rlhf_pipeline.tasks.tracking import client as tracking
 from rlhf_pipeline.tasks.training import train_stage
 from rlhf_pipeline.trainers.algorithms.sft import SftConfig
 from rlhf_pipeline.trainers.config import CallbackSpec

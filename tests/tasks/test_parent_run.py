@@ -1,6 +1,6 @@
-"""What run names show of a preset and of the model an `rlhf-eval` run evaluates (tasks/parent_run.py)."""
+"""What run names show of a preset and of the model an `rlhf-eval` run evaluates (tasks/orchestration/parent_run.py)."""
 
-from rlhf_pipeline.tasks.parent_run import model_label, preset_label
+from rlhf_pipeline.tasks.orchestration.parent_run import model_label, preset_label
 
 
 def test_run_names_show_the_preset_by_its_name_and_the_evaluated_model_by_what_a_person_knows_it_by():

@@ -1,7 +1,7 @@
-"""tasks/progress_artifact.py: a stage's progress artifact follows the trainer's progress records (rank 0's through
-`accelerate launch` too), at most one API call a second, and a Prefect API that fails or hangs never fails or slows the
-stage. The API is recorded here (`create`/`update`); tests/deployments/test_progress.py shows the artifact in the
-Prefect UI of a served run."""
+"""tasks/orchestration/progress_artifact.py: a stage's progress artifact follows the trainer's progress records (rank
+0's through `accelerate launch` too), at most one API call a second, and a Prefect API that fails or hangs never fails
+or slows the stage. The API is recorded here (`create`/`update`); tests/deployments/test_progress.py shows the artifact
+in the Prefect UI of a served run."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 import threading
 import time
 
-from rlhf_pipeline.tasks.progress_artifact import StageProgress, artifact_key
+from rlhf_pipeline.tasks.orchestration.progress_artifact import StageProgress, artifact_key
 from rlhf_pipeline.trainers.runtime.progress import Progress
 
 
@@ -163,7 +163,7 @@ def train(steps: int, log_metrics=None) -> dict[str, float]:
 
 
 def test_rank_zeros_steps_under_accelerate_launch_advance_the_artifact(tmp_path):
-    from rlhf_pipeline.tasks.launcher import LaunchConfig, run_launched
+    from rlhf_pipeline.tasks.orchestration.launcher import LaunchConfig, run_launched
 
     api, logged = Api(), []
     with watched(api, interval=0.2):

@@ -12,9 +12,9 @@ import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 
-from rlhf_pipeline.tasks import tracking
-from rlhf_pipeline.tasks.artifacts import ArtifactRef, RunContext, read_history
-from rlhf_pipeline.tasks.launcher import LaunchConfig
+from rlhf_pipeline.tasks.orchestration.launcher import LaunchConfig
+from rlhf_pipeline.tasks.store.artifacts import ArtifactRef, RunContext, read_history
+from rlhf_pipeline.tasks.tracking import client as tracking
 from rlhf_pipeline.tasks.training import train_stage
 from rlhf_pipeline.trainers.algorithms.sft import SftConfig
 from rlhf_pipeline.trainers.config import CallbackSpec

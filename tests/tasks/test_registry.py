@@ -7,11 +7,11 @@ import os
 import pytest
 from mlflow.tracking import MlflowClient
 
-from rlhf_pipeline.tasks import tracking
-from rlhf_pipeline.tasks.artifacts import RunContext
 from rlhf_pipeline.tasks.gate import CANDIDATE, CHAMPION, RegistryConfig, gate, hacking
 from rlhf_pipeline.tasks.registry import current_champion, register_policy
-from rlhf_pipeline.tasks.store import run_stage
+from rlhf_pipeline.tasks.store.artifacts import RunContext
+from rlhf_pipeline.tasks.store.stage import run_stage
+from rlhf_pipeline.tasks.tracking import client as tracking
 from rlhf_pipeline.trainers.models.base_model import load_base_model
 from rlhf_pipeline.trainers.models.load import save_model
 from rlhf_pipeline.trainers.models.tiny import build_tokenizer

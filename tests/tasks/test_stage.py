@@ -5,9 +5,9 @@ import json
 import pytest
 from mlflow.tracking import MlflowClient
 
-from rlhf_pipeline.tasks import tracking
-from rlhf_pipeline.tasks.artifacts import MANIFEST, ArtifactRef, RunContext
-from rlhf_pipeline.tasks.store import run_stage, stage_key
+from rlhf_pipeline.tasks.store.artifacts import MANIFEST, ArtifactRef, RunContext
+from rlhf_pipeline.tasks.store.stage import run_stage, stage_key
+from rlhf_pipeline.tasks.tracking import client as tracking
 from rlhf_pipeline.trainers.algorithms.dpo import DpoConfig
 
 

@@ -8,8 +8,8 @@ import inspect
 import pytest
 
 from rlhf_pipeline.flows.params import load_params
-from rlhf_pipeline.tasks.code_version import code_version, project_imports
 from rlhf_pipeline.tasks.stages import BY_NAME, STAGES, TRAIN_STAGE
+from rlhf_pipeline.tasks.store.code_version import code_version, project_imports
 from rlhf_pipeline.tasks.training import MODEL_INPUTS, trainer_parameters
 
 TINY = "rlhf_pipeline.trainers.models.tiny"
@@ -46,7 +46,7 @@ def test_code_versions_follow_the_imports_not_a_list():
 
 
 def test_imports_inside_functions_count_and_imports_for_annotations_do_not(tmp_path):
-    from rlhf_pipeline.tasks.code_version import _imported_modules
+    from rlhf_pipeline.tasks.store.code_version import _imported_modules
 
     module = tmp_path / "trainer.py"
     module.write_text(
@@ -66,7 +66,7 @@ def test_imports_inside_functions_count_and_imports_for_annotations_do_not(tmp_p
 
 
 def test_a_source_edit_changes_exactly_the_versions_of_the_stages_that_import_it(monkeypatch):
-    from rlhf_pipeline.tasks import code_version as code_version_module
+    from rlhf_pipeline.tasks.store import code_version as code_version_module
 
     before = {s.name: code_version(s.trainer) for s in STAGES}
     edited = BY_NAME["eval"].trainer.replace(".", "/").removeprefix("rlhf_pipeline/")
@@ -82,8 +82,8 @@ def test_a_source_edit_changes_exactly_the_versions_of_the_stages_that_import_it
 
 def test_editing_the_console_re_keys_no_stage(monkeypatch):
     """The bars are drawn by the CLI's console from the trainers' progress records: a cosmetic edit retrains nothing."""
-    from rlhf_pipeline.tasks import code_version as code_version_module
-    from rlhf_pipeline.tasks.code_version import project_imports
+    from rlhf_pipeline.tasks.store import code_version as code_version_module
+    from rlhf_pipeline.tasks.store.code_version import project_imports
 
     before = {s.name: code_version(s.trainer) for s in STAGES}
     original = code_version_module.read_source

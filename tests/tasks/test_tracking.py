@@ -15,7 +15,7 @@ from pathlib import Path
 go = Path(sys.argv[1])
 while not go.exists():
     time.sleep(0.005)
-from rlhf_pipeline.tasks import tracking
+from rlhf_pipeline.tasks.tracking import client as tracking
 mlflow = tracking.client()
 mlflow.search_experiments(max_results=1)
 mlflow.search_registered_models(max_results=1)
@@ -57,7 +57,7 @@ def test_a_registered_version_downloads_from_the_default_store_whatever_the_work
     """With no MLFLOW_TRACKING_URI the store is the state folder's SQLite file. A version (and a logged model) is
     downloaded through that store, not through MLflow's process-wide default (a new `mlflow.db` in the working
     directory, where the version does not exist: an identical re-run of `rlhf run` failed at eval's champion)."""
-    from rlhf_pipeline.tasks import tracking
+    from rlhf_pipeline.tasks.tracking import client as tracking
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("MLFLOW_REGISTRY_URI", raising=False)

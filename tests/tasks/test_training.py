@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from mlflow.tracking import MlflowClient
 
-from rlhf_pipeline.tasks import tracking
-from rlhf_pipeline.tasks.artifacts import ArtifactRef, RunContext
+from rlhf_pipeline.tasks.store.artifacts import ArtifactRef, RunContext
+from rlhf_pipeline.tasks.tracking import client as tracking
 from rlhf_pipeline.tasks.training import train_stage
 from rlhf_pipeline.trainers.algorithms.dpo import DpoConfig
 from rlhf_pipeline.trainers.algorithms.sft import SftConfig
@@ -59,8 +59,8 @@ def test_editing_a_callback_re_runs_the_stage_that_uses_it_and_nothing_else(ctx,
 
 
 def test_sft_evaluates_on_the_data_stages_sft_eval_and_keys_on_it_only_then(ctx, tmp_path):
-    from rlhf_pipeline.tasks.artifacts import read_history
     from rlhf_pipeline.tasks.data import validate_data
+    from rlhf_pipeline.tasks.store.artifacts import read_history
     from rlhf_pipeline.trainers.data import DataConfig, DatasetSpec
     from tests.helpers import write_jsonl
 

@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from rlhf_pipeline import validators
-from rlhf_pipeline.tasks import tracking
-from rlhf_pipeline.tasks.artifacts import RunContext
 from rlhf_pipeline.tasks.data import validate_data
+from rlhf_pipeline.tasks.store.artifacts import RunContext
+from rlhf_pipeline.tasks.tracking import client as tracking
 from rlhf_pipeline.trainers.config import ModelConfig
 from rlhf_pipeline.trainers.data import DataConfig, DatasetSpec
 from tests.helpers import write_data_dir

@@ -201,7 +201,7 @@ def write_outcome(
     best_checkpoint: str | None = None,
     best_metric: float | None = None,
 ) -> dict:
-    """`training.json`: how the training ended, for the manifest and the MLflow tags (`tasks.store`)."""
+    """`training.json`: how the training ended, for the manifest and the MLflow tags (`tasks.store.stage`)."""
     import torch
 
     outcome = {"global_step": global_step, "max_steps": max_steps, "stopped_early": global_step < max_steps}

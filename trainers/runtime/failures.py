@@ -63,4 +63,4 @@ def permanent_reason(exc: BaseException) -> str | None:
 
 
 PERMANENT = (ValueError, TypeError, KeyError, ImportError, NotImplementedError)
-"""Errors no retry can fix (bad config or data); `tasks.orchestration` retries every other one."""
+"""Errors no retry can fix (bad config or data); `tasks.orchestration.stage_task` retries every other one."""

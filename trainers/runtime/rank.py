@@ -2,12 +2,11 @@
 
     accelerate launch ... -m rlhf_pipeline.trainers.runtime.rank <work_dir>/launch.json
 
-`launch.json` (written by `tasks.launcher`) names the trainer module and its arguments: configs by class and
-JSON, paths as strings. Every rank calls `train(**arguments)`. Rank 0's metrics are printed as
-`@@rlhf-metrics {"step", "values"}` lines and its progress records as `@@rlhf-progress {...}` lines for the
-parent to forward, its final metrics are written to
-`<work_dir>/result.json`, and an error that no retry can fix (bad config or data) to `<work_dir>/launch-error.json`.
-No Prefect here: trainers never import it.
+`launch.json` (written by `tasks.orchestration.launcher`) names the trainer module and its arguments: configs by class
+and JSON, paths as strings. Every rank calls `train(**arguments)`. Rank 0's metrics are printed as `@@rlhf-metrics
+{"step", "values"}` lines and its progress records as `@@rlhf-progress {...}` lines for the parent to forward, its final
+metrics are written to `<work_dir>/result.json`, and an error that no retry can fix (bad config or data) to
+`<work_dir>/launch-error.json`. No Prefect here: trainers never import it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A stage's trainer as a Ray Train job: the driver `tasks.launcher` starts for `launch.launcher: ray`.
+"""A stage's trainer as a Ray Train job: the driver `tasks.orchestration.launcher` starts for `launch.launcher: ray`.
 
     python -m rlhf_pipeline.trainers.runtime.ray_job <work_dir>/launch.json --workers N --resources '{"CPU": 1}' \
         --strategy PACK [--address ADDRESS]

@@ -3,8 +3,9 @@ process to go, and every stage that is training writes a checkpoint at the end o
 process then ends as the signal would have ended it, at most a grace period later. The retry (the next attempt of the
 flow run) resumes from that checkpoint, as from any other.
 
-`checkpoint_on_sigterm()` is entered by the flow run's main thread (`tasks.parent_run`) and by each launched rank
-(`trainers.runtime.rank`); training loops ask `stop_requested()` after each step, all ranks of a launch agreeing.
+`checkpoint_on_sigterm()` is entered by the flow run's main thread (`tasks.orchestration.parent_run`) and by each
+launched rank (`trainers.runtime.rank`); training loops ask `stop_requested()` after each step, all ranks of a launch
+agreeing.
 """
 
 from __future__ import annotations

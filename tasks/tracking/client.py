@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.tasks.secrets import URI_CREDENTIALS, mask_uri, redact, redact_text
+from rlhf_pipeline.tasks.store.secrets import URI_CREDENTIALS, mask_uri, redact, redact_text
 
 STATE_ENV = "RLHF_STATE_DIR"
 PARAM_VALUE_LIMIT = 6000  # MLflow rejects longer param values
@@ -253,7 +253,8 @@ def log_metrics(run_id: str, metrics: dict[str, float], step: int = 0) -> None:
 
 
 def log_metric_rows(run_id: str, rows: list[tuple[int, dict[str, float], int]]) -> None:
-    """Rows of (timestamp ms, values, step) in one call, each value at the time it was made (`tasks.metric_queue`)."""
+    """Rows of (timestamp ms, values, step) in one call, each value at the time it was made
+    (`tasks.store.metric_queue`)."""
     from mlflow.entities import Metric
 
     metrics = [Metric(k, float(v), stamp, step) for stamp, values, step in rows for k, v in values.items()]

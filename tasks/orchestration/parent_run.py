@@ -10,11 +10,11 @@ from typing import Any, Iterator
 
 import yaml
 
-from rlhf_pipeline.tasks import tracking
-from rlhf_pipeline.tasks.artifacts import ArtifactRef, RunContext
-from rlhf_pipeline.tasks.launcher import LaunchConfig
-from rlhf_pipeline.tasks.orchestration import coordinated, current_flow_run, ensure_device_limit, prefect_log
-from rlhf_pipeline.tasks.secrets import install_log_filter, redact, redact_text
+from rlhf_pipeline.tasks.orchestration.launcher import LaunchConfig
+from rlhf_pipeline.tasks.orchestration.stage_task import coordinated, current_flow_run, ensure_device_limit, prefect_log
+from rlhf_pipeline.tasks.store.artifacts import ArtifactRef, RunContext
+from rlhf_pipeline.tasks.store.secrets import install_log_filter, redact, redact_text
+from rlhf_pipeline.tasks.tracking import client as tracking
 from rlhf_pipeline.trainers.runtime.stopping import checkpoint_on_sigterm
 
 MODEL_LOGGED, MODEL_URI, POLICY_MODEL = "rlhf.model_logged", "rlhf.model_uri", "rlhf.policy_model_id"

@@ -8,10 +8,10 @@ import os
 import re
 from pathlib import Path
 
-from rlhf_pipeline.tasks import tracking
-from rlhf_pipeline.tasks.artifacts import MANIFEST, ArtifactRef, content_digest
-from rlhf_pipeline.tasks.lineage import MODEL_TAG
-from rlhf_pipeline.tasks.tracking import MODEL_DIGEST
+from rlhf_pipeline.tasks.store.artifacts import MANIFEST, ArtifactRef, content_digest
+from rlhf_pipeline.tasks.tracking import client as tracking
+from rlhf_pipeline.tasks.tracking.client import MODEL_DIGEST
+from rlhf_pipeline.tasks.tracking.lineage import MODEL_TAG
 
 
 def resolve_model(source: str | None, role: str) -> tuple[ArtifactRef, dict[str, str]]:

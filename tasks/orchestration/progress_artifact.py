@@ -2,9 +2,9 @@
 
 The trainers already say how far they are: every TRL stage, ppo and the pairs sampling emit progress records
 (`trainers.runtime.progress`: stage, step, total, start) at each step, and under `accelerate launch` rank 0's records
-come to the parent as lines that `tasks.launcher` logs again as records. `StageProgress` is a logging handler on those
-records for the time a stage builds (`orchestration.device_hold` enters it): no module a trainer imports changes, so no
-stage's code version (its import closure) moves because of a display.
+come to the parent as lines that `tasks.orchestration.launcher` logs again as records. `StageProgress` is a logging
+handler on those records for the time a stage builds (`orchestration.device_hold` enters it): no module a trainer
+imports changes, so no stage's code version (its import closure) moves because of a display.
 
 The Prefect API is called from a thread of its own, never from the training thread: the newest reading is sent at most
 once a second (older ones are dropped), an API that does not answer is logged once and tried again with a growing

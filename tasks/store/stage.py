@@ -1,7 +1,7 @@
 """The artifact store: a stage's key, its atomic publish, the manifest-backed cache and its MLflow child run
 (docs/ARCHITECTURE.md, "Artifacts and the cache key").
 
-    <artifact_root>/<stage>/<key>/        published, `manifest.json` last (`tasks.artifacts`)
+    <artifact_root>/<stage>/<key>/        published, `manifest.json` last (`tasks.store.artifacts`)
     <artifact_root>/<stage>/.work/<key>/  checkpoints while training (resume source)
 
 The artifact store, not Prefect's result cache, decides whether a stage runs: Prefect cannot tell that a cached result
@@ -27,8 +27,7 @@ from typing import Callable, ContextManager
 
 from pydantic import BaseModel
 
-from rlhf_pipeline.tasks import lineage, tracking
-from rlhf_pipeline.tasks.artifacts import (
+from rlhf_pipeline.tasks.store.artifacts import (
     FILES,
     HISTORY,
     MANIFEST,
@@ -41,10 +40,12 @@ from rlhf_pipeline.tasks.artifacts import (
     file_listing,
     read_history,
 )
-from rlhf_pipeline.tasks.code_version import code_version
-from rlhf_pipeline.tasks.metric_queue import MetricQueue
-from rlhf_pipeline.tasks.resources import PeakMemory, child_pids, frozen_heap, kill_process
-from rlhf_pipeline.tasks.secrets import redact
+from rlhf_pipeline.tasks.store.code_version import code_version
+from rlhf_pipeline.tasks.store.metric_queue import MetricQueue
+from rlhf_pipeline.tasks.store.resources import PeakMemory, child_pids, frozen_heap, kill_process
+from rlhf_pipeline.tasks.store.secrets import redact
+from rlhf_pipeline.tasks.tracking import client as tracking
+from rlhf_pipeline.tasks.tracking import lineage
 from rlhf_pipeline.trainers.algorithms.loop import OUTCOME, PEAK_GPU, last_checkpoint
 from rlhf_pipeline.trainers.models.load import tokenizer_digest
 from rlhf_pipeline.trainers.runtime import stopping
@@ -99,7 +100,7 @@ def run_stage(
     """Publish `<root>/<stage>/<key>/` by running `build`, or reuse it when its manifest exists.
 
     `log_files` are paths inside the stage directory logged to the stage's MLflow
-    run (reports, tables); a published `model/` becomes the run's MLflow logged model (`tasks.lineage`).
+    run (reports, tables); a published `model/` becomes the run's MLflow logged model (`tasks.tracking.lineage`).
     `digest_of` names the paths dependents key on (default: every file), so a
     re-run that changes only a report (timestamps, a new rule) re-trains nothing.
     `parts` names paths whose digests are kept one by one (`ArtifactRef.select`).
@@ -196,7 +197,9 @@ def run_stage(
                     metrics = build(tmp, work_dir, log_metrics)
                 if history.is_file():
                     shutil.copy(history, tmp / HISTORY)
-                from rlhf_pipeline.tasks.cards import write_card  # before the listing: the manifest vouches for it
+                from rlhf_pipeline.tasks.tracking.cards import (
+                    write_card,  # before the listing: the manifest vouches for it
+                )
 
                 write_card(tmp, stage, key, config_json, upstream, metrics)  # model/README.md, if it wrote a model
                 files = file_listing(tmp)
@@ -344,7 +347,7 @@ def _key_lock(
                 f"wait (stop that run, or remove {lock.lock_file} if no process holds it)"
             ) from None
     try:
-        from rlhf_pipeline.tasks.orchestration import current_flow_run
+        from rlhf_pipeline.tasks.orchestration.stage_task import current_flow_run
 
         holder.write_text(
             json.dumps(
@@ -376,10 +379,9 @@ def _record_in_mlflow(
     tags: dict[str, str],
     record_lineage: Callable[[], object],
 ) -> None:
-    """A published stage's curve, files, final values and lineage (`tasks.lineage`) into its MLflow run, which ends
-    FINISHED. A tracking server
-    that does not answer fails the attempt transiently: the retry finds the artifact and records it as a cached run
-    (its curve read from the artifact's history)."""
+    """A published stage's curve, files, final values and lineage (`tasks.tracking.lineage`) into its MLflow run, which
+    ends FINISHED. A tracking server that does not answer fails the attempt transiently: the retry finds the artifact
+    and records it as a cached run (its curve read from the artifact's history)."""
     try:
         if unsent := queue.close(REPLAY_SECONDS):
             raise ConnectionError(f"MLflow has not taken {unsent} rows of metrics in {REPLAY_SECONDS:.0f}s")

@@ -7,7 +7,7 @@
                artifact digest and the logged models it was trained from; a cached re-run links the same one
 
 A registered version points at the policy's logged model and names its upstream ones (`tasks.registry`), so a machine
-that shares only the tracking server finds the SFT and reward models through MLflow (`tasks.resolve`).
+that shares only the tracking server finds the SFT and reward models through MLflow (`tasks.tracking.resolve`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.tasks import tracking
-from rlhf_pipeline.tasks.artifacts import ArtifactRef
+from rlhf_pipeline.tasks.store.artifacts import ArtifactRef
+from rlhf_pipeline.tasks.tracking import client as tracking
 
 MODEL_TAG = "rlhf.model."
 """`rlhf.model.<stage>` on a registered version: the logged model id of that stage's model (the policy's and the

@@ -7,8 +7,8 @@ The parent (this module, in the Prefect task) writes the stage's resolved argume
 launcher in the flow run's process group, streams every line into the task's log, forwards rank 0's metrics to
 `log_metrics`, and kills every process of the launch on timeout, cancellation, a failed rank or any error of its own.
 Rank 0 saves the model into the stage's temporary directory; the parent then publishes it and writes the manifest
-exactly as for an in-process build (`tasks.store.run_stage`). A retry resumes from the newest complete checkpoint in the
-work directory, which every attempt shares.
+exactly as for an in-process build (`tasks.store.stage.run_stage`). A retry resumes from the newest complete checkpoint
+in the work directory, which every attempt shares.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from rlhf_pipeline.tasks.secrets import redact
+from rlhf_pipeline.tasks.store.secrets import redact
 from rlhf_pipeline.trainers.runtime.failures import PERMANENT
 from rlhf_pipeline.trainers.runtime.progress import emit
 from rlhf_pipeline.trainers.runtime.rank import (

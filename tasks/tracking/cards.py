@@ -1,7 +1,7 @@
 """Model cards: every published `model/` folder carries a `README.md` made with `huggingface_hub`'s `ModelCard`, and the
 champion exports as a folder in Hub layout (`rlhf export`), which `hf upload` takes as it is.
 
-A stage's card is written into its temporary folder before the manifest (`tasks.store.run_stage`), so the manifest
+A stage's card is written into its temporary folder before the manifest (`tasks.store.stage.run_stage`), so the manifest
 lists it and the publish stays atomic. Its bytes are part of the artifact's content digest that dependents key on, so
 it holds nothing that differs between two identical builds: no time, no run id, no temporary path, no wall-clock
 metric. The held-out metrics with their 95% intervals are the eval stage's, and come with the export: a stage's card
@@ -20,7 +20,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
 
-from rlhf_pipeline.tasks.artifacts import HISTORY, MANIFEST, ArtifactRef
+from rlhf_pipeline.tasks.store.artifacts import HISTORY, MANIFEST, ArtifactRef
 
 CARD = "README.md"
 PIPELINE = "rlhf-pipeline"
@@ -255,7 +255,7 @@ def export(source: str, out: Path, log: Callable[[str], None] = print) -> Path:
     `out` in Hub layout: config, safetensors weights, tokenizer files, generation config and a card that also carries
     the held-out metrics with their 95% intervals. Written to a temporary folder beside `out`, then renamed: `out` is
     whole or absent. A non-empty `out` is refused before anything is read."""
-    from rlhf_pipeline.tasks.resolve import check_model_source, resolve_model
+    from rlhf_pipeline.tasks.tracking.resolve import check_model_source, resolve_model
 
     out = Path(out).expanduser().absolute()
     _check_out(out)
@@ -326,7 +326,7 @@ def local_lineage(ref: ArtifactRef, lineage: dict[str, str]) -> dict[str, str]:
     folders = {stage: where for stage, where in lineage.items() if Path(where).is_dir()}
     name, _, version = ref.key.rpartition("/v")
     if name and version.isdigit():
-        from rlhf_pipeline.tasks import tracking
+        from rlhf_pipeline.tasks.tracking import client as tracking
 
         root = tracking.state_dir() / "artifacts"
         for tag, key in tracking.version_tags(name, version).items():
@@ -360,7 +360,7 @@ def eval_metrics(ref: ArtifactRef, lineage: dict[str, str]) -> dict[str, Any]:
             return {"metrics": manifest["metrics"], "data": specs}
     name, _, version = ref.key.rpartition("/v")
     if name and version.isdigit():
-        from rlhf_pipeline.tasks import tracking
+        from rlhf_pipeline.tasks.tracking import client as tracking
 
         tags = tracking.version_tags(name, version)
         metrics = {k: float(v) for k, v in tags.items() if k.startswith("eval/") and _number(v)}

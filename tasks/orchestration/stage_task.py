@@ -1,6 +1,6 @@
 """The Prefect side of a stage: the task decorator, retries, device slots, run logs and MLflow links.
 
-`tasks.store` holds the contract (key, publish, cache); this module makes a
+`tasks.store.stage` holds the contract (key, publish, cache); this module makes a
 stage a Prefect task that retries transient failures, holds a GPU slot while
 it builds and shows up in the Prefect UI with a link to its MLflow run.
 """
@@ -16,10 +16,10 @@ from typing import Any, Callable, ContextManager
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rlhf_pipeline.tasks import tracking
-from rlhf_pipeline.tasks.artifacts import ArtifactRef, StageOutcome
-from rlhf_pipeline.tasks.progress_artifact import stage_progress
-from rlhf_pipeline.tasks.secrets import redact_text
+from rlhf_pipeline.tasks.orchestration.progress_artifact import stage_progress
+from rlhf_pipeline.tasks.store.artifacts import ArtifactRef, StageOutcome
+from rlhf_pipeline.tasks.store.secrets import redact_text
+from rlhf_pipeline.tasks.tracking import client as tracking
 from rlhf_pipeline.trainers.runtime.failures import PERMANENT, permanent_reason
 from rlhf_pipeline.trainers.runtime.stopping import TERMINATING
 
@@ -137,9 +137,10 @@ def slot_holders(own: Any) -> str:
 def device_hold(
     stage: str, device: bool, log: Callable[[str], None] = print, wait_seconds: float | None = None
 ) -> Callable[[], ContextManager[None]]:
-    """What `tasks.store.run_stage` holds while the stage builds: a device slot where the table says it uses the
-    device, waited for at most `wait_seconds`, and the stage's progress artifact (`tasks.progress_artifact`: in a task
-    run, `rlhf-<stage>-progress` advances with the trainer's progress records, rank 0's included)."""
+    """What `tasks.store.stage.run_stage` holds while the stage builds: a device slot where the table says it uses the
+    device, waited for at most `wait_seconds`, and the stage's progress artifact
+    (`tasks.orchestration.progress_artifact`: in a task run, `rlhf-<stage>-progress` advances with the trainer's
+    progress records, rank 0's included)."""
 
     @contextmanager
     def hold() -> Iterator[None]:
