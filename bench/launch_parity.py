@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
 
     from rlhf_pipeline.flows.params import load_params
-    from rlhf_pipeline.tasks.orchestration.launcher import LaunchConfig, run_launched
+    from rlhf_pipeline.tasks.config import LaunchConfig
+    from rlhf_pipeline.tasks.orchestration.launcher import run_launched
     from rlhf_pipeline.trainers.data import load_split
     from tests.helpers import write_data_dir
 

@@ -13,11 +13,12 @@ from prefect import flow, get_run_logger
 from pydantic import Field, field_validator, model_validator
 
 from rlhf_pipeline.flows.params import DEFAULT_PRESET, as_default, described_by, from_flow_parameters, load_params
+from rlhf_pipeline.tasks.config import RetryConfig
 from rlhf_pipeline.tasks.data import validate_data
 from rlhf_pipeline.tasks.eval import evaluate
 from rlhf_pipeline.tasks.gate import RegistryConfig
 from rlhf_pipeline.tasks.orchestration.parent_run import model_label, pipeline_run, report_failure
-from rlhf_pipeline.tasks.orchestration.stage_task import RetryConfig, retrying
+from rlhf_pipeline.tasks.orchestration.stage_task import retrying
 from rlhf_pipeline.tasks.tracking.resolve import check_model_source, resolve_model
 from rlhf_pipeline.trainers.config import ModelConfig, StrictModel
 from rlhf_pipeline.trainers.data import DataConfig

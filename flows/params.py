@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, Field, create_model, model_validator
 
-from rlhf_pipeline.tasks.orchestration.launcher import LaunchConfig
-from rlhf_pipeline.tasks.orchestration.stage_task import RetryConfig
+from rlhf_pipeline.tasks.config import LaunchConfig, RetryConfig
 from rlhf_pipeline.tasks.stages import ALGORITHMS, BY_NAME, POLICY_STAGE, STAGES, reads
 from rlhf_pipeline.trainers.config import TINY, ModelConfig, StrictModel
 from rlhf_pipeline.trainers.pairs.feedback import FeedbackConfig

@@ -1,3 +1,7 @@
-"""One Prefect task per stage, and the stage machinery they share: the table of stages, the artifact store (key,
-publish, cache, MLflow child run) and the orchestration (docs/ARCHITECTURE.md, "Stages and the table", "Artifacts and
-the cache key")."""
+"""One Prefect task per stage, and the stage machinery they share (docs/ARCHITECTURE.md, "Stages and the table",
+"Artifacts and the cache key").
+
+Its wings, top to bottom (a wing imports only those below it; `lint-imports` keeps the order):
+the task modules (training.py, data.py, pairs.py, people.py, eval.py, registry.py) > orchestration/ (Prefect) >
+tracking/ (MLflow) > store/ (key, lock, publish, cache) > the table and the config they all read (stages.py, gate.py,
+config.py)."""

@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rlhf_pipeline.tasks.orchestration.stage_task import device_hold, prefect_log, stage_task
+from rlhf_pipeline.tasks.orchestration.stage_task import device_hold, lock_holder, prefect_log, stage_task
 from rlhf_pipeline.tasks.stages import BY_NAME, pair_readers
 from rlhf_pipeline.tasks.store.artifacts import RunContext, StageOutcome
 from rlhf_pipeline.tasks.store.stage import run_stage
 from rlhf_pipeline.tasks.tracking import client as tracking
+from rlhf_pipeline.tasks.tracking.recorder import MLFLOW
 from rlhf_pipeline.trainers.config import ModelConfig
 from rlhf_pipeline.trainers.data import DataConfig, dataset_fingerprint
 from rlhf_pipeline.trainers.models.checkpoints import content_id
@@ -106,6 +107,8 @@ def validate_data(
         parts={name: f"datasets/{name}.parquet" for name in sources},
         trainer=row.trainer,
         hold=device_hold(row.name, row.device, prefect_log, ctx.wait_seconds),
+        record=MLFLOW,
+        holder=lock_holder(),
     )
     link_data_docs(outcome, list(sources))
     return outcome

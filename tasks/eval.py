@@ -7,12 +7,13 @@ import tempfile
 from pathlib import Path
 
 from rlhf_pipeline.tasks.gate import RegistryConfig
-from rlhf_pipeline.tasks.orchestration.stage_task import device_hold, prefect_log, stage_task
+from rlhf_pipeline.tasks.orchestration.stage_task import device_hold, lock_holder, prefect_log, stage_task
 from rlhf_pipeline.tasks.registry import current_champion
 from rlhf_pipeline.tasks.stages import BY_NAME
 from rlhf_pipeline.tasks.store.artifacts import MANIFEST, ArtifactRef, RunContext, StageOutcome, read_history
 from rlhf_pipeline.tasks.store.stage import run_stage
 from rlhf_pipeline.tasks.tracking import client as tracking
+from rlhf_pipeline.tasks.tracking.recorder import MLFLOW
 from rlhf_pipeline.trainers.algorithms.sft import SKIPPED
 from rlhf_pipeline.trainers.config import ModelConfig
 from rlhf_pipeline.trainers.evaluation.stage import EvalConfig
@@ -90,6 +91,8 @@ def evaluate(
         trainer=row.trainer,
         hold=device_hold("eval", row.device, prefect_log, ctx.wait_seconds),
         system_metrics=row.device,
+        record=MLFLOW,
+        holder=lock_holder(),
     )
     publish_report(outcome.ref, [data, sft_model, reward_model, policy], ctx, pairs=inputs.get("pairs"))
     return outcome

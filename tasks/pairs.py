@@ -15,9 +15,10 @@ import hashlib
 import json
 from pathlib import Path
 
-from rlhf_pipeline.tasks.orchestration.stage_task import device_hold, prefect_log, stage_task
+from rlhf_pipeline.tasks.orchestration.stage_task import device_hold, lock_holder, prefect_log, stage_task
 from rlhf_pipeline.tasks.store.artifacts import ArtifactRef, RunContext, StageOutcome
 from rlhf_pipeline.tasks.store.stage import run_stage
+from rlhf_pipeline.tasks.tracking.recorder import MLFLOW
 from rlhf_pipeline.trainers.pairs.stage import PAIRS, SUMMARY, PairsConfig
 
 TRAINER = "rlhf_pipeline.trainers.pairs.stage"
@@ -97,6 +98,8 @@ def make_pairs(
         hold=device_hold("pairs", True, prefect_log, ctx.wait_seconds),
         extra_tags={**tags, "rlhf.part": "samples"},
         system_metrics=True,
+        record=MLFLOW,
+        holder=lock_holder(),
     )
     labels: dict[int, str | None] = {}
     fingerprints = _code(config)
@@ -149,6 +152,8 @@ def make_pairs(
         trainer=TRAINER,
         hold=device_hold("pairs", config.uses_device, prefect_log, ctx.wait_seconds),
         extra_tags={**tags, "rlhf.part": "labels", "rlhf.labeller": config.labeller},
+        record=MLFLOW,
+        holder=lock_holder(),
     )
     prefect_log(made.summary(labelled.metrics, config.labeller))
     if labelled.mlflow_run_id and not labelled.cached:  # a cached re-run's MLflow run links to its producer's

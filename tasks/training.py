@@ -26,10 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_pipeline.tasks.orchestration.launcher import run_launched
-from rlhf_pipeline.tasks.orchestration.stage_task import device_hold, prefect_log, stage_task
+from rlhf_pipeline.tasks.orchestration.stage_task import device_hold, lock_holder, prefect_log, stage_task
 from rlhf_pipeline.tasks.stages import BY_NAME, STAGES, TRAIN_STAGE, Stage, reads
 from rlhf_pipeline.tasks.store.artifacts import ArtifactRef, RunContext, StageOutcome
 from rlhf_pipeline.tasks.store.stage import run_stage
+from rlhf_pipeline.tasks.tracking.recorder import MLFLOW
 from rlhf_pipeline.trainers.config import Block, ModelConfig, StageConfig
 from rlhf_pipeline.trainers.models.checkpoints import keyed_model
 
@@ -133,6 +134,8 @@ def train_stage(
         hold=device_hold(stage, row.device, prefect_log, ctx.wait_seconds),
         extra_tags={"rlhf.round": str(round_)} if round_ else None,
         system_metrics=row.device,
+        record=MLFLOW,
+        holder=lock_holder(),
     )
     return dataclasses.replace(outcome, skipped=True) if switched_off else outcome
 

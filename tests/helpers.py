@@ -80,3 +80,11 @@ def data_artifact(tmp_path: Path, rows: int = 64):
     from rlhf_pipeline.tasks.store.artifacts import ArtifactRef
 
     return ArtifactRef(stage="data", key="d", uri=str(write_data_dir(tmp_path / "data", rows=rows)))
+
+
+def recorded_stage(*args, **kwargs):
+    """`run_stage` as the tasks call it: recorded in MLflow (`tasks.tracking.recorder.MLFLOW`)."""
+    from rlhf_pipeline.tasks.store.stage import run_stage
+    from rlhf_pipeline.tasks.tracking.recorder import MLFLOW
+
+    return run_stage(*args, record=MLFLOW, **kwargs)

@@ -24,12 +24,10 @@ import sys
 import threading
 import time
 from collections import deque
-from importlib import resources
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
+from rlhf_pipeline.tasks.config import ENGINE_DIR, ENGINES, LaunchConfig, Launcher
 from rlhf_pipeline.tasks.store.secrets import redact
 from rlhf_pipeline.trainers.runtime.failures import PERMANENT
 from rlhf_pipeline.trainers.runtime.progress import emit
@@ -44,117 +42,32 @@ from rlhf_pipeline.trainers.runtime.rank import (
 )
 from rlhf_pipeline.trainers.runtime.stopping import TERMINATING, Terminated
 
-Launcher = Literal["inprocess", "accelerate", "ray"]
-PLACEMENT = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
-ENGINES = ("ddp", "zero2", "zero3", "fsdp2")
-ENGINE_DIR = Path(str(resources.files("rlhf_pipeline.deployments") / "accelerate"))
 PERMANENT_BY_NAME = {cls.__name__: cls for cls in PERMANENT}
 """Errors a rank reports that no retry can fix (bad config or data): raised again in the parent as the same type."""
 
 
-class LaunchConfig(BaseModel):
-    """How the training stages are run. Not part of any stage's key: the same stage built in one process or eight is the
-    same artifact."""
+def launch_command(launch: LaunchConfig, spec: Path, launcher: Launcher = "accelerate") -> list[str]:
+    """The command that runs the stage's ranks: `accelerate launch` on this machine (CPU: gloo DDP over
+    `num_processes` processes), or the Ray Train job's driver (`trainers.runtime.ray_job`)."""
+    if launcher == "ray":
+        ray = [sys.executable, "-m", "rlhf_pipeline.trainers.runtime.ray_job", str(spec)]
+        ray += ["--workers", str(launch.num_workers), "--resources", json.dumps(launch.resources_per_worker)]
+        ray += ["--strategy", launch.placement_strategy]
+        return ray + (["--address", launch.ray_address] if launch.ray_address else [])
+    import torch
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    launcher: Literal["auto", "inprocess", "accelerate", "ray"] = Field(
-        "auto",
-        description=(
-            "'auto': accelerate whenever a CUDA GPU is present, else in the flow run's process; or force one. 'ray': a "
-            "Ray Train job on the cluster at ray_address / RAY_ADDRESS (else a local one), num_workers workers."
-        ),
-    )
-    stages: dict[str, Launcher] = Field(default_factory=dict, description="Per-stage override, e.g. {ppo: inprocess}.")
-    num_processes: int | None = Field(
-        None, ge=1, description="Processes per machine under accelerate. None: one per GPU (1 on a CPU)."
-    )
-    engine: str = Field(
-        "ddp",
-        description=(
-            "accelerate engine: ddp, zero2, zero3 (DeepSpeed ZeRO), fsdp2 (deployments/accelerate/<engine>.yaml), or "
-            "the path of an accelerate config file. On a CPU: gloo DDP. One machine; several: launcher ray."
-        ),
-    )
-    num_workers: int = Field(
-        1, ge=1, description="Ray Train workers (launcher ray), one torch rank each, across the cluster's nodes."
-    )
-    resources_per_worker: dict[str, float] = Field(
-        default_factory=lambda: {"CPU": 1},
-        description="What each Ray worker holds, e.g. {CPU: 8, GPU: 1} (a GPU: NCCL; none: gloo).",
-    )
-    placement_strategy: PLACEMENT = Field(
-        "PACK", description="How Ray places the workers: PACK fills a node first, STRICT_SPREAD one worker per node."
-    )
-    ray_address: str | None = Field(
-        None,
-        description=(
-            "The Ray cluster (ray://host:10001 or host:6379). None: RAY_ADDRESS, else a local cluster started for "
-            "the stage (127.0.0.1)."
-        ),
-    )
-    kill_grace_seconds: float = Field(
-        15, ge=0, description="After SIGTERM, how long the ranks get to exit before SIGKILL."
-    )
-
-    @field_validator("engine")
-    @classmethod
-    def _known_engine(cls, engine: str) -> str:
-        if engine not in ENGINES and not Path(engine).expanduser().is_file():
-            raise ValueError(
-                f"launch.engine={engine!r} is neither one of {', '.join(ENGINES)} nor an accelerate config file"
-            )
-        if engine.startswith("zero"):
-            import importlib.util
-
-            if importlib.util.find_spec("deepspeed") is None:
-                raise ValueError(
-                    f"launch.engine={engine!r} runs DeepSpeed ZeRO, which is not installed: pip install "
-                    "'rlhf-pipeline[deepspeed]' (CUDA)"
-                )
-        return engine
-
-    @model_validator(mode="after")
-    def _ray_installed(self) -> "LaunchConfig":
-        if "ray" in (self.launcher, *self.stages.values()):
-            import importlib.util
-
-            if importlib.util.find_spec("ray") is None:
-                raise ValueError(
-                    "launch.launcher='ray' runs a Ray Train job, and Ray is not installed: pip install "
-                    "'rlhf-pipeline[ray]'"
-                )
-        return self
-
-    def launcher_of(self, stage: str) -> Launcher:
-        chosen = self.stages.get(stage, self.launcher)
-        if chosen == "auto":
-            import torch
-
-            return "accelerate" if torch.cuda.is_available() else "inprocess"
-        return chosen
-
-    def command(self, spec: Path, launcher: Launcher = "accelerate") -> list[str]:
-        """The command that runs the stage's ranks: `accelerate launch` on this machine (CPU: gloo DDP over
-        `num_processes` processes), or the Ray Train job's driver (`trainers.runtime.ray_job`)."""
-        if launcher == "ray":
-            ray = [sys.executable, "-m", "rlhf_pipeline.trainers.runtime.ray_job", str(spec)]
-            ray += ["--workers", str(self.num_workers), "--resources", json.dumps(self.resources_per_worker)]
-            ray += ["--strategy", self.placement_strategy]
-            return ray + (["--address", self.ray_address] if self.ray_address else [])
-        import torch
-
-        cuda = torch.cuda.is_available()
-        processes = self.num_processes or (torch.cuda.device_count() if cuda else 1)
-        command = [sys.executable, "-m", "accelerate.commands.launch"]
-        if cuda:
-            config = ENGINE_DIR / f"{self.engine}.yaml" if self.engine in ENGINES else Path(self.engine).expanduser()
-            command += ["--config_file", str(config)]
-        else:
-            # A MULTI_CPU config takes accelerate's simple launcher (one process); --multi_gpu with use_cpu inside gives
-            # gloo DDP (docs/ARCHITECTURE.md, "Library facts the code relies on", accelerate).
-            command += ["--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no"]
-        command += ["--num_processes", str(processes), "--num_machines", "1", "--main_process_port", str(_free_port())]
-        return [*command, "-m", "rlhf_pipeline.trainers.runtime.rank", str(spec)]
+    cuda = torch.cuda.is_available()
+    processes = launch.num_processes or (torch.cuda.device_count() if cuda else 1)
+    command = [sys.executable, "-m", "accelerate.commands.launch"]
+    if cuda:
+        config = ENGINE_DIR / f"{launch.engine}.yaml" if launch.engine in ENGINES else Path(launch.engine).expanduser()
+        command += ["--config_file", str(config)]
+    else:
+        # A MULTI_CPU config takes accelerate's simple launcher (one process); --multi_gpu with use_cpu inside gives
+        # gloo DDP (docs/ARCHITECTURE.md, "Library facts the code relies on", accelerate).
+        command += ["--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    command += ["--num_processes", str(processes), "--num_machines", "1", "--main_process_port", str(_free_port())]
+    return [*command, "-m", "rlhf_pipeline.trainers.runtime.rank", str(spec)]
 
 
 def _free_port() -> int:
@@ -180,7 +93,7 @@ def run_launched(
         stale.unlink(missing_ok=True)
     hidden = write_spec(spec, trainer, arguments, mask=redact)  # secrets reach the ranks by environment, not file
     launcher = launch.launcher_of(stage)
-    command = launch.command(spec, launcher)
+    command = launch_command(launch, spec, launcher)
     env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1", "RLHF_STAGE": stage}
     if hidden:
         env[SECRETS_ENV] = json.dumps(hidden)

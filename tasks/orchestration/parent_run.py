@@ -10,17 +10,13 @@ from typing import Any, Iterator
 
 import yaml
 
-from rlhf_pipeline.tasks.orchestration.launcher import LaunchConfig
+from rlhf_pipeline.tasks.config import LaunchConfig
 from rlhf_pipeline.tasks.orchestration.stage_task import coordinated, current_flow_run, ensure_device_limit, prefect_log
 from rlhf_pipeline.tasks.store.artifacts import ArtifactRef, RunContext
 from rlhf_pipeline.tasks.store.secrets import install_log_filter, redact, redact_text
 from rlhf_pipeline.tasks.tracking import client as tracking
+from rlhf_pipeline.tasks.tracking.client import MODEL_LOGGED, MODEL_URI, POLICY_MODEL
 from rlhf_pipeline.trainers.runtime.stopping import checkpoint_on_sigterm
-
-MODEL_LOGGED, MODEL_URI, POLICY_MODEL = "rlhf.model_logged", "rlhf.model_uri", "rlhf.policy_model_id"
-"""Parent-run tags: where the policy's weights are (its stage's logged model; or, for a policy with none in this
-store, an earlier run's copy, or this run's own under `model/`), and the policy's logged model id."""
-
 
 _OPEN: dict[str, str] = {}
 """The flow runs this process is inside (`pipeline_run`), by Prefect flow run id: their MLflow parent runs."""

@@ -14,8 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Callable, ContextManager
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from rlhf_pipeline.tasks.config import RetryConfig
 from rlhf_pipeline.tasks.orchestration.progress_artifact import stage_progress
 from rlhf_pipeline.tasks.store.artifacts import ArtifactRef, StageOutcome
 from rlhf_pipeline.tasks.store.secrets import redact_text
@@ -151,42 +150,6 @@ def device_hold(
     return hold
 
 
-DEFAULT_TIMEOUT = 24 * 3600.0
-"""A stage's default time limit: a hung build (a dead NFS mount, a deadlocked collective) ends within a day."""
-
-
-class RetryConfig(BaseModel):
-    """How stages meet failure: transient errors (I/O, network, a lost device) retry with backoff;
-    bad config or data (ValueError, TypeError, KeyError, ImportError) fail at once."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    retries: int = Field(
-        2, ge=0, le=20, description="Retries of a stage after a transient error; 0 fails at the first."
-    )
-    delay_seconds: list[float] = Field(
-        [10, 60], min_length=1, description="Wait before each retry, in seconds (the last repeats)."
-    )
-    jitter_factor: float = Field(
-        0.2, ge=0, le=1, description="Random extra share of each delay, so retries of parallel runs spread out."
-    )
-    timeout_seconds: float | None = Field(
-        DEFAULT_TIMEOUT,
-        gt=0,
-        description=(
-            "A stage running longer fails (its child processes are killed) and is retried; also the longest wait for "
-            "another run's build of the same stage. None: no limit."
-        ),
-    )
-
-    def task_options(self) -> dict[str, Any]:
-        return {
-            "retries": self.retries,
-            "retry_delay_seconds": list(self.delay_seconds),
-            "retry_jitter_factor": self.jitter_factor or None,
-            "timeout_seconds": self.timeout_seconds,
-        }
-
-
 # MLflow answers these for a run, model or experiment that is not in the store: asking again cannot help.
 PERMANENT_MLFLOW_CODES = frozenset({"RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "RESOURCE_ALREADY_EXISTS"})
 
@@ -273,6 +236,11 @@ def current_flow_run() -> tuple[str, str]:
     from prefect.runtime import flow_run
 
     return flow_run.get_id() or "", flow_run.get_name() or "rlhf"
+
+
+def lock_holder() -> dict[str, str]:
+    """Who builds a stage, as the store writes it beside the key's lock for whoever waits: the flow run."""
+    return {"flow_run": current_flow_run()[0] or ""}
 
 
 def prefect_log(message: str) -> None:

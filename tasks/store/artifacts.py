@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict
 
-from rlhf_pipeline.tasks.orchestration.launcher import LaunchConfig
+from rlhf_pipeline.tasks.config import LaunchConfig
 from rlhf_pipeline.trainers.config import LogMetrics
 
 MANIFEST = "manifest.json"

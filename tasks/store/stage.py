@@ -13,6 +13,7 @@ This module knows nothing of Prefect: the caller passes what must be held while 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -21,9 +22,10 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Callable, ContextManager
+from typing import Callable, ContextManager, Protocol
 
 from pydantic import BaseModel
 
@@ -44,8 +46,6 @@ from rlhf_pipeline.tasks.store.code_version import code_version
 from rlhf_pipeline.tasks.store.metric_queue import MetricQueue
 from rlhf_pipeline.tasks.store.resources import PeakMemory, child_pids, frozen_heap, kill_process
 from rlhf_pipeline.tasks.store.secrets import redact
-from rlhf_pipeline.tasks.tracking import client as tracking
-from rlhf_pipeline.tasks.tracking import lineage
 from rlhf_pipeline.trainers.algorithms.loop import OUTCOME, PEAK_GPU, last_checkpoint
 from rlhf_pipeline.trainers.models.load import tokenizer_digest
 from rlhf_pipeline.trainers.runtime import stopping
@@ -81,6 +81,70 @@ def _versions() -> dict[str, str]:
     return found
 
 
+class Recorder(Protocol):
+    """What the store tells the tracking side about a stage, at four moments (tasks/tracking/recorder.py records it
+    in MLflow; tests pass a fake). A published stage is safe whatever the recorder does: `published` runs after the
+    rename, and its failure fails the attempt transiently (the retry records the stage as cached)."""
+
+    def cached(self, entry: Entry, producer: str, curves: list, metrics: dict[str, float], log: Log) -> str:
+        """A reused artifact: a run that says so, with the artifact's curve and final metrics. Returns its id."""
+        ...
+
+    def started(self, entry: Entry, log: Log) -> str:
+        """A build begins (the key's lock held): runs of the key left RUNNING by a dead process end, a new one
+        starts with the resolved config. Returns its id."""
+        ...
+
+    def sink(self, run_id: str) -> Callable[[list], None]:
+        """Where the build's metric rows go, `(timestamp ms, values, step)` each (through a `MetricQueue`)."""
+        ...
+
+    def watching(self, run_id: str) -> ContextManager:
+        """Held while a device stage builds: the machine's figures sampled into the run."""
+        ...
+
+    def describe(self, entry: Entry, folder: Path, metrics: dict[str, float]) -> None:
+        """Before the listing, so the manifest vouches for it: the model card of a folder that holds a model."""
+        ...
+
+    def published(self, entry: Entry, run_id: str, queue: MetricQueue, finals: Finals) -> None:
+        """The published stage's curve, files, final metrics and lineage; its run ends FINISHED."""
+        ...
+
+    def failed(self, entry: Entry, run_id: str, exc: BaseException, queue: MetricQueue, folder: Path, log: Log) -> None:
+        """The failed build's curve so far, its reports and the error; its run ends FAILED. Never raises."""
+        ...
+
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A stage as the store keys it, and as a recorder is told of it."""
+
+    ctx: RunContext
+    stage: str
+    key: str
+    final: Path
+    config: dict
+    """The resolved config, secrets masked."""
+    upstream: dict[str, ArtifactRef]
+    tags: dict[str, str]
+    log_files: tuple[str, ...] = ()
+    """Paths inside the stage's folder logged with its run (reports, tables)."""
+
+
+@dataclass(frozen=True)
+class Finals:
+    """What a published build ends with: its final metrics (resources included), the last step of its curve, and the
+    tags that say how its training ended."""
+
+    metrics: dict[str, float]
+    step: int
+    tags: dict[str, str]
+
+
 def run_stage(
     stage: str,
     config: BaseModel | dict,
@@ -89,182 +153,168 @@ def run_stage(
     build: Build,
     fingerprints: dict[str, str] | None = None,
     log_files: tuple[str, ...] = (),
-    log: Callable[[str], None] = print,
+    log: Log = print,
     digest_of: tuple[str, ...] = (),
     parts: dict[str, str] | None = None,
     trainer: str | None = None,
     hold: Callable[[], ContextManager] = contextlib.nullcontext,
     extra_tags: dict[str, str] | None = None,
     system_metrics: bool = False,
+    *,
+    record: Recorder,
+    holder: dict[str, str] | None = None,
 ) -> StageOutcome:
     """Publish `<root>/<stage>/<key>/` by running `build`, or reuse it when its manifest exists.
 
-    `log_files` are paths inside the stage directory logged to the stage's MLflow
-    run (reports, tables); a published `model/` becomes the run's MLflow logged model (`tasks.tracking.lineage`).
-    `digest_of` names the paths dependents key on (default: every file), so a
-    re-run that changes only a report (timestamps, a new rule) re-trains nothing.
-    `parts` names paths whose digests are kept one by one (`ArtifactRef.select`).
-    `trainer` is the module whose read_source (and imports) is the stage's code version;
-    `hold()` is held while the build runs (the caller's device slot); `extra_tags` go on its MLflow run (e.g.
-    `rlhf.round` of a feedback round); `system_metrics`: MLflow samples the machine while it builds (device stages).
+    `record` is the tracking side (`Recorder`): told of a reuse, a build's start, curve, end or failure. `log_files`
+    are paths inside the stage directory logged with the stage's run (reports, tables). `digest_of` names the paths
+    dependents key on (default: every file), so a re-run that changes only a report (timestamps, a new rule)
+    re-trains nothing. `parts` names paths whose digests are kept one by one (`ArtifactRef.select`). `trainer` is the
+    module whose source (and imports) is the stage's code version; `hold()` is held while the build runs (the
+    caller's device slot); `holder` says who holds the key's lock (e.g. the flow run), for whoever waits on it;
+    `extra_tags` go on its run (e.g. `rlhf.round` of a feedback round); `system_metrics`: the machine is sampled
+    while it builds (device stages).
     """
-    fingerprints = fingerprints or {}
     check_tokenizers(stage, upstream)
     # Secrets are masked before anything is keyed, logged or written: a rotated token re-trains nothing.
     config_json = redact(config.model_dump(mode="json") if isinstance(config, BaseModel) else config)
     code = code_version(trainer)
-    key = stage_key(stage, config_json, upstream, fingerprints, code)
+    key = stage_key(stage, config_json, upstream, fingerprints or {}, code)
     stage_root = Path(ctx.artifact_root) / stage
     final = stage_root / key
-    ref = ArtifactRef(stage=stage, key=key, uri=str(final))
     tags = {"rlhf.stage": stage, "rlhf.key": key, "rlhf.artifact": str(final), **(extra_tags or {})}
+    entry = Entry(ctx, stage, key, final, config_json, upstream, tags, log_files)
 
     stage_root.mkdir(parents=True, exist_ok=True)
     # One builder per key: a second run with the same inputs waits here, then finds the manifest.
-    with _key_lock(stage_root, key, stage, log, ctx.wait_seconds):
+    with _key_lock(stage_root, key, stage, log, ctx.wait_seconds, holder or {}):
         if (final / MANIFEST).is_file() and not ctx.force and (why := damage(final)):
             # Never reused, never blocking its key: kept aside for a look, and built again.
             aside = final.with_name(f".damaged-{key}-{uuid.uuid4().hex[:8]}")
             os.rename(final, aside)
             log(f"{stage}: {final} cannot be reused: {why}; moved to {aside.name} and built again")
         if (final / MANIFEST).is_file() and not ctx.force:
-            manifest = ref.manifest()
-            ref = ref.model_copy(update={"digest": manifest["digest"], "parts": manifest.get("parts", {})})
-            producer = manifest["mlflow_run_id"]
-            # The artifact store and the tracking store are independent: the producing run may live in
-            # another MLflow store (MLFLOW_TRACKING_URI changed). Everything logged here comes from the artifact.
-            found = tracking.run_exists(producer)
-            cached_tags = {"rlhf.cached": "true", "rlhf.produced_by": producer}
-            if not found:
-                cached_tags["rlhf.produced_by_missing"] = f"run {producer} is not in {tracking.shown_uri()}"
-            run_id = tracking.start_run(ctx.experiment_id, stage, {**tags, **cached_tags}, ctx.parent_run_id)
-            tracking.log_params(run_id, config_json)
-            curves = read_history(final)
-            metrics = {**manifest["metrics"], **resource_metrics(stage, manifest.get("resources", {}))}
-            last = max((step for step, _ in curves), default=0)
-            # The curves, so cached runs line up in MLflow's compare view, and the final metrics: in batches, not a
-            # call per step (a real model's thousand steps would be a thousand calls).
-            now = int(time.time() * 1000)
-            tracking.log_metric_rows(run_id, [(now, values, step) for step, values in [*curves, (last, metrics)]])
-            lineage.record(run_id, ctx.experiment_id, stage, final, upstream, config_json, metrics, last)
-            tracking.end_run(run_id)
-            if found and tracking.run_status(producer) == "RUNNING":  # published while MLflow was away
-                tracking.set_tags(producer, {"rlhf.recorded_by": run_id})
-                tracking.end_run(producer)
-                log(f"{stage}: MLflow run {producer} ended; its artifact's full curve is in run {run_id}")
-            where = f"MLflow run {producer}" if found else f"MLflow run {producer}, not in this tracking store"
-            log(f"{stage}: cached ({final}, produced by {where})")
-            return StageOutcome(ref, cached=True, metrics=metrics, mlflow_run_id=run_id)
+            return _reuse(entry, record, log)
+        keyed = {"fingerprints": fingerprints or {}, "code_version": code}
+        return _build(entry, record, build, keyed, log, digest_of, parts, hold, system_metrics)
 
-        work_dir = stage_root / ".work" / key
-        for leftover in stage_root.glob(f".tmp-{key}-*"):  # half-built by a process that died
-            shutil.rmtree(leftover, ignore_errors=True)
-        # Runs of this key still RUNNING belonged to a process that died (we hold the key's lock).
-        for stale in tracking.end_stale_runs(ctx.experiment_id, key):
-            log(f"{stage}: marked MLflow run {stale} KILLED (its process died before finishing)")
-        resume = last_checkpoint(work_dir)
-        if resume:
-            tags["rlhf.resumed_from"] = Path(resume).name
-            log(f"{stage}: resuming from {resume}")
-        run_id = tracking.start_run(ctx.experiment_id, stage, {**tags, "rlhf.cached": "false"}, ctx.parent_run_id)
-        tracking.log_params(run_id, config_json)  # the resolved config first, before anything can fail
-        log(f"{stage}: MLflow {tracking.run_link(run_id)}")
-        tmp = stage_root / f".tmp-{key}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir(parents=True)
-        started = time.time()
-        last_step = [0]
 
-        work_dir.mkdir(parents=True, exist_ok=True)
-        history = work_dir / HISTORY  # kept beside the checkpoints, so a resumed build keeps its early curve
+def _reuse(entry: Entry, record: Recorder, log: Log) -> StageOutcome:
+    """The published artifact, as it is; its run records the reuse."""
+    manifest = json.loads((entry.final / MANIFEST).read_text())
+    ref = ArtifactRef(stage=entry.stage, key=entry.key, uri=str(entry.final))
+    ref = ref.model_copy(update={"digest": manifest["digest"], "parts": manifest.get("parts", {})})
+    metrics = {**manifest["metrics"], **resource_metrics(entry.stage, manifest.get("resources", {}))}
+    run_id = record.cached(entry, manifest["mlflow_run_id"], read_history(entry.final), metrics, log)
+    return StageOutcome(ref, cached=True, metrics=metrics, mlflow_run_id=run_id)
 
-        # Metrics go through a queue of their own: training never waits for the tracking server, and an outage
-        # loses nothing (every row is in `history` first, and the queue sends the rest when MLflow answers again).
-        queue = MetricQueue(lambda rows: tracking.log_metric_rows(run_id, rows), log, stage)
 
-        def log_metrics(values: dict[str, float], step: int) -> None:
-            last_step[0] = max(last_step[0], step)
-            with open(history, "a") as f:
-                f.write(json.dumps({"step": step, "metrics": values}) + "\n")
-            queue.put(values, step)
+def _build(
+    entry: Entry,
+    record: Recorder,
+    build: Build,
+    keyed: dict,
+    log: Log,
+    digest_of: tuple[str, ...],
+    parts: dict[str, str] | None,
+    hold: Callable[[], ContextManager],
+    system_metrics: bool,
+) -> StageOutcome:
+    """Build into a temporary folder (resuming from the newest complete checkpoint), write its manifest, rename it
+    into place, then record it. A failed build leaves no workers, no temporary folder and a FAILED run."""
+    stage, stage_root = entry.stage, entry.final.parent
+    work_dir = stage_root / ".work" / entry.key
+    for leftover in stage_root.glob(f".tmp-{entry.key}-*"):  # half-built by a process that died
+        shutil.rmtree(leftover, ignore_errors=True)
+    if resume := last_checkpoint(work_dir):
+        entry = dataclasses.replace(entry, tags={**entry.tags, "rlhf.resumed_from": Path(resume).name})
+        log(f"{stage}: resuming from {resume}")
+    run_id = record.started(entry, log)
+    tmp = stage_root / f".tmp-{entry.key}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    started, last_step = time.time(), [0]
+    work_dir.mkdir(parents=True, exist_ok=True)
+    history = work_dir / HISTORY  # kept beside the checkpoints, so a resumed build keeps its early curve
+    # Metrics go through a queue of their own: training never waits for the tracking server, and an outage loses
+    # nothing (every row is in `history` first, and the queue sends the rest when the server answers again).
+    queue = MetricQueue(record.sink(run_id), log, stage)
 
-        children_before = child_pids()
-        published = False
-        # A SIGTERM waits (its grace period) for the checkpoint and for the stop's record in MLflow.
-        with stopping.training():
-            try:
-                monitored = tracking.system_metrics(run_id) if system_metrics else contextlib.nullcontext()
-                with hold(), monitored, frozen_heap(), PeakMemory() as memory:
-                    metrics = build(tmp, work_dir, log_metrics)
-                if history.is_file():
-                    shutil.copy(history, tmp / HISTORY)
-                from rlhf_pipeline.tasks.tracking.cards import (
-                    write_card,  # before the listing: the manifest vouches for it
-                )
+    def log_metrics(values: dict[str, float], step: int) -> None:
+        last_step[0] = max(last_step[0], step)
+        with open(history, "a") as f:
+            f.write(json.dumps({"step": step, "metrics": values}) + "\n")
+        queue.put(values, step)
 
-                write_card(tmp, stage, key, config_json, upstream, metrics)  # model/README.md, if it wrote a model
-                files = file_listing(tmp)
-                seconds = time.time() - started
-                training = json.loads((tmp / OUTCOME).read_text()) if (tmp / OUTCOME).is_file() else None
-                resources = memory.figures(training)
-                resources = {"seconds": round(seconds, 3), "started": started, "finished": time.time(), **resources}
-                if training:
-                    training = {name: value for name, value in training.items() if name != PEAK_GPU}
-                manifest = {
-                    "stage": stage,
-                    "key": key,
-                    "config": config_json,
-                    "upstream": {
-                        name: {"stage": r.stage, "key": r.key, "digest": r.digest} for name, r in upstream.items()
-                    },
-                    "digest": content_digest(tmp, digest_of),
-                    "parts": {
-                        name: content_digest(tmp, (path,))
-                        for name, path in (parts or {}).items()
-                        if (tmp / path).exists()
-                    },
-                    "fingerprints": fingerprints,
-                    "code_version": code,
-                    "tokenizer": tokenizer_digest(tmp / "model"),
-                    "training": training,
-                    "versions": _versions(),
-                    "metrics": metrics,
-                    "mlflow_run_id": run_id,
-                    "resources": resources,
-                    FILES: files,
-                }
-                (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
-                _publish(tmp, final)  # the work is safe from here on, whatever the tracking server does
-                published = True
-                metrics = {**metrics, **resource_metrics(stage, resources)}
-                _record_in_mlflow(
-                    run_id,
-                    stage,
-                    final,
-                    queue,
-                    metrics,
-                    last_step[0],
-                    log_files,
-                    outcome_tags(stage, training, log),
-                    lambda: lineage.record(
-                        run_id, ctx.experiment_id, stage, final, upstream, config_json, metrics, last_step[0]
-                    ),
-                )
-            except BaseException as exc:
-                # A timed-out or failed build leaves no workers behind (data loaders, generation servers).
-                for pid in child_pids() - children_before:
-                    kill_process(pid, log)
-                if reason := permanent_reason(exc):
-                    log(f"{stage}: {reason}; not retried")
-                if published:
-                    shutil.rmtree(work_dir, ignore_errors=True)  # the checkpoints are of no use to a published stage
-                else:
-                    _record_failure(run_id, stage, exc, queue, tmp if tmp.exists() else work_dir, log_files, log)
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-        ref = ref.model_copy(update={"digest": manifest["digest"], "parts": manifest["parts"]})
-        shutil.rmtree(work_dir, ignore_errors=True)  # checkpoints are only a resume read_source
-        log(f"{stage}: done in {seconds:.1f}s -> {final}")
-        return StageOutcome(ref, cached=False, metrics=metrics, mlflow_run_id=run_id)
+    children_before = child_pids()
+    published = False
+    # A SIGTERM waits (its grace period) for the checkpoint and for the stop's record.
+    with stopping.training():
+        try:
+            watching = record.watching(run_id) if system_metrics else contextlib.nullcontext()
+            with hold(), watching, frozen_heap(), PeakMemory() as memory:
+                metrics = build(tmp, work_dir, log_metrics)
+            if history.is_file():
+                shutil.copy(history, tmp / HISTORY)
+            record.describe(entry, tmp, metrics)
+            training = json.loads((tmp / OUTCOME).read_text()) if (tmp / OUTCOME).is_file() else None
+            resources = {"seconds": round(time.time() - started, 3), "started": started, "finished": time.time()}
+            resources |= memory.figures(training)
+            manifest = _manifest(entry, tmp, keyed, training, metrics, run_id, resources, digest_of, parts)
+            _publish(tmp, entry.final)  # the work is safe from here on, whatever the tracking server does
+            published = True
+            metrics = {**metrics, **resource_metrics(stage, resources)}
+            record.published(entry, run_id, queue, Finals(metrics, last_step[0], outcome_tags(stage, training, log)))
+        except BaseException as exc:
+            # A timed-out or failed build leaves no workers behind (data loaders, generation servers).
+            for pid in child_pids() - children_before:
+                kill_process(pid, log)
+            if reason := permanent_reason(exc):
+                log(f"{stage}: {reason}; not retried")
+            if published:
+                shutil.rmtree(work_dir, ignore_errors=True)  # the checkpoints are of no use to a published stage
+            else:
+                record.failed(entry, run_id, exc, queue, tmp if tmp.exists() else work_dir, log)
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    ref = ArtifactRef(
+        stage=stage, key=entry.key, uri=str(entry.final), digest=manifest["digest"], parts=manifest["parts"]
+    )
+    shutil.rmtree(work_dir, ignore_errors=True)  # checkpoints are only a resume source
+    log(f"{stage}: done in {resources['seconds']:.1f}s -> {entry.final}")
+    return StageOutcome(ref, cached=False, metrics=metrics, mlflow_run_id=run_id)
+
+
+def _manifest(
+    entry: Entry,
+    tmp: Path,
+    keyed: dict,
+    training: dict | None,
+    metrics: dict[str, float],
+    run_id: str,
+    resources: dict[str, float],
+    digest_of: tuple[str, ...],
+    parts: dict[str, str] | None,
+) -> dict:
+    """The manifest of the build in `tmp`, written last: what it was built from, its files and their digests."""
+    files = file_listing(tmp)
+    manifest = {
+        "stage": entry.stage,
+        "key": entry.key,
+        "config": entry.config,
+        "upstream": {name: {"stage": r.stage, "key": r.key, "digest": r.digest} for name, r in entry.upstream.items()},
+        "digest": content_digest(tmp, digest_of),
+        "parts": {name: content_digest(tmp, (path,)) for name, path in (parts or {}).items() if (tmp / path).exists()},
+        **keyed,
+        "tokenizer": tokenizer_digest(tmp / "model"),
+        "training": {name: value for name, value in training.items() if name != PEAK_GPU} if training else training,
+        "versions": _versions(),
+        "metrics": metrics,
+        "mlflow_run_id": run_id,
+        "resources": resources,
+        FILES: files,
+    }
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    return manifest
 
 
 def resource_metrics(stage: str, resources: dict[str, float]) -> dict[str, float]:
@@ -318,7 +368,7 @@ def check_tokenizers(stage: str, upstream: dict[str, ArtifactRef]) -> dict[str, 
 
 @contextmanager
 def _key_lock(
-    stage_root: Path, key: str, stage: str, log: Callable[[str], None], wait: float | None = None
+    stage_root: Path, key: str, stage: str, log: Log, wait: float | None, holder: dict[str, str]
 ) -> Iterator[None]:
     """An OS file lock per stage key (released by the OS if the holder dies, even by SIGKILL). The holder writes who
     it is beside the lock, so a wait longer than `wait` seconds fails naming it."""
@@ -328,7 +378,7 @@ def _key_lock(
 
     locks = stage_root / ".locks"
     locks.mkdir(exist_ok=True)
-    lock, holder = FileLock(locks / f"{key}.lock"), locks / f"{key}.holder.json"
+    lock, record = FileLock(locks / f"{key}.lock"), locks / f"{key}.holder.json"
     try:
         lock.acquire(timeout=0)
     except Timeout:
@@ -337,8 +387,8 @@ def _key_lock(
             lock.acquire(timeout=-1 if wait is None else wait)
         except Timeout:
             try:
-                held = json.loads(holder.read_text())
-                run = held["flow_run"] or "none"
+                held = json.loads(record.read_text())
+                run = held.get("flow_run") or "none"
                 who = f"pid {held['pid']} on {held['host']} (flow run {run}, since {held['since']})"
             except (OSError, ValueError, KeyError):
                 who = "a process that left no record"
@@ -347,93 +397,11 @@ def _key_lock(
                 f"wait (stop that run, or remove {lock.lock_file} if no process holds it)"
             ) from None
     try:
-        from rlhf_pipeline.tasks.orchestration.stage_task import current_flow_run
-
-        holder.write_text(
-            json.dumps(
-                {
-                    "pid": os.getpid(),
-                    "host": socket.gethostname(),
-                    "flow_run": current_flow_run()[0],
-                    "since": time.strftime("%Y-%m-%d %H:%M:%S"),
-                }
-            )
-        )
+        since = time.strftime("%Y-%m-%d %H:%M:%S")
+        record.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), **holder, "since": since}))
         yield
     finally:
         lock.release()
-
-
-REPLAY_SECONDS = 600.0
-"""How long a finished stage waits for the tracking server to take the metrics it kept through an outage."""
-
-
-def _record_in_mlflow(
-    run_id: str,
-    stage: str,
-    final: Path,
-    queue: MetricQueue,
-    metrics: dict[str, float],
-    step: int,
-    log_files: tuple[str, ...],
-    tags: dict[str, str],
-    record_lineage: Callable[[], object],
-) -> None:
-    """A published stage's curve, files, final values and lineage (`tasks.tracking.lineage`) into its MLflow run, which
-    ends FINISHED. A tracking server that does not answer fails the attempt transiently: the retry finds the artifact
-    and records it as a cached run (its curve read from the artifact's history)."""
-    try:
-        if unsent := queue.close(REPLAY_SECONDS):
-            raise ConnectionError(f"MLflow has not taken {unsent} rows of metrics in {REPLAY_SECONDS:.0f}s")
-        if tags:
-            tracking.set_tags(run_id, tags)
-        for name in (MANIFEST, *log_files):
-            _log_file(run_id, final, name)
-        tracking.log_metrics(run_id, metrics, step)  # the final values sit at the end of the curves
-        record_lineage()
-        tracking.end_run(run_id)
-    except Exception as exc:
-        queue.abandon()
-        raise ConnectionError(
-            f"{stage}: published at {final}, but the MLflow run {run_id} could not be completed "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); the curve is in the artifact's "
-            f"{HISTORY}, and the retry records the stage as cached"
-        ) from exc
-
-
-def _record_failure(
-    run_id: str,
-    stage: str,
-    exc: BaseException,
-    queue: MetricQueue,
-    folder: Path,
-    log_files: tuple[str, ...],
-    log: Callable[[str], None],
-) -> None:
-    """The failed build's run: its curve so far, its reports, the error, FAILED. Never in the way of the error itself:
-    with the tracking server down (the queue saw it), nothing waits on it, and a failure to record is only logged."""
-    unsent = queue.close(0 if queue.down_since is not None else 30)
-    queue.abandon()
-    if unsent or queue.down_since is not None:
-        log(f"{stage}: MLflow is not answering; the failure is not recorded in run {run_id} (its error follows here)")
-        return
-    try:
-        for name in log_files:  # a failed validation still leaves its report in MLflow
-            _log_file(run_id, folder, name)
-        tracking.set_tags(run_id, {"rlhf.error": f"{type(exc).__name__}: {exc}"})
-        tracking.end_run(run_id, failed=True)
-    except Exception as failed:
-        log(f"{stage}: could not record the failure in MLflow run {run_id} ({type(failed).__name__}: {failed})")
-
-
-def _log_file(run_id: str, stage_dir: Path, name: str) -> None:
-    """Log `stage_dir/name` (file or folder) at the same relative place in the MLflow run; nothing if the stage wrote
-    none."""
-    path = stage_dir / name
-    if not path.exists():
-        return
-    target = name if path.is_dir() else (str(Path(name).parent) if "/" in name else None)
-    tracking.log_artifacts(run_id, path, target)
 
 
 def _synced(directory: Path) -> None:

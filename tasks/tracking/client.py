@@ -22,6 +22,11 @@ PARAM_VALUE_LIMIT = 6000  # MLflow rejects longer param values
 UI_ENV = "RLHF_MLFLOW_UI"
 
 
+MODEL_LOGGED, MODEL_URI, POLICY_MODEL = "rlhf.model_logged", "rlhf.model_uri", "rlhf.policy_model_id"
+"""Parent-run tags: where the policy's weights are (its stage's logged model; or, for a policy with none in this
+store, an earlier run's copy, or this run's own under `model/`), and the policy's logged model id."""
+
+
 def state_dir() -> Path:
     """Run state (MLflow database and artifacts, stage artifacts, checkpoints): `$RLHF_STATE_DIR`, else
     `./state` of the working directory, beside the user, never inside the installed package (a

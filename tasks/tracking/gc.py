@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from rlhf_pipeline.tasks.orchestration.parent_run import MODEL_LOGGED, MODEL_URI
 from rlhf_pipeline.tasks.store.artifacts import MANIFEST
 from rlhf_pipeline.tasks.tracking import client as tracking
+from rlhf_pipeline.tasks.tracking.client import MODEL_LOGGED, MODEL_URI
 
 LINKED_RUN = re.compile(r"/([0-9a-f]{32})/artifacts/model$")
 

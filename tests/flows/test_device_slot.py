@@ -9,8 +9,8 @@ import pytest
 from rlhf_pipeline.tasks.orchestration.stage_task import device_hold, device_limit, ensure_device_limit
 from rlhf_pipeline.tasks.stages import BY_NAME
 from rlhf_pipeline.tasks.store.artifacts import RunContext
-from rlhf_pipeline.tasks.store.stage import run_stage
 from rlhf_pipeline.tasks.tracking import client as tracking
+from tests.helpers import recorded_stage
 
 pytestmark = pytest.mark.e2e  # a pipeline run end to end: the fast loop skips it (-m 'not e2e')
 
@@ -46,7 +46,9 @@ def test_device_stages_wait_for_each_other_and_data_stages_do_not(prefect, tmp_p
 
     @task
     def stage(name: str, run: int):
-        return run_stage(name, {"run": run}, {}, ctx, build(name), hold=device_hold(name, BY_NAME[name].device)).ref
+        return recorded_stage(
+            name, {"run": run}, {}, ctx, build(name), hold=device_hold(name, BY_NAME[name].device)
+        ).ref
 
     @flow
     def two_runs_at_once():
@@ -83,14 +85,16 @@ def test_a_stage_waits_for_the_slot_no_longer_than_its_limit_and_the_error_names
 
     @task(name="sft")
     def long_sft():
-        return run_stage("sft", {"run": "holder"}, {}, ctx, build(8), hold=device_hold("sft", True)).ref
+        return recorded_stage("sft", {"run": "holder"}, {}, ctx, build(8), hold=device_hold("sft", True)).ref
 
     @task(name="rm")
     def impatient_rm():
         deadline = time.time() + 60
         while not holding and time.time() < deadline:  # the sft holds the slot
             time.sleep(0.1)
-        return run_stage("rm", {"run": "waiter"}, {}, ctx, build(0), hold=device_hold("rm", True, wait_seconds=2)).ref
+        return recorded_stage(
+            "rm", {"run": "waiter"}, {}, ctx, build(0), hold=device_hold("rm", True, wait_seconds=2)
+        ).ref
 
     @flow(name="busy-device")
     def busy_device():

@@ -76,10 +76,11 @@ def test_a_stage_that_times_out_fails_and_kills_its_child_processes(prefect, tmp
     import psutil
     from prefect import flow, task
 
-    from rlhf_pipeline.tasks.orchestration.stage_task import RetryConfig, retrying
+    from rlhf_pipeline.tasks.config import RetryConfig
+    from rlhf_pipeline.tasks.orchestration.stage_task import retrying
     from rlhf_pipeline.tasks.store.artifacts import RunContext
-    from rlhf_pipeline.tasks.store.stage import run_stage
     from rlhf_pipeline.tasks.tracking import client as tracking
+    from tests.helpers import recorded_stage
 
     experiment = tracking.experiment_id("timeout-test")
     ctx = RunContext(
@@ -96,7 +97,7 @@ def test_a_stage_that_times_out_fails_and_kills_its_child_processes(prefect, tmp
 
     @task
     def sft_stage():
-        return run_stage("sft", {"hangs": True}, {}, ctx, hanging_build).ref
+        return recorded_stage("sft", {"hangs": True}, {}, ctx, hanging_build).ref
 
     @flow
     def timed():

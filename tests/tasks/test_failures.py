@@ -11,11 +11,12 @@ import threading
 
 import pytest
 
-from rlhf_pipeline.tasks.orchestration.stage_task import DEFAULT_TIMEOUT, RetryConfig, is_permanent
+from rlhf_pipeline.tasks.config import DEFAULT_TIMEOUT, RetryConfig
+from rlhf_pipeline.tasks.orchestration.stage_task import is_permanent
 from rlhf_pipeline.tasks.store.artifacts import RunContext
-from rlhf_pipeline.tasks.store.stage import run_stage
 from rlhf_pipeline.tasks.tracking import client as tracking
 from rlhf_pipeline.trainers.runtime.failures import permanent_reason
+from tests.helpers import recorded_stage
 
 
 def hub_answer(status: int):
@@ -123,12 +124,12 @@ def test_a_wait_on_another_runs_build_is_bounded_and_names_the_holder(tmp_path):
         (out_dir / "done").write_text("yes")
         return {}
 
-    first = threading.Thread(target=run_stage, args=("sft", {"a": 1}, {}, ctx, slow))
+    first = threading.Thread(target=recorded_stage, args=("sft", {"a": 1}, {}, ctx, slow))
     first.start()
     try:
         assert building.wait(60)
         with pytest.raises(TimeoutError) as waited:
-            run_stage("sft", {"a": 1}, {}, ctx, slow)
+            recorded_stage("sft", {"a": 1}, {}, ctx, slow)
         message = str(waited.value)
         assert f"held by pid {os.getpid()} on {socket.gethostname()}" in message and "waited 1s" in message
         assert "retry.timeout_seconds" in message and not is_permanent(waited.value)

@@ -9,7 +9,7 @@ import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 
-from rlhf_pipeline.tasks.orchestration.launcher import LaunchConfig
+from rlhf_pipeline.tasks.config import LaunchConfig
 from rlhf_pipeline.tasks.store.artifacts import ArtifactRef, RunContext, read_history
 from rlhf_pipeline.tasks.training import train_stage
 from rlhf_pipeline.trainers.algorithms.sft import SftConfig
@@ -171,7 +171,7 @@ def test_engine_configs_and_the_kubernetes_job_template_ship_with_the_package():
 
     import yaml
 
-    from rlhf_pipeline.tasks.orchestration.launcher import ENGINE_DIR, ENGINES
+    from rlhf_pipeline.tasks.config import ENGINE_DIR, ENGINES
 
     kinds = {name: yaml.safe_load((ENGINE_DIR / f"{name}.yaml").read_text()) for name in ENGINES}
     assert {name: kind["distributed_type"] for name, kind in kinds.items()} == {

@@ -163,7 +163,8 @@ def train(steps: int, log_metrics=None) -> dict[str, float]:
 
 
 def test_rank_zeros_steps_under_accelerate_launch_advance_the_artifact(tmp_path):
-    from rlhf_pipeline.tasks.orchestration.launcher import LaunchConfig, run_launched
+    from rlhf_pipeline.tasks.config import LaunchConfig
+    from rlhf_pipeline.tasks.orchestration.launcher import run_launched
 
     api, logged = Api(), []
     with watched(api, interval=0.2):

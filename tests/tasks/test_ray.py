@@ -12,7 +12,7 @@ import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 
-from rlhf_pipeline.tasks.orchestration.launcher import LaunchConfig
+from rlhf_pipeline.tasks.config import LaunchConfig
 from rlhf_pipeline.tasks.store.artifacts import ArtifactRef, RunContext, read_history
 from rlhf_pipeline.tasks.tracking import client as tracking
 from rlhf_pipeline.tasks.training import train_stage

@@ -10,12 +10,11 @@ from mlflow.tracking import MlflowClient
 from rlhf_pipeline.tasks.gate import CANDIDATE, CHAMPION, RegistryConfig, gate, hacking
 from rlhf_pipeline.tasks.registry import current_champion, register_policy
 from rlhf_pipeline.tasks.store.artifacts import RunContext
-from rlhf_pipeline.tasks.store.stage import run_stage
 from rlhf_pipeline.tasks.tracking import client as tracking
 from rlhf_pipeline.trainers.models.base_model import load_base_model
 from rlhf_pipeline.trainers.models.load import save_model
 from rlhf_pipeline.trainers.models.tiny import build_tokenizer
-from tests.helpers import SMALL_MODEL
+from tests.helpers import SMALL_MODEL, recorded_stage
 
 
 def test_gate_needs_the_value_and_its_lower_bound_above_the_bars():
@@ -99,10 +98,10 @@ def publish(ctx: RunContext, stage: str, seed: int, metrics: dict, cfg: Registry
         save_model(*load_base_model(SMALL_MODEL.model_copy(update={"seed": seed})), out_dir / "model")
         return {}
 
-    policy = run_stage(stage, {"seed": seed}, {}, ctx, model).ref
+    policy = recorded_stage(stage, {"seed": seed}, {}, ctx, model).ref
     champion = current_champion(cfg) if cfg else None
     upstream = {"policy": policy, **({"champion": champion} if champion else {})}
-    report = run_stage("eval", {"seed": seed}, upstream, ctx, lambda out, work, log: metrics).ref
+    report = recorded_stage("eval", {"seed": seed}, upstream, ctx, lambda out, work, log: metrics).ref
     return policy, report, ctx
 
 
@@ -258,8 +257,8 @@ def test_gate_on_measured_exact_match_refuses_the_untrained_base_and_promotes_a_
         )
         return sft.train(config, base, data, out_dir, work_dir)
 
-    base_ref = run_stage("sft", {"untrained": True}, {}, run_ctx, untrained).ref
-    sft_ref = run_stage("sft", {"steps": 60}, {}, run_ctx, trained).ref
+    base_ref = recorded_stage("sft", {"untrained": True}, {}, run_ctx, untrained).ref
+    sft_ref = recorded_stage("sft", {"steps": 60}, {}, run_ctx, trained).ref
 
     def evaluate(policy, tag):
         champion = current_champion(cfg)
@@ -275,7 +274,7 @@ def test_gate_on_measured_exact_match_refuses_the_untrained_base_and_promotes_a_
             "dpo",
             champion_model=champion.path / "model" if compared else None,
         )
-        return run_stage("eval", {"tag": tag}, {"policy": policy, **compared}, run_ctx, build).ref
+        return recorded_stage("eval", {"tag": tag}, {"policy": policy, **compared}, run_ctx, build).ref
 
     first = register_policy(cfg, sft_ref, evaluate(sft_ref, "first"), [sft_ref], run_ctx)
     assert first["promoted"]  # the first version is champion

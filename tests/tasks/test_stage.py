@@ -6,9 +6,10 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from rlhf_pipeline.tasks.store.artifacts import MANIFEST, ArtifactRef, RunContext
-from rlhf_pipeline.tasks.store.stage import run_stage, stage_key
+from rlhf_pipeline.tasks.store.stage import stage_key
 from rlhf_pipeline.tasks.tracking import client as tracking
 from rlhf_pipeline.trainers.algorithms.dpo import DpoConfig
+from tests.helpers import recorded_stage
 
 
 @pytest.fixture
@@ -46,12 +47,12 @@ def test_key_changes_with_config_upstream_and_data_but_not_with_order():
 
 def test_publish_then_reuse_by_manifest(ctx):
     calls: list = []
-    first = run_stage("dpo", DpoConfig(), {}, ctx, writing(calls))
+    first = recorded_stage("dpo", DpoConfig(), {}, ctx, writing(calls))
     assert not first.cached and len(calls) == 1
     manifest = json.loads((first.ref.path / MANIFEST).read_text())
     assert manifest["key"] == first.ref.key and manifest["config"]["beta"] == 0.1
     assert manifest["versions"]["trl"] and manifest["metrics"]["dpo/train/loss"] == 0.5
-    second = run_stage("dpo", DpoConfig(), {}, ctx, writing(calls))
+    second = recorded_stage("dpo", DpoConfig(), {}, ctx, writing(calls))
     assert second.cached and second.ref == first.ref and len(calls) == 1
 
     client = MlflowClient()
@@ -66,11 +67,11 @@ def test_publish_then_reuse_by_manifest(ctx):
 
 def test_deleted_artifact_runs_again_and_force_ignores_the_cache(ctx):
     calls: list = []
-    first = run_stage("dpo", DpoConfig(), {}, ctx, writing(calls))
+    first = recorded_stage("dpo", DpoConfig(), {}, ctx, writing(calls))
     (first.ref.path / MANIFEST).unlink()  # a directory without a manifest is never "done"
-    again = run_stage("dpo", DpoConfig(), {}, ctx, writing(calls))
+    again = recorded_stage("dpo", DpoConfig(), {}, ctx, writing(calls))
     assert not again.cached and len(calls) == 2 and (again.ref.path / MANIFEST).is_file()
-    forced = run_stage("dpo", DpoConfig(), {}, ctx.model_copy(update={"force": True}), writing(calls))
+    forced = recorded_stage("dpo", DpoConfig(), {}, ctx.model_copy(update={"force": True}), writing(calls))
     assert not forced.cached and len(calls) == 3
 
 
@@ -87,16 +88,16 @@ def test_deleted_artifact_runs_again_and_force_ignores_the_cache(ctx):
 def test_a_damaged_artifact_is_moved_aside_and_rebuilt_never_reused(ctx, damage, why):
     calls: list = []
     lines: list[str] = []
-    first = run_stage("dpo", DpoConfig(), {}, ctx, writing(calls))
+    first = recorded_stage("dpo", DpoConfig(), {}, ctx, writing(calls))
     listed = json.loads((first.ref.path / MANIFEST).read_text())["files"]
     assert listed["model/weights.bin"]["size"] == 7 and len(listed["model/weights.bin"]["sha256"]) == 64
     damage(first.ref.path)
-    again = run_stage("dpo", DpoConfig(), {}, ctx, writing(calls), log=lines.append)
+    again = recorded_stage("dpo", DpoConfig(), {}, ctx, writing(calls), log=lines.append)
     assert not again.cached and len(calls) == 2, "a damaged artifact was reused"
     assert again.ref.path == first.ref.path and (again.ref.path / "model" / "weights.bin").read_bytes() == b"weights"
     assert any(why in line and "built again" in line for line in lines), lines
     [aside] = first.ref.path.parent.glob(f".damaged-{first.ref.key}-*")  # kept for a look, out of the cache's way
-    assert run_stage("dpo", DpoConfig(), {}, ctx, writing(calls)).cached  # the rebuilt one is reused
+    assert recorded_stage("dpo", DpoConfig(), {}, ctx, writing(calls)).cached  # the rebuilt one is reused
 
 
 def test_published_bytes_are_synced_before_the_rename_that_publishes_them(ctx, monkeypatch):
@@ -108,7 +109,7 @@ def test_published_bytes_are_synced_before_the_rename_that_publishes_them(ctx, m
         os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))), fsync(fd))[1]
     )
     monkeypatch.setattr(os, "rename", lambda a, b: (events.append(("rename", str(b))), rename(a, b))[1])
-    published = run_stage("dpo", DpoConfig(), {}, ctx, writing([]))
+    published = recorded_stage("dpo", DpoConfig(), {}, ctx, writing([]))
     renamed = events.index(("rename", str(published.ref.path)))
     synced = {path for kind, path in events[:renamed] if kind == "fsync"}
     assert {name for name in ("weights.bin", MANIFEST) if any(path.endswith(name) for path in synced)} == {
@@ -121,7 +122,7 @@ def test_published_bytes_are_synced_before_the_rename_that_publishes_them(ctx, m
 def test_a_failing_stage_publishes_nothing_and_marks_its_run_failed(ctx):
     calls: list = []
     with pytest.raises(OSError, match="disk vanished"):
-        run_stage("dpo", DpoConfig(beta=0.3), {}, ctx, writing(calls, fail=True))
+        recorded_stage("dpo", DpoConfig(beta=0.3), {}, ctx, writing(calls, fail=True))
     stage_root = calls[0].parent
     assert [p.name for p in stage_root.iterdir() if p.name not in (".work", ".locks")] == []
     failed = MlflowClient().search_runs([ctx.experiment_id], "attributes.status = 'FAILED'")
@@ -140,7 +141,8 @@ def test_two_runs_with_the_same_inputs_at_once_build_once_and_share_the_result(c
 
     outcomes: list = []
     runs = [
-        threading.Thread(target=lambda: outcomes.append(run_stage("dpo", DpoConfig(), {}, ctx, slow))) for _ in range(2)
+        threading.Thread(target=lambda: outcomes.append(recorded_stage("dpo", DpoConfig(), {}, ctx, slow)))
+        for _ in range(2)
     ]
     for run in runs:
         run.start()
@@ -175,9 +177,9 @@ def test_models_with_different_tokenizers_are_refused_at_the_edge_before_the_sta
     refs = {name: ArtifactRef(stage=name, key=name, uri=str(tmp_path / name)) for name in ("sft", "rm", "policy")}
     calls = []
     # Same tokenizer, other weights: fine.
-    run_stage("eval", {"a": 1}, {"sft": refs["sft"], "rm": refs["rm"]}, ctx, writing(calls))
+    recorded_stage("eval", {"a": 1}, {"sft": refs["sft"], "rm": refs["rm"]}, ctx, writing(calls))
     with pytest.raises(ValueError, match=r"eval: its input models do not share a tokenizer.*policy \(.*policy/model\)"):
-        run_stage("eval", {"a": 2}, refs, ctx, writing(calls))
+        recorded_stage("eval", {"a": 2}, refs, ctx, writing(calls))
     assert len(calls) == 1  # refused before building
     # `rlhf eval` with local folders fails in its parameters.
     with pytest.raises(ValueError, match="must share a tokenizer"):
@@ -217,8 +219,8 @@ def test_the_manifest_and_the_mlflow_run_record_the_builds_peak_memory_and_wall_
     server = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE)
     try:
         server.stdout.readline()  # it holds its memory now
-        busy = run_stage("dpo", DpoConfig(), {}, ctx, holding)
-        quiet = run_stage("dpo", DpoConfig(beta=0.2), {}, ctx, idle)
+        busy = recorded_stage("dpo", DpoConfig(), {}, ctx, holding)
+        quiet = recorded_stage("dpo", DpoConfig(beta=0.2), {}, ctx, idle)
     finally:
         server.kill()
         server.wait()
@@ -273,7 +275,7 @@ def test_a_build_runs_with_the_heap_before_it_frozen_and_its_own_cyclic_garbage_
 
     gc.disable()  # no automatic pass may free the cycle: only the build's own end
     try:
-        run_stage("dpo", DpoConfig(beta=0.4), {}, ctx, build)
+        recorded_stage("dpo", DpoConfig(beta=0.4), {}, ctx, build)
         assert seen["frozen"] > 10_000  # this process's modules, pytest's, MLflow's
         assert seen["model"]() is None
         assert gc.get_freeze_count() == 0

@@ -1,0 +1,4 @@
+"""The ground floor of tasks/: a stage's key (stage.py, code_version.py), its lock, atomic publish and manifest-backed
+cache (stage.py, artifacts.py), the build's resources (resources.py), its metric queue (metric_queue.py) and the secrets
+kept out of every record (secrets.py). No Prefect, no MLflow: the tracking side comes in as a `Recorder` and the device
+slot as `hold` (an import-linter contract keeps it so). Imports tasks/stages.py, gate.py, config.py and trainers/."""

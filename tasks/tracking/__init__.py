@@ -1,0 +1,3 @@
+"""The MLflow side: the client every call goes through (client.py), the store's recorder (recorder.py), the lineage of
+datasets and logged models (lineage.py), model cards (cards.py), what a model source names (resolve.py) and garbage
+collection (gc.py). Imports store/ and the bottom of tasks/; never orchestration/."""
