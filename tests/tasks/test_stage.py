@@ -281,3 +281,63 @@ def test_a_build_runs_with_the_heap_before_it_frozen_and_its_own_cyclic_garbage_
         assert gc.get_freeze_count() == 0
     finally:
         gc.enable()
+
+
+class Told:
+    """A recorder that keeps what the store tells it, and nothing else: the store with no tracking server."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, str]] = []
+        self.rows: list = []
+
+    def cached(self, entry, producer, curves, metrics, log):
+        self.calls.append(("cached", producer))
+        return "reused"
+
+    def started(self, entry, log):
+        self.calls.append(("started", entry.key))
+        return "built"
+
+    def sink(self, run_id):
+        return self.rows.extend
+
+    def watching(self, run_id):
+        raise AssertionError("not a device stage")
+
+    def describe(self, entry, folder, metrics):
+        (folder / "card.md").write_text(entry.stage)
+
+    def published(self, entry, run_id, queue, finals):
+        queue.close(5)
+        self.calls.append(("published", f"{finals.metrics['dpo/train/loss']} at step {finals.step}"))
+
+    def failed(self, entry, run_id, exc, queue, folder, log):
+        queue.close(5)
+        self.calls.append(("failed", type(exc).__name__))
+
+
+def test_the_store_builds_reuses_and_fails_with_a_recorder_of_its_own_and_imports_neither_mlflow_nor_prefect(tmp_path):
+    from rlhf_pipeline.tasks.store.stage import run_stage
+
+    ctx = RunContext(artifact_root=str(tmp_path / "artifacts"), experiment_id="", parent_run_id="")
+    told, calls = Told(), []
+    built = run_stage("dpo", DpoConfig(), {}, ctx, writing(calls), record=told, holder={"flow_run": "f-1"})
+    key = built.ref.key
+    assert told.calls == [("started", key), ("published", "0.5 at step 1")]
+    assert told.rows and told.rows[0][1:] == ({"dpo/train/loss": 0.5}, 1)  # the curve went to the recorder's sink
+    assert (built.ref.path / "card.md").read_text() == "dpo"  # described before the listing: in the manifest's files
+    assert "card.md" in json.dumps(built.ref.manifest())
+    assert built.mlflow_run_id == "built" and built.ref.manifest()["mlflow_run_id"] == "built"
+
+    again = run_stage("dpo", DpoConfig(), {}, ctx, writing(calls), record=told)
+    assert again.cached and again.mlflow_run_id == "reused" and told.calls[-1] == ("cached", "built")
+    with pytest.raises(OSError):
+        run_stage("dpo", DpoConfig(beta=0.3), {}, ctx, writing(calls, fail=True), record=told)
+    assert told.calls[-2:] == [("started", told.calls[-2][1]), ("failed", "OSError")]
+    assert len(calls) == 2  # built twice (the reuse built nothing)
+
+    import subprocess
+    import sys
+
+    imported = "import sys, rlhf_pipeline.tasks.store.stage; print(sorted({'mlflow', 'prefect'} & set(sys.modules)))"
+    assert subprocess.run([sys.executable, "-c", imported], capture_output=True, text=True).stdout.strip() == "[]"
