@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlhf_pipeline.flows.params import DEFAULT_PRESET, load_params
+from rlhf_pipeline.flows.plan import stages
 from rlhf_pipeline.tasks.orchestration.events import DATA_EVENT, DATA_RESOURCE
 from rlhf_pipeline.tasks.stages import ALGORITHMS
 
@@ -138,7 +139,7 @@ def leading_form(deployment: RunnerDeployment, params) -> RunnerDeployment:
     from rlhf_pipeline.tasks.stages import BY_NAME
 
     properties = deployment._parameter_openapi_schema.properties
-    algorithm, plan = params.algorithm, params.plan()
+    algorithm, plan = params.algorithm, stages(params)
     lead = ["algorithm", algorithm, *(("rewards", "feedback") if BY_NAME[algorithm].online else ())]
     rest = [name for name in parameter_order() if name not in lead]
     unused = [name for name in rest if name in BY_NAME and name not in plan]

@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, Field, create_model, model_validator
 
+from rlhf_pipeline.flows.plan import check_adapter_handoff, pairs_feed, stages
 from rlhf_pipeline.tasks.config import LaunchConfig, RetryConfig
-from rlhf_pipeline.tasks.stages import ALGORITHMS, BY_NAME, POLICY_STAGE, STAGES, reads
+from rlhf_pipeline.tasks.stages import ALGORITHMS, BY_NAME, STAGES, reads
 from rlhf_pipeline.trainers.config import TINY, ModelConfig, StrictModel
 from rlhf_pipeline.trainers.pairs.feedback import FeedbackConfig
 from rlhf_pipeline.trainers.rewards.mix import GoldMetric, RewardsConfig
@@ -97,65 +98,15 @@ class RunSettings(StrictModel):
             raise ValueError(f"data.prompts is null and feedback.rounds={rounds} samples the policy on it: name it")
         return self
 
-    def plan(self) -> list[str]:
-        """The stages this run builds, in order: data, sft, rm (when used), the algorithm's, eval, registry (when
-        enabled)."""
-        wanted = {"data", "sft", self.algorithm, "eval"}
-        if self.makes_pairs or self.feedback.rounds:
-            wanted.add("pairs")
-        if self.needs_reward_model:
-            wanted.add("rm")
-        if self.config("registry").enabled:
-            wanted.add("registry")
-        return [stage.name for stage in STAGES if stage.name in wanted]
-
-    def upstream(self, stage: str) -> tuple[str, ...]:
-        """The stages whose artifacts `stage` takes in this run: the table's, the policy stage named, and the
-        reward model only where the stage uses it (the online stages' rewards, eval's `use_reward_model`)."""
-        row = BY_NAME[stage]
-        uses_reward_model = (
-            self.config("eval").use_reward_model if stage == "eval" else row.online and self.rewards.uses_reward_model
-        )
-        if stage == "pairs":
-            uses_reward_model = self.config("pairs").labeller == "reward_model"
-        names = [self.algorithm if name == POLICY_STAGE else name for name in row.upstream]
-        return tuple(
-            name
-            for name in names
-            if (name != "rm" or uses_reward_model) and (name != "pairs" or self.pairs_feed(stage))
-        )
-
-    @property
-    def makes_pairs(self) -> bool:
-        """The `pairs` stage runs: it is on and a stage of this run reads pairs."""
-        readers = (self.algorithm, *(("rm",) if self.needs_reward_model else ()))
-        return self.config("pairs").enabled and any(self.pairs_feed(stage) for stage in readers)
-
-    def pairs_feed(self, stage: str) -> bool:
-        """Whether `stage` trains on the made pairs: a pair-reading stage, except the reward model that labels
-        them."""
-        pairs = self.config("pairs")
-        if not pairs.enabled or "pairs" not in BY_NAME[stage].upstream:
-            return False
-        return not (stage == "rm" and pairs.labeller == "reward_model")
-
     def token_limits(self) -> dict[str, int]:
         """The most tokens a row of each dataset may take in the stages of this run that read it (the data stage's
         `fits_max_length`)."""
         limits: dict[str, int] = {}
-        for stage in self.plan():
+        for stage in stages(self):
             limit = self.config(stage).row_token_limit()
             for dataset in reads(stage, self.config(stage)) if limit is not None else ():
                 limits[dataset] = min(limit, limits.get(dataset, limit))
         return limits
-
-    @property
-    def needs_reward_model(self) -> bool:
-        """The rm stage runs when evaluation or the online stage's rewards use it."""
-        online_uses_it = BY_NAME[self.algorithm].online and self.rewards.uses_reward_model
-        pairs = self.config("pairs")
-        labels_with_it = (pairs.enabled or self.feedback.rounds > 0) and pairs.labeller == "reward_model"
-        return online_uses_it or self.config("eval").use_reward_model or labels_with_it
 
     @model_validator(mode="after")
     def _room_for_prompts(self):
@@ -170,43 +121,17 @@ class RunSettings(StrictModel):
 
     @model_validator(mode="after")
     def _adapter_handoff_chosen(self):
-        """sft that keeps its LoRA adapter hands it on merged or stacked: each stage after it says which, before
-        anything trains."""
-        if self.sft.lora.handoff is not None:
-            raise ValueError(
-                "sft.lora.handoff: sft starts from the base model; handoff is chosen by the stages after it"
-            )
-        if not (self.sft.lora.enabled and self.sft.lora.keep_adapter):
-            return self
-        for stage in self.plan():
-            lora = getattr(self.config(stage), "lora", None)
-            if lora is None or stage == "sft" or "sft" not in BY_NAME[stage].upstream:
-                continue
-            if lora.handoff is None:
-                raise ValueError(
-                    f"sft keeps its LoRA adapter (sft.lora.keep_adapter=true): choose how {stage} continues from it: "
-                    f"{stage}.lora.handoff=merge "
-                    "(folded into the weights) or stack (the adapter trains on, a frozen copy is the reference)"
-                )
-            if stage == "rm" and lora.handoff == "stack":
-                raise ValueError(
-                    "rm.lora.handoff=stack: the reward model starts from sft's adapter merged (a score head is added): "
-                    "use merge"
-                )
+        check_adapter_handoff(self)
         return self
 
     @model_validator(mode="after")
     def _held_out_data_given(self):
         """A stage that evaluates while it trains needs its held-out dataset in the data block."""
         given = self.config("data").sources()
-        for stage in self.plan():
+        for stage in stages(self):
             for dataset in self.config(stage).held_out() if self.config(stage).evaluates else ():
                 if dataset not in given:
-                    hint = f"set data.{dataset}" + (
-                        " or sft.eval_split (e.g. 0.05) to hold out a share of the demonstrations"
-                        if stage == "sft"
-                        else ""
-                    )
+                    hint = f"set data.{dataset}" + self.config(stage).data_hint(dataset)
                     setting = (
                         f"eval_strategy={self.config(stage).eval_strategy!r}"
                         if hasattr(self.config(stage), "eval_strategy")
@@ -242,15 +167,13 @@ class RunSettings(StrictModel):
         """Every dataset a stage of this run reads is named (sft switched off reads none; a run without rm or an
         offline algorithm reads no preference pairs)."""
         data = self.config("data")
-        for stage in self.plan():
-            made = self.pairs_feed(stage) and self.config("pairs").train_on == "made"
+        for stage in stages(self):
+            made = pairs_feed(self, stage) and self.config("pairs").train_on == "made"
             for dataset in reads(stage, self.config(stage)):
                 if dataset == "preference" and made:
                     continue  # it trains on the pairs the `pairs` stage makes
                 if dataset not in OPTIONAL_READS.get(stage, ()) and getattr(data, dataset, None) is None:
-                    hint = (
-                        " (or sft.enabled=false to start from the base model, a chat model)" if stage == "sft" else ""
-                    )
+                    hint = self.config(stage).data_hint(dataset)
                     raise ValueError(f"data.{dataset} is null and {stage} reads it: name the dataset{hint}")
         return self
 
@@ -368,14 +291,14 @@ else:
 
 def parameter_order() -> list[str]:
     """The flow's parameters as a person reads them: the run's settings, then the stages in pipeline order
-    (`rewards` just before the first online stage), then `retry` and `launch`."""
+    (`rewards` just before the first online stage, `feedback` after the last algorithm), then `retry` and `launch`."""
     order = ["algorithm", "preset", "experiment_name", "no_cache", "model"]
     for stage in STAGES:
         if stage.online and "rewards" not in order:
             order.append("rewards")
-        if stage.name == "eval":
-            order.append("feedback")
         order.append(stage.name)
+        if stage.name == ALGORITHMS[-1]:  # feedback rounds train the algorithm again
+            order.append("feedback")
     return [*order, "retry", "launch"]
 
 

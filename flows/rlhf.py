@@ -1,5 +1,5 @@
-"""The `rlhf` flow: data -> sft -> pairs -> rm -> the policy stage (`algorithm`) -> eval -> registry, as straight-line
-calls (pairs only when it is on; after rm when the reward model labels them).
+"""The `rlhf` flow: the steps of the run's plan (flows/plan.py: data -> sft -> pairs -> rm -> the policy stage
+(`algorithm`) -> feedback rounds -> eval -> registry, each where the parameters call for it), submitted in order.
 
     rlhf run [--config PRESET] [--set key.path=value ...] [--no-cache]
     prefect deployment run rlhf/full -p algorithm=grpo -p grpo='{"beta": 0.1}'
@@ -13,10 +13,13 @@ draws one typed section per stage.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from prefect import flow
 
 from rlhf_pipeline.flows.params import PipelineParams, described_by, from_flow_parameters, load_params, parameter_order
+from rlhf_pipeline.flows.plan import Step, last_policy_and_report, plan, stages
 from rlhf_pipeline.tasks.data import validate_data
 from rlhf_pipeline.tasks.eval import evaluate
 from rlhf_pipeline.tasks.orchestration.parent_run import pipeline_run, preset_label, report_failure
@@ -25,6 +28,7 @@ from rlhf_pipeline.tasks.pairs import labels_store, make_pairs
 from rlhf_pipeline.tasks.people import ask_people
 from rlhf_pipeline.tasks.registry import register_task
 from rlhf_pipeline.tasks.stages import BY_NAME, pair_readers
+from rlhf_pipeline.tasks.store.artifacts import RunContext
 from rlhf_pipeline.tasks.training import TASKS, settings_of
 
 DEFAULTS = load_params()  # the embedded preset: what the form and `rlhf run` start from
@@ -33,103 +37,100 @@ DEFAULTS = load_params()  # the embedded preset: what the form and `rlhf run` st
 def _rlhf(**blocks) -> dict:
     """Post-train a model with RLHF: validate data, SFT, reward model, policy optimisation, evaluate, register."""
     params = from_flow_parameters(PipelineParams, blocks)
-    plan = params.plan()
+    steps = plan(params)
     with pipeline_run(params) as run:
-        task = retrying(params.retry)
-        built: dict = {}  # stage -> its future: the arguments wire the DAG the Prefect UI draws
-
-        def train(stage: str, after, inputs: dict | None = None, round_: int = 0):
-            """Submit one training stage; it waits for the stage before it, so one stage trains on the device at a
-            time."""
-            inputs = inputs or {name: built[name] for name in params.upstream(stage)}
-            settings = {block: params.setting(block, stage) for block in settings_of(BY_NAME[stage])}
-            stage_task = task(TASKS[stage])
-            if round_:
-                stage_task = stage_task.with_options(task_run_name=f"{stage} (round {round_})")
-            built[stage] = stage_task.submit(
-                stage, params.config(stage), settings, inputs, run.ctx, *([round_] if round_ else []), wait_for=[after]
-            )
-            return built[stage]
-
-        data = built["data"] = task(validate_data).submit(
-            params.data,
-            run.ctx,
-            params.model,
-            params.token_limits(),
-            pair_readers(plan),
-            params.sft.assistant_only_loss,
-            params.required_columns(),
-            params.benchmarks(),
-        )
-
-        def make_pairs_from(after, inputs: dict | None = None, round_: int = 0, earlier=None):
-            """Submit the pairs stage; with people as the labeller, wait for them here in the flow (no task holds a
-            device slot meanwhile), then label the cached samples."""
-            inputs = inputs or {name: built[name] for name in params.upstream("pairs")}
-            arguments = (params.pairs, inputs, run.ctx, round_, params.rewards.reward_model_aggregate, earlier)
-            name = f"pairs (round {round_})" if round_ else "pairs"
-            made = task(make_pairs).with_options(task_run_name=name).submit(*arguments, wait_for=[after])
-            made.wait()
-            if made.state.name == "AwaitingLabels":
-                samples = made.result()
-                ask_people(samples, labels_store(run.ctx, samples.key), params.pairs.people)
-                made = task(make_pairs).with_options(task_run_name=f"{name} labelled").submit(*arguments)
-            built["pairs"] = made
-            return made
-
-        sft = train("sft", after=data)
-        labels_with_rm = params.pairs.labeller == "reward_model"
-        first_pairs = params.makes_pairs and not labels_with_rm
-        pairs = make_pairs_from(after=sft) if first_pairs else None
-        rm = train("rm", after=pairs or sft) if "rm" in plan else None
-        if params.makes_pairs and labels_with_rm:  # the reward model labels: it trains first, on the given pairs
-            pairs = make_pairs_from(after=rm)
-        policy = train(params.algorithm, after=pairs or rm or sft)
-        # Feedback rounds (trainers/pairs/feedback.py): pairs from the last policy's samples, then rm and an online
-        # policy against it, or an offline policy on the pairs; from SFT or from the last round's policy (then also its
-        # KL reference: iterated RLHF).
-        online = BY_NAME[params.algorithm].online
-        for round_ in range(1, params.feedback.rounds + 1):
-            earlier = built.get("pairs") if params.feedback.keep_pairs else None
-            made = make_pairs_from(
-                after=policy,
-                inputs={"data": data, "sft": sft, "policy": policy, **({"rm": rm} if labels_with_rm else {})},
-                round_=round_,
-                earlier=earlier,
-            )
-            start = sft if params.feedback.from_sft else policy
-            if online:
-                rm = train("rm", after=made, inputs={"data": data, "sft": sft, "pairs": made}, round_=round_)
-                inputs = {"data": data, "sft": start, "rm": rm}
-            else:
-                inputs = {"data": data, "sft": start, "pairs": made}
-            policy = train(params.algorithm, after=made if not online else rm, inputs=inputs, round_=round_)
-        evaluated = {
-            "data": data,
-            "sft": sft,
-            "policy": policy,
-            "rm": rm if "rm" in params.upstream("eval") else None,
-            "pairs": built.get("pairs"),
-        }
-        report = built["eval"] = task(evaluate).submit(
-            params.eval, params.model, evaluated, params.registry, run.ctx, wait_for=[policy]
-        )
-        outputs = [built[name] for name in plan if name in built]
-        registered = (
-            task(register_task()).submit(params.gate(), policy, report, outputs, run.ctx)
-            if "registry" in plan
-            else None
-        )
-        if registered is not None:
-            built["registry"] = registered
-        stages = [future.result() for name, future in built.items() if name != "registry"]
-        decision = registered.result() if registered is not None else None
-        states = {
-            name: future.state.name for name, future in built.items()
-        }  # Completed, or Cached where the manifest was there
+        submitting = Submitting(params, run.ctx, retrying(params.retry))
+        built: dict = {}  # stage -> its last step's future
+        for step in steps:
+            # The arguments wire the DAG the Prefect UI draws.
+            inputs = {name: submitting.futures[source] for name, source in step.inputs.items()}
+            submit = SUBMIT.get(BY_NAME[step.stage].task, _train)
+            submitting.futures[step.name] = built[step.stage] = submit(step, inputs, submitting)
+        policy, report = (submitting.futures[name] for name in last_policy_and_report(steps))
+        published = {stage: future for stage, future in built.items() if BY_NAME[stage].trainer}  # keyed artifacts
+        registered = [future.result() for stage, future in built.items() if stage not in published]
         return run.finish(
-            policy=policy.result(), report=report.result(), stages=stages, registered=decision, states=states
+            policy=policy.result(),
+            report=report.result(),
+            stages=[future.result() for future in published.values()],
+            registered=registered[0] if registered else None,
+            # Completed, or Cached where the manifest was there
+            states={stage: future.state.name for stage, future in built.items()},
         )
+
+
+@dataclass
+class Submitting:
+    """What every step of a run is submitted with: the run's parameters and context, its stage task factory, and the
+    futures of the steps submitted so far (by step name)."""
+
+    params: PipelineParams
+    ctx: RunContext
+    task: Callable
+    futures: dict = field(default_factory=dict)
+
+
+def _data(step: Step, inputs: dict, run: Submitting):
+    arguments = (
+        run.params.data,
+        run.ctx,
+        run.params.model,
+        run.params.token_limits(),
+        pair_readers(stages(run.params)),
+    )
+    more = (run.params.sft.assistant_only_loss, run.params.required_columns(), run.params.benchmarks())
+    return run.task(validate_data).submit(*arguments, *more)
+
+
+def _train(step: Step, inputs: dict, run: Submitting):
+    """A training stage; it waits for the step before it, so one stage trains on the device at a time."""
+    settings = {block: run.params.setting(block, step.stage) for block in settings_of(BY_NAME[step.stage])}
+    stage_task = run.task(TASKS[step.stage])
+    if step.round:
+        stage_task = stage_task.with_options(task_run_name=f"{step.stage} (round {step.round})")
+    arguments = (
+        step.stage,
+        run.params.config(step.stage),
+        settings,
+        inputs,
+        run.ctx,
+        *([step.round] if step.round else []),
+    )
+    return stage_task.submit(*arguments, wait_for=[run.futures[step.after]])
+
+
+def _pairs(step: Step, inputs: dict, run: Submitting):
+    """The pairs stage; with people as the labeller, wait for them here in the flow (no task holds a device slot
+    meanwhile), then label the cached samples."""
+    earlier = run.futures[step.keep] if step.keep else None
+    arguments = (run.params.pairs, inputs, run.ctx, step.round, run.params.rewards.reward_model_aggregate, earlier)
+    name = f"pairs (round {step.round})" if step.round else "pairs"
+    made = run.task(make_pairs).with_options(task_run_name=name).submit(*arguments, wait_for=[run.futures[step.after]])
+    made.wait()
+    if made.state.name == "AwaitingLabels":
+        samples = made.result()
+        ask_people(samples, labels_store(run.ctx, samples.key), run.params.pairs.people)
+        made = run.task(make_pairs).with_options(task_run_name=f"{name} labelled").submit(*arguments)
+    return made
+
+
+def _evaluate(step: Step, inputs: dict, run: Submitting):
+    arguments = (run.params.eval, run.params.model, inputs, run.params.registry, run.ctx)
+    return run.task(evaluate).submit(*arguments, wait_for=[run.futures[step.after]])
+
+
+def _register(step: Step, inputs: dict, run: Submitting):
+    outputs = [future for name, future in inputs.items() if name not in ("policy", "report")]
+    return run.task(register_task()).submit(run.params.gate(), inputs["policy"], inputs["report"], outputs, run.ctx)
+
+
+SUBMIT = {
+    "rlhf_pipeline.tasks.data:validate_data": _data,
+    "rlhf_pipeline.tasks.pairs:make_pairs": _pairs,
+    "rlhf_pipeline.tasks.eval:evaluate": _evaluate,
+    "rlhf_pipeline.tasks.registry:register_policy": _register,
+}
+"""How each kind of task of the table is submitted (the rest: `_train`, the training stages' task)."""
 
 
 def _signature() -> inspect.Signature:

@@ -18,11 +18,14 @@ import os
 import re
 import socket
 import tempfile
+import textwrap
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
+from rlhf_pipeline.flows.plan import describe, stages
+from rlhf_pipeline.flows.plan import plan as steps
 from rlhf_pipeline.tasks.stages import BY_NAME, TRAIN_STAGE
 
 PERCENTILES = (50, 90, 99)
@@ -36,11 +39,9 @@ def check(preset: str, overrides: list[str], report_dir: Path | None = None) -> 
     except (ValidationError, ValueError) as exc:
         print(f"rlhf check: invalid parameters:\n{exc}\nnot ready: fix the parameters above")
         return 2
-    plan = params.plan()
-    print(
-        f"rlhf check: preset {params.preset}, model {params.model.name_or_path} ({params.model.dtype}), plan "
-        f"{' > '.join(plan)}"
-    )
+    plan = stages(params)
+    print(f"rlhf check: preset {params.preset}, model {params.model.name_or_path} ({params.model.dtype}); the plan:")
+    print(textwrap.indent(describe(steps(params)), "  "))
     problems: list[str] = []
 
     _check_attention(params, problems)
@@ -78,7 +79,7 @@ def _check_attention(params, problems: list[str]) -> None:
     from rlhf_pipeline.trainers.attention import device_problem
 
     cuda = torch.cuda.is_available()
-    for stage in params.plan():
+    for stage in stages(params):
         cfg = params.config(stage)
         name = getattr(cfg, "attn_implementation", None)
         if name is None:
@@ -133,7 +134,7 @@ def _check_data(params, tokenizer, report_dir: Path | None, problems: list[str])
             params.model if tokenizer is not None else None,
             limits,
             reports,
-            pair_readers(params.plan()),
+            pair_readers(stages(params)),
             params.sft.assistant_only_loss,
             tokenizer=tokenizer,
             required_columns=params.required_columns(),
@@ -182,7 +183,7 @@ def percentile(ordered: list[int], q: float) -> int:
 
 
 def _print_lengths(params, counted: dict[str, list[int] | None]) -> None:
-    plan = params.plan()
+    plan = stages(params)
     rows = []
     for name, counts in counted.items():
         readers = [stage for stage in plan if name in BY_NAME[stage].reads] or ["-"]
@@ -262,7 +263,7 @@ def _print_memory(params, build, problems: list[str]) -> dict[str, int]:
     )
     rows = []
     totals: dict[str, int] = {}
-    for stage in params.plan():
+    for stage in stages(params):
         estimate = stage_memory(
             held_models(params, stage), params.model.dtype, getattr(params.config(stage), "bf16", None), build
         )
@@ -306,16 +307,16 @@ def _check_ray(params, totals: dict[str, int], problems: list[str]) -> str | Non
     memory of each worker. Each worker is a DDP rank that holds the whole stage: the stage's estimate. Returns where the
     cluster is (None: no stage runs under Ray)."""
     launch = params.launch
-    stages = [
-        stage for stage in params.plan() if BY_NAME[stage].task == TRAIN_STAGE and launch.launcher_of(stage) == "ray"
+    on_ray = [
+        stage for stage in stages(params) if BY_NAME[stage].task == TRAIN_STAGE and launch.launcher_of(stage) == "ray"
     ]
-    if not stages:
+    if not on_ray:
         return None
     from rlhf_pipeline.trainers.runtime.ray_job import describe, shown, too_small
 
     address = launch.ray_address or os.environ.get("RAY_ADDRESS") or None
     where = address or LOCAL_NODE
-    print(f"\nRay: {', '.join(stages)} run as Ray Train jobs on {address or LOCAL_CLUSTER}")
+    print(f"\nRay: {', '.join(on_ray)} run as Ray Train jobs on {address or LOCAL_CLUSTER}")
     if address is None:  # not started here: the stage's driver starts one; this machine is its only node
         nodes, error = [_this_machine()], None
     else:
@@ -350,7 +351,7 @@ def _check_ray(params, totals: dict[str, int], problems: list[str]) -> str | Non
     from accelerate.utils import convert_bytes
 
     rows = []
-    for stage in stages:
+    for stage in on_ray:
         total = totals.get(stage)
         rows.append(
             [stage, convert_bytes(total), workers, convert_bytes(total * workers)]

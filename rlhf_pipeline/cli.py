@@ -3,7 +3,7 @@
 rlhf run                                   # the embedded default (configs/tiny.yaml)
 rlhf run --config my.yaml --set sft.learning_rate=1e-4 --set dpo.beta=0.2
 rlhf run --no-cache                        # re-run every stage
-rlhf params [--config ...] [--set ...]     # print the resolved parameters, run nothing
+rlhf params [--config ...] [--set ...]     # print the resolved parameters (--plan: the run's steps), run nothing
 rlhf gc [--dry-run] [--keep-runs N]        # remove what no registered version, live run or recent run uses
 rlhf check [--config ...] [--set ...]      # preflight: tokenizer, every data rule, token lengths, memory per stage;
                                            # trains nothing
@@ -44,6 +44,10 @@ def _parser() -> argparse.ArgumentParser:
             help="override one field, e.g. --set sft.learning_rate=1e-4 (repeatable)",
         )
         sub.add_argument("--no-cache", action="store_true", help="re-run every stage even if its artifact exists")
+        if name == "params":
+            sub.add_argument(
+                "--plan", action="store_true", help="print the run's steps and what each takes, not the JSON"
+            )
         sub.add_argument(
             "--verbose",
             action="store_true",
@@ -235,6 +239,11 @@ def main(argv: list[str] | None = None) -> int:
             _stop_temporary_server()  # started for nothing
             print(f"rlhf: invalid parameters:\n{redact_text(str(exc))}", file=sys.stderr)
             return 2
+        if args.command == "params" and args.plan:
+            from rlhf_pipeline.flows.plan import describe, plan
+
+            print(describe(plan(params)))
+            return 0
         if args.command == "params":
             from rlhf_pipeline.tasks.store.secrets import redact
 

@@ -49,6 +49,10 @@ class StageConfig(Block):
         """Datasets of the `data` stage it reads only to evaluate."""
         return ()
 
+    def data_hint(self, dataset: str) -> str:
+        """What the error adds when `dataset`, which it reads, is not named in the data block."""
+        return ""
+
     def row_token_limit(self) -> int | None:
         """The most tokens one row of the datasets it reads may take (the data stage's `fits_max_length`); None: no
         limit."""

@@ -161,6 +161,8 @@ def test_hub_ids_offline_fail_on_the_tokenizer_and_every_dataset(capsys):
 def test_the_memory_estimate_grows_with_the_model_and_drops_with_lora_for_sft_only(capsys):
     code, base = check(capsys, config="tiny")
     assert code == 0, base
+    # The run's plan, step by step, as `rlhf params --plan` prints it.
+    assert "  dpo          <- data, sft  (after rm)\n" in base and "  registry     <- policy=dpo, report=eval" in base
     _, wider = check(capsys, "model.tiny.hidden_size=256", config="tiny")
     _, lora = check(capsys, "sft.lora.enabled=true", config="tiny")
     base, wider, lora = memory(base), memory(wider), memory(lora)

@@ -6,6 +6,7 @@ from pydantic import ValidationError
 
 from rlhf_pipeline.cli import main
 from rlhf_pipeline.flows.params import PipelineParams, load_params
+from rlhf_pipeline.flows.plan import stages
 
 
 def test_tiny_preset_overrides_defaults_and_set_overrides_the_preset():
@@ -210,9 +211,9 @@ def test_a_kept_sft_adapter_needs_each_later_stage_to_choose_merge_or_stack():
         load_params("tiny", [*kept, "rm.lora.handoff=stack", "dpo.lora.handoff=stack"])
     chosen = load_params("tiny", [*kept, "rm.lora.handoff=merge", "dpo.lora.handoff=stack"])
     assert chosen.dpo.lora.handoff == "stack"
-    assert load_params(
-        "tiny", [*kept, "algorithm=ppo", "eval.use_reward_model=false", "ppo.lora.handoff=merge"]
-    ).plan() == [
+    assert stages(
+        load_params("tiny", [*kept, "algorithm=ppo", "eval.use_reward_model=false", "ppo.lora.handoff=merge"])
+    ) == [
         "data",
         "sft",
         "ppo",

@@ -8,6 +8,7 @@ import inspect
 import pytest
 
 from rlhf_pipeline.flows.params import load_params
+from rlhf_pipeline.flows.plan import stages, upstream
 from rlhf_pipeline.tasks.stages import BY_NAME, STAGES, TRAIN_STAGE
 from rlhf_pipeline.tasks.store.code_version import code_version, project_imports
 from rlhf_pipeline.tasks.training import MODEL_INPUTS, trainer_parameters
@@ -106,7 +107,7 @@ def test_editing_the_console_re_keys_no_stage(monkeypatch):
 def test_the_algorithm_choices_and_the_plan_come_from_the_table():
     with pytest.raises(ValueError, match="algorithm"):
         load_params("tiny", ["algorithm=ppo2"])
-    assert load_params("tiny", ["algorithm=kto", "eval.use_reward_model=false"]).plan() == [
+    assert stages(load_params("tiny", ["algorithm=kto", "eval.use_reward_model=false"])) == [
         "data",
         "sft",
         "kto",
@@ -114,10 +115,10 @@ def test_the_algorithm_choices_and_the_plan_come_from_the_table():
         "registry",
     ]
     params = load_params("tiny", ["algorithm=grpo", "rewards.reward_model_weight=0", "eval.use_reward_model=false"])
-    assert params.plan() == ["data", "sft", "grpo", "eval", "registry"]
-    assert params.upstream("eval") == ("data", "sft", "grpo")
+    assert stages(params) == ["data", "sft", "grpo", "eval", "registry"]
+    assert upstream(params, "eval") == ("data", "sft", "grpo")
     with_rm = load_params("tiny", ["algorithm=ppo", "rewards.reward_model_weight=1"])
-    assert with_rm.plan() == ["data", "sft", "rm", "ppo", "eval", "registry"] and with_rm.upstream("ppo") == (
+    assert stages(with_rm) == ["data", "sft", "rm", "ppo", "eval", "registry"] and upstream(with_rm, "ppo") == (
         "data",
         "sft",
         "rm",

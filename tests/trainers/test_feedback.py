@@ -5,6 +5,7 @@ import pytest
 from pydantic import ValidationError
 
 from rlhf_pipeline.flows.params import load_params
+from rlhf_pipeline.flows.plan import stages, upstream
 from tests.helpers import CI_PRESET
 
 LENGTH = "pairs.function=tests.helpers:length_reward"
@@ -12,9 +13,9 @@ LENGTH = "pairs.function=tests.helpers:length_reward"
 
 def test_made_pairs_feed_the_pair_readers_and_the_preference_file_may_be_left_out():
     params = load_params(CI_PRESET, ["data.preference=null", "pairs.enabled=true", LENGTH])
-    assert params.plan() == ["data", "sft", "pairs", "rm", "dpo", "eval", "registry"]
-    assert params.upstream("pairs") == ("data", "sft")
-    assert "pairs" in params.upstream("dpo") and "pairs" in params.upstream("rm")
+    assert stages(params) == ["data", "sft", "pairs", "rm", "dpo", "eval", "registry"]
+    assert upstream(params, "pairs") == ("data", "sft")
+    assert "pairs" in upstream(params, "dpo") and "pairs" in upstream(params, "rm")
     # Off, nothing reads made pairs and a stage that reads the given ones needs them named.
     with pytest.raises(ValidationError, match="data.preference is null and rm reads it"):
         load_params(CI_PRESET, ["data.preference=null", LENGTH])
@@ -27,8 +28,8 @@ def test_the_reward_model_as_labeller_trains_first_on_the_given_pairs_and_labels
     params = load_params(
         CI_PRESET, ["pairs.enabled=true", "pairs.labeller=reward_model", "eval.use_reward_model=false"]
     )
-    assert "rm" in params.plan() and params.upstream("pairs") == ("data", "sft", "rm")
-    assert "pairs" not in params.upstream("rm") and "pairs" in params.upstream("dpo")
+    assert "rm" in stages(params) and upstream(params, "pairs") == ("data", "sft", "rm")
+    assert "pairs" not in upstream(params, "rm") and "pairs" in upstream(params, "dpo")
 
 
 def test_feedback_rounds_are_refused_where_pairs_would_change_nothing_or_have_no_labeller():
@@ -43,4 +44,4 @@ def test_feedback_rounds_are_refused_where_pairs_would_change_nothing_or_have_no
         load_params(CI_PRESET, ["feedback.rounds=2", "pairs.labeller=judge"])
     # An offline algorithm's rounds: pairs are planned even with the first round's switched off.
     params = load_params(CI_PRESET, ["feedback.rounds=1", LENGTH])
-    assert "pairs" in params.plan() and "pairs" not in params.upstream("dpo")
+    assert "pairs" in stages(params) and "pairs" not in upstream(params, "dpo")
