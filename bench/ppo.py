@@ -247,7 +247,7 @@ def held_out_scores(
 
     from rlhf_pipeline.trainers.models.load import load_causal_lm, load_tokenizer
     from rlhf_pipeline.trainers.models.text import generate, own_sampling, pad, prompt_ids
-    from rlhf_pipeline.trainers.ppo.train import truncate_at_stop
+    from rlhf_pipeline.trainers.ppo.losses import truncate_at_stop
     from rlhf_pipeline.trainers.rewards.mix import RewardsConfig, RewardScorer
     from rlhf_pipeline.trainers.rewards.sort_task import exact_match
 

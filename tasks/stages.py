@@ -34,7 +34,7 @@ from rlhf_pipeline.trainers.models.memory import (
     Held,
 )
 from rlhf_pipeline.trainers.pairs.stage import PairsConfig
-from rlhf_pipeline.trainers.ppo.train import PpoConfig
+from rlhf_pipeline.trainers.ppo.config import PpoConfig
 
 POLICY_STAGE = "policy"
 """In `upstream`: the run's policy-optimisation stage, whichever `algorithm` names."""

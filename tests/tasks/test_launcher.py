@@ -122,7 +122,7 @@ def test_ppo_on_two_ranks_resumes_a_killed_rank_to_the_same_weights_as_an_unbrok
 
     from rlhf_pipeline.trainers.models.base_model import load_base_model
     from rlhf_pipeline.trainers.models.load import save_model
-    from rlhf_pipeline.trainers.ppo.train import PpoConfig
+    from rlhf_pipeline.trainers.ppo.config import PpoConfig
     from rlhf_pipeline.trainers.rewards.mix import RewardFunctionSpec, RewardsConfig
 
     caplog.set_level(logging.INFO, logger="rlhf")

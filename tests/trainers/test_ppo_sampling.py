@@ -18,6 +18,7 @@ from rlhf_pipeline.trainers.models import text
 from rlhf_pipeline.trainers.models.base_model import load_base_model
 from rlhf_pipeline.trainers.models.load import load_causal_lm, save_model
 from rlhf_pipeline.trainers.models.tiny import build_tokenizer
+from rlhf_pipeline.trainers.ppo import rollout as sampling
 from rlhf_pipeline.trainers.ppo import train as ppo
 from rlhf_pipeline.trainers.rewards import mix as rewards
 from rlhf_pipeline.trainers.rewards.mix import RewardFunctionSpec, RewardsConfig, RewardScorer
@@ -86,14 +87,14 @@ class ScorerSpy:
 def test_stop_ids_follow_stop_token(gpt2):
     tokenizer = load_causal_lm(gpt2["sft"])[1]
     eos, im_end = gpt2["eos"], gpt2["im_end"]
-    assert ppo.stop_ids(ppo.PpoConfig(), tokenizer) == [eos, im_end]  # EOS and the template's end of turn
-    assert ppo.stop_ids(ppo.PpoConfig(stop_token="eos"), tokenizer) == [eos]  # TRL's 'eos'
-    assert ppo.stop_ids(ppo.PpoConfig(stop_token_id=im_end), tokenizer) == [im_end]
+    assert sampling.stop_ids(ppo.PpoConfig(), tokenizer) == [eos, im_end]  # EOS and the template's end of turn
+    assert sampling.stop_ids(ppo.PpoConfig(stop_token="eos"), tokenizer) == [eos]  # TRL's 'eos'
+    assert sampling.stop_ids(ppo.PpoConfig(stop_token_id=im_end), tokenizer) == [im_end]
     with pytest.raises(
         ValueError,
         match=rf"stop_token_id={len(tokenizer)} is not a token of the policy's tokenizer \({len(tokenizer)} tokens\)",
     ):
-        ppo.stop_ids(ppo.PpoConfig(stop_token_id=len(tokenizer)), tokenizer)
+        sampling.stop_ids(ppo.PpoConfig(stop_token_id=len(tokenizer)), tokenizer)
 
 
 def test_rollouts_are_cut_at_the_end_of_turn(gpt2):
@@ -105,7 +106,9 @@ def test_rollouts_are_cut_at_the_end_of_turn(gpt2):
 
     def rollout(cfg):
         torch.manual_seed(0)
-        inputs, mask, ended = ppo._sample(policy, tokenizer, prompts, cfg, ppo.stop_ids(cfg, tokenizer), "cpu")
+        inputs, mask, ended = sampling.sample_completions(
+            policy, tokenizer, prompts, cfg, sampling.stop_ids(cfg, tokenizer), "cpu"
+        )
         return inputs["input_ids"][:, -mask.shape[1] :], mask.bool(), ended
 
     responses, mask, ended = rollout(ppo.PpoConfig(response_length=6, temperature=1.0))
@@ -238,9 +241,11 @@ def test_sampled_logprobs_are_the_ones_ppo_computes(tmp_path, monkeypatch):
     def largest_gap() -> float:
         torch.manual_seed(0)
         with torch.no_grad():
-            inputs, mask, _ = ppo._sample(policy, tokenizer, prompts, cfg, ppo.stop_ids(cfg, tokenizer), "cpu")
+            inputs, mask, _ = sampling.sample_completions(
+                policy, tokenizer, prompts, cfg, sampling.stop_ids(cfg, tokenizer), "cpu"
+            )
             width = mask.shape[1]
-            computed, _ = ppo._response_logprobs(policy, inputs, width, cfg.temperature)
+            computed, _ = sampling.response_logprobs(policy, inputs, width, cfg.temperature)
         sampled = reported[-1].gather(-1, inputs["input_ids"][:, -width:, None]).squeeze(-1)
         return (sampled - computed)[mask.bool()].abs().max().item()
 

@@ -1,0 +1,87 @@
+"""`ppo`'s rollouts: the stop tokens, sampling with exactly the stage's settings, and the log-probabilities and values
+of the sampled completions (N+: Huang et al. 2024, "The N+ Implementation Details of RLHF with PPO", §4 and §7)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rlhf_pipeline.trainers.ppo.config import PpoFields
+from rlhf_pipeline.trainers.ppo.losses import truncate_at_stop
+
+if TYPE_CHECKING:
+    import torch
+
+
+def stop_ids(cfg: PpoFields, tokenizer) -> list[int]:
+    """The ids a completion ends at, per `stop_token` / `stop_token_id`."""
+    from rlhf_pipeline.trainers.models.templates import stop_token_ids
+
+    if cfg.stop_token_id is not None:
+        if cfg.stop_token_id >= len(tokenizer):
+            raise ValueError(
+                f"stop_token_id={cfg.stop_token_id} is not a token of the policy's tokenizer ({len(tokenizer)} tokens)"
+            )
+        return [cfg.stop_token_id]
+    if cfg.stop_token == "eos":
+        return [tokenizer.eos_token_id]
+    return stop_token_ids(tokenizer)
+
+
+def sample_completions(
+    policy, tokenizer, prompt_ids: list[list[int]], cfg: PpoFields, stops: list[int], device
+) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """Left-padded prompts (N+ §4) -> inputs for prompt + completion, completion mask, whether each reached a stop
+    token. No top-k/top-p/repetition penalty (own_sampling: not even the model's generation_config's), so we sample from
+    exactly the distribution whose log-probs we compute (N+ §7)."""
+    import torch
+
+    from rlhf_pipeline.trainers.models.text import own_sampling, pad
+
+    queries, query_mask = pad(prompt_ids, tokenizer.pad_token_id, left=True, device=device)
+    # peft's generate copies its wrapper's generation_config into the inner model: swap the inner model's, so it is
+    # restored.
+    with own_sampling(policy.get_base_model() if hasattr(policy, "get_base_model") else policy, tokenizer):
+        generated = policy.generate(
+            input_ids=queries,
+            attention_mask=query_mask,
+            do_sample=True,
+            temperature=cfg.temperature,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=cfg.response_length,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=stops,
+        )
+    responses, mask, ended = truncate_at_stop(generated[:, queries.shape[1] :], stops, tokenizer.pad_token_id)
+    attention_mask = torch.cat([query_mask, mask.long()], 1)
+    inputs = {
+        "input_ids": torch.cat([queries, responses], 1),
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),  # as `generate` numbers left-padded rows
+    }
+    return inputs, mask.float(), ended
+
+
+def response_logprobs(model, inputs: dict, width: int, temperature: float, with_entropy: bool = False):
+    """Log-probabilities of the last `width` (completion) tokens, and their entropy; logits are divided by the
+    sampling temperature (N+ §7), or the ratios and KL would describe another policy than the one sampled."""
+    import torch
+
+    logp_all = torch.log_softmax(model(**inputs, logits_to_keep=width + 1).logits[:, :-1].float() / temperature, dim=-1)
+    logprobs = logp_all.gather(-1, inputs["input_ids"][:, -width:, None]).squeeze(-1)
+    return logprobs, (-(logp_all.exp() * logp_all).sum(-1) if with_entropy else None)
+
+
+def response_values(value_model, inputs: dict, width: int):
+    """The reward model's backbone and scalar head on every token (InstructGPT §3.5; N+ §7): the value
+    of the state before completion token t is read at the position just before it."""
+    hidden = value_model.base_model(**inputs).last_hidden_state
+    return value_model.score(hidden[:, -width - 1 : -1]).squeeze(-1).float()
+
+
+def reference_of(policy):
+    """The reference policy, inside the LoRA policy: the frozen 'ref' copy of a stacked adapter, else the adapters
+    disabled."""
+    from trl.trainer.utils import use_adapter
+
+    return use_adapter(policy, "ref" if "ref" in policy.peft_config else None)
