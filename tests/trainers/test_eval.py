@@ -237,3 +237,20 @@ def test_eval_answers_in_the_precision_it_is_given_and_keeps_those_answers_apart
         )
     assert answered == [torch.float32] * 3 + [torch.bfloat16] * 3  # base, sft, policy
     assert len(list(answers_dir().glob("*.jsonl"))) == 4  # base and sft in each precision
+
+
+def test_the_answer_cache_key_reads_the_source_of_each_module_that_renders_or_generates(monkeypatch):
+    from importlib.util import find_spec
+    from pathlib import Path
+
+    from rlhf_pipeline.trainers.evaluation import answers
+
+    model, tokenizer = load_base_model(SMALL_MODEL)
+    key = answers.answers_key(model, tokenizer, ["Sort: 3 1 2"], 8, 4)
+    assert key == answers.answers_key(model, tokenizer, ["Sort: 3 1 2"], 8, 4)
+    read = Path.read_bytes
+    for name in answers.CODE:
+        edited = Path(find_spec(name).origin)
+        monkeypatch.setattr(Path, "read_bytes", lambda self: read(self) + (b"#" if self == edited else b""))
+        assert answers.answers_key(model, tokenizer, ["Sort: 3 1 2"], 8, 4) != key, name
+    assert {name.rsplit(".", 1)[1] for name in answers.CODE} == {"answers", "text", "templates"}

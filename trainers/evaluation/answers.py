@@ -21,6 +21,7 @@ import json
 import logging
 import time
 import uuid
+from importlib.util import find_spec
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -28,9 +29,13 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 LOG = logging.getLogger(__name__)
-CODE = ("answers.py", "text.py", "templates.py")
-"""This package's modules whose source keys the answers: an edit to how prompts are rendered or answers generated
-makes new ones."""
+CODE = (
+    "rlhf_pipeline.trainers.evaluation.answers",
+    "rlhf_pipeline.trainers.models.text",
+    "rlhf_pipeline.trainers.models.templates",
+)
+"""The modules whose source keys the answers: an edit to how prompts are rendered or answers generated makes new
+ones."""
 
 
 def answering(what: str, every: float = 60.0) -> dict[str, Any]:
@@ -85,7 +90,7 @@ def answers_key(
         "device": model.device.type,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "code": [hashlib.sha256((Path(__file__).parent / name).read_bytes()).hexdigest() for name in CODE],
+        "code": [hashlib.sha256(Path(find_spec(name).origin).read_bytes()).hexdigest() for name in CODE],
     }
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:32]
 

@@ -3,27 +3,42 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 
-def write_report(
-    out_dir: Path,
-    num_samples: int,
-    prompts,
-    answers,
-    completions,
-    correct,
-    rewards,
-    metrics,
-    warnings,
-    accuracy,
-    win_rates,
-    gold_name: str | None = "exact_match",
-    judged=None,
-) -> None:
-    """`answers` is None without a reference column; `correct`/`accuracy` are empty without a gold metric."""
+@dataclass
+class EvalResult:
+    """What eval found, as the report shows it: the held-out prompts (and reference answers, None without a reference
+    column), each model's answers, their gold scores and reward-model scores, the metrics, the hacking warnings, the
+    gold metric's accuracy intervals (empty without one) and the win rates by the reward model and by the judge."""
+
+    prompts: list
+    answers: list | None
+    completions: dict[str, list[str]]
+    correct: dict[str, list[float]]
+    rewards: dict[str, list[float]]
+    metrics: dict[str, float]
+    warnings: list[str]
+    accuracy: dict
+    win_rates: dict
+    gold_name: str | None = "exact_match"
+    judged: dict = field(default_factory=dict)
+
+
+def write_report(out_dir: Path, num_samples: int, result: EvalResult) -> None:
+    """`summary.json`, `summary.md`, the first `num_samples` rows of `samples.jsonl`, and `plots/`."""
     from rlhf_pipeline.trainers.evaluation import plots
+
+    prompts, answers, completions, correct, rewards = (
+        result.prompts,
+        result.answers,
+        result.completions,
+        result.correct,
+        result.rewards,
+    )
+    metrics, warnings, gold_name = result.metrics, result.warnings, result.gold_name
 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "summary.json").write_text(
@@ -44,13 +59,13 @@ def write_report(
     (out_dir / "summary.md").write_text(summary_markdown(metrics, warnings))
     figures = out_dir / "plots"
     figures.mkdir(exist_ok=True)
-    if accuracy:
+    if result.accuracy:
         title = "Exact match on held-out prompts" if gold_name == "exact_match" else "Gold metric on held-out prompts"
-        plots.accuracy_bars(accuracy, figures / f"{gold_name}.png", title=title)
+        plots.accuracy_bars(result.accuracy, figures / f"{gold_name}.png", title=title)
     if rewards:
         plots.reward_distributions(rewards, figures / "reward_distributions.png")
-    if win_rates:
-        plots.win_rate_bars(win_rates, figures / "win_rates.png", title="Win rate judged by the reward model")
+    if result.win_rates:
+        plots.win_rate_bars(result.win_rates, figures / "win_rates.png", title="Win rate judged by the reward model")
     for prefix, name in (
         ("eval/heldout/", "held-out prompts"),
         ("eval/ifeval/", "IFEval"),
@@ -64,9 +79,9 @@ def write_report(
         if shares:
             file = "if_families.png" if prefix == "eval/heldout/" else f"{prefix.split('/')[1]}_families.png"
             plots.family_bars(shares, figures / file, title=f"Constraints followed by family, {name}")
-    if judged:
+    if result.judged:
         plots.win_rate_bars(
-            judged, figures / "judge_win_rates.png", title="Win rate by the pairwise judge (both orders)"
+            result.judged, figures / "judge_win_rates.png", title="Win rate by the pairwise judge (both orders)"
         )
 
 

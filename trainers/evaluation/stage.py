@@ -16,8 +16,9 @@ completion + EOS, or the chat template), so its scores mean what they meant in t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Callable, Literal
 
 from pydantic import Field
 
@@ -177,16 +178,77 @@ def evaluate(
     `out_dir`; returns the metrics `planned_metrics` names, with `_low`/`_high`
     95% bootstrap bounds on the gold metric and the win rates.
     """
-    import torch
-
     from rlhf_pipeline.trainers.attention import check_device
-    from rlhf_pipeline.trainers.data import load_split
-    from rlhf_pipeline.trainers.models.base_model import load_base_model
-    from rlhf_pipeline.trainers.models.load import load_causal_lm, load_sequence_classifier, load_tokenizer
+    from rlhf_pipeline.trainers.evaluation.report import EvalResult, write_report
     from rlhf_pipeline.trainers.rewards import metrics as stats
 
+    heldout = _heldout(cfg, data_dir, Path(policy_model), policy_stage)
+    boot = {"n_bootstrap": cfg.n_bootstrap, "seed": cfg.seed}
+    chosen_on = heldout.chosen_on
+    metrics: dict[str, float] = {
+        f"{HELDOUT}num_prompts": float(len(heldout.prompts)),
+        f"{HELDOUT}num_left_out": float(chosen_on[1] - chosen_on[0]) if chosen_on else 0.0,
+    }
+    check_device(cfg.attn_implementation, training=False)  # before the first model loads
+    loaders, twins = _loaders(cfg, base, sft_model, policy_model, champion_model, sft_trained)
+    completions, cut = _answers(cfg, loaders, twins, heldout.prompts)
+    gold_name, correct, accuracy = _gold(heldout, completions, boot, metrics)
+    if cfg.instruction_following is not None:  # in distribution, then IFEval and IFBench (one model at a time)
+        metrics.update(_instruction_following(cfg, heldout, completions, cut, loaders, twins, boot))
+    kl, drift = _kl_and_length(cfg, loaders, heldout.prompts, completions, data_dir, metrics)
+    rewards, win_rates, measured = _reward_model(
+        cfg, reward_model, heldout.prompts, completions, data_dir, boot, policy_stage
+    )
+    metrics.update(measured)
+    judged = _judge(cfg, heldout.prompts, completions, boot, policy_stage, metrics) if cfg.judge is not None else {}
+    reward_delta = metrics.get(f"{HELDOUT}policy_mean_reward", 0.0) - metrics.get(f"{HELDOUT}sft_mean_reward", 0.0)
+    task_delta = accuracy["policy"].mean - accuracy["sft"].mean if accuracy else None
+    warnings = stats.hacking_warnings(
+        reward_delta=reward_delta,
+        task_delta=task_delta,
+        length_drift=drift,
+        kl=kl,
+        max_length_drift=cfg.max_length_drift,
+        max_kl=cfg.max_kl,
+        task_name=(gold_name or "").replace("_", " "),
+    )
+    metrics[f"{HELDOUT}hacking_warnings"] = float(len(warnings))
+    result = EvalResult(
+        prompts=heldout.prompts,
+        answers=heldout.answers,
+        completions=completions,
+        correct=correct,
+        rewards=rewards,
+        metrics=metrics,
+        warnings=warnings,
+        accuracy=accuracy,
+        win_rates=win_rates,
+        gold_name=gold_name,
+        judged=judged,
+    )
+    write_report(out_dir, cfg.num_samples_logged, result)
+    _overoptimisation_plot(Path(policy_model), out_dir, policy_stage)
+    return metrics
+
+
+@dataclass
+class Heldout:
+    """The held-out prompts eval scores (those the policy's stage did not choose its kept probe on), their reference
+    answers and other columns, and the gold metric's function (checked on a sample)."""
+
+    rows: Any
+    prompts: list
+    answers: list | None
+    columns: dict[str, list]
+    chosen_on: tuple[int, int] | None
+    gold_fn: Callable | None
+
+
+def _heldout(cfg: EvalConfig, data_dir: Path, policy_model: Path, policy_stage: str) -> Heldout:
+    from rlhf_pipeline.trainers.data import load_split
+
     prompts_ds = load_split(data_dir, "prompts_eval")
-    chosen_on = chosen_on_rows(Path(policy_model))
+    chosen_on = chosen_on_rows(policy_model)
     if chosen_on is not None:  # the rows the policy stage chose its kept probe on: every model is scored on the rest
         prompts_ds = prompts_ds.select([i for i in range(len(prompts_ds)) if not chosen_on[0] <= i < chosen_on[1]])
         if not len(prompts_ds):
@@ -214,13 +276,18 @@ def evaluate(
             as_completions(prompts[sample], ["0"] * len(prompts[sample])),
             {k: v[sample] for k, v in columns.items()},
         )
-    boot = {"n_bootstrap": cfg.n_bootstrap, "seed": cfg.seed}
-    metrics: dict[str, float] = {
-        f"{HELDOUT}num_prompts": float(len(prompts)),
-        f"{HELDOUT}num_left_out": float(chosen_on[1] - chosen_on[0]) if chosen_on else 0.0,
-    }
+    return Heldout(prompts_ds, prompts, answers, columns, chosen_on, gold_fn)
+
+
+def _loaders(cfg: EvalConfig, base: ModelConfig, sft_model, policy_model, champion_model, sft_trained: bool):
+    """How to load each compared model (in `cfg.dtype`), and the models that are another's folder (`rlhf eval` of the
+    start: policy and sft alike), which answer once."""
+    import torch
+
+    from rlhf_pipeline.trainers.models.base_model import load_base_model
+    from rlhf_pipeline.trainers.models.load import load_causal_lm
+
     attention = cfg.attn_implementation
-    check_device(attention, training=False)  # before the first model loads
 
     def cast(load):
         def loaded():
@@ -238,7 +305,7 @@ def evaluate(
     if champion_model is not None:
         loaders["champion"] = cast(lambda: load_causal_lm(champion_model, attn_implementation=attention))
     folders = {"sft": sft_model, "policy": policy_model, "champion": champion_model}
-    twins = {  # a model that is another's folder (`rlhf eval` of the start: policy and sft alike) answers once
+    twins = {
         name: first
         for name in ("policy", "champion")
         for first in ("sft", "policy")
@@ -246,9 +313,15 @@ def evaluate(
         and folders[name] is not None
         and Path(folders[name]).resolve() == Path(folders[first]).resolve()
     }
+    return loaders, twins
+
+
+def _answers(cfg: EvalConfig, loaders: dict, twins: dict, prompts: list):
+    """Each model's greedy answers to the held-out prompts and whether the budget cut them; one model in memory at a
+    time."""
     completions: dict[str, list[str]] = {}
     cut: dict[str, list[bool]] = {}
-    for name, load in loaders.items():  # one model in memory at a time
+    for name, load in loaders.items():
         if name in twins:
             completions[name], cut[name] = completions[twins[name]], cut[twins[name]]
             continue
@@ -257,41 +330,59 @@ def evaluate(
             model, tokenizer, prompts, cfg.max_new_tokens, cfg.batch_size, **answering(f"held-out, {name}")
         )
         del model
+    return completions, cut
 
-    # The gold metric, where there is one: a named function, else exact match against the reference.
+
+def _gold(heldout: Heldout, completions: dict, boot: dict, metrics: dict) -> tuple[str | None, dict, dict]:
+    """The gold metric, where there is one: a named function, else exact match against the reference; each model's
+    accuracy and the policy's paired gains (intervals on the differences)."""
+    from rlhf_pipeline.trainers.rewards import metrics as stats
+
     gold_name, correct = None, {}
-    if gold_fn is not None:
+    if heldout.gold_fn is not None:
         gold_name = "gold"
-        correct = {name: gold_scores(gold_fn, prompts, c, columns) for name, c in completions.items()}
-    elif has_reference:
+        correct = {
+            name: gold_scores(heldout.gold_fn, heldout.prompts, c, heldout.columns) for name, c in completions.items()
+        }
+    elif heldout.answers is not None:
         gold_name = "exact_match"
-        correct = {name: _exact(c, answers) for name, c in completions.items()}
+        correct = {name: _exact(c, heldout.answers) for name, c in completions.items()}
     accuracy = {name: stats.bootstrap_mean(hits, **boot) for name, hits in correct.items()}
     for name, interval in accuracy.items():
         _put(metrics, f"{HELDOUT}{name}_{gold_name}", interval.mean, interval.low, interval.high)
-    for rival in [name for name in ("sft", "champion") if name in correct]:  # paired: intervals on the differences
+    for rival in [name for name in ("sft", "champion") if name in correct]:
         gain = stats.bootstrap_mean([p - c for p, c in zip(correct["policy"], correct[rival])], **boot)
         _put(metrics, f"{HELDOUT}{gold_name}_gain_vs_{rival}", gain.mean, gain.low, gain.high)
+    return gold_name, correct, accuracy
 
-    following = cfg.instruction_following
-    benchmarks: dict[str, str] = {}
-    if following is not None:  # in distribution, then IFEval and IFBench (one model at a time)
-        from rlhf_pipeline.trainers.evaluation import instructions as ifeval_eval
 
-        rated = {name: c for name, c in completions.items() if name != "base"}
-        if following.heldout:
-            missing = [c for c in ifeval_eval.COLUMNS if c not in prompts_ds.column_names]
-            if missing:
-                raise ValueError(
-                    f"eval.instruction_following.heldout: the held-out prompts have no {missing} columns to check "
-                    "the answers by (set heldout=false)"
-                )
-            metrics.update(ifeval_eval.score(HELDOUT, list(prompts_ds), rated, "ifeval", boot, cut))
-        rated_loaders = {name: load for name, load in loaders.items() if name != "base"}
-        scored, benchmarks = ifeval_eval.evaluate_benchmarks(following, rated_loaders, cfg.batch_size, boot, twins)
-        metrics.update(scored)
+def _instruction_following(cfg: EvalConfig, heldout: Heldout, completions, cut, loaders, twins, boot) -> dict:
+    """The checkers' verdicts in distribution (the held-out rows' own instructions), then on IFEval and IFBench."""
+    from rlhf_pipeline.trainers.evaluation import instructions as ifeval_eval
 
-    # KL(policy || SFT) and diversity, on samples drawn from the policy (the k1 estimate needs them).
+    following, metrics = cfg.instruction_following, {}
+    rated = {name: c for name, c in completions.items() if name != "base"}
+    if following.heldout:
+        missing = [c for c in ifeval_eval.COLUMNS if c not in heldout.rows.column_names]
+        if missing:
+            raise ValueError(
+                f"eval.instruction_following.heldout: the held-out prompts have no {missing} columns to check "
+                "the answers by (set heldout=false)"
+            )
+        metrics.update(ifeval_eval.score(HELDOUT, list(heldout.rows), rated, "ifeval", boot, cut))
+    rated_loaders = {name: load for name, load in loaders.items() if name != "base"}
+    scored, _ = ifeval_eval.evaluate_benchmarks(following, rated_loaders, cfg.batch_size, boot, twins)
+    return metrics | scored
+
+
+def _kl_and_length(cfg: EvalConfig, loaders, prompts: list, completions: dict, data_dir: Path, metrics: dict):
+    """KL(policy || SFT) and diversity, on samples drawn from the policy (the k1 estimate needs them); the answers'
+    length and its drift from SFT's; perplexity on SFT rows. Returns (KL, length drift)."""
+    import torch
+
+    from rlhf_pipeline.trainers.data import load_split
+    from rlhf_pipeline.trainers.rewards import metrics as stats
+
     policy, tokenizer = loaders["policy"]()
     reference, _ = loaders["sft"]()
     torch.manual_seed(cfg.seed)
@@ -315,88 +406,74 @@ def evaluate(
         texts = _sft_texts(rows)
         metrics["eval/sft_split/sft_perplexity"] = stats.perplexity(reference, tokenizer, texts, cfg.batch_size)
         metrics["eval/sft_split/policy_perplexity"] = stats.perplexity(policy, tokenizer, texts, cfg.batch_size)
-    del policy, reference
+    return kl, drift
+
+
+def _reward_model(cfg: EvalConfig, reward_model, prompts: list, completions: dict, data_dir: Path, boot, stage: str):
+    """Each model's rewards, the policy's win rates (by the reward model) and the reward model's pairwise accuracy on
+    `preference_eval`, and its ensemble members' (their disagreement too). Returns (rewards, win rates, metrics)."""
+    from rlhf_pipeline.trainers.data import load_split
+    from rlhf_pipeline.trainers.models.load import load_sequence_classifier, load_tokenizer
+    from rlhf_pipeline.trainers.rewards import metrics as stats
 
     rewards: dict[str, list[float]] = {}
-    member_rewards: dict[str, list[list[float]]] = {}
+    metrics: dict[str, float] = {}
     win_rates: dict[str, stats.WinRate] = {}
-    if reward_model is not None:
-        rm = load_sequence_classifier(reward_model, attn_implementation=attention)
-        rm_tokenizer = load_tokenizer(reward_model)
-        for name in [n for n in completions if n != "base"]:
-            rewards[name] = reward_scores(rm, rm_tokenizer, prompts, completions[name], cfg.batch_size)
-            metrics[f"{HELDOUT}{name}_mean_reward"] = sum(rewards[name]) / len(rewards[name])
-        for rival in [n for n in ("sft", "champion") if n in rewards]:
-            win = stats.win_rate(rewards["policy"], rewards[rival], **boot)
-            win_rates[f"{policy_stage} vs {rival}"] = win
-            _put(metrics, f"{HELDOUT}win_rate_vs_{rival}", win.rate, win.low, win.high)
-        pairs = (
-            load_split(data_dir, "preference_eval")
-            if (data_dir / "datasets" / "preference_eval.parquet").is_file()
-            else None
-        )
+    if reward_model is None:
+        return rewards, win_rates, metrics
+    rm = load_sequence_classifier(reward_model, attn_implementation=cfg.attn_implementation)
+    rm_tokenizer = load_tokenizer(reward_model)
+    for name in [n for n in completions if n != "base"]:
+        rewards[name] = reward_scores(rm, rm_tokenizer, prompts, completions[name], cfg.batch_size)
+        metrics[f"{HELDOUT}{name}_mean_reward"] = sum(rewards[name]) / len(rewards[name])
+    for rival in [n for n in ("sft", "champion") if n in rewards]:
+        win = stats.win_rate(rewards["policy"], rewards[rival], **boot)
+        win_rates[f"{stage} vs {rival}"] = win
+        _put(metrics, f"{HELDOUT}win_rate_vs_{rival}", win.rate, win.low, win.high)
+    held_pairs = data_dir / "datasets" / "preference_eval.parquet"
+    pairs = load_split(data_dir, "preference_eval") if held_pairs.is_file() else None
+    if pairs is not None:
+        metrics[f"{HELDOUT}rm_pairwise_accuracy"] = _pairwise_accuracy(rm, rm_tokenizer, pairs, cfg.batch_size)
+    del rm
+    metrics.update(_ensemble_members(cfg, reward_model, prompts, completions, pairs))
+    return rewards, win_rates, metrics
+
+
+def _ensemble_members(cfg: EvalConfig, reward_model: Path, prompts: list, completions: dict, pairs) -> dict:
+    """An ensemble's members, one in memory at a time: each one's pairwise accuracy, and their disagreement on each
+    model's answers."""
+    from rlhf_pipeline.trainers.rewards.ensemble import TextEnsemble, aggregate, member_dirs
+
+    metrics: dict[str, float] = {}
+    member_rewards: dict[str, list[list[float]]] = {}
+    if len(dirs := member_dirs(reward_model)) <= 1:
+        return metrics
+    for i, folder in enumerate(dirs):
+        member = TextEnsemble([folder], batch_size=cfg.batch_size)
         if pairs is not None:
-            metrics[f"{HELDOUT}rm_pairwise_accuracy"] = _pairwise_accuracy(rm, rm_tokenizer, pairs, cfg.batch_size)
-        del rm
-        from rlhf_pipeline.trainers.rewards.ensemble import TextEnsemble, member_dirs
-
-        if len(dirs := member_dirs(reward_model)) > 1:
-            for i, folder in enumerate(dirs):  # one member in memory at a time
-                member = TextEnsemble([folder], batch_size=cfg.batch_size)
-                if pairs is not None:
-                    metrics[f"{HELDOUT}rm_member_{i}_pairwise_accuracy"] = _pairwise_accuracy(
-                        member.models[0], member.tokenizer, pairs, cfg.batch_size
-                    )
-                for name in [n for n in completions if n != "base"]:
-                    member_rewards.setdefault(name, []).append(member.members(prompts, completions[name])[0])
-            for name, scores in member_rewards.items():
-                from rlhf_pipeline.trainers.rewards.ensemble import aggregate
-
-                spread = aggregate(scores, "mean")[1]
-                metrics[f"{HELDOUT}{name}_rm_disagreement"] = sum(spread) / len(spread)
-
-    judged: dict[str, stats.WinRate] = {}
-    if cfg.judge is not None:  # after the reward model is gone: an LM judge is one more model in memory
-        from rlhf_pipeline.trainers.rewards.judges import judged_win_rate, load_judge
-
-        judge = load_judge(cfg.judge, sample=(prompts[:2], completions["policy"][:2], completions["sft"][:2]))
-        for rival in [n for n in ("sft", "champion") if n in completions]:
-            result = judged_win_rate(judge, prompts, completions["policy"], completions[rival], **boot)
-            metrics.update(result.metrics(f"{HELDOUT}judge_win_rate_vs_{rival}"))
-            judged[f"{policy_stage} vs {rival}"] = result.win_rate
-
-    reward_delta = metrics.get(f"{HELDOUT}policy_mean_reward", 0.0) - metrics.get(f"{HELDOUT}sft_mean_reward", 0.0)
-    task_delta = accuracy["policy"].mean - accuracy["sft"].mean if accuracy else None
-    warnings = stats.hacking_warnings(
-        reward_delta=reward_delta,
-        task_delta=task_delta,
-        length_drift=drift,
-        kl=kl,
-        max_length_drift=cfg.max_length_drift,
-        max_kl=cfg.max_kl,
-        task_name=(gold_name or "").replace("_", " "),
-    )
-    metrics[f"{HELDOUT}hacking_warnings"] = float(len(warnings))
-
-    from rlhf_pipeline.trainers.evaluation.report import write_report
-
-    write_report(
-        out_dir,
-        cfg.num_samples_logged,
-        prompts,
-        answers,
-        completions,
-        correct,
-        rewards,
-        metrics,
-        warnings,
-        accuracy,
-        win_rates,
-        gold_name,
-        judged,
-    )
-    _overoptimisation_plot(Path(policy_model), out_dir, policy_stage)
+            metrics[f"{HELDOUT}rm_member_{i}_pairwise_accuracy"] = _pairwise_accuracy(
+                member.models[0], member.tokenizer, pairs, cfg.batch_size
+            )
+        for name in [n for n in completions if n != "base"]:
+            member_rewards.setdefault(name, []).append(member.members(prompts, completions[name])[0])
+    for name, scores in member_rewards.items():
+        spread = aggregate(scores, "mean")[1]
+        metrics[f"{HELDOUT}{name}_rm_disagreement"] = sum(spread) / len(spread)
     return metrics
+
+
+def _judge(cfg: EvalConfig, prompts: list, completions: dict, boot: dict, stage: str, metrics: dict) -> dict:
+    """The pairwise judge's win rates of the policy (both orders), after the reward model is gone: an LM judge is one
+    more model in memory."""
+    from rlhf_pipeline.trainers.rewards.judges import judged_win_rate, load_judge
+
+    judged = {}
+    judge = load_judge(cfg.judge, sample=(prompts[:2], completions["policy"][:2], completions["sft"][:2]))
+    for rival in [n for n in ("sft", "champion") if n in completions]:
+        result = judged_win_rate(judge, prompts, completions["policy"], completions[rival], **boot)
+        metrics.update(result.metrics(f"{HELDOUT}judge_win_rate_vs_{rival}"))
+        judged[f"{stage} vs {rival}"] = result.win_rate
+    return judged
 
 
 def training_outcome(policy_model: Path) -> dict:
