@@ -44,10 +44,10 @@ def _rlhf(**blocks) -> dict:
         for step in steps:
             # The arguments wire the DAG the Prefect UI draws.
             inputs = {name: submitting.futures[source] for name, source in step.inputs.items()}
-            submit = SUBMIT.get(BY_NAME[step.stage].task, _train)
+            submit = SUBMIT[BY_NAME[step.stage].builds_with]
             submitting.futures[step.name] = built[step.stage] = submit(step, inputs, submitting)
         policy, report = (submitting.futures[name] for name in last_policy_and_report(steps))
-        published = {stage: future for stage, future in built.items() if BY_NAME[stage].trainer}  # keyed artifacts
+        published = {stage: future for stage, future in built.items() if BY_NAME[stage].code}  # keyed artifacts
         registered = [future.result() for stage, future in built.items() if stage not in published]
         return run.finish(
             policy=policy.result(),
@@ -124,13 +124,8 @@ def _register(step: Step, inputs: dict, run: Submitting):
     return run.task(register_task()).submit(run.params.gate(), inputs["policy"], inputs["report"], outputs, run.ctx)
 
 
-SUBMIT = {
-    "rlhf_pipeline.tasks.data:validate_data": _data,
-    "rlhf_pipeline.tasks.pairs:make_pairs": _pairs,
-    "rlhf_pipeline.tasks.eval:evaluate": _evaluate,
-    "rlhf_pipeline.tasks.registry:register_policy": _register,
-}
-"""How each kind of task of the table is submitted (the rest: `_train`, the training stages' task)."""
+SUBMIT = {"train": _train, "data": _data, "pairs": _pairs, "eval": _evaluate, "registry": _register}
+"""How the flow submits each kind of task of the table (`Stage.builds_with`)."""
 
 
 def _signature() -> inspect.Signature:

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from rlhf_pipeline.flows.plan import describe, stages
 from rlhf_pipeline.flows.plan import plan as steps
-from rlhf_pipeline.tasks.stages import BY_NAME, TRAIN_STAGE
+from rlhf_pipeline.tasks.stages import BY_NAME
 
 PERCENTILES = (50, 90, 99)
 
@@ -308,7 +308,9 @@ def _check_ray(params, totals: dict[str, int], problems: list[str]) -> str | Non
     cluster is (None: no stage runs under Ray)."""
     launch = params.launch
     on_ray = [
-        stage for stage in stages(params) if BY_NAME[stage].task == TRAIN_STAGE and launch.launcher_of(stage) == "ray"
+        stage
+        for stage in stages(params)
+        if BY_NAME[stage].builds_with == "train" and launch.launcher_of(stage) == "ray"
     ]
     if not on_ray:
         return None

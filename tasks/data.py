@@ -105,7 +105,7 @@ def validate_data(
         log=prefect_log,
         digest_of=("datasets",),
         parts={name: f"datasets/{name}.parquet" for name in sources},
-        trainer=row.trainer,
+        code=row.code,
         hold=device_hold(row.name, row.device, prefect_log, ctx.wait_seconds),
         record=MLFLOW,
         holder=lock_holder(),

@@ -88,7 +88,7 @@ def evaluate(
         fingerprints=fingerprints,
         log_files=REPORT_FILES,
         log=prefect_log,
-        trainer=row.trainer,
+        code=row.code,
         hold=device_hold("eval", row.device, prefect_log, ctx.wait_seconds),
         system_metrics=row.device,
         record=MLFLOW,

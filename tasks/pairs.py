@@ -16,12 +16,12 @@ import json
 from pathlib import Path
 
 from rlhf_pipeline.tasks.orchestration.stage_task import device_hold, lock_holder, prefect_log, stage_task
+from rlhf_pipeline.tasks.stages import BY_NAME
 from rlhf_pipeline.tasks.store.artifacts import ArtifactRef, RunContext, StageOutcome
 from rlhf_pipeline.tasks.store.stage import run_stage
 from rlhf_pipeline.tasks.tracking.recorder import MLFLOW
 from rlhf_pipeline.trainers.pairs.stage import PAIRS, SUMMARY, PairsConfig
 
-TRAINER = "rlhf_pipeline.trainers.pairs.stage"
 LABELS_DIR = ".labels"
 
 
@@ -94,7 +94,7 @@ def make_pairs(
         ),
         log_files=(made.SAMPLES,),
         log=prefect_log,
-        trainer=TRAINER,
+        code=BY_NAME["pairs"].code,
         hold=device_hold("pairs", True, prefect_log, ctx.wait_seconds),
         extra_tags={**tags, "rlhf.part": "samples"},
         system_metrics=True,
@@ -149,7 +149,7 @@ def make_pairs(
         fingerprints,
         log_files=(PAIRS, SUMMARY),
         log=prefect_log,
-        trainer=TRAINER,
+        code=BY_NAME["pairs"].code,
         hold=device_hold("pairs", config.uses_device, prefect_log, ctx.wait_seconds),
         extra_tags={**tags, "rlhf.part": "labels", "rlhf.labeller": config.labeller},
         record=MLFLOW,

@@ -1,18 +1,21 @@
 """Every stage of the pipeline, in one table: the page to open first (docs/ARCHITECTURE.md, "Stages and the table").
 
-Each row says what a stage is configured by, which code builds it and which task runs it, which of the `data`
-stage's datasets it reads, which stages' artifacts it takes, whether it holds the accelerator while it builds and
-which models it holds there. Everything else is derived from it: the `algorithm` choices, `PipelineParams` and the
-flow's parameters (one block per row), the served deployments, the device slots, the token limits the data stage
-checks, the memory `rlhf check` estimates, and each stage's code version (the project modules its `trainer` imports,
+Each row says what a stage is configured by, which code builds it (the module itself) and which task runs it, which of
+the `data` stage's datasets it reads, which stages' artifacts it takes, whether it holds the accelerator while it builds
+and which models it holds there. Everything else is derived from it: the `algorithm` choices, `PipelineParams` and the
+flow's parameters (one block per row), the served deployments, the device slots, the token limits the data stage checks,
+the memory `rlhf check` estimates, and each stage's code version (the project modules its `code` imports,
 `tasks.store.code_version`). The trainer contract (what `train(cfg, ...)` is given) is in `tasks.training`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
+from typing import Literal
 
 from rlhf_pipeline.tasks.gate import RegistryConfig
+from rlhf_pipeline.trainers.algorithms import dpo, grpo, kto, orpo, rloo, rm, sft
 from rlhf_pipeline.trainers.algorithms.dpo import DpoConfig
 from rlhf_pipeline.trainers.algorithms.grpo import GrpoConfig
 from rlhf_pipeline.trainers.algorithms.kto import KtoConfig
@@ -22,6 +25,7 @@ from rlhf_pipeline.trainers.algorithms.rm import RewardModelConfig
 from rlhf_pipeline.trainers.algorithms.sft import SftConfig
 from rlhf_pipeline.trainers.config import StageConfig
 from rlhf_pipeline.trainers.data import DataConfig
+from rlhf_pipeline.trainers.evaluation import stage as evaluation
 from rlhf_pipeline.trainers.evaluation.stage import EvalConfig
 from rlhf_pipeline.trainers.models.memory import (
     EVALUATED,
@@ -33,24 +37,28 @@ from rlhf_pipeline.trainers.models.memory import (
     VALUE_MODEL,
     Held,
 )
+from rlhf_pipeline.trainers.pairs import stage as pairs_stage
 from rlhf_pipeline.trainers.pairs.stage import PairsConfig
+from rlhf_pipeline.trainers.ppo import train as ppo
 from rlhf_pipeline.trainers.ppo.config import PpoConfig
+from rlhf_pipeline.validators import stage as data_stage
 
 POLICY_STAGE = "policy"
 """In `upstream`: the run's policy-optimisation stage, whichever `algorithm` names."""
-TRAIN_STAGE = "rlhf_pipeline.tasks.training:train_stage"
-"""The one task of every stage whose trainer has the contract's `train` (`tasks.training`)."""
+Builds = Literal["train", "data", "pairs", "eval", "registry"]
+"""Which task builds a stage: `train`, the one task of every stage whose code has the contract's `train`
+(`tasks.training`); or a task of its own (`tasks.data`, `tasks.pairs`, `tasks.eval`, `tasks.registry`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class Stage:
     name: str
     config: type[StageConfig]
-    trainer: str | None
-    """Module whose source and imports are the stage's code version; under `TRAIN_STAGE` its `train` builds the stage
-    (None: the stage is not keyed, e.g. registry)."""
-    task: str
-    """The Prefect task that builds it (`module:function`)."""
+    code: ModuleType | None
+    """The module whose source and imports are the stage's code version; built with `train`, its `train` builds the
+    stage (None: the stage is not keyed, e.g. registry)."""
+    builds_with: Builds
+    """The task that builds it (the flow submits each kind its own way, flows/rlhf.py)."""
     description: str
     reads: tuple[str, ...] = ()
     """Datasets of the `data` stage it reads; it keys on their digests alone."""
@@ -76,15 +84,15 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         name="data",
         config=DataConfig,
-        trainer="rlhf_pipeline.validators.stage",
-        task="rlhf_pipeline.tasks.data:validate_data",
+        code=data_stage,
+        builds_with="data",
         description="Datasets, checked and frozen by the `data` stage.",
     ),
     Stage(
         name="sft",
         config=SftConfig,
-        trainer="rlhf_pipeline.trainers.algorithms.sft",
-        task=TRAIN_STAGE,
+        code=sft,
+        builds_with="train",
         description="Supervised fine-tuning (TRL SFTTrainer).",
         reads=("sft",),
         upstream=("data",),
@@ -94,8 +102,8 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         name="pairs",
         config=PairsConfig,
-        trainer="rlhf_pipeline.trainers.pairs.stage",
-        task="rlhf_pipeline.tasks.pairs:make_pairs",
+        code=pairs_stage,
+        builds_with="pairs",
         description=(
             "Preference pairs made from prompts: the starting policy's samples labelled by a verifier, the reward "
             "model, a judge or people (switched off by default)."
@@ -108,8 +116,8 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         name="rm",
         config=RewardModelConfig,
-        trainer="rlhf_pipeline.trainers.algorithms.rm",
-        task=TRAIN_STAGE,
+        code=rm,
+        builds_with="train",
         description="Reward model (TRL RewardTrainer).",
         reads=("preference", "preference_eval"),
         upstream=("data", "sft", "pairs"),
@@ -120,8 +128,8 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         name="dpo",
         config=DpoConfig,
-        trainer="rlhf_pipeline.trainers.algorithms.dpo",
-        task=TRAIN_STAGE,
+        code=dpo,
+        builds_with="train",
         description="DPO (TRL DPOTrainer).",
         reads=PREFERENCES,
         upstream=("data", "sft", "pairs"),
@@ -133,8 +141,8 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         name="kto",
         config=KtoConfig,
-        trainer="rlhf_pipeline.trainers.algorithms.kto",
-        task=TRAIN_STAGE,
+        code=kto,
+        builds_with="train",
         description="KTO (TRL KTOTrainer): unpaired binary feedback; pairs are unpaired.",
         reads=PREFERENCES,
         upstream=("data", "sft", "pairs"),
@@ -145,8 +153,8 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         name="orpo",
         config=OrpoConfig,
-        trainer="rlhf_pipeline.trainers.algorithms.orpo",
-        task=TRAIN_STAGE,
+        code=orpo,
+        builds_with="train",
         description="ORPO (TRL ORPOTrainer): preference pairs, no reference model, the SFT loss folded in.",
         reads=PREFERENCES,
         upstream=("data", "sft", "pairs"),
@@ -158,8 +166,8 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         name="grpo",
         config=GrpoConfig,
-        trainer="rlhf_pipeline.trainers.algorithms.grpo",
-        task=TRAIN_STAGE,
+        code=grpo,
+        builds_with="train",
         description="GRPO (TRL GRPOTrainer).",
         reads=("prompts",),
         upstream=ONLINE_UPSTREAM,
@@ -171,8 +179,8 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         name="rloo",
         config=RlooConfig,
-        trainer="rlhf_pipeline.trainers.algorithms.rloo",
-        task=TRAIN_STAGE,
+        code=rloo,
+        builds_with="train",
         description="RLOO (TRL RLOOTrainer).",
         reads=("prompts",),
         upstream=ONLINE_UPSTREAM,
@@ -184,8 +192,8 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         name="ppo",
         config=PpoConfig,
-        trainer="rlhf_pipeline.trainers.ppo.train",
-        task=TRAIN_STAGE,
+        code=ppo,
+        builds_with="train",
         description="PPO (ours: trainers/ppo/train.py).",
         reads=("prompts",),
         upstream=ONLINE_UPSTREAM,
@@ -197,8 +205,8 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         name="eval",
         config=EvalConfig,
-        trainer="rlhf_pipeline.trainers.evaluation.stage",
-        task="rlhf_pipeline.tasks.eval:evaluate",
+        code=evaluation,
+        builds_with="eval",
         description="Held-out evaluation of the policy against SFT, the base model and the champion.",
         reads=("prompts_eval", "preference_eval", "sft"),
         upstream=("data", "sft", POLICY_STAGE, "rm"),
@@ -208,8 +216,8 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         name="registry",
         config=RegistryConfig,
-        trainer=None,
-        task="rlhf_pipeline.tasks.registry:register_policy",
+        code=None,
+        builds_with="registry",
         description="MLflow model registry and promotion gate.",
         upstream=(POLICY_STAGE, "eval"),
     ),

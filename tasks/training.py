@@ -1,4 +1,4 @@
-"""The training stages (every row of the table whose task is `TRAIN_STAGE`): one task, and the trainer contract,
+"""The training stages (every row of the table built with `train`): one task, and the trainer contract,
 described here once (docs/ARCHITECTURE.md, "The trainer contract").
 
 A stage's trainer is `train(cfg, ...)` in the module the table names; the task fills its parameters by name, so a new
@@ -20,14 +20,13 @@ final metrics and emits progress records (`trainers.runtime.progress`); it impor
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 from pathlib import Path
 from typing import Any
 
 from rlhf_pipeline.tasks.orchestration.launcher import run_launched
 from rlhf_pipeline.tasks.orchestration.stage_task import device_hold, lock_holder, prefect_log, stage_task
-from rlhf_pipeline.tasks.stages import BY_NAME, STAGES, TRAIN_STAGE, Stage, reads
+from rlhf_pipeline.tasks.stages import BY_NAME, STAGES, Stage, reads
 from rlhf_pipeline.tasks.store.artifacts import ArtifactRef, RunContext, StageOutcome
 from rlhf_pipeline.tasks.store.stage import run_stage
 from rlhf_pipeline.tasks.tracking.recorder import MLFLOW
@@ -47,11 +46,11 @@ PROVIDED = {"cfg", "data_dir", "out_dir", "work_dir", "log_metrics", *MODEL_INPU
 
 def trainer_parameters(stage: Stage) -> tuple[str, ...]:
     """The parameters of the stage's `train`, checked against what the task can fill."""
-    parameters = inspect.signature(importlib.import_module(stage.trainer).train).parameters
+    parameters = inspect.signature(stage.code.train).parameters
     unknown = [name for name, p in parameters.items() if name not in PROVIDED and p.default is inspect.Parameter.empty]
     if unknown:
         raise TypeError(
-            f"{stage.trainer}.train takes {unknown}, which no stage provides; it may take {sorted(PROVIDED)}"
+            f"{stage.code.__name__}.train takes {unknown}, which no stage provides; it may take {sorted(PROVIDED)}"
         )
     return tuple(parameters)
 
@@ -104,8 +103,8 @@ def train_stage(
         }
         arguments = {name: value for name, value in given.items() if name in wanted}
         if ctx.launch.launcher_of(stage) != "inprocess":  # processes of its own; rank 0 writes into out_dir
-            return run_launched(stage, row.trainer, arguments, work_dir, log_metrics, prefect_log, ctx.launch)
-        return importlib.import_module(row.trainer).train(**arguments, log_metrics=log_metrics)
+            return run_launched(stage, row.code.__name__, arguments, work_dir, log_metrics, prefect_log, ctx.launch)
+        return row.code.train(**arguments, log_metrics=log_metrics)
 
     switched_off = not getattr(config, "enabled", True)
     keyed = {
@@ -130,7 +129,7 @@ def train_stage(
         fingerprints=fingerprints,
         log_files=LOGGED,
         log=prefect_log,
-        trainer=row.trainer,
+        code=row.code,
         hold=device_hold(stage, row.device, prefect_log, ctx.wait_seconds),
         extra_tags={"rlhf.round": str(round_)} if round_ else None,
         system_metrics=row.device,
@@ -156,5 +155,5 @@ def with_made_pairs(data_dir: Path, pairs_dir: Path, work_dir: Path) -> Path:
     return seen
 
 
-TASKS = {row.name: stage_task(row.name)(train_stage) for row in STAGES if row.task == TRAIN_STAGE}
+TASKS = {row.name: stage_task(row.name)(train_stage) for row in STAGES if row.builds_with == "train"}
 """The Prefect task of every training stage, named after it."""

@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from types import ModuleType
 from typing import Callable, ContextManager, Protocol
 
 from pydantic import BaseModel
@@ -156,7 +157,7 @@ def run_stage(
     log: Log = print,
     digest_of: tuple[str, ...] = (),
     parts: dict[str, str] | None = None,
-    trainer: str | None = None,
+    code: ModuleType | None = None,
     hold: Callable[[], ContextManager] = contextlib.nullcontext,
     extra_tags: dict[str, str] | None = None,
     system_metrics: bool = False,
@@ -169,7 +170,7 @@ def run_stage(
     `record` is the tracking side (`Recorder`): told of a reuse, a build's start, curve, end or failure. `log_files`
     are paths inside the stage directory logged with the stage's run (reports, tables). `digest_of` names the paths
     dependents key on (default: every file), so a re-run that changes only a report (timestamps, a new rule)
-    re-trains nothing. `parts` names paths whose digests are kept one by one (`ArtifactRef.select`). `trainer` is the
+    re-trains nothing. `parts` names paths whose digests are kept one by one (`ArtifactRef.select`). `code` is the
     module whose source (and imports) is the stage's code version; `hold()` is held while the build runs (the
     caller's device slot); `holder` says who holds the key's lock (e.g. the flow run), for whoever waits on it;
     `extra_tags` go on its run (e.g. `rlhf.round` of a feedback round); `system_metrics`: the machine is sampled
@@ -178,8 +179,8 @@ def run_stage(
     check_tokenizers(stage, upstream)
     # Secrets are masked before anything is keyed, logged or written: a rotated token re-trains nothing.
     config_json = redact(config.model_dump(mode="json") if isinstance(config, BaseModel) else config)
-    code = code_version(trainer)
-    key = stage_key(stage, config_json, upstream, fingerprints or {}, code)
+    version = code_version(code.__name__ if code else None)
+    key = stage_key(stage, config_json, upstream, fingerprints or {}, version)
     stage_root = Path(ctx.artifact_root) / stage
     final = stage_root / key
     tags = {"rlhf.stage": stage, "rlhf.key": key, "rlhf.artifact": str(final), **(extra_tags or {})}
@@ -195,7 +196,7 @@ def run_stage(
             log(f"{stage}: {final} cannot be reused: {why}; moved to {aside.name} and built again")
         if (final / MANIFEST).is_file() and not ctx.force:
             return _reuse(entry, record, log)
-        keyed = {"fingerprints": fingerprints or {}, "code_version": code}
+        keyed = {"fingerprints": fingerprints or {}, "code_version": version}
         return _build(entry, record, build, keyed, log, digest_of, parts, hold, system_metrics)
 
 

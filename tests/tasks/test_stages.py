@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import importlib
 import inspect
 
 import pytest
 
 from rlhf_pipeline.flows.params import load_params
 from rlhf_pipeline.flows.plan import stages, upstream
-from rlhf_pipeline.tasks.stages import BY_NAME, STAGES, TRAIN_STAGE
+from rlhf_pipeline.tasks.stages import BY_NAME, STAGES
 from rlhf_pipeline.tasks.store.code_version import code_version, project_imports
 from rlhf_pipeline.tasks.training import MODEL_INPUTS, trainer_parameters
 
@@ -18,13 +17,13 @@ EVAL = "rlhf_pipeline.trainers.evaluation.stage"
 
 
 def closure(stage: str) -> set[str]:
-    return set(project_imports(BY_NAME[stage].trainer))
+    return set(project_imports(BY_NAME[stage].code.__name__))
 
 
-@pytest.mark.parametrize("stage", [s.name for s in STAGES if s.task == TRAIN_STAGE])
+@pytest.mark.parametrize("stage", [s.name for s in STAGES if s.builds_with == "train"])
 def test_every_trainer_takes_what_its_row_says(stage):
     parameters = trainer_parameters(BY_NAME[stage])
-    signature = inspect.signature(importlib.import_module(BY_NAME[stage].trainer).train).parameters
+    signature = inspect.signature(BY_NAME[stage].code.train).parameters
     takes = {
         MODEL_INPUTS[p] for p in parameters if p in MODEL_INPUTS and signature[p].default is inspect.Parameter.empty
     }
@@ -37,9 +36,9 @@ def test_every_trainer_takes_what_its_row_says(stage):
 
 def test_code_versions_follow_the_imports_not_a_list():
     # The tiny tokenizer and model are read by the stages that start from the base model only.
-    assert {stage for stage in BY_NAME if BY_NAME[stage].trainer and TINY in closure(stage)} == {"data", "sft", "eval"}
+    assert {stage for stage in BY_NAME if BY_NAME[stage].code and TINY in closure(stage)} == {"data", "sft", "eval"}
     # Editing the evaluation code re-keys eval alone (PPO and the rewards render text through trainers.models.text).
-    assert {stage for stage in BY_NAME if BY_NAME[stage].trainer and EVAL in closure(stage)} == {"eval"}
+    assert {stage for stage in BY_NAME if BY_NAME[stage].code and EVAL in closure(stage)} == {"eval"}
     assert "rlhf_pipeline.trainers.models.text" in closure("ppo")
     assert "rlhf_pipeline.trainers.rewards.mix" in closure("grpo")
     # Imports inside functions count: the data stage's validators are imported lazily.
@@ -69,15 +68,15 @@ def test_imports_inside_functions_count_and_imports_for_annotations_do_not(tmp_p
 def test_a_source_edit_changes_exactly_the_versions_of_the_stages_that_import_it(monkeypatch):
     from rlhf_pipeline.tasks.store import code_version as code_version_module
 
-    before = {s.name: code_version(s.trainer) for s in STAGES}
-    edited = BY_NAME["eval"].trainer.replace(".", "/").removeprefix("rlhf_pipeline/")
+    before = {s.name: code_version(s.code and s.code.__name__) for s in STAGES}
+    edited = BY_NAME["eval"].code.__name__.replace(".", "/").removeprefix("rlhf_pipeline/")
     original = code_version_module.read_source
     monkeypatch.setattr(
         code_version_module,
         "read_source",
         lambda file: original(file) + (b"# edit" if file.as_posix().endswith(edited + ".py") else b""),
     )
-    after = {s.name: code_version(s.trainer) for s in STAGES}
+    after = {s.name: code_version(s.code and s.code.__name__) for s in STAGES}
     assert {name for name in before if before[name] != after[name]} == {"eval"}
 
 
@@ -86,7 +85,7 @@ def test_editing_the_console_re_keys_no_stage(monkeypatch):
     from rlhf_pipeline.tasks.store import code_version as code_version_module
     from rlhf_pipeline.tasks.store.code_version import project_imports
 
-    before = {s.name: code_version(s.trainer) for s in STAGES}
+    before = {s.name: code_version(s.code and s.code.__name__) for s in STAGES}
     original = code_version_module.read_source
 
     def edit(suffix: str) -> None:
@@ -94,13 +93,13 @@ def test_editing_the_console_re_keys_no_stage(monkeypatch):
         monkeypatch.setattr(code_version_module, "read_source", edited)
 
     edit("rlhf_pipeline/console.py")
-    assert {s.name: code_version(s.trainer) for s in STAGES} == before
+    assert {s.name: code_version(s.code and s.code.__name__) for s in STAGES} == before
     # The control: the console is code the CLI runs, and an edit of what the trainers emit re-keys every stage that
     # trains or evaluates, and data, which loads the base model's tokenizer (converting a GGUF file, with progress
     # lines).
     assert "rlhf_pipeline.console" in project_imports("rlhf_pipeline.cli")
     edit("trainers/runtime/progress.py")
-    after = {s.name: code_version(s.trainer) for s in STAGES}
+    after = {s.name: code_version(s.code and s.code.__name__) for s in STAGES}
     assert {name for name in before if before[name] != after[name]} == {s.name for s in STAGES} - {"registry"}
 
 
