@@ -8,13 +8,15 @@ import ast
 import functools
 import hashlib
 import importlib.util
+import io
+import tokenize
 from pathlib import Path
 
 PACKAGE = "rlhf_pipeline"
 
 
 def code_version(trainer: str | None) -> str:
-    """sha256 of the read_source of `trainer` and of every project module it imports, directly or not
+    """sha256 of the code (`code_of`) of `trainer` and of every project module it imports, directly or not
     (imports inside functions count; those under `if TYPE_CHECKING:` do not). Derived, never listed
     by hand: editing `trainers/evaluation/stage.py` re-keys eval alone, the tiny tokenizer re-keys data and sft."""
     digest = hashlib.sha256()
@@ -24,11 +26,32 @@ def code_version(trainer: str | None) -> str:
 
 
 def read_source(file: Path) -> bytes:
-    return file.read_bytes()
+    """The code of a module file as its version counts it (`code_of`)."""
+    return code_of(file.read_text())
+
+
+def code_of(text: str) -> bytes:
+    """A module's code: its tokens, less comments, docstrings (a bare string statement: a module's, a class's, a
+    function's or an attribute's) and layout. A prose edit re-keys no stage; a change of code, of a field's
+    description or of an error message does."""
+    prose = {
+        (node.lineno, node.col_offset)
+        for node in ast.walk(ast.parse(text))
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+    }
+    kept, after_prose = [], False
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        if token.type in (tokenize.COMMENT, tokenize.NL) or (after_prose and token.type == tokenize.NEWLINE):
+            after_prose = False
+            continue
+        after_prose = token.type == tokenize.STRING and token.start in prose
+        if not after_prose:
+            kept.append(f"{tokenize.tok_name[token.type]} {token.string}")
+    return "\n".join(kept).encode()
 
 
 def project_imports(module: str) -> dict[str, Path]:
-    """`module` and the project modules it imports, transitively: name -> read_source file."""
+    """`module` and the project modules it imports, transitively: name -> its source file."""
     found: dict[str, Path] = {}
     pending = [module]
     while pending:
@@ -37,7 +60,7 @@ def project_imports(module: str) -> dict[str, Path]:
             continue
         spec = importlib.util.find_spec(name)
         if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
-            raise ValueError(f"code version: {name!r} is not a project module with Python read_source")
+            raise ValueError(f"code version: {name!r} is not a project module with Python source")
         found[name] = Path(spec.origin)
         pending += [imported for imported in _imported_modules(found[name], name) if imported not in found]
     return found

@@ -80,6 +80,34 @@ def test_a_source_edit_changes_exactly_the_versions_of_the_stages_that_import_it
     assert {name for name in before if before[name] != after[name]} == {"eval"}
 
 
+def test_a_docstring_or_comment_edit_in_trainers_config_re_keys_no_stage_and_a_code_edit_re_keys_them_all(monkeypatch):
+    from pathlib import Path
+
+    from rlhf_pipeline.tasks.store.code_version import code_of
+
+    config = Path(BY_NAME["sft"].code.__file__).parents[1] / "config.py"
+    text = config.read_text()
+    read = Path.read_text
+
+    def versions(edited: str) -> dict[str, str]:
+        monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: edited if self == config else read(self, *a, **k))
+        return {s.name: code_version(s.code and s.code.__name__) for s in STAGES}
+
+    before = versions(text)
+    docstring = '"""What every stage\'s config answers'
+    assert docstring in text
+    prose = text.replace(docstring, '"""What each stage\'s config answers (reworded)').replace(
+        "\n\n\n", "\n\n\n# a comment\n", 1
+    )
+    assert code_of(prose) == code_of(text) and versions(prose) == before
+    code = text.replace(
+        "def held_out(self) -> tuple[str, ...]:", "def held_out(self) -> tuple[str, ...]:\n        pass"
+    )
+    assert code != text
+    after = versions(code)
+    assert {name for name in before if before[name] != after[name]} == {s.name for s in STAGES} - {"registry"}
+
+
 def test_editing_the_console_re_keys_no_stage(monkeypatch):
     """The bars are drawn by the CLI's console from the trainers' progress records: a cosmetic edit retrains nothing."""
     from rlhf_pipeline.tasks.store import code_version as code_version_module
