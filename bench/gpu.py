@@ -60,9 +60,8 @@ class Throughput(TrainerCallback):
             mask, positions = keyword.get("attention_mask"), keyword.get("position_ids")
             if mask is not None and mask.dim() == 2:
                 lengths = mask.sum(dim=1).tolist()
-            elif (
-                positions is not None
-            ):  # padding-free or packed rows: a sequence starts where its positions restart at 0
+            # Padding-free or packed rows: a sequence starts where its positions restart at 0
+            elif positions is not None:
                 starts = (positions.flatten() == 0).nonzero().flatten().tolist() + [positions.numel()]
                 lengths = [end - start for start, end in zip(starts, starts[1:])]
             else:

@@ -85,9 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         seconds: dict[tuple[str, str], list[float]] = {}
         for round_ in range(args.rounds):
             for stage in args.stages:
-                for side in (
-                    ("base", "head") if round_ % 2 == 0 else ("head", "base")
-                ):  # interleaved, alternating who goes first
+                # Interleaved, alternating who goes first
+                for side in ("base", "head") if round_ % 2 == 0 else ("head", "base"):
                     out = scratch / f"{side}-{stage}-{round_}"
                     done = subprocess.run(
                         [sys.executable, "-c", RUN, stage, str(data), str(sft / "out" / "model"), str(out)],

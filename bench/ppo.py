@@ -162,9 +162,8 @@ def timed(command: list[str], log: Path) -> tuple[float, float]:
     cpu = lambda: (lambda u: u.ru_utime + u.ru_stime)(resource.getrusage(resource.RUSAGE_CHILDREN))  # noqa: E731
     started, cpu_before = time.perf_counter(), cpu()
     with log.open("w") as out:
-        done = subprocess.run(
-            command, stdout=out, stderr=subprocess.STDOUT, cwd=log.parent
-        )  # main() set ENV and the threads
+        # main() set ENV and the threads
+        done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, cwd=log.parent)
     seconds = time.perf_counter() - started
     if done.returncode:
         raise SystemExit(
@@ -343,9 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    os.environ.update(
-        {**ENV, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
-    )  # before torch loads here
+    # Before torch loads here
+    os.environ.update({**ENV, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)})
 
     made = ensure_venv(args.venv.resolve())
     print(
@@ -398,9 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     sft_model, reward_model = root / "sft" / "model", root / "rm" / "model"
     tokenizer = load_tokenizer(sft_model)
     held_out = load_split(data, "prompts_eval")
-    prompt_file = (
-        root / "prompts.jsonl"
-    )  # our rendering of the prompts (text.prompt_ids), which TRL's side reads as they are
+    # Our rendering of the prompts (text.prompt_ids), which TRL's side reads as they are
+    prompt_file = root / "prompts.jsonl"
     with prompt_file.open("w") as f:
         for split in ("prompts", "prompts_eval"):
             f.writelines(
@@ -482,9 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_online:
         for stage in ("grpo", "rloo"):
             cfg = getattr(params, stage)
-            per_step = (
-                cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
-            )  # completions per optimizer step (one process)
+            # Completions per optimizer step (one process)
+            per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
             steps = max(1, round(tokens / (per_step * cfg.max_completion_length)))
             online = cfg.model_copy(update={"max_steps": steps, "save_steps": 10**9})
             spec = spec_file(

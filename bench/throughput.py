@@ -82,9 +82,8 @@ def make_rows(count: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     rows = []
     for _ in range(count):
-        tokens = min(
-            MAX_LENGTH, max(16, round(rng.lognormvariate(math.log(64), 0.8)))
-        )  # median 64, mean ~90, a tail to 512
+        # Median 64, mean ~90, a tail to 512
+        tokens = min(MAX_LENGTH, max(16, round(rng.lognormvariate(math.log(64), 0.8))))
         digits = "".join(rng.choice("0123456789") for _ in range(max(1, (tokens - 10) // 2)))
         rows.append({"prompt": f"sort {digits} -> ", "completion": "".join(sorted(digits))})
     return rows
@@ -269,9 +268,8 @@ def report(
     wall = {mode: [r["tokens"] / r["seconds"] for r in runs] for mode, runs in results.items()}
     cpu = {mode: [r["tokens"] / r["cpu_seconds"] for r in runs] for mode, runs in results.items()}
     heldout = {mode: [r["heldout"] for r in runs] for mode, runs in results.items()}
-    gap = {
-        mode: max(isolation.get((mode, a), 0.0) for a in ("sdpa", "eager")) for mode in results
-    }  # padded layouts: the reference itself
+    # Padded layouts: the reference itself
+    gap = {mode: max(isolation.get((mode, a), 0.0) for a in ("sdpa", "eager")) for mode in results}
     repeats = len(next(iter(results.values())))
     print(
         f"\nSFT real (non-pad) tokens/s, {repeats} interleaved repetitions (data-order seeds 42..{41 + repeats}), "
@@ -403,13 +401,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         (scratch / "data" / "datasets").mkdir(parents=True)
         datasets.Dataset.from_list(rows).to_parquet(str(scratch / "data" / "datasets" / "sft.parquet"))
-        run_mode(
-            "padded", 2, args.batch, 0, scratch / "data", scratch / "warm-up"
-        )  # one-off costs (kernels, allocator) outside the timings
+        # One-off costs (kernels, allocator) outside the timings
+        run_mode("padded", 2, args.batch, 0, scratch / "data", scratch / "warm-up")
         for repeat in range(args.repeats):
-            order = (
-                args.modes[repeat % len(args.modes) :] + args.modes[: repeat % len(args.modes)]
-            )  # rotated: each mode goes first once
+            # Rotated: each mode goes first once
+            order = args.modes[repeat % len(args.modes) :] + args.modes[: repeat % len(args.modes)]
             for mode in order:
                 steps, batch = plan[mode]
                 result = run_mode(mode, steps, batch, 42 + repeat, scratch / "data", scratch / f"{mode}-{repeat}")

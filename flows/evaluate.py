@@ -25,9 +25,10 @@ from rlhf_pipeline.trainers.data import DataConfig
 from rlhf_pipeline.trainers.evaluation.stage import EvalConfig
 
 _preset = load_params(DEFAULT_PRESET)
+# The embedded preset's values, none of them given: a run's own preset fills every field (from_flow_parameters)
 _defaults = SimpleNamespace(
     **{name: as_default(getattr(_preset, name)) for name in ("model", "data", "eval", "registry", "retry")}
-)  # the embedded preset's values, none of them given: a run's own preset fills every field (from_flow_parameters)
+)
 
 
 class EvalParams(StrictModel):

@@ -81,9 +81,8 @@ def _quiet_terminal() -> TextIO:
     loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
     for logger in loggers:
         for handler in getattr(logger, "handlers", []):
-            if (
-                getattr(handler, "stream", None) in streams
-            ):  # the console's handlers (Prefect's, the bars), not the API's
+            # The console's handlers (Prefect's, the bars), not the API's
+            if getattr(handler, "stream", None) in streams:
                 handler.addFilter(lambda record: False)
     sys.stdout = sys.stderr = open(os.devnull, "w")  # the flow's prints (its failure hook's)
     return terminal

@@ -21,6 +21,7 @@ from rlhf_pipeline.trainers.models.checkpoints import keyed_model
 from rlhf_pipeline.trainers.runtime.custom import source_digests
 
 REPORT_FILES = ("summary.json", "summary.md", "samples.jsonl", "plots")
+# Plotted per stage
 CURVES = (
     "/train/loss",
     "/eval/loss",
@@ -28,7 +29,7 @@ CURVES = (
     "/train/reward",
     "/train/kl",
     "/train/rewards_margins",
-)  # plotted per stage
+)
 
 
 @stage_task("eval")

@@ -385,12 +385,13 @@ def load_source(spec: DatasetSpec, fingerprint: str | None = None) -> Dataset:
                 )
             if builder == "json":
                 one_type_per_column(copies, paths)
+            # Memory-mapped Arrow files: they stay readable after the folder is removed (the mapping keeps them)
             return datasets.load_dataset(
                 builder,
                 data_files=[str(copy) for copy in copies],
                 split="train",
                 cache_dir=str(Path(folder) / "cache"),
-            )  # memory-mapped Arrow files: they stay readable after the folder is removed (the mapping keeps them)
+            )
         except ValueError as exc:
             if str(exc).startswith(str(spec.path)) or any(str(path) in str(exc) for path in paths):
                 raise  # ours, naming the file

@@ -237,9 +237,8 @@ def _value_types(batch: Batch, column: str) -> Counter:
         and _is_message_struct(arrow_type.value_type)
         and pc.list_flatten(array).null_count == 0
     ):
-        found = Counter(
-            {MESSAGES: len(array) - nulls}
-        )  # every item a struct with role and content: a dict with both keys
+        # Every item a struct with role and content: a dict with both keys
+        found = Counter({MESSAGES: len(array) - nulls})
     else:
         return Counter(value_type(value) for value in batch.values[column])
     # A null is None. Arrow cannot say whether it came first; that order only breaks ties between

@@ -141,9 +141,8 @@ def _user_texts(value: Any) -> list[Any]:
     return [value]
 
 
-INVISIBLE = dict.fromkeys(
-    [0x200B, 0x200C, 0x200D, 0x2060, 0xFEFF, 0x00AD, 0x180E]
-)  # zero-width spaces and joiners, word joiner, BOM, soft hyphen, Mongolian vowel separator: invisible, not spaces
+# Zero-width spaces and joiners, word joiner, BOM, soft hyphen, Mongolian vowel separator: invisible, not spaces
+INVISIBLE = dict.fromkeys([0x200B, 0x200C, 0x200D, 0x2060, 0xFEFF, 0x00AD, 0x180E])
 
 
 def normalise(text: Any) -> str | None:

@@ -66,9 +66,10 @@ def _screen(fmt: DatasetFormat, batch: Batch):
 
     visible = pa.scalar(b"!", pa.binary()), pa.scalar(b"~", pa.binary())
 
+    # A one-byte slice between '!' and '~'; b"" (an empty text) is not, nor a UTF-8 lead or tail byte
     def is_visible(
         byte,
-    ):  # a one-byte slice between '!' and '~'; b"" (an empty text) is not, nor a UTF-8 lead or tail byte
+    ):
         return pc.and_(pc.greater_equal(byte, visible[0]), pc.less_equal(byte, visible[1]))
 
     clean = np.ones(batch.num_rows, dtype=bool)

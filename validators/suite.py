@@ -330,9 +330,8 @@ def _import_great_expectations():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         import great_expectations
-    if (
-        ours
-    ):  # one module sets its own logger to INFO at import: "Created temporary directory ... for ephemeral docs site"
+    # One module sets its own logger to INFO at import: "Created temporary directory ... for ephemeral docs site"
+    if ours:
         logging.getLogger("great_expectations.data_context.types.base").setLevel(logging.NOTSET)
 
     return great_expectations

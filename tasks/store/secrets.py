@@ -18,13 +18,14 @@ import re
 from typing import Any
 
 MASK = "***"
+# Not `pad_token` or `max_new_tokens`: tokenizer words are not secrets
 SECRET_KEY = re.compile(
     r"^(token|password|passwd|secret|api_?key|credentials?|private_key|authorization|cookie|x-api-key|dsn)$"
     r"|(hub|hf|auth|access|api|bearer|refresh|session|sas|id)_token$"
     r"|(^|_)(secret_access_key|access_key(_id)?|connection_string|auth_string)$"
     r"|_(password|passwd|secret|api_?key|secret_key|credentials?)$",
     re.IGNORECASE,
-)  # not `pad_token` or `max_new_tokens`: tokenizer words are not secrets
+)
 SECRET_ENV = re.compile(
     r"token|password|passwd|secret|api_?key|credential|private_key|access_key|auth_string|authorization"
     r"|connection_string$|_dsn$",

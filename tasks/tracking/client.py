@@ -129,9 +129,8 @@ def experiment_id(name: str) -> str:
     mlflow = client()
     found = mlflow.get_experiment_by_name(name)
     if found is not None:
-        if found.tags.get(KIND_TAG, "_inferred").endswith(
-            "_inferred"
-        ):  # made before the tag, or kind guessed by the UI
+        # Made before the tag, or kind guessed by the UI
+        if found.tags.get(KIND_TAG, "_inferred").endswith("_inferred"):
             mlflow.set_experiment_tag(found.experiment_id, KIND_TAG, TRAINING)
         return found.experiment_id
     location = None

@@ -128,7 +128,8 @@ def test_people_label_a_suspended_run_in_the_prefect_ui_and_dpo_trains_on_their_
         assert states["pairs labelled"] == "Completed" and states["dpo"] == "Completed", states
         [labelled] = [p for p in state.glob("*/pairs.jsonl")]
         pairs = [json.loads(line) for line in labelled.read_text().splitlines()]
+        # Pair 2 was a tie: dropped
         assert [(p["chosen"], p["rejected"]) for p in pairs] == [
             (shown[0]["a"], shown[0]["b"]),
             (shown[1]["b"], shown[1]["a"]),
-        ]  # pair 2 was a tie: dropped
+        ]

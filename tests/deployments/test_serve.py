@@ -84,9 +84,8 @@ def test_each_deployments_form_leads_with_its_algorithm_and_puts_the_blocks_it_s
         order = sorted(schema["properties"], key=lambda p: schema["properties"][p]["position"])
         skipped = [s for s in ALGORITHMS if s != algorithm]
         assert order[:2] == ["algorithm", algorithm], order
-        assert order[-len(skipped) :] == [s for s in parameter_order() if s in skipped], (
-            order
-        )  # last, in pipeline order
+        # Last, in pipeline order
+        assert order[-len(skipped) :] == [s for s in parameter_order() if s in skipped], order
         for block in skipped:
             assert schema["properties"][block]["title"] == f"{block} (unused: this deployment runs {algorithm})"
         assert schema["properties"]["sft"]["title"] == "sft"

@@ -216,9 +216,8 @@ def test_rlhf_deploy_registers_the_served_deployments_on_a_pool_with_forms_that_
     full = made["rlhf/full"]
     assert full.id == before.id and full.entrypoint == "rlhf_pipeline.flows.rlhf.rlhf" and full.enforce_parameter_schema
     assert made["rlhf-eval/eval"].entrypoint == "rlhf_pipeline.flows.evaluate.rlhf_eval"
-    assert full.parameters == load_params("tiny", [], algorithm="ppo").model_dump(
-        mode="json"
-    )  # the preset's whole set, as served
+    # The preset's whole set, as served
+    assert full.parameters == load_params("tiny", [], algorithm="ppo").model_dump(mode="json")
     form = full.parameter_openapi_schema["properties"]
     assert sorted(form, key=lambda name: form[name]["position"])[:2] == ["algorithm", "ppo"]
     assert form["dpo"]["title"] == "dpo (unused: this deployment runs ppo)"

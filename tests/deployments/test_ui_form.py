@@ -91,17 +91,17 @@ def submit_from_the_form(url: str, deployed: dict, artifacts: Path) -> list[int]
             if created.value.status != 503 or attempt == 2:
                 break
             browser.refused.clear()
-        page.wait_for_url(
-            lambda address: not address.rstrip("/").endswith("/run")
-        )  # Submit leads to the deployment's page
+        # Submit leads to the deployment's page
+        page.wait_for_url(lambda address: not address.rstrip("/").endswith("/run"))
     return browser.pids
 
 
+# The fill of a Completed node in the UI's flow-run graph (prefect-design's state colour)
 COMPLETED_FILL = (
     33,
     157,
     75,
-)  # the fill of a Completed node in the UI's flow-run graph (prefect-design's state colour)
+)
 
 
 def node_boxes(png: bytes) -> list[tuple[int, int, int, int]]:

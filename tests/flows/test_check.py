@@ -170,14 +170,14 @@ def test_the_memory_estimate_grows_with_the_model_and_drops_with_lora_for_sft_on
     for stage in ("sft", "rm", "dpo", "eval"):
         assert in_bytes(wider[stage]["total"]) > 2 * in_bytes(base[stage]["total"]), stage
     assert lora["sft"]["holds"] == "policy (LoRA)"
-    assert (
-        in_bytes(lora["sft"]["grads+AdamW"]) < in_bytes(base["sft"]["grads+AdamW"]) / 3
-    )  # adapters are ~1/6 of the tiny model
+    # Adapters are ~1/6 of the tiny model
+    assert in_bytes(lora["sft"]["grads+AdamW"]) < in_bytes(base["sft"]["grads+AdamW"]) / 3
     assert in_bytes(lora["sft"]["weights"]) > in_bytes(base["sft"]["weights"])  # the adapters are weights too
     assert in_bytes(lora["sft"]["total"]) < in_bytes(base["sft"]["total"])
+    # Control
     assert {stage: lora[stage] for stage in ("rm", "dpo", "eval")} == {
         stage: base[stage] for stage in ("rm", "dpo", "eval")
-    }  # control
+    }
 
 
 def test_on_cuda_a_stage_over_the_free_memory_is_flagged_and_fails(capsys, monkeypatch):

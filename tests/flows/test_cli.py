@@ -94,9 +94,8 @@ def assert_a_clean_console(stdout: str, stderr: str, trained: list[str]) -> None
     """What `rlhf run` shows a person (issue 16): one bar per training stage, none of the libraries' bars, printed log
     dicts or FutureWarnings, no progress line twice, and the closing table with the held-out figures."""
     terminal = stdout + stderr
-    shown = [
-        line.rsplit("\r", 1)[-1] for line in terminal.split("\n")
-    ]  # what stays on screen of each line a bar redraws with \r
+    # What stays on screen of each line a bar redraws with \r
+    shown = [line.rsplit("\r", 1)[-1] for line in terminal.split("\n")]
     assert "it/s]" not in terminal and "examples/s]" not in terminal, "a library's tqdm bar"  # ours count steps
     assert not [line for line in shown if line.lstrip().startswith("{'")], "a printed log dict"
     assert "FutureWarning" not in terminal and "rlhf_pipeline.trainers.runtime.progress" not in terminal

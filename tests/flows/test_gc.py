@@ -21,9 +21,8 @@ def listed(output: str) -> set[Path]:
 def test_gc_keeps_what_the_registry_and_the_newest_run_use_and_removes_the_rest(
     prefect, state, tmp_path, monkeypatch, capsys
 ):
-    monkeypatch.setenv(
-        "MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'gc.db'}"
-    )  # a store of its own: gc reads all of it
+    # A store of its own: gc reads all of it
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'gc.db'}")
     registered = run("dpo.beta=0.1")  # becomes version 1, champion
     dropped = run("dpo.beta=0.2", "registry.enabled=false")
     newest = run("dpo.beta=0.3", "registry.enabled=false")

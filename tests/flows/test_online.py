@@ -17,12 +17,13 @@ ONLINE_FAST = [  # a reward that varies on an untrained model's samples, mixed w
     "rewards.functions=[{path: 'tests.helpers:length_reward', weight: 1.0}]",
     "rewards.reward_model_weight=0.5",
 ]
+# Every step: every online stage's curves, disagreement too
 PROBES = [
     "grpo.eval_steps=1",
     "rloo.eval_steps=1",
     "ppo.eval_steps=1",
     "rm.ensemble_size=2",
-]  # every step: every online stage's curves, disagreement too
+]
 HELDOUT_CURVES = ("kl", "sqrt_kl", "exact_match", "proxy_reward", "disagreement", "score")
 
 
@@ -40,9 +41,8 @@ def assert_heldout_curves(summary: dict, stage: str, steps: int) -> None:
     for name in HELDOUT_CURVES:
         history = client.get_metric_history(runs[stage].info.run_id, f"{stage}/heldout/{name}")
         assert sorted(m.step for m in history) == list(range(1, steps + 1)), (stage, name)
-    assert any(
-        m.value > 0 for m in client.get_metric_history(runs[stage].info.run_id, f"{stage}/heldout/disagreement")
-    )  # an ensemble
+    # An ensemble
+    assert any(m.value > 0 for m in client.get_metric_history(runs[stage].info.run_id, f"{stage}/heldout/disagreement"))
     assert "plots/overoptimisation.png" in {a.path for a in client.list_artifacts(runs["eval"].info.run_id, "plots")}
 
 

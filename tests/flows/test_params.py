@@ -158,9 +158,8 @@ def test_optimizers_and_precision_are_checked_with_the_parameters(tmp_path):
     with pytest.raises(ValidationError, match="bf16 and fp16 are both on"):
         load_params("tiny", ["dpo.bf16=true", "dpo.fp16=true"])
     fp16 = load_params("tiny", ["rm.fp16=true"]).rm
-    if (
-        torch.cuda.is_available()
-    ):  # the device decides: a GPU takes fp16, a CPU is refused by name before any weights load
+    # The device decides: a GPU takes fp16, a CPU is refused by name before any weights load
+    if torch.cuda.is_available():
         assert fp16.trl_arguments(tmp_path)["fp16"] is True
     else:
         with pytest.raises(ValueError, match="fp16=true needs a CUDA GPU; this machine trains on cpu"):

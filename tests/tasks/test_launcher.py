@@ -48,12 +48,13 @@ def test_sft_and_dpo_train_on_two_ranks_and_publish_as_in_process(ctx, data, cap
     config = SftConfig(max_steps=4, **{**FAST, "per_device_train_batch_size": 8})
     outcome = train_stage("sft", config, {"model": SMALL_MODEL}, {"data": data}, ctx)
     assert "sft: world size 2 (distributed, gloo)" in caplog.messages
+    # Rank 0's, once
     assert [step for step, values in read_history(outcome.ref.path) if "sft/train/loss" in values] == [
         1,
         2,
         3,
         4,
-    ]  # rank 0's, once
+    ]
     manifest = outcome.ref.manifest()
     assert manifest["training"] == {"global_step": 4, "max_steps": 4, "stopped_early": False} and manifest["tokenizer"]
     assert (outcome.ref.path / "model" / "model.safetensors").is_file()
@@ -197,9 +198,8 @@ def test_engine_configs_and_the_kubernetes_job_template_ship_with_the_package():
         LaunchConfig(engine="zero4")
     import importlib.util
 
-    if (
-        importlib.util.find_spec("deepspeed") is None
-    ):  # this machine: ZeRO is refused with the parameters, naming the extra
+    # This machine: ZeRO is refused with the parameters, naming the extra
+    if importlib.util.find_spec("deepspeed") is None:
         with pytest.raises(
             ValueError,
             match=(
@@ -271,11 +271,12 @@ def test_sft_dpo_and_ppo_on_two_ranks_and_two_ray_workers_reach_the_held_out_exa
     # 20 updates; the rollout batch is global (ppo splits it over the ranks itself: not halved)
     ppo = params.ppo.model_copy(update={"total_episodes": 1280})
     scores["ppo"] = trained("ppo", ppo, {"rewards": params.rewards}, upstream, halve=False)
+    # Each trained
     assert (
         scores["sft"]["inprocess"] > 0.5
         and scores["dpo"]["inprocess"] > scores["sft"]["inprocess"] + 0.05
         and scores["ppo"]["inprocess"] > scores["sft"]["inprocess"] + 0.05
-    )  # each trained
+    )
     assert all(
         abs(stage[way] - stage["inprocess"]) <= 0.03 for stage in scores.values() for way in ("accelerate", "ray")
     ), scores

@@ -45,9 +45,8 @@ def test_the_hacking_gate_reads_the_gold_metric_else_the_ensemble_disagreement()
         "fell from 0.6230 to 0.4550 (tolerance 0.0)"
     )
     assert hacking(cfg, {**HACKED, "eval/heldout/policy_exact_match": 0.7}) is None  # both rose: an honest gain
-    assert (
-        hacking(cfg, {**HACKED, "eval/heldout/policy_mean_reward": 1.0}) is None
-    )  # the reward fell too: no sign of gaming
+    # The reward fell too: no sign of gaming
+    assert hacking(cfg, {**HACKED, "eval/heldout/policy_mean_reward": 1.0}) is None
     assert hacking(cfg.model_copy(update={"hacking_tolerance": 0.2}), HACKED) is None
     assert hacking(cfg.model_copy(update={"hacking_gate": False}), HACKED) is None
     # A verifier named as eval.gold_metric is read before exact match.
@@ -147,9 +146,10 @@ def test_first_version_is_champion_a_loser_is_refused_a_winner_promoted(ctx):
     assert os.environ["MLFLOW_TRACKING_URI"] == tracking.tracking_uri()
     local = mlflow.artifacts.download_artifacts(artifact_uri="models:/test-policy@champion")
     assert AutoModelForCausalLM.from_pretrained(local).config.hidden_size == 32
+    # 10 bytes, 10 ids
     assert (
         AutoTokenizer.from_pretrained(local)("sort 3 -> ")["input_ids"] == build_tokenizer()("sort 3 -> ")["input_ids"]
-    )  # 10 bytes, 10 ids
+    )
     champion = current_champion(cfg)
     assert champion.digest == policy.digest and (champion.path / "model" / "model.safetensors").is_file()
 

@@ -72,10 +72,11 @@ def test_sft_evaluates_on_the_data_stages_sft_eval_and_keys_on_it_only_then(ctx,
     outcome = train_stage("sft", evaluating, {"model": SMALL_MODEL}, {"data": data}, ctx)
     curve = [step for step, values in read_history(outcome.ref.path) if "sft/eval/loss" in values]
     assert curve == [1, 2]
+    # A curve in MLflow too
     assert [m.step for m in MlflowClient().get_metric_history(outcome.mlflow_run_id, "sft/eval/loss")][:2] == [
         1,
         2,
-    ]  # a curve in MLflow too
+    ]
     # A new held-out file re-keys the sft that evaluates on it, not one that does not evaluate.
     plain = SftConfig(max_steps=2, **FAST)
     train_stage("sft", plain, {"model": SMALL_MODEL}, {"data": data}, ctx)

@@ -55,9 +55,8 @@ def test_an_sgd_factory_trains_sft_and_a_killed_stage_resumes_with_its_state(tmp
     assert died.returncode == -9, died.stderr[-2000:]
     checkpoint = tmp_path / "work" / "checkpoint-2"
     momentum = torch.load(checkpoint / "optimizer.pt", weights_only=True)
-    assert (
-        "momentum" in momentum["param_groups"][0] and "betas" not in momentum["param_groups"][0]
-    )  # SGD's, not AdamW's
+    # SGD's, not AdamW's
+    assert "momentum" in momentum["param_groups"][0] and "betas" not in momentum["param_groups"][0]
     assert all("momentum_buffer" in state for state in momentum["state"].values())
     # The retry resumes from checkpoint-2 with SGD's momentum restored, and trains steps 3 and 4 only.
     logged: list[tuple[int, dict]] = []
@@ -216,9 +215,8 @@ def test_sft_evaluates_during_training_and_publishes_the_best_checkpoint(tmp_pat
     assert outcome["best_checkpoint"] == f"checkpoint-{worst}" and outcome["best_metric"] == pytest.approx(curve[worst])
     assert worst != 8  # the eval loss fell while training: the pick is an earlier checkpoint
     best = load_file(tmp_path / "work" / f"checkpoint-{worst}" / "model.safetensors")
-    assert unchanged(best, load_causal_lm(tmp_path / "out" / "model")[0]) == sorted(
-        best
-    )  # the published weights are that checkpoint's
+    # The published weights are that checkpoint's
+    assert unchanged(best, load_causal_lm(tmp_path / "out" / "model")[0]) == sorted(best)
 
 
 def test_misspelt_or_misshapen_user_code_fails_with_the_parameters(tmp_path, monkeypatch):

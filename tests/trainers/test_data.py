@@ -141,9 +141,8 @@ def test_conversational_data_trains_through_sft_rm_and_dpo(tmp_path):
         rm.RewardModelConfig(**fast), tmp_path / "sft" / "model", tmp_path, tmp_path / "rm", tmp_path / "w2", log("rm")
     )
     margins = [values["rm/train/margin"] for values in logged["rm"]]
-    assert (
-        margins[1] > margins[0] and logged["rm"][1]["rm/train/accuracy"] == 1.0
-    )  # after one update, the pair is ranked right
+    # After one update, the pair is ranked right
+    assert margins[1] > margins[0] and logged["rm"][1]["rm/train/accuracy"] == 1.0
     dpo.train(
         dpo.DpoConfig(**fast), tmp_path / "sft" / "model", tmp_path, tmp_path / "dpo", tmp_path / "w3", log("dpo")
     )

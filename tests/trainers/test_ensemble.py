@@ -130,9 +130,8 @@ def test_warm_serves_the_members_weight_average(sft):
     )
     for name, tensor in average.state_dict().items():
         torch.testing.assert_close(tensor, (a.state_dict()[name] + b.state_dict()[name]) / 2)
-    assert not torch.equal(
-        a.score.weight, b.score.weight
-    )  # the members trained apart from one shared head initialisation
+    # The members trained apart from one shared head initialisation
+    assert not torch.equal(a.score.weight, b.score.weight)
 
 
 PROBED = dict(

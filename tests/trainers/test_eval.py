@@ -98,9 +98,8 @@ def test_evaluate_without_reference_answers_reports_what_needs_none_and_a_judge(
     held_out = load_split(data, "prompts_eval").remove_columns(["answer"])  # the chat-data case: no reference
     held_out.to_parquet(str(data / "datasets" / "prompts_eval.parquet"))
     sft.train(sft.SftConfig(max_steps=5, **FAST), SMALL_MODEL, data, tmp_path / "sft", tmp_path / "work")
-    sft.train(
-        sft.SftConfig(max_steps=1, **FAST), SMALL_MODEL, data, tmp_path / "short", tmp_path / "work2"
-    )  # a different "policy"
+    # A different "policy"
+    sft.train(sft.SftConfig(max_steps=1, **FAST), SMALL_MODEL, data, tmp_path / "short", tmp_path / "work2")
     cfg = evaluation.EvalConfig(
         max_new_tokens=8, num_samples_logged=30, judge={"path": "tests.trainers.test_eval:longer_is_better"}
     )

@@ -51,9 +51,8 @@ def test_a_kept_adapter_loads_merged_or_stacked_to_the_same_logits(adapter):
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(adapter["model"] / "base")
-    assert not torch.allclose(
-        logits(base, tokenizer), logits(merged, tokenizer), atol=1e-3
-    )  # the adapter does something
+    # The adapter does something
+    assert not torch.allclose(logits(base, tokenizer), logits(merged, tokenizer), atol=1e-3)
     with pytest.raises(
         ValueError, match=r"holds a LoRA adapter: choose how to continue from it \(lora.handoff: merge or stack\)"
     ):
@@ -109,9 +108,8 @@ def test_a_reward_model_adapter_keeps_its_score_head(adapter, tmp_path):
     )
     rm.train(cfg, adapter["model"], adapter["data"], tmp_path / "rm", tmp_path / "rm-work")
     saved = load_file(tmp_path / "rm" / "model" / "adapter_model.safetensors")
-    assert any("score" in name for name in saved), sorted(saved)[
-        :5
-    ]  # the head travels in the adapter (peft modules_to_save)
+    # The head travels in the adapter (peft modules_to_save)
+    assert any("score" in name for name in saved), sorted(saved)[:5]
     tokenizer = load_tokenizer(tmp_path / "rm" / "model")
     first, second = (
         load_sequence_classifier(tmp_path / "rm" / "model"),
@@ -153,9 +151,8 @@ def test_ppo_on_a_stacked_adapter_has_no_kl_to_its_reference_at_the_first_update
         lambda values, step: logged.append((step, values)),
     )
     kl = {step: values["ppo/train/kl"] for step, values in logged}
-    assert (
-        abs(kl[1]) < 1e-5 and abs(kl[3]) > 1e-5
-    )  # the frozen copy is the reference; the trained adapter moves away from it
+    # The frozen copy is the reference; the trained adapter moves away from it
+    assert abs(kl[1]) < 1e-5 and abs(kl[3]) > 1e-5
     assert (tmp_path / "out" / "model" / "model.safetensors").is_file()
 
 
@@ -200,9 +197,8 @@ def test_qlora_needs_bitsandbytes_and_a_gpu_and_says_which_is_missing(adapter, t
         LoraConfig(handoff="merge", quantization="4bit")
     with pytest.raises(ValueError, match="set lora.enabled=true"):
         LoraConfig(quantization="4bit")
-    if (
-        not torch.cuda.is_available()
-    ):  # with bitsandbytes present on a CPU machine: the stage names the device, before any weights load
+    # With bitsandbytes present on a CPU machine: the stage names the device, before any weights load
+    if not torch.cuda.is_available():
         qlora = LoraConfig.model_construct(**{**dict(LoraConfig(enabled=True, r=4)), "quantization": "4bit"})
         cfg = sft.SftConfig.model_construct(**{**dict(sft.SftConfig(max_steps=2, **FAST)), "lora": qlora})
         with pytest.raises(
@@ -282,9 +278,8 @@ def test_lora_trains_the_rows_of_the_tokens_a_chat_template_added_and_later_stag
     assert set(deltas) == {"wte", "lm_head"}, sorted(saved)  # the tied head's rows are saved beside the embeddings' too
     tokenizer = load_tokenizer(out)
     added = [tokenizer.convert_tokens_to_ids(token) for token in ("<|im_start|>", "<|im_end|>")]
-    assert (
-        min(added) >= GPT2LMHeadModel.from_pretrained(folder).get_input_embeddings().weight.shape[0]
-    )  # rows the checkpoint lacks
+    # Rows the checkpoint lacks
+    assert min(added) >= GPT2LMHeadModel.from_pretrained(folder).get_input_embeddings().weight.shape[0]
     merged, _ = load_causal_lm(out, "merge")
     stacked, _ = load_causal_lm(out, "stack")
     text = tokenizer.apply_chat_template(

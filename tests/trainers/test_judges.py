@@ -66,9 +66,8 @@ def test_function_judge_win_rate_has_an_interval_that_narrows_with_more_items():
     many = judged_win_rate(judge, *_items(70, 30, 20))
     assert many.win_rate.rate == pytest.approx(few.win_rate.rate)
     assert many.win_rate.low < many.win_rate.rate < many.win_rate.high
-    assert many.win_rate.high - many.win_rate.low < 0.6 * (
-        few.win_rate.high - few.win_rate.low
-    )  # ~1/sqrt(10) of the width
+    # ~1/sqrt(10) of the width
+    assert many.win_rate.high - many.win_rate.low < 0.6 * (few.win_rate.high - few.win_rate.low)
     metrics = many.metrics("eval/heldout/judge_win_rate_vs_sft")
     assert metrics["eval/heldout/judge_win_rate_vs_sft"] == many.win_rate.rate
     assert set(metrics) == {
@@ -120,9 +119,8 @@ def test_lm_judge_reads_the_verdict_logits_of_a_chat_model(tiny_judge):
     assert probabilities[1] != pytest.approx(judge(prompts, b, a)[1], abs=1e-6)  # the order reaches the model
 
     assert render_prompt(CHAT) == "System: Be brief.\n\nUser: Name an animal."
-    verdict_a, verdict_b = tokenizer.convert_tokens_to_ids(
-        ["A", "B"]
-    )  # byte-level: "A" is one token after <|assistant|>
+    # Byte-level: "A" is one token after <|assistant|>
+    verdict_a, verdict_b = tokenizer.convert_tokens_to_ids(["A", "B"])
     # Item 0 shares a batch with the longer item 1, so it is left-padded; item 1 is the message-list prompt.
     for i, shown in [(0, "Sort 3 1 2."), (1, "System: Be brief.\n\nUser: Name an animal.")]:
         text = DEFAULT_TEMPLATE.format(prompt=shown, a=a[i], b=b[i])
@@ -151,20 +149,20 @@ def test_lm_judge_scores_the_space_letter_token_where_the_vocabulary_has_one(tmp
     tokenizer.add_tokens([AddedToken(" A", normalized=False), AddedToken(" B", normalized=False)])
     model = AutoModelForCausalLM.from_pretrained(folder)
     model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-    with (
-        torch.no_grad()
-    ):  # rows unlike each other and the rest, so the verdict depends on the context and on which token is read
+    # Rows unlike each other and the rest, so the verdict depends on the context and on which token is read
+    with torch.no_grad():
         torch.manual_seed(0)
         model.get_output_embeddings().weight[-2:] = 0.2 * torch.randn(2, model.config.n_embd)
     save_model(model, tokenizer, folder)
     model.eval()
 
     judge = load_judge(JudgeConfig(path=str(folder)))
+    # Unequal lengths: the second row is left-padded
     prompts, a, b = (
         ["Tell me about the fox.", "Describe a cat"],
         ["the fox is calm and kind", "a cat"],
         ["red", "a dog"],
-    )  # unequal lengths: the second row is left-padded
+    )
     probabilities = judge(prompts, a, b)
     space_a, space_b = tokenizer.convert_tokens_to_ids([" A", " B"])
     for i in range(2):

@@ -103,9 +103,8 @@ BOUNDS = dict(max_length_drift=0.3, max_kl=5.0)
 
 def test_hacking_warnings_fire_only_when_they_should():
     assert hacking_warnings(reward_delta=1.0, task_delta=0.1, length_drift=0.1, kl=1.0, **BOUNDS) == []
-    assert (
-        hacking_warnings(reward_delta=-0.5, task_delta=-0.2, length_drift=-0.3, kl=5.0, **BOUNDS) == []
-    )  # bounds exclusive
+    # Bounds exclusive
+    assert hacking_warnings(reward_delta=-0.5, task_delta=-0.2, length_drift=-0.3, kl=5.0, **BOUNDS) == []
     assert hacking_warnings(reward_delta=1.0, task_delta=None, length_drift=0.0, kl=0.0, **BOUNDS) == []
 
     (gaming,) = hacking_warnings(reward_delta=1.234, task_delta=-0.31, length_drift=0.0, kl=0.0, **BOUNDS)

@@ -169,9 +169,8 @@ def test_training_with_a_reward_model_and_lora(tiny, tmp_path):
     assert unchanged(tiny["weights"], trained) == sorted(name for name in tiny["weights"] if "_proj." not in name)
     value_model = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "out" / "value_model"))
     assert value_model.config.num_labels == 1
-    assert (
-        unchanged(tiny["value_weights"], value_model) == []
-    )  # LoRA is on the policy only: the value model trains whole
+    # LoRA is on the policy only: the value model trains whole
+    assert unchanged(tiny["value_weights"], value_model) == []
 
 
 def test_resume_continues_the_update_counter(tiny, tmp_path):
@@ -329,9 +328,8 @@ def test_completions_cut_at_response_length_are_penalised_and_scored_without_eos
 
 
 def test_samples_jsonl_every_few_updates_and_once_after_a_resume(tiny, tmp_path):
-    cfg = ppo.PpoConfig(
-        **{**FAST, "total_episodes": 32, "save_steps": 2, "num_sample_generations": 2}
-    )  # 4 updates: tables at 1 and 3
+    # 4 updates: tables at 1 and 3
+    cfg = ppo.PpoConfig(**{**FAST, "total_episodes": 32, "save_steps": 2, "num_sample_generations": 2})
 
     def crash_at_update_4(values, step):
         if step == 4:

@@ -111,9 +111,8 @@ def test_explained_variance_by_hand():
     # Var[R] = 2/3; errors R - V = (0, 0, 1): mean 1/3, Var = (1/9 + 1/9 + 4/9) / 3 = 2/9; 1 - (2/9) / (2/3) = 2/3
     assert ppo_math.explained_variance(torch.tensor([[1.0, 2.0, 2.0, -5.0]]), returns, mask) == pytest.approx(2 / 3)
     assert ppo_math.explained_variance(returns, returns, mask) == pytest.approx(1.0)
-    assert ppo_math.explained_variance(torch.full((1, 4), 2.0), returns, mask) == pytest.approx(
-        0.0
-    )  # the mean predicts nothing
+    # The mean predicts nothing
+    assert ppo_math.explained_variance(torch.full((1, 4), 2.0), returns, mask) == pytest.approx(0.0)
     assert math.isnan(ppo_math.explained_variance(torch.zeros(1, 4), torch.ones(1, 4), mask))  # constant returns
 
 

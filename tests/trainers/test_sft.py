@@ -105,9 +105,8 @@ def test_lora_trains_adapters_and_saves_a_merged_loadable_model(tmp_path):
     assert unchanged(before, after) == sorted(name for name in before if "_proj." not in name)
     adapters = load_file(tmp_path / "work" / "checkpoint-2" / "adapter_model.safetensors")
     assert len(adapters) == 2 * 7 * 2  # 2 blocks x 7 linear layers x (lora_A, lora_B)
-    assert (
-        unchanged(adapters, load_file(tmp_path / "work" / "checkpoint-3" / "adapter_model.safetensors")) == []
-    )  # every adapter trains
+    # Every adapter trains
+    assert unchanged(adapters, load_file(tmp_path / "work" / "checkpoint-3" / "adapter_model.safetensors")) == []
 
 
 def test_an_optimizer_and_schedule_by_transformers_name_train_and_are_checkpointed(tmp_path):
@@ -161,9 +160,8 @@ def test_padding_free_batches_train_the_same_losses_as_padded_ones(tmp_path):
             config, data, tmp_path, f"batches-{padding_free}", "RecordBatches"
         )
     assert [b["shape"][0] for b in batches[False]] == [4, 4, 4] and all(b["mask"] for b in batches[False])
-    assert [b["shape"][0] for b in batches[True]] == [1, 1, 1] and not any(
-        b["mask"] for b in batches[True]
-    )  # one row, no padding
+    # One row, no padding
+    assert [b["shape"][0] for b in batches[True]] == [1, 1, 1] and not any(b["mask"] for b in batches[True])
     assert sum(b["shape"][1] for b in batches[True]) < sum(b["shape"][0] * b["shape"][1] for b in batches[False])
     assert len(losses[True]) == 3 and losses[True] == pytest.approx(losses[False], abs=1e-4), losses
 

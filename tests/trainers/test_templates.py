@@ -115,6 +115,5 @@ def test_generation_ignores_the_sampling_defaults_a_checkpoint_ships(folders):
     leaked = model.generate(
         input_ids=input_ids, attention_mask=mask, max_new_tokens=10, do_sample=True, temperature=1.0
     )
-    assert (
-        tokenizer.batch_decode(leaked[:, input_ids.shape[1] :], skip_special_tokens=True) != ours
-    )  # what the guard prevents
+    # What the guard prevents
+    assert tokenizer.batch_decode(leaked[:, input_ids.shape[1] :], skip_special_tokens=True) != ours

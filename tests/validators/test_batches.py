@@ -90,9 +90,8 @@ def test_line_checks_name_the_file_lines_across_blocks(tmp_path, monkeypatch):
     lines[20] = ""  # blank: not a row, but a line
     lines[33] = '["a list"]'
     path = tmp_path / "d.jsonl"
-    path.write_bytes(
-        ("\n".join(lines[:-1]) + "\n").encode() + b'{"prompt": "\xff"}'
-    )  # a bad byte on the last line, no newline
+    # A bad byte on the last line, no newline
+    path.write_bytes(("\n".join(lines[:-1]) + "\n").encode() + b'{"prompt": "\xff"}')
     (report,) = check_files("sft", [path])
     found = {rule.rule: [e["line"] for e in rule.examples] for rule in report.rules if not rule.success}
     assert found == {"utf8": [40], "json_lines": [8, 34]}

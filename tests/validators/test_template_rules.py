@@ -52,9 +52,8 @@ def test_conversations_on_a_tokenizer_without_a_template_fail_the_rule_with_the_
         check(tmp_path, tokenizer, model_name="'gpt2-style'")
     message = str(failure.value)
     assert "rule 'chat_template' failed for 2 of 2 rows" in message and "set model.chat_template=chatml" in message
-    assert (
-        "fits_max_length" not in message and "Cannot use chat template" not in message
-    )  # one clear cause, not a tokenizer exception
+    # One clear cause, not a tokenizer exception
+    assert "fits_max_length" not in message and "Cannot use chat template" not in message
     # Standard (string) rows need no template; with chatml the conversations pass.
     assert check(tmp_path, tokenizer, rows=[{"text": "The red cat is calm."}]).success
     chatml = load_base_tokenizer(ModelConfig(name_or_path=str(folders["gpt2"]), chat_template="chatml"))

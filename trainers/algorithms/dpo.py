@@ -106,9 +106,8 @@ def train(
     )
     ref_model = None
     if cfg.ref_model_quantization != "none":
-        ref_model = quantized_reference(
-            sft_model, cfg.ref_model_quantization, cfg.attn_implementation
-        )  # checks the device before loading anything
+        # Checks the device before loading anything
+        ref_model = quantized_reference(sft_model, cfg.ref_model_quantization, cfg.attn_implementation)
     policy, tokenizer, peft_config = upstream_policy(sft_model, cfg.lora, attn_implementation=cfg.attn_implementation)
     trainer = trl.DPOTrainer(
         model=policy,

@@ -154,9 +154,8 @@ def save_on_main(trainer, tokenizer, out_dir: Path, keep_adapter: bool = False) 
         state_dict = trainer.accelerator.get_state_dict(
             trainer.deepspeed if trainer.is_deepspeed_enabled else trainer.model_wrapped
         )
-        if hasattr(model, "peft_config") and is_main_process(
-            trainer
-        ):  # merging (or saving the base) needs whole weights
+        # Merging (or saving the base) needs whole weights
+        if hasattr(model, "peft_config") and is_main_process(trainer):
             model, state_dict = unsharded_copy(model, state_dict), None
     if is_main_process(trainer):
         save_model(model, tokenizer, out_dir, keep_adapter=keep_adapter, state_dict=state_dict)

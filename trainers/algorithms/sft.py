@@ -115,9 +115,8 @@ def train(
             train_dataset, eval_dataset = split["train"], split["test"]
         else:
             eval_dataset = load_split(data_dir, "sft_eval")
-    policy, tokenizer = load_base_model(
-        model, cfg.lora.bnb_config(), cfg.attn_implementation
-    )  # QLoRA: the device is checked before any weights load
+    # QLoRA: the device is checked before any weights load
+    policy, tokenizer = load_base_model(model, cfg.lora.bnb_config(), cfg.attn_implementation)
     trainer = trl.SFTTrainer(
         model=policy,
         args=args,

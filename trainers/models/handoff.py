@@ -36,9 +36,8 @@ def upstream_policy(
             **loading(attn_implementation),
         )
         return quantized, load_tokenizer(sft_model), None
-    if lora.quantization != "none" and not has_adapter(
-        sft_model
-    ):  # QLoRA on a whole upstream model: new adapters on its 4-bit copy
+    # QLoRA on a whole upstream model: new adapters on its 4-bit copy
+    if lora.quantization != "none" and not has_adapter(sft_model):
         import peft
         from transformers import AutoModelForCausalLM
 

@@ -193,9 +193,8 @@ def save_model(
     from rlhf_pipeline.trainers.models.templates import stop_token_ids
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    if "ref" in getattr(
-        model, "peft_config", {}
-    ):  # TRL's frozen copy of a stacked adapter: the reference, not the result
+    # TRL's frozen copy of a stacked adapter: the reference, not the result
+    if "ref" in getattr(model, "peft_config", {}):
         model.delete_adapter("ref")
     if hasattr(model, "merge_and_unload") and not keep_adapter:
         model = model.merge_and_unload()

@@ -109,9 +109,8 @@ def empty_model_builder(params, tokenizer):
         config = AutoConfig.from_pretrained(
             local_folder(model.name_or_path), revision=model.revision, trust_remote_code=model.trust_remote_code
         )
-    if (
-        tokenizer is not None and len(tokenizer) > config.vocab_size
-    ):  # load_base_model grows the embeddings to the template's tokens
+    # load_base_model grows the embeddings to the template's tokens
+    if tokenizer is not None and len(tokenizer) > config.vocab_size:
         config.vocab_size = len(tokenizer)
     classifier_config = copy.deepcopy(config)
     classifier_config.num_labels = 1  # TRL's reward model, our value model

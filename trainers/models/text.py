@@ -67,9 +67,8 @@ def own_sampling(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase):
     """Generate with only the settings the caller names: the model's `generation_config` (Qwen's ships top_k=20,
     top_p=0.8, repetition_penalty=1.05) is swapped for a blank one that stops at EOS and the template's end of turn.
     transformers fills every setting a call leaves unset from the model's config, so passing ours is not enough."""
-    target = (
-        model.get_base_model() if hasattr(model, "get_base_model") else model
-    )  # peft's generate copies the inner model's
+    # peft's generate copies the inner model's
+    target = model.get_base_model() if hasattr(model, "get_base_model") else model
     saved = target.generation_config
     target.generation_config = blank_generation_config(target, tokenizer)
     try:

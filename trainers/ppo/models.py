@@ -28,9 +28,8 @@ def load_models(cfg: PpoConfig, sft_model: Path, reward_model: Path | None, toke
     policy, _, peft_config = upstream_policy(sft_model, cfg.lora, attn_implementation=cfg.attn_implementation)
     # under LoRA the reference is the policy with its adapters disabled, or with the frozen copy of a stacked one
     reference = None
-    if peft_config is None and has_adapter(
-        sft_model
-    ):  # stacked: the sft adapter trains on; a frozen copy of it is the reference
+    # Stacked: the sft adapter trains on; a frozen copy of it is the reference
+    if peft_config is None and has_adapter(sft_model):
         policy.add_adapter("ref", policy.peft_config["default"])
         for name, param in policy.named_parameters():
             if ".default." in name:

@@ -132,9 +132,8 @@ class JudgeConfig(StrictModel):
         if self.is_function:
             from rlhf_pipeline.trainers.runtime.custom import import_callable
 
-            import_callable(
-                self.path, "judge function", positional=3
-            )  # with the parameters; it is tried on a sample before use too
+            # With the parameters; it is tried on a sample before use too
+            import_callable(self.path, "judge function", positional=3)
             given = [name for name in ("template", "revision", "trust_remote_code") if name in self.model_fields_set]
             if given:
                 raise ValueError(f"judge {self.path!r} is a function: {', '.join(given)} only apply to an LM judge")

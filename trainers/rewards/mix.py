@@ -176,9 +176,8 @@ def trl_reward_funcs(
                     "cuda" if torch.cuda.is_available() else "cpu",
                 )
             )
-        elif has_adapter(
-            reward_model
-        ):  # TRL loads a reward model by path only when it is whole: rm's adapter is merged here
+        # TRL loads a reward model by path only when it is whole: rm's adapter is merged here
+        elif has_adapter(reward_model):
             merged = load_sequence_classifier(reward_model)
             merged.config.pad_token_id = load_tokenizer(reward_model).pad_token_id
             funcs.append(merged)

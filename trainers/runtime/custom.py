@@ -138,9 +138,8 @@ class Hooks:
 
     def __init__(self, callbacks: list, args, max_steps: int, global_step: int, **handles):
         self.callbacks, self.args, self.handles = callbacks, args, handles
-        if (
-            not callbacks
-        ):  # nothing to call: the loop reads only these (transformers' trainer_callback imports training_args)
+        # Nothing to call: the loop reads only these (transformers' trainer_callback imports training_args)
+        if not callbacks:
             self.state = SimpleNamespace(max_steps=max_steps, global_step=global_step)
             self.control = SimpleNamespace(should_training_stop=False, should_save=False)
             return
