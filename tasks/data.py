@@ -40,22 +40,7 @@ def validate_data(
     limits = _token_limits(config, model, max_tokens)
     sources = config.sources()
     fingerprints = {name: dataset_fingerprint(spec) for name, (_, spec) in sources.items()}
-    keyed = config.model_dump(mode="json")
-    if model is not None:
-        # The tokenizer (and its chat template) decides the template and length rules.
-        tokenizer_id = {
-            **model.model_dump(mode="json", include={"name_or_path", "revision", "trust_remote_code", "chat_template"}),
-            "content": content_id(model.name_or_path, model.revision),
-        }
-        keyed = {**keyed, "max_tokens": limits, "tokenizer": tokenizer_id, "assistant_only_loss": assistant_only_loss}
-    keyed = {**keyed, "pairs_for": {name: list(stages) for name, stages in sorted(pairs_for.items())}}
-    if benchmarks:  # the benchmarks whose test prompts no training prompt may be (validators.stage)
-        keyed = {**keyed, "benchmarks": list(benchmarks)}
-    if required_columns:
-        keyed = {
-            **keyed,
-            "required_columns": {name: list(columns) for name, columns in sorted(required_columns.items())},
-        }
+    keyed = _keyed(config, model, limits, pairs_for, assistant_only_loss, benchmarks, required_columns)
 
     def build(out_dir: Path, work_dir: Path, log_metrics) -> dict[str, float]:
         from rlhf_pipeline.validators import stage as data
@@ -78,16 +63,7 @@ def validate_data(
         except Exception:
             publish_failed_rules(work_dir / "report")  # before the error ends the task: the run explains itself
             raise
-        for name, (_, spec) in sources.items():
-            if count := metrics.get(f"data/{name}/duplicate_rows"):
-                report = json.loads((out_dir / "report" / name / "validation.json").read_text())
-                [rule] = [rule for rule in report["rules"] if rule["rule"] == data.DUPLICATES]
-                first = rule["examples"][0]
-                prefect_log(
-                    f"data: {spec.path}: {count:.0f} of {metrics[f'data/{name}/rows']:.0f} rows repeat an earlier "
-                    f"row exactly (e.g. row {first['row']}: {first['value']}); kept, and reported as rule "
-                    f"{data.DUPLICATES}"
-                )
+        _log_duplicates(sources, metrics, out_dir)
         return metrics
 
     row = BY_NAME["data"]
@@ -112,6 +88,46 @@ def validate_data(
     )
     link_data_docs(outcome, list(sources))
     return outcome
+
+
+def _keyed(
+    config: DataConfig, model, limits, pairs_for, assistant_only_loss: bool, benchmarks, required_columns
+) -> dict:
+    """What the data stage keys on: the data block, and what the rules depend on (the tokenizer and its template, the
+    token limits, which stages read pairs, the benchmarks kept out of training, the columns the gate needs)."""
+    keyed = config.model_dump(mode="json")
+    if model is not None:
+        # The tokenizer (and its chat template) decides the template and length rules.
+        tokenizer_id = {
+            **model.model_dump(mode="json", include={"name_or_path", "revision", "trust_remote_code", "chat_template"}),
+            "content": content_id(model.name_or_path, model.revision),
+        }
+        keyed = {**keyed, "max_tokens": limits, "tokenizer": tokenizer_id, "assistant_only_loss": assistant_only_loss}
+    keyed = {**keyed, "pairs_for": {name: list(stages) for name, stages in sorted(pairs_for.items())}}
+    if benchmarks:  # the benchmarks whose test prompts no training prompt may be (validators.stage)
+        keyed = {**keyed, "benchmarks": list(benchmarks)}
+    if required_columns:
+        keyed = {
+            **keyed,
+            "required_columns": {name: list(columns) for name, columns in sorted(required_columns.items())},
+        }
+    return keyed
+
+
+def _log_duplicates(sources: dict, metrics: dict[str, float], out_dir: Path) -> None:
+    """One line per dataset with rows that repeat an earlier row exactly: kept, and reported."""
+    from rlhf_pipeline.validators import stage as data
+
+    for name, (_, spec) in sources.items():
+        if count := metrics.get(f"data/{name}/duplicate_rows"):
+            report = json.loads((out_dir / "report" / name / "validation.json").read_text())
+            [rule] = [rule for rule in report["rules"] if rule["rule"] == data.DUPLICATES]
+            first = rule["examples"][0]
+            prefect_log(
+                f"data: {spec.path}: {count:.0f} of {metrics[f'data/{name}/rows']:.0f} rows repeat an earlier "
+                f"row exactly (e.g. row {first['row']}: {first['value']}); kept, and reported as rule "
+                f"{data.DUPLICATES}"
+            )
 
 
 REPORT_ARTIFACT = "rlhf-data-report"

@@ -101,19 +101,12 @@ def make_pairs(
         record=MLFLOW,
         holder=lock_holder(),
     )
-    labels: dict[int, str | None] = {}
     fingerprints = _code(config)
+    labels: dict[int, str | None] = {}
     if config.labeller == "people":
-        shown = made.people_pairs(made.read_samples(samples.ref.path), config.people.max_pairs)
-        store = labels_store(ctx, samples.ref.key)
-        if config.people.labels_file is not None:
-            labels, finished = read_labels_file(Path(config.people.labels_file).expanduser(), len(shown)), True
-        else:
-            labels, finished = read_store(store)
-        if not finished and any(labels.get(pair["pair"]) is None for pair in shown):
-            return StageOutcome(ref=samples.ref, cached=samples.cached, metrics=samples.metrics, awaiting=str(store))
-        canonical = json.dumps({str(k): v for k, v in sorted(labels.items())}, sort_keys=True)
-        fingerprints["people_labels"] = hashlib.sha256(canonical.encode()).hexdigest()[:32]
+        labels, awaiting = _people_labels(config, ctx, samples.ref, fingerprints)
+        if awaiting:
+            return StageOutcome(ref=samples.ref, cached=samples.cached, metrics=samples.metrics, awaiting=awaiting)
     # The given pairs when they are trained on too; the held-out ones the labeller's agreement is measured on.
     inputs = {
         "samples": samples.ref,
@@ -159,6 +152,24 @@ def make_pairs(
     if labelled.mlflow_run_id and not labelled.cached:  # a cached re-run's MLflow run links to its producer's
         log_made_pairs(labelled, config, round_)
     return labelled
+
+
+def _people_labels(config: PairsConfig, ctx: RunContext, samples: ArtifactRef, fingerprints: dict) -> tuple[dict, str]:
+    """People's labels of the pairs shown, from the labels file or the labels store; the labels store still awaited
+    ("" once every shown pair is labelled: their digest is keyed, in `fingerprints`)."""
+    from rlhf_pipeline.trainers.pairs import stage as made
+
+    shown = made.people_pairs(made.read_samples(samples.path), config.people.max_pairs)
+    store = labels_store(ctx, samples.key)
+    if config.people.labels_file is not None:
+        labels, finished = read_labels_file(Path(config.people.labels_file).expanduser(), len(shown)), True
+    else:
+        labels, finished = read_store(store)
+    if not finished and any(labels.get(pair["pair"]) is None for pair in shown):
+        return labels, str(store)
+    canonical = json.dumps({str(k): v for k, v in sorted(labels.items())}, sort_keys=True)
+    fingerprints["people_labels"] = hashlib.sha256(canonical.encode()).hexdigest()[:32]
+    return labels, ""
 
 
 def log_made_pairs(labelled: StageOutcome, config: PairsConfig, round_: int) -> None:

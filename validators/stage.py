@@ -5,6 +5,7 @@ trainers only read what it wrote (`trainers.data.load_split`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from rlhf_pipeline.trainers.config import ModelConfig
@@ -94,81 +95,120 @@ def check_datasets(
     dataset's suite is named after it and its validations kept; None (`rlhf check`): an ephemeral context.
     """
     import contextlib
-    import json
 
-    from rlhf_pipeline.validators.files import check_files
-    from rlhf_pipeline.validators.leakage import Split, check_leakages
-    from rlhf_pipeline.validators.report import DataValidationError
     from rlhf_pipeline.validators.suite import History
-    from rlhf_pipeline.validators.validate import REPORT_FILE, validate_dataset
 
     sources = cfg.sources()
-    limits = {name: limit for name, limit in max_tokens.items() if name in sources}
     if tokenizer is None and model is not None:
         from rlhf_pipeline.trainers.models.base_model import load_base_tokenizer
 
         tokenizer = load_base_tokenizer(model)
-    model_name = repr(model.name_or_path) if model is not None else "the model"
+    checks = _Checks(
+        report_dir=report_dir,
+        limits={name: limit for name, limit in max_tokens.items() if name in sources},
+        tokenizer=tokenizer,
+        model_name=repr(model.name_or_path) if model is not None else "the model",
+        assistant_only_loss=assistant_only_loss,
+        required_columns=required_columns or {},
+        pairs_for=pairs_for or {},
+        fingerprints=fingerprints or {},
+    )
     failures: list[ValueError] = []
     passed: dict[str, tuple] = {}
     # One GX file context for every dataset of the run, opened once (validators.suite.History); None: ephemeral ones.
     history = None if gx_project is None else History(gx_project)
     with history if history is not None else contextlib.nullcontext():
         for name, (kind, spec) in sources.items():
-            # Raw bytes first: `datasets` names neither file nor line for a cut-off
-            # JSON line, a non-UTF-8 byte or an empty file.
-            files = check_files(kind, local_files(spec) or [])
-            if files:
-                (report_dir / name).mkdir(parents=True, exist_ok=True)
-                text = json.dumps([report.to_dict() for report in files], indent=2, ensure_ascii=False)
-                (report_dir / name / "files.json").write_text(text + "\n")
-            broken = [report for report in files if not report.success]
-            if broken:
-                failures += [DataValidationError(report) for report in broken]
-                continue
-            try:
-                dataset = load_source(spec, (fingerprints or {}).get(name))
-                report = validate_dataset(
-                    kind,
-                    dataset,
-                    source=spec.path,
-                    report_dir=report_dir / name,
-                    max_tokens=limits.get(name),
-                    tokenizer=tokenizer,
-                    model_name=model_name,
-                    assistant_only=assistant_only_loss and name == "sft",
-                    name=name,
-                    gx_project=history,
-                )
-            except ValueError as exc:  # a broken rule, or a file `datasets` cannot read
-                failures.append(exc)
-                continue
-            if (infinite := _finite_numbers(dataset)) is not None:
-                report.rules.append(infinite)
-                report.write_json(report_dir / name / REPORT_FILE)
-                failures.append(DataValidationError(report))
-                continue
-            missing = [
-                column for column in (required_columns or {}).get(name, ()) if column not in dataset.column_names
-            ]
-            if missing:
-                report.rules.append(_required_columns(name, missing, dataset.column_names, len(dataset)))
-                report.write_json(report_dir / name / REPORT_FILE)
-                failures.append(DataValidationError(report))
-                continue
-            if (repeated := _duplicate_rows(dataset)) is not None:  # reported, not refused: upsampling repeats rows
-                report.rules.append(repeated)
-                report.write_json(report_dir / name / REPORT_FILE)
-            readers = (pairs_for or {}).get(name, ())
-            if readers and report.format is not None and "label" in report.format.columns:
-                report.rules.append(_unpaired_for(readers, len(dataset)))
-                report.write_json(report_dir / name / REPORT_FILE)
-                failures.append(DataValidationError(report))
-                continue
-            passed[name] = (Split(name, kind, spec.path, dataset), report)
+            checked, failed = _check_one(name, kind, spec, checks, history)
+            failures += failed
+            if checked is not None:
+                passed[name] = checked
+    failures += _held_out_leaks(passed, report_dir)
+    failures += _benchmark_leaks(passed, benchmarks, report_dir)
+    return passed, failures
 
-    # A dataset that failed its own rules is already reported. No held-out dataset is trained on, so
-    # dropping one that leaks changes no other check: all of them run at once, each training set read once.
+
+@dataclass(frozen=True)
+class _Checks:
+    """What every dataset of a run is checked with (`check_datasets`' settings)."""
+
+    report_dir: Path
+    limits: dict[str, int]
+    tokenizer: object
+    model_name: str
+    assistant_only_loss: bool
+    required_columns: dict[str, tuple[str, ...]]
+    pairs_for: dict[str, tuple[str, ...]]
+    fingerprints: dict[str, str]
+
+
+def _check_one(name: str, kind: str, spec, checks: _Checks, history) -> tuple[tuple | None, list[ValueError]]:
+    """One dataset: its raw bytes, its rules, finite numbers, the columns this run needs, repeated rows, pairs for the
+    stages that need them. Returns ((Split, report) or None, its failures)."""
+    import json
+
+    from rlhf_pipeline.validators.files import check_files
+    from rlhf_pipeline.validators.leakage import Split
+    from rlhf_pipeline.validators.report import DataValidationError
+    from rlhf_pipeline.validators.validate import REPORT_FILE, validate_dataset
+
+    report_dir = checks.report_dir / name
+    # Raw bytes first: `datasets` names neither file nor line for a cut-off JSON line, a non-UTF-8 byte or an empty
+    # file.
+    files = check_files(kind, local_files(spec) or [])
+    if files:
+        report_dir.mkdir(parents=True, exist_ok=True)
+        text = json.dumps([report.to_dict() for report in files], indent=2, ensure_ascii=False)
+        (report_dir / "files.json").write_text(text + "\n")
+    broken = [report for report in files if not report.success]
+    if broken:
+        return None, [DataValidationError(report) for report in broken]
+    try:
+        dataset = load_source(spec, checks.fingerprints.get(name))
+        report = validate_dataset(
+            kind,
+            dataset,
+            source=spec.path,
+            report_dir=report_dir,
+            max_tokens=checks.limits.get(name),
+            tokenizer=checks.tokenizer,
+            model_name=checks.model_name,
+            assistant_only=checks.assistant_only_loss and name == "sft",
+            name=name,
+            gx_project=history,
+        )
+    # A broken rule, or a file `datasets` cannot read
+    except ValueError as exc:
+        return None, [exc]
+    missing = [column for column in checks.required_columns.get(name, ()) if column not in dataset.column_names]
+    readers = checks.pairs_for.get(name, ())
+    refusals = [
+        _finite_numbers(dataset),
+        _required_columns(name, missing, dataset.column_names, len(dataset)) if missing else None,
+    ]
+    if (refused := next((rule for rule in refusals if rule is not None), None)) is not None:
+        report.rules.append(refused)
+        report.write_json(report_dir / REPORT_FILE)
+        return None, [DataValidationError(report)]
+    if (repeated := _duplicate_rows(dataset)) is not None:  # reported, not refused: upsampling repeats rows
+        report.rules.append(repeated)
+        report.write_json(report_dir / REPORT_FILE)
+    if readers and report.format is not None and "label" in report.format.columns:
+        report.rules.append(_unpaired_for(readers, len(dataset)))
+        report.write_json(report_dir / REPORT_FILE)
+        return None, [DataValidationError(report)]
+    return (Split(name, kind, spec.path, dataset), report), []
+
+
+def _held_out_leaks(passed: dict[str, tuple], report_dir: Path) -> list[ValueError]:
+    """Train/eval leakage: each held-out dataset against the datasets trained beside it; one that leaks fails (and is
+    dropped from `passed`). A dataset that failed its own rules is already reported. No held-out dataset is trained
+    on, so dropping one that leaks changes no other check: all of them run at once, each training set read once."""
+    from rlhf_pipeline.validators.leakage import check_leakages
+    from rlhf_pipeline.validators.report import DataValidationError
+    from rlhf_pipeline.validators.validate import REPORT_FILE
+
+    failures: list[ValueError] = []
     checks = {
         held_out: (passed[held_out][0], [passed[name][0] for name in trained if name in passed])
         for held_out, trained in HELD_OUT.items()
@@ -181,8 +221,7 @@ def check_datasets(
         if not report.success:
             failures.append(DataValidationError(report))
             del passed[held_out]
-    failures += _benchmark_leaks(passed, benchmarks, report_dir)
-    return passed, failures
+    return failures
 
 
 def _benchmark_leaks(passed: dict[str, tuple], benchmarks: tuple[str, ...], report_dir: Path) -> list[ValueError]:

@@ -192,8 +192,6 @@ def _setup(
 ) -> PpoRun:
     """Fail on the config, the data and the tokenizers before any model is loaded; then the models, the optimizer,
     the newest checkpoint's state, the held-out probe and the user's callbacks."""
-    import torch
-
     from rlhf_pipeline.trainers.algorithms.loop import last_checkpoint
     from rlhf_pipeline.trainers.algorithms.probes import Keeper
     from rlhf_pipeline.trainers.config import device_precision
@@ -206,16 +204,9 @@ def _setup(
 
     check_device(cfg.attn_implementation)  # and an attention it cannot run
     policy, reference, value_model = load_models(cfg, sft_model, reward_model, tokenizer, device, ranks)
-    params = [p for m in (policy, value_model) for p in m.parameters() if p.requires_grad]
     callbacks = cfg.user_callbacks()
-    optimizer, scheduler, args = build_optimizer(
-        cfg, params, policy, value_model, num_updates, device, work_dir, bool(callbacks)
-    )
-    # Before a checkpoint overwrites them with scheduled values.
-    base_lrs = [group["lr"] for group in optimizer.param_groups]
-    dtype = torch.float16 if cfg.fp16 else torch.bfloat16
-    autocast = lambda: torch.autocast(device.type, dtype=dtype, enabled=bf16 or cfg.fp16)  # noqa: E731
-    scaler = torch.amp.GradScaler(device.type, enabled=cfg.fp16)  # float16 gradients underflow without loss scaling
+    optimising = _optimising(cfg, policy, value_model, num_updates, device, work_dir, bool(callbacks), bf16)
+    params, optimizer, scheduler, args = optimising[:4]
     state = {"update": 0, "data_epoch": 0, "data_index": 0, "metrics": {}, "kl_coef": cfg.kl_coef}
     if checkpoint := last_checkpoint(work_dir):
         state = {"kl_coef": cfg.kl_coef} | load_checkpoint(
@@ -248,9 +239,9 @@ def _setup(
         params=params,
         optimizer=optimizer,
         scheduler=scheduler,
-        base_lrs=base_lrs,
-        autocast=autocast,
-        scaler=scaler,
+        base_lrs=optimising[4],
+        autocast=optimising[5],
+        scaler=optimising[6],
         state=state,
         keeper=keeper,
         probe=probe,
@@ -269,6 +260,23 @@ def _setup(
         log_metrics=log_metrics,
         metrics=state["metrics"],
     )
+
+
+def _optimising(cfg: PpoConfig, policy, value_model, num_updates: int, device, work_dir: Path, callbacks: bool, bf16):
+    """The trained parameters, the optimizer and its scheduler, the TrainingArguments (None unless something reads
+    them), the base learning rates (before a checkpoint overwrites them with scheduled values), the autocast context
+    and the gradient scaler (float16 gradients underflow without loss scaling)."""
+    import torch
+
+    params = [p for m in (policy, value_model) for p in m.parameters() if p.requires_grad]
+    optimizer, scheduler, args = build_optimizer(
+        cfg, params, policy, value_model, num_updates, device, work_dir, callbacks
+    )
+    base_lrs = [group["lr"] for group in optimizer.param_groups]
+    dtype = torch.float16 if cfg.fp16 else torch.bfloat16
+    autocast = lambda: torch.autocast(device.type, dtype=dtype, enabled=bf16 or cfg.fp16)  # noqa: E731
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.fp16)
+    return params, optimizer, scheduler, args, base_lrs, autocast, scaler
 
 
 def _checked_data(cfg: PpoConfig, rewards: RewardsConfig, sft_model: Path, reward_model: Path | None, data_dir: Path):
