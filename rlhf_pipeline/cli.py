@@ -32,44 +32,47 @@ from rlhf_pipeline.tasks.store.secrets import redact_text
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlhf", description="RLHF post-training pipeline (Prefect + MLflow + TRL).")
     commands = parser.add_subparsers(dest="command", required=True)
+    # --config and --set, as run, params and check take them.
+    preset = argparse.ArgumentParser(add_help=False)
+    preset.add_argument("--config", default="tiny", help="preset name in configs/ or a YAML file (default: tiny)")
+    preset.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one field, e.g. --set sft.learning_rate=1e-4 (repeatable)",
+    )
+    _pipeline_commands(commands, preset)
+    _model_commands(commands)
+    _service_commands(commands)
+    return parser
+
+
+def _pipeline_commands(commands, preset: argparse.ArgumentParser) -> None:
+    """run, params and check: a preset and its overrides."""
     for name, help_text in (("run", "run the rlhf flow"), ("params", "print the resolved parameters as JSON")):
-        sub = commands.add_parser(name, help=help_text)
-        sub.add_argument("--config", default="tiny", help="preset name in configs/ or a YAML file (default: tiny)")
-        sub.add_argument(
-            "--set",
-            dest="overrides",
-            action="append",
-            default=[],
-            metavar="KEY=VALUE",
-            help="override one field, e.g. --set sft.learning_rate=1e-4 (repeatable)",
-        )
+        sub = commands.add_parser(name, help=help_text, parents=[preset])
         sub.add_argument("--no-cache", action="store_true", help="re-run every stage even if its artifact exists")
         if name == "params":
-            sub.add_argument(
-                "--plan", action="store_true", help="print the run's steps and what each takes, not the JSON"
-            )
+            sub.add_argument("--plan", action="store_true", help="print the run's steps and their inputs")
         sub.add_argument(
             "--verbose",
             action="store_true",
             help="the libraries' own progress bars, log dicts and warnings, instead of one bar per stage",
         )
     check = commands.add_parser(
-        "check", help="check a preset without training: data rules, token lengths, memory per stage"
-    )
-    check.add_argument("--config", default="tiny", help="preset name in configs/ or a YAML file (default: tiny)")
-    check.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override one field, e.g. --set sft.max_length=2048 (repeatable)",
+        "check", help="check a preset without training: data rules, token lengths, memory per stage", parents=[preset]
     )
     check.add_argument(
         "--report-dir",
         default=None,
         help="keep the validation reports and Data Docs here (default: a temporary folder)",
     )
+
+
+def _model_commands(commands) -> None:
+    """eval, export and label: a model, or a run that waits for labels."""
     evaluate = commands.add_parser("eval", help="evaluate a registered version or a model folder (the rlhf-eval flow)")
     evaluate.add_argument(
         "policy", help="models:/<name>/<version>, models:/<name>@<alias>, a model folder, or a GGUF file or package"
@@ -86,6 +89,24 @@ def _parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override an eval field, e.g. --set eval.max_prompts=200",
     )
+    export = commands.add_parser(
+        "export", help="write a registered version or a model folder in Hub layout, with its model card (hf upload)"
+    )
+    export.add_argument("model", help="models:/<name>@<alias>, models:/<name>/<version>, or a model folder")
+    export.add_argument("out", help="a new or empty folder")
+    label = commands.add_parser(
+        "label", help="resume a flow run that waits for people's labels of its pairs (as the UI's Resume form does)"
+    )
+    label.add_argument("flow_run_id", help="the waiting flow run (its id in the Prefect UI)")
+    label.add_argument("--file", default=None, help='a JSONL of {"pair": <id>, "label": "A" | "B" | "tie" | null}')
+    label.add_argument("labels", nargs="*", metavar="PAIR=LABEL", help="labels given here, e.g. 0=A 1=B 2=tie")
+    label.add_argument(
+        "--more", action="store_true", help="keep these labels and ask again for the pairs still unlabelled"
+    )
+
+
+def _service_commands(commands) -> None:
+    """serve, deploy, gc and up: the pipeline as a service."""
     serve = commands.add_parser(
         "serve", help="serve the deployments (rlhf/full, one per other algorithm, rlhf/retrain, rlhf-eval/eval)"
     )
@@ -129,21 +150,6 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=4200, help="Prefect server port on 127.0.0.1 (default 4200)")
     up.add_argument("--mlflow-port", type=int, default=5000, help="MLflow UI port on 127.0.0.1 (default 5000)")
     up.add_argument("serve_args", nargs=argparse.REMAINDER, help="arguments passed on to `rlhf serve`")
-    export = commands.add_parser(
-        "export", help="write a registered version or a model folder in Hub layout, with its model card (hf upload)"
-    )
-    export.add_argument("model", help="models:/<name>@<alias>, models:/<name>/<version>, or a model folder")
-    export.add_argument("out", help="a new or empty folder")
-    label = commands.add_parser(
-        "label", help="resume a flow run that waits for people's labels of its pairs (as the UI's Resume form does)"
-    )
-    label.add_argument("flow_run_id", help="the waiting flow run (its id in the Prefect UI)")
-    label.add_argument("--file", default=None, help='a JSONL of {"pair": <id>, "label": "A" | "B" | "tie" | null}')
-    label.add_argument("labels", nargs="*", metavar="PAIR=LABEL", help="labels given here, e.g. 0=A 1=B 2=tie")
-    label.add_argument(
-        "--more", action="store_true", help="keep these labels and ask again for the pairs still unlabelled"
-    )
-    return parser
 
 
 def _label(args) -> int:

@@ -84,23 +84,7 @@ def make_pairs(
     data = upstream["data"]
     start = upstream.get("policy") or upstream["sft"]
     tags = {"rlhf.round": str(round_)} if round_ else {}
-    samples = run_stage(
-        "pairs",
-        {"samples": config.sampling(), "round": round_},
-        {"data": data.select(("prompts",)), "model": start},
-        ctx,
-        lambda out_dir, work_dir, log_metrics: made.sample(
-            config, start.path / "model", data.path, out_dir, round_, log_metrics
-        ),
-        log_files=(made.SAMPLES,),
-        log=prefect_log,
-        code=BY_NAME["pairs"].code,
-        hold=device_hold("pairs", True, prefect_log, ctx.wait_seconds),
-        extra_tags={**tags, "rlhf.part": "samples"},
-        system_metrics=True,
-        record=MLFLOW,
-        holder=lock_holder(),
-    )
+    samples = _sampled(config, data, start, ctx, round_, tags)
     fingerprints = _code(config)
     labels: dict[int, str | None] = {}
     if config.labeller == "people":
@@ -152,6 +136,31 @@ def make_pairs(
     if labelled.mlflow_run_id and not labelled.cached:  # a cached re-run's MLflow run links to its producer's
         log_made_pairs(labelled, config, round_)
     return labelled
+
+
+def _sampled(config: PairsConfig, data: ArtifactRef, start: ArtifactRef, ctx: RunContext, round_: int, tags: dict):
+    """The starting policy's samples of the prompts: keyed on the prompts, the sampling model and the sampling settings
+    alone, so another labeller (or people's labels) never samples again."""
+    from rlhf_pipeline.trainers.pairs import stage as made
+
+    samples = run_stage(
+        "pairs",
+        {"samples": config.sampling(), "round": round_},
+        {"data": data.select(("prompts",)), "model": start},
+        ctx,
+        lambda out_dir, work_dir, log_metrics: made.sample(
+            config, start.path / "model", data.path, out_dir, round_, log_metrics
+        ),
+        log_files=(made.SAMPLES,),
+        log=prefect_log,
+        code=BY_NAME["pairs"].code,
+        hold=device_hold("pairs", True, prefect_log, ctx.wait_seconds),
+        extra_tags={**tags, "rlhf.part": "samples"},
+        system_metrics=True,
+        record=MLFLOW,
+        holder=lock_holder(),
+    )
+    return samples
 
 
 def _people_labels(config: PairsConfig, ctx: RunContext, samples: ArtifactRef, fingerprints: dict) -> tuple[dict, str]:

@@ -55,47 +55,87 @@ def register_policy(
 ) -> dict:
     """Register (or reuse) the policy's version, set `candidate`, and promote it if the gate passes."""
     metrics = report.manifest()["metrics"]
-    version = tracking.find_version(cfg.model_name, "rlhf.policy_digest", policy.digest)
-    if version is None:
-        # The policy's logged model (its stage logged it; a policy from elsewhere is logged here, on the parent run),
-        # and the logged models it was built from: what `tasks.tracking.resolve` reads on a machine with only the
-        # tracking server.
-        models = lineage.upstream_models({ref.stage: ref for ref in stages})
-        model_id = (
-            models.get(policy.stage)
-            or tracking.log_model(
-                ctx.parent_run_id,
-                ctx.experiment_id,
-                policy.stage,
-                policy.path / "model",
-                policy.digest,
-                {},
-                {"rlhf.stage": policy.stage},
-                lineage.model_type(policy.path / "model"),
-            )[0]
-        )
-        fingerprints = stages[0].manifest().get("fingerprints", {}) if stages else {}
-        tags = {
-            "rlhf.policy_digest": policy.digest,
-            "rlhf.policy_stage": policy.stage,
-            "rlhf.flow_run_id": current_flow_run()[0],
-            "rlhf.mlflow_run_id": ctx.parent_run_id,
-            **{f"rlhf.key.{ref.stage}": ref.key for ref in stages},
-            **{f"{lineage.MODEL_TAG}{stage}": found for stage, found in models.items()},
-            **{f"rlhf.data.{name}": value for name, value in fingerprints.items()},
-            **{k: f"{v:.6g}" for k, v in metrics.items()},
-        }
-        version = tracking.register_version(
-            # The logged model's own artifact location: a `models:/m-<id>` source makes MLflow's SQL registry look
-            # the model up through the process-wide tracking URI, which may be another store.
-            cfg.model_name,
-            tracking.logged_model(model_id).artifact_location,
-            ctx.parent_run_id,
-            tags,
-            model_id=model_id,
-        )
+    version = _version_of(cfg, policy, stages, metrics, ctx)
     tracking.set_alias(cfg.model_name, CANDIDATE, version)
 
+    promoted, reason, champion = _decide(cfg, report, metrics, version)
+    outcome = {
+        "model_name": cfg.model_name,
+        "version": version,
+        "promoted": promoted,
+        "reason": reason,
+        "previous_champion": champion,
+    }
+
+    run_id = tracking.start_run(ctx.experiment_id, "registry", {"rlhf.stage": "registry"}, ctx.parent_run_id)
+    tracking.log_params(run_id, cfg.model_dump(mode="json"))
+    tracking.set_tags(run_id, {f"rlhf.registry.{k}": str(v) for k, v in outcome.items()})
+    tracking.log_metrics(run_id, {"registry/gate/promoted": float(promoted)})
+    tracking.end_run(run_id)
+    prefect_log(
+        f"registry: {cfg.model_name} v{version} is candidate; champion "
+        f"{'moved' if promoted and champion != version else 'stays'} ({reason})"
+    )
+    from rlhf_pipeline.tasks.orchestration.events import (
+        announce,  # rlhf.model.candidate / rlhf.model.promoted for automations
+    )
+
+    announce(outcome, cfg.gate_metric, metrics, ctx.parent_run_id)
+    return outcome
+
+
+def _version_of(
+    cfg: RegistryConfig, policy: ArtifactRef, stages: list[ArtifactRef], metrics: dict, ctx: RunContext
+) -> str:
+    """The policy's model version: the one registered for its digest before, else a new one, from its logged model
+    (its stage logged it; a policy from elsewhere is logged here, on the parent run), tagged with what it was built
+    from."""
+    version = tracking.find_version(cfg.model_name, "rlhf.policy_digest", policy.digest)
+    if version is not None:
+        return version
+    # The policy's logged model (its stage logged it; a policy from elsewhere is logged here, on the parent run),
+    # and the logged models it was built from: what `tasks.tracking.resolve` reads on a machine with only the
+    # tracking server.
+    models = lineage.upstream_models({ref.stage: ref for ref in stages})
+    model_id = (
+        models.get(policy.stage)
+        or tracking.log_model(
+            ctx.parent_run_id,
+            ctx.experiment_id,
+            policy.stage,
+            policy.path / "model",
+            policy.digest,
+            {},
+            {"rlhf.stage": policy.stage},
+            lineage.model_type(policy.path / "model"),
+        )[0]
+    )
+    fingerprints = stages[0].manifest().get("fingerprints", {}) if stages else {}
+    tags = {
+        "rlhf.policy_digest": policy.digest,
+        "rlhf.policy_stage": policy.stage,
+        "rlhf.flow_run_id": current_flow_run()[0],
+        "rlhf.mlflow_run_id": ctx.parent_run_id,
+        **{f"rlhf.key.{ref.stage}": ref.key for ref in stages},
+        **{f"{lineage.MODEL_TAG}{stage}": found for stage, found in models.items()},
+        **{f"rlhf.data.{name}": value for name, value in fingerprints.items()},
+        **{k: f"{v:.6g}" for k, v in metrics.items()},
+    }
+    version = tracking.register_version(
+        # The logged model's own artifact location: a `models:/m-<id>` source makes MLflow's SQL registry look
+        # the model up through the process-wide tracking URI, which may be another store.
+        cfg.model_name,
+        tracking.logged_model(model_id).artifact_location,
+        ctx.parent_run_id,
+        tags,
+        model_id=model_id,
+    )
+    return version
+
+
+def _decide(cfg: RegistryConfig, report: ArtifactRef, metrics: dict, version: str) -> tuple[bool, str, str | None]:
+    """Whether `version` becomes champion, why, and the champion before: compare and set under the model's lock, so
+    no other run moves `champion` in between."""
     seen = compared_champion(report)
     with champion_lock(cfg.model_name):  # compare and set: no other run moves `champion` in between
         champion = tracking.alias_version(cfg.model_name, CHAMPION)
@@ -122,29 +162,7 @@ def register_policy(
             promoted, reason = gate(cfg, metrics)
         if promoted:
             tracking.set_alias(cfg.model_name, CHAMPION, version)
-    outcome = {
-        "model_name": cfg.model_name,
-        "version": version,
-        "promoted": promoted,
-        "reason": reason,
-        "previous_champion": champion,
-    }
-
-    run_id = tracking.start_run(ctx.experiment_id, "registry", {"rlhf.stage": "registry"}, ctx.parent_run_id)
-    tracking.log_params(run_id, cfg.model_dump(mode="json"))
-    tracking.set_tags(run_id, {f"rlhf.registry.{k}": str(v) for k, v in outcome.items()})
-    tracking.log_metrics(run_id, {"registry/gate/promoted": float(promoted)})
-    tracking.end_run(run_id)
-    prefect_log(
-        f"registry: {cfg.model_name} v{version} is candidate; champion "
-        f"{'moved' if promoted and champion != version else 'stays'} ({reason})"
-    )
-    from rlhf_pipeline.tasks.orchestration.events import (
-        announce,  # rlhf.model.candidate / rlhf.model.promoted for automations
-    )
-
-    announce(outcome, cfg.gate_metric, metrics, ctx.parent_run_id)
-    return outcome
+    return promoted, reason, champion
 
 
 def register_task():

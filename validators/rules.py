@@ -51,13 +51,19 @@ class Derived:
 def rules_for(fmt: DatasetFormat) -> list[Rule]:
     """The rules a dataset of this format must pass, in the order they are reported."""
     columns = ", ".join(fmt.text_columns)
-    implicit_pair = fmt.kind == "preference" and fmt.conversational and fmt.prompt == "implicit"
     texts = f"every message content in {columns}" if fmt.conversational else f"every value of {columns}"
     rules = [
         Rule("non_empty_dataset", "the dataset must have at least one row", None, "at_least_one"),
         _in_set("consistent_types", f"every value of {columns} must be {fmt.value_type}", "type_ok", True),
         _at_least_one("text_not_blank", f"{texts} must be a non-empty, non-whitespace string", "shortest_text_length"),
     ]
+    return rules + _turn_rules(fmt) + _label_rules(fmt)
+
+
+def _turn_rules(fmt: DatasetFormat) -> list[Rule]:
+    """Conversations: valid roles, text turns, an assistant turn at the end of what trains, a prompt that ends with
+    a user (or tool) turn."""
+    rules = []
     if fmt.conversational:
         roles = ", ".join(ROLES)
         rules.append(_in_set("valid_roles", f"every message role must be one of {roles}", "roles_valid", True))
@@ -81,7 +87,7 @@ def rules_for(fmt: DatasetFormat) -> list[Rule]:
                 "assistant",
             ),
         ]
-    if implicit_pair:
+    if _implicit_pair(fmt):
         rules += [
             _at_least_one(
                 "shared_prompt_turns",
@@ -104,8 +110,13 @@ def rules_for(fmt: DatasetFormat) -> list[Rule]:
                 *PROMPT_END_ROLES,
             )
         )
+    return rules
+
+
+def _label_rules(fmt: DatasetFormat) -> list[Rule]:
+    """Feedback: boolean labels, both kinds present, none in conflict (unpaired rows); chosen unlike rejected."""
     if fmt.unpaired:
-        rules += [
+        return [
             _in_set(
                 "label_is_boolean",
                 "every label must be true or false (a boolean; not 0/1, a string or missing)",
@@ -126,14 +137,18 @@ def rules_for(fmt: DatasetFormat) -> list[Rule]:
                 True,
             ),
         ]
-    elif fmt.kind == "preference":
-        compared = " in their final turns" if implicit_pair else ""
-        rules.append(
+    if fmt.kind == "preference":
+        compared = " in their final turns" if _implicit_pair(fmt) else ""
+        return [
             _in_set(
                 "chosen_differs_from_rejected", f"chosen must differ from rejected{compared}", "chosen_differs", True
             )
-        )
-    return rules
+        ]
+    return []
+
+
+def _implicit_pair(fmt: DatasetFormat) -> bool:
+    return fmt.kind == "preference" and fmt.conversational and fmt.prompt == "implicit"
 
 
 def _at_least_one(name: str, description: str, column: str) -> Rule:

@@ -70,20 +70,7 @@ def validate_dataset(
         raise
 
     own = rules_for(fmt)
-    extras: list[tuple[Rule, Extra]] = []
-    problem = (
-        template_problem(tokenizer, model_name, assistant_only and fmt.kind == "sft")
-        if fmt.conversational and tokenizer is not None
-        else None
-    )
-    if problem is not None:  # nothing can be counted without a template: report why, not a tokenizer exception per row
-        extras.append((chat_template_rule(), lambda batch: template_column(batch.num_rows, problem, start=batch.start)))
-    elif fmt.conversational and tokenizer is not None and assistant_only and fmt.kind == "sft":
-        extras.append((end_of_turn_rule(), lambda batch: untrained_end_of_turns(fmt, batch.values, tokenizer)))
-    if max_tokens is not None and problem is None:
-        extras.append(
-            (fits_max_length(fmt, max_tokens), lambda batch: count_tokens(fmt, batch.values, tokenizer, max_tokens))
-        )
+    extras = _tokenizer_rules(fmt, tokenizer, model_name, assistant_only, max_tokens)
     rules = own + [rule for rule, _ in extras]
     # The unpaired label rules compare rows across the dataset: one pass first collects what they need.
     checks = (
@@ -97,8 +84,46 @@ def validate_dataset(
     docs_dir = None if report_dir is None else report_dir / DATA_DOCS_DIR
     native = native_expectations(fmt, dataset, rules)
     frame = Frame(rules, own=sorted({expectation.column for expectation in native}))
-    # GX runs once over the whole dataset's frame; explanations live as long as their batch, so each rule keeps those
-    # of its first offending rows (the rows GX names first: it lists them in dataset order).
+    kept = _derive(dataset, fmt, own, extras, checks, frame, batch_rows)
+    with History(gx_project) if isinstance(gx_project, pathlib.Path) else contextlib.nullcontext(gx_project) as history:
+        run = run_suite(
+            name or kind, rules, frame.frame(), source=source, native=native, docs_dir=docs_dir, history=history
+        )
+
+    results = [_result(rule, run.outcomes[rule.name], kept[rule.name]) for rule in rules]
+    data_docs = None if run.data_docs is None else str(run.data_docs)
+    report = ValidationReport(source, kind, fmt, len(dataset), results, data_docs=data_docs, history=run.history)
+    _write(report, report_dir)
+    if not report.success:
+        raise DataValidationError(report)
+    return report
+
+
+def _tokenizer_rules(fmt, tokenizer, model_name: str, assistant_only: bool, max_tokens: int | None):
+    """The rules that need the tokenizer, each with what derives its column from a batch: the chat template (nothing
+    can be counted without one: report why, not a tokenizer exception per row), the trained end of turn
+    (`assistant_only`), and the token length."""
+    extras: list[tuple[Rule, Extra]] = []
+    sft_turns = assistant_only and fmt.kind == "sft"
+    problem = (
+        template_problem(tokenizer, model_name, sft_turns) if fmt.conversational and tokenizer is not None else None
+    )
+    if problem is not None:
+        extras.append((chat_template_rule(), lambda batch: template_column(batch.num_rows, problem, start=batch.start)))
+    elif fmt.conversational and tokenizer is not None and sft_turns:
+        extras.append((end_of_turn_rule(), lambda batch: untrained_end_of_turns(fmt, batch.values, tokenizer)))
+    if max_tokens is not None and problem is None:
+        extras.append(
+            (fits_max_length(fmt, max_tokens), lambda batch: count_tokens(fmt, batch.values, tokenizer, max_tokens))
+        )
+    return extras
+
+
+def _derive(dataset, fmt, own: list[Rule], extras: list, checks, frame: Frame, batch_rows: int) -> dict:
+    """Every batch's derived columns into `frame`. GX runs once over the whole dataset's frame; explanations live as
+    long as their batch, so each rule keeps those of its first offending rows (the rows GX names first: it lists them
+    in dataset order). Returns rule -> row -> explanation."""
+    rules = own + [rule for rule, _ in extras]
     kept: dict[str, dict[int, str]] = {rule.name: {} for rule in rules}
     for batch in record_batches(dataset, fmt.columns, batch_rows):
         derived = derive_batch(fmt, batch, own, checks)
@@ -111,24 +136,13 @@ def validate_dataset(
             if room > 0:
                 why = derived.explanations.get(rule.name, {})
                 kept[rule.name].update((row, why[row]) for row in sorted(why)[:room])
-    with History(gx_project) if isinstance(gx_project, pathlib.Path) else contextlib.nullcontext(gx_project) as history:
-        run = run_suite(
-            name or kind, rules, frame.frame(), source=source, native=native, docs_dir=docs_dir, history=history
-        )
+    return kept
 
-    results = []
-    for rule in rules:
-        outcome = run.outcomes[rule.name]
-        examples = [
-            {"row": row, "value": kept[rule.name].get(row, "(no explanation)")} for row in outcome.rows[:MAX_EXAMPLES]
-        ]
-        results.append(RuleResult(rule.name, rule.description, outcome.success, outcome.failed_count, examples))
-    data_docs = None if run.data_docs is None else str(run.data_docs)
-    report = ValidationReport(source, kind, fmt, len(dataset), results, data_docs=data_docs, history=run.history)
-    _write(report, report_dir)
-    if not report.success:
-        raise DataValidationError(report)
-    return report
+
+def _result(rule: Rule, outcome, kept: dict[int, str]) -> RuleResult:
+    """A rule's outcome, with its first offending rows and why each offends."""
+    examples = [{"row": row, "value": kept.get(row, "(no explanation)")} for row in outcome.rows[:MAX_EXAMPLES]]
+    return RuleResult(rule.name, rule.description, outcome.success, outcome.failed_count, examples)
 
 
 def _write(report: ValidationReport, report_dir: pathlib.Path | None) -> None:

@@ -10,7 +10,8 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from rlhf_pipeline.trainers.config import EvalDuringTraining, LogMetrics, TrainingConfig
+from rlhf_pipeline.trainers.algorithms.fields import TrainingConfig
+from rlhf_pipeline.trainers.config import EvalDuringTraining, LogMetrics
 
 DpoLoss = Literal[
     "sigmoid",

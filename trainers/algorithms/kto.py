@@ -14,7 +14,8 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from rlhf_pipeline.trainers.config import LogMetrics, TrainingConfig
+from rlhf_pipeline.trainers.algorithms.fields import TrainingConfig
+from rlhf_pipeline.trainers.config import LogMetrics
 
 KtoLoss = Literal["kto", "apo_zero_unpaired"]  # TRL 1.16 KTOConfig.loss_type choices
 

@@ -11,7 +11,8 @@ import os
 import re
 from pathlib import Path
 
-from rlhf_pipeline.trainers.config import Customisation, LogMetrics, TrainingConfig
+from rlhf_pipeline.trainers.algorithms.fields import TrainingConfig
+from rlhf_pipeline.trainers.config import Customisation, LogMetrics
 from rlhf_pipeline.trainers.models.handoff import unsharded_copy
 from rlhf_pipeline.trainers.models.load import save_model
 from rlhf_pipeline.trainers.runtime.stopping import TERMINATING, Terminated, checkpoint_callback

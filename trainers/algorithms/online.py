@@ -12,8 +12,9 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
+from rlhf_pipeline.trainers.algorithms.fields import TrainingConfig
 from rlhf_pipeline.trainers.algorithms.probes import ProbeFields
-from rlhf_pipeline.trainers.config import LogMetrics, TrainingConfig
+from rlhf_pipeline.trainers.config import LogMetrics
 from rlhf_pipeline.trainers.rewards.mix import GoldMetric, RewardsConfig
 
 

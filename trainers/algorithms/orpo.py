@@ -13,7 +13,8 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from rlhf_pipeline.trainers.config import EvalDuringTraining, LogMetrics, TrainingConfig
+from rlhf_pipeline.trainers.algorithms.fields import TrainingConfig
+from rlhf_pipeline.trainers.config import EvalDuringTraining, LogMetrics
 
 
 class OrpoConfig(EvalDuringTraining, TrainingConfig):

@@ -11,7 +11,8 @@ from typing import ClassVar
 
 from pydantic import Field, model_validator
 
-from rlhf_pipeline.trainers.config import EvalDuringTraining, LogMetrics, ModelConfig, TrainingConfig
+from rlhf_pipeline.trainers.algorithms.fields import TrainingConfig
+from rlhf_pipeline.trainers.config import EvalDuringTraining, LogMetrics, ModelConfig
 
 
 class SftConfig(EvalDuringTraining, TrainingConfig):

@@ -1,2 +1,4 @@
-"""`ppo`, ours (TRL dropped its PPO): the stage's config and loop (train.py), its losses and advantages (losses.py) and
-its ranks (parallel.py). Imports algorithms/ and everything below it."""
+"""`ppo`, ours (TRL dropped its PPO): the loop (train.py: set up, the phases of an update, publish), its config
+(config.py), rollouts and their log-probabilities and values (rollout.py), the models and optimizer (models.py), the
+losses and advantages (losses.py) and the ranks and checkpoints (parallel.py). Imports algorithms/ and everything
+below it."""

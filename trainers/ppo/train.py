@@ -190,8 +190,7 @@ def _setup(
     log_metrics: LogMetrics | None,
     gold: GoldMetric | None,
 ) -> PpoRun:
-    """Fail on the config, the data and the tokenizers before any model is loaded; then the models, the optimizer,
-    the newest checkpoint's state, the held-out probe and the user's callbacks."""
+    """Config, data and tokenizers checked before any model loads; then models, optimizer, checkpoint, probe, hooks."""
     from rlhf_pipeline.trainers.algorithms.loop import last_checkpoint
     from rlhf_pipeline.trainers.algorithms.probes import Keeper
     from rlhf_pipeline.trainers.config import device_precision
