@@ -9,13 +9,13 @@ from pydantic import ValidationError
 from transformers import AutoModelForSequenceClassification
 
 from rlhf_pipeline.trainers.algorithms import rm
-from rlhf_pipeline.trainers.algorithms.probes import CURVES
 from rlhf_pipeline.trainers.data import load_split
 from rlhf_pipeline.trainers.models.load import load_causal_lm
 from rlhf_pipeline.trainers.models.text import prompt_ids
 from rlhf_pipeline.trainers.ppo import train as ppo
 from rlhf_pipeline.trainers.rewards.ensemble import TextEnsemble, aggregate, member_dirs, scoring_dirs
 from rlhf_pipeline.trainers.rewards.mix import RewardsConfig, RewardScorer
+from rlhf_pipeline.trainers.rewards.probes import CURVES
 from tests.helpers import FAST, trainable, unchanged, write_data_dir
 
 

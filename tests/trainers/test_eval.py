@@ -172,7 +172,7 @@ def test_greedy_answers_are_made_once_per_model_prompts_and_budget(tmp_path, mon
 def test_eval_scores_every_model_on_the_rows_a_kept_probe_was_not_chosen_on(tmp_path):
     import shutil
 
-    from rlhf_pipeline.trainers.algorithms.probes import probe_rows
+    from rlhf_pipeline.trainers.rewards.probes import probe_rows
 
     assert probe_rows(600, 200) == (400, 600) and probe_rows(40, 200) == (20, 40) and probe_rows(1, 8) == (0, 1)
     data = write_data_dir(tmp_path / "data", rows=40)

@@ -121,7 +121,7 @@ def test_online_stages_probe_the_held_out_prompts_with_an_ensemble_and_publish_t
     import torch
 
     from rlhf_pipeline.trainers.algorithms import rm
-    from rlhf_pipeline.trainers.algorithms.probes import CURVES
+    from rlhf_pipeline.trainers.rewards.probes import CURVES
 
     data = write_data_dir(tmp_path / "data", rows=16)
     rm.train(
@@ -168,8 +168,8 @@ def test_keep_best_chooses_by_the_held_out_gold_metric_when_the_training_reward_
     metric, keep_best publishes the probe that was best on it, which is not the last, and the reward never chose."""
     import json
 
-    from rlhf_pipeline.trainers.algorithms.probes import CURVES
     from rlhf_pipeline.trainers.rewards.mix import GoldMetric
+    from rlhf_pipeline.trainers.rewards.probes import CURVES
 
     logged: list[tuple[int, dict]] = []
     cfg = grpo.GrpoConfig(**{**ONLINE, "max_steps": 8, "learning_rate": 1e-2}, eval_steps=2, eval_prompts=8)

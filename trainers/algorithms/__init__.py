@@ -1,3 +1,3 @@
 """The TRL-backed stages: sft.py, rm.py, dpo.py, kto.py, orpo.py, and the online pair grpo.py and rloo.py (online.py);
-the fields they share (fields.py), the training loop (loop.py) and the held-out probes of online training (probes.py).
-Imports rewards/, models/, data.py, config.py and runtime/; never ppo/, pairs/ or evaluation/."""
+the fields they share (fields.py) and the training loop (loop.py). Imports rewards/, models/, data.py, config.py and
+runtime/; never ppo/, pairs/ or evaluation/."""

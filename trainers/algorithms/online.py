@@ -13,9 +13,9 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from rlhf_pipeline.trainers.algorithms.fields import TrainingConfig
-from rlhf_pipeline.trainers.algorithms.probes import ProbeFields
 from rlhf_pipeline.trainers.config import LogMetrics
 from rlhf_pipeline.trainers.rewards.mix import GoldMetric, RewardsConfig
+from rlhf_pipeline.trainers.rewards.probes import ProbeFields
 
 
 class OnlineConfig(ProbeFields, TrainingConfig):
@@ -132,7 +132,7 @@ def train(
     callbacks = stage_callbacks(stage, log_metrics, cfg)
     probe = None
     if cfg.eval_steps:
-        from rlhf_pipeline.trainers.algorithms.probes import probe_callback
+        from rlhf_pipeline.trainers.rewards.probes import probe_callback
 
         probe_args = {
             "data_dir": data_dir,

@@ -497,7 +497,7 @@ def _overoptimisation_plot(policy_model: Path, out_dir: Path, stage: str) -> Non
     """The online stage's held-out probes (its `heldout.jsonl`, beside the policy), on Gao et al.'s axes."""
     import json
 
-    from rlhf_pipeline.trainers.algorithms.probes import CURVES
+    from rlhf_pipeline.trainers.rewards.probes import CURVES
 
     path = policy_model.parent / CURVES
     if not path.is_file():

@@ -7,9 +7,9 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from rlhf_pipeline.trainers.algorithms.probes import ProbeFields
 from rlhf_pipeline.trainers.config import AttentionField, Customisation, LoraConfig
 from rlhf_pipeline.trainers.rewards.mix import RewardsConfig
+from rlhf_pipeline.trainers.rewards.probes import ProbeFields
 
 
 class PpoFields(AttentionField):

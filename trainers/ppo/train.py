@@ -192,9 +192,9 @@ def _setup(
 ) -> PpoRun:
     """Config, data and tokenizers checked before any model loads; then models, optimizer, checkpoint, probe, hooks."""
     from rlhf_pipeline.trainers.algorithms.loop import last_checkpoint
-    from rlhf_pipeline.trainers.algorithms.probes import Keeper
     from rlhf_pipeline.trainers.config import device_precision
     from rlhf_pipeline.trainers.models.text import prompt_ids as render_prompt
+    from rlhf_pipeline.trainers.rewards.probes import Keeper
 
     prompts, columns, tokenizer, num_updates = _checked_data(cfg, rewards, sft_model, reward_model, data_dir)
     device, ranks, scorer = _device_and_scorer(cfg, rewards, sft_model, reward_model, prompts, columns)
@@ -328,7 +328,7 @@ def _device_and_scorer(cfg: PpoConfig, rewards: RewardsConfig, sft_model, reward
 
 def _probe(cfg: PpoConfig, rewards, sft_model, reward_model, data_dir, device, ranks: Ranks, policy, reference, gold):
     """The held-out curves (rank 0 alone: every rank holds the same weights); None without `eval_steps`."""
-    from rlhf_pipeline.trainers.algorithms.probes import Probe
+    from rlhf_pipeline.trainers.rewards.probes import Probe
 
     if not (cfg.eval_steps and ranks.main):
         return None
