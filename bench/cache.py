@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,12 +26,7 @@ import tempfile
 from pathlib import Path
 
 from bench.runs import ROOT, printed_artifacts, timed
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from rlhf_pipeline.tasks.store.resources import free_port
 
 
 def rlhf_run(env: dict, overrides: list[str], log: Path) -> tuple[float, dict[str, Path]]:

@@ -33,8 +33,8 @@ def timed(command: list[str], env: dict, log: Path) -> tuple[float, str]:
 
 
 def printed_artifacts(printed: str) -> dict[str, Path]:
-    """stage -> artifact folder, from the closing table `rlhf run` prints last (rlhf_pipeline.cli.closing_table: rows
-    `stage  state  seconds  artifact`)."""
+    """stage -> artifact folder, from the closing table `rlhf run` prints last (rlhf_pipeline.console.closing_table:
+    rows `stage  state  seconds  artifact`)."""
     text = printed.rsplit("== finished ==", 1)[-1]
     rows = re.finditer(r"^(\w+)\s+\w+\s+\S+\s+(/\S+)$", text, re.M)
     return {match[1]: Path(match[2]) for match in rows if Path(match[2]).is_dir()}

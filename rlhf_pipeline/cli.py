@@ -24,6 +24,7 @@ import sys
 
 from pydantic import ValidationError
 
+from rlhf_pipeline.deployments import temporary
 from rlhf_pipeline.deployments.env import CONSOLE_SETTINGS, QUIET_ENV
 from rlhf_pipeline.interrupt import stop_on_ctrl_c
 from rlhf_pipeline.tasks.store.secrets import redact_text
@@ -233,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":  # the temporary server comes up while the parameters load (~0.3 s of its ~4.5)
         _console(args)
         gc.disable()  # until the imports are done (_settle_heap)
-        _start_temporary_server()
+        temporary.start()
         _warm_up_imports()
     try:
         from rlhf_pipeline.flows.params import load_params
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             extra = {"no_cache": True} if args.no_cache else {}
             params = load_params(args.config, args.overrides, **extra)
         except (ValidationError, ValueError) as exc:
-            _stop_temporary_server()  # started for nothing
+            temporary.stop()  # started for nothing
             print(f"rlhf: invalid parameters:\n{redact_text(str(exc))}", file=sys.stderr)
             return 2
         if args.command == "params" and args.plan:
@@ -258,9 +259,9 @@ def main(argv: list[str] | None = None) -> int:
 
         from rlhf_pipeline.flows.rlhf import rlhf
 
-        _wait_for_temporary_server()
+        temporary.wait()
         _settle_heap()
-        with stop_on_ctrl_c(_stop_temporary_server):
+        with stop_on_ctrl_c(temporary.stop):
             summary = rlhf(**dict(params))
     finally:
         _settle_heap()
@@ -325,107 +326,6 @@ def _make_state_folders() -> None:
         Path(folder).expanduser().mkdir(parents=True, exist_ok=True)
 
 
-_TEMPORARY: dict = {}
-
-
-def _start_temporary_server() -> None:
-    """With no PREFECT_API_URL, start the temporary Prefect server now, as Prefect would start it at the flow call (the
-    same uvicorn app and settings as its SubprocessASGIServer), so that it comes up while this process imports the flow
-    and the libraries: Prefect's own way imports its whole server package here first and then waits for the server, ~4 s
-    of a cached re-run's ~9 (bench.cache). Stopped at exit, after Prefect's own exit handlers have sent the last
-    logs."""
-    if os.environ.get("PREFECT_API_URL"):
-        return
-    import atexit
-    import importlib.util
-    import socket
-    import subprocess
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    prefect_dir = os.path.dirname(importlib.util.find_spec("prefect").origin)
-    env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
-    command = [
-        sys.executable,
-        "-m",
-        "uvicorn",
-        "--app-dir",
-        os.path.dirname(prefect_dir),
-        "--factory",
-        "prefect.server.api.server:create_app",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--log-level",
-        "error",
-        "--lifespan",
-        "on",
-    ]
-    from rlhf_pipeline.trainers.runtime.rank import (
-        die_with_parent,  # stdlib only; a killed `rlhf run` leaves no server behind
-    )
-
-    # A process group of its own: Ctrl-C, which the terminal sends the whole foreground group, must not stop it before
-    # the run has recorded its stop (rlhf_pipeline.interrupt); it is stopped last.
-    process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent, process_group=0)
-    _TEMPORARY.update(process=process, url=f"http://127.0.0.1:{port}/api")
-    os.environ["PREFECT_API_URL"] = _TEMPORARY["url"]
-    # Its leases die with it, so device slots are not shared through it (tasks.orchestration.stage_task.coordinated);
-    # the name is written out here, since importing tasks.orchestration.stage_task would import Prefect before the
-    # server starts.
-    os.environ["RLHF_TEMPORARY_PREFECT_API_URL"] = _TEMPORARY["url"]
-    atexit.register(_stop_temporary_server)  # registered before Prefect's handlers, so it runs after them
-    print(
-        f"Starting temporary Prefect server on http://127.0.0.1:{port} (set PREFECT_API_URL to use a running one)",
-        file=sys.stderr,
-    )
-
-
-def _wait_for_temporary_server() -> None:
-    import time
-    import urllib.error
-    import urllib.request
-
-    process = _TEMPORARY.get("process")
-    if process is None:
-        return
-    timeout = float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"])
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(
-                f"rlhf: the temporary Prefect server exited with {process.returncode} before it answered (its output "
-                "is above)"
-            )
-        try:
-            with urllib.request.urlopen(f"{_TEMPORARY['url']}/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.05)
-    raise SystemExit(f"rlhf: the temporary Prefect server did not answer at {_TEMPORARY['url']} within {timeout:.0f}s")
-
-
-def _stop_temporary_server() -> None:
-    """Stop the temporary server, if one was started, and stop naming it in the environment."""
-    import subprocess
-
-    url = _TEMPORARY.pop("url", None)
-    for name in ("PREFECT_API_URL", "RLHF_TEMPORARY_PREFECT_API_URL"):
-        if url is not None and os.environ.get(name) == url:
-            del os.environ[name]
-    process = _TEMPORARY.pop("process", None)
-    if process is not None and process.poll() is None:
-        process.terminate()  # the last logs are sent (`_report`); uvicorn finishes its shutdown on its own
-        try:
-            process.wait(timeout=0.5)
-        except subprocess.TimeoutExpired:
-            pass
-
-
 def _warm_up_imports() -> None:
     """Import MLflow and matplotlib in the background while Prefect starts its temporary
     server (~4 s of waiting): a fully cached run then takes ~12 s instead of ~16 s."""
@@ -476,10 +376,10 @@ def _evaluate(args) -> int:
         print(f"rlhf eval: {redact_text(str(exc))}", file=sys.stderr)
         return 2
     _console(args)
-    _start_temporary_server()
+    temporary.start()
     _warm_up_imports()
-    _wait_for_temporary_server()
-    with stop_on_ctrl_c(_stop_temporary_server):
+    temporary.wait()
+    with stop_on_ctrl_c(temporary.stop):
         summary = rlhf_eval(**dict(params))
     _report(summary)
     return 0
@@ -491,80 +391,6 @@ def _report(summary: dict) -> None:
     from prefect.logging.handlers import APILogHandler
 
     APILogHandler().flush()
+    from rlhf_pipeline.console import closing_table
+
     print("\n" + closing_table(summary))
-
-
-def closing_table(summary: dict) -> str:
-    """What a run ends with: each stage, whether it ran or came from the cache, its time; the held-out figures with
-    their 95% intervals; then where to look (MLflow, the artifacts, the registry's decision)."""
-    metrics, stages = summary["metrics"], summary.get("stages", {})
-    lines = ["== finished ==", "", f"{'stage':16} {'state':10} {'seconds':>8}  artifact"]
-    for stage, uri in summary["artifacts"].items():
-        info = stages.get(stage, {})
-        seconds = f"{info['seconds']:.1f}" if info.get("seconds") is not None else "-"
-        lines.append(f"{stage:16} {info.get('state') or '-':10} {seconds:>8}  {uri}")  # a resolved input has no state
-    from rlhf_pipeline.trainers.evaluation.instructions import BENCHMARKS
-    from rlhf_pipeline.trainers.evaluation.report import benchmark_label
-    from rlhf_pipeline.trainers.evaluation.stage import HELDOUT as held
-
-    def section(title: str, prefix: str, rows: tuple[tuple[str, str], ...]) -> None:
-        """The rows `metrics` has under `prefix`, each with its 95% interval where it has one."""
-        present = [(label, name) for label, name in rows if prefix + name in metrics]
-        if not present:
-            return
-        lines.extend(["", f"{title:38} {'value':>8}  95% interval"])
-        for label, name in present:
-            low, high = metrics.get(f"{prefix}{name}_low"), metrics.get(f"{prefix}{name}_high")
-            sign = "+" if "gain" in name else ""
-            interval = f"[{low:{sign}.3f}, {high:{sign}.3f}]" if low is not None and high is not None else ""
-            lines.append(f"{label:38} {metrics[prefix + name]:{sign}8.3f}  {interval}")
-
-    section(
-        f"held-out ({int(metrics.get(held + 'num_prompts', 0))} prompts)",
-        held,
-        (
-            ("exact match: policy", "policy_exact_match"),
-            ("exact match: sft", "sft_exact_match"),
-            ("exact match: base", "base_exact_match"),
-            ("exact match: gain over sft", "exact_match_gain_vs_sft"),
-            ("gold: policy", "policy_gold"),
-            ("gold: sft", "sft_gold"),
-            ("gold: gain over sft", "gold_gain_vs_sft"),
-            ("instructions, prompt-level: policy", "policy_if_prompt_strict"),
-            ("instructions, prompt-level: start", "sft_if_prompt_strict"),
-            ("instructions, prompt-level: gain", "if_prompt_strict_gain"),
-            ("instructions, each: policy", "policy_if_instruction_strict"),
-            ("instructions, each: start", "sft_if_instruction_strict"),
-            ("win rate vs sft (reward model)", "win_rate_vs_sft"),
-            ("win rate vs champion", "win_rate_vs_champion"),
-            ("judge win rate vs sft", "judge_win_rate_vs_sft"),
-            ("reward: policy", "policy_mean_reward"),
-            ("reward: sft", "sft_mean_reward"),
-            ("KL(policy || sft), nats", "kl_to_sft"),
-        ),
-    )
-    for benchmark in BENCHMARKS.values():  # as the model cards report them: strict and loose, start vs policy
-        rows = tuple(
-            (f"{level.replace('_', ' ')}: {label}", f"{model}_if_{level}")
-            for level in ("prompt_strict", "instruction_strict", "prompt_loose", "instruction_loose")
-            for label, model in (("start", "sft"), ("policy", "policy"), ("champion", "champion"))
-        )
-        gains = (("prompt strict: gain", "if_prompt_strict_gain"), ("prompt loose: gain", "if_prompt_loose_gain"))
-        cut = tuple(
-            (f"cut by the budget: {label}", f"{model}_if_cut")
-            for label, model in (("start", "sft"), ("policy", "policy"))
-        )
-        section(benchmark_label(metrics, benchmark.prefix), benchmark.prefix, rows + gains + cut)
-    warnings = summary.get("warnings") or []
-    lines.append(
-        f"{'hacking warnings':34} {len(warnings) if warnings else int(metrics.get(held + 'hacking_warnings', 0)):8d}"
-    )
-    lines += [f"  ! {w}" for w in warnings]
-    lines += ["", f"MLflow run: {summary['mlflow']}"]
-    if summary.get("registry"):
-        r = summary["registry"]
-        lines.append(
-            f"Registry: {r['model_name']} v{r['version']} is candidate; champion "
-            f"{'-> v' + str(r['version']) if r['promoted'] else 'unchanged'} ({r['reason']})"
-        )
-    return "\n".join(lines)

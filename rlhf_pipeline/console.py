@@ -95,3 +95,79 @@ def _keep_progress_lines_off_prefects_console() -> None:
             isinstance(f, _NotProgress) for f in handler.filters
         ):
             handler.addFilter(_NotProgress())
+
+
+def closing_table(summary: dict) -> str:
+    """What a run ends with: each stage, whether it ran or came from the cache, its time; the held-out figures with
+    their 95% intervals; then where to look (MLflow, the artifacts, the registry's decision)."""
+    metrics, stages = summary["metrics"], summary.get("stages", {})
+    lines = ["== finished ==", "", f"{'stage':16} {'state':10} {'seconds':>8}  artifact"]
+    for stage, uri in summary["artifacts"].items():
+        info = stages.get(stage, {})
+        seconds = f"{info['seconds']:.1f}" if info.get("seconds") is not None else "-"
+        lines.append(f"{stage:16} {info.get('state') or '-':10} {seconds:>8}  {uri}")  # a resolved input has no state
+    from rlhf_pipeline.trainers.evaluation.instructions import BENCHMARKS
+    from rlhf_pipeline.trainers.evaluation.report import benchmark_label
+    from rlhf_pipeline.trainers.evaluation.stage import HELDOUT as held
+
+    def section(title: str, prefix: str, rows: tuple[tuple[str, str], ...]) -> None:
+        """The rows `metrics` has under `prefix`, each with its 95% interval where it has one."""
+        present = [(label, name) for label, name in rows if prefix + name in metrics]
+        if not present:
+            return
+        lines.extend(["", f"{title:38} {'value':>8}  95% interval"])
+        for label, name in present:
+            low, high = metrics.get(f"{prefix}{name}_low"), metrics.get(f"{prefix}{name}_high")
+            sign = "+" if "gain" in name else ""
+            interval = f"[{low:{sign}.3f}, {high:{sign}.3f}]" if low is not None and high is not None else ""
+            lines.append(f"{label:38} {metrics[prefix + name]:{sign}8.3f}  {interval}")
+
+    section(
+        f"held-out ({int(metrics.get(held + 'num_prompts', 0))} prompts)",
+        held,
+        (
+            ("exact match: policy", "policy_exact_match"),
+            ("exact match: sft", "sft_exact_match"),
+            ("exact match: base", "base_exact_match"),
+            ("exact match: gain over sft", "exact_match_gain_vs_sft"),
+            ("gold: policy", "policy_gold"),
+            ("gold: sft", "sft_gold"),
+            ("gold: gain over sft", "gold_gain_vs_sft"),
+            ("instructions, prompt-level: policy", "policy_if_prompt_strict"),
+            ("instructions, prompt-level: start", "sft_if_prompt_strict"),
+            ("instructions, prompt-level: gain", "if_prompt_strict_gain"),
+            ("instructions, each: policy", "policy_if_instruction_strict"),
+            ("instructions, each: start", "sft_if_instruction_strict"),
+            ("win rate vs sft (reward model)", "win_rate_vs_sft"),
+            ("win rate vs champion", "win_rate_vs_champion"),
+            ("judge win rate vs sft", "judge_win_rate_vs_sft"),
+            ("reward: policy", "policy_mean_reward"),
+            ("reward: sft", "sft_mean_reward"),
+            ("KL(policy || sft), nats", "kl_to_sft"),
+        ),
+    )
+    for benchmark in BENCHMARKS.values():  # as the model cards report them: strict and loose, start vs policy
+        rows = tuple(
+            (f"{level.replace('_', ' ')}: {label}", f"{model}_if_{level}")
+            for level in ("prompt_strict", "instruction_strict", "prompt_loose", "instruction_loose")
+            for label, model in (("start", "sft"), ("policy", "policy"), ("champion", "champion"))
+        )
+        gains = (("prompt strict: gain", "if_prompt_strict_gain"), ("prompt loose: gain", "if_prompt_loose_gain"))
+        cut = tuple(
+            (f"cut by the budget: {label}", f"{model}_if_cut")
+            for label, model in (("start", "sft"), ("policy", "policy"))
+        )
+        section(benchmark_label(metrics, benchmark.prefix), benchmark.prefix, rows + gains + cut)
+    warnings = summary.get("warnings") or []
+    lines.append(
+        f"{'hacking warnings':34} {len(warnings) if warnings else int(metrics.get(held + 'hacking_warnings', 0)):8d}"
+    )
+    lines += [f"  ! {w}" for w in warnings]
+    lines += ["", f"MLflow run: {summary['mlflow']}"]
+    if summary.get("registry"):
+        r = summary["registry"]
+        lines.append(
+            f"Registry: {r['model_name']} v{r['version']} is candidate; champion "
+            f"{'-> v' + str(r['version']) if r['promoted'] else 'unchanged'} ({r['reason']})"
+        )
+    return "\n".join(lines)

@@ -4,7 +4,7 @@ MLflow, the temporary Prefect server stops last, one line says how to resume, an
 shell's code for Ctrl-C). A second Ctrl-C exits at once.
 
 The terminal sends Ctrl-C to every process of the foreground group: the temporary server runs in a group of its own
-(`cli._start_temporary_server`) and launched ranks ignore it (`tasks.orchestration.launcher`); the ranks get SIGTERM
+(`deployments.temporary`) and launched ranks ignore it (`tasks.orchestration.launcher`); the ranks get SIGTERM
 from their stage, as under a cancel.
 """
 

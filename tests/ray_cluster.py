@@ -11,7 +11,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,17 +18,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from rlhf_pipeline.tasks.store.resources import free_port
+
 HEAD, SECOND = "127.0.0.2", "127.0.0.3"
 NODES: dict[str, list[int]] = {}
 """The `ray start` processes (one per node) of each cluster started here, by its address."""
 CLIENT = "RLHF_TEST_RAY_CLIENT"
 """The head's Ray Client address (`ray://...`), for a driver on a machine that runs no node of the cluster."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(arguments: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
@@ -75,7 +70,7 @@ def alive_nodes(address: str, env: dict[str, str]) -> int:
 def two_nodes(timeout: float = 120) -> Iterator[dict[str, str]]:
     """The cluster, up with both nodes; yields the environment a driver needs (`RAY_ADDRESS` and the token)."""
     folder = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # short: Ray's socket paths must fit in 107 bytes
-    port, client = _free_port(), _free_port()
+    port, client = free_port(), free_port()
     env = {
         **os.environ,
         "RAY_ADDRESS": f"{HEAD}:{port}",

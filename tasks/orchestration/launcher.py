@@ -18,7 +18,6 @@ import json
 import os
 import selectors
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rlhf_pipeline.tasks.config import ENGINE_DIR, ENGINES, LaunchConfig, Launcher
+from rlhf_pipeline.tasks.store.resources import free_port
 from rlhf_pipeline.tasks.store.secrets import redact
 from rlhf_pipeline.trainers.runtime.failures import PERMANENT
 from rlhf_pipeline.trainers.runtime.progress import emit
@@ -66,14 +66,8 @@ def launch_command(launch: LaunchConfig, spec: Path, launcher: Launcher = "accel
         # A MULTI_CPU config takes accelerate's simple launcher (one process); --multi_gpu with use_cpu inside gives
         # gloo DDP (docs/ARCHITECTURE.md, "Library facts the code relies on", accelerate).
         command += ["--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    command += ["--num_processes", str(processes), "--num_machines", "1", "--main_process_port", str(_free_port())]
+    command += ["--num_processes", str(processes), "--num_machines", "1", "--main_process_port", str(free_port())]
     return [*command, "-m", "rlhf_pipeline.trainers.runtime.rank", str(spec)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_launched(

@@ -7,8 +7,6 @@ from __future__ import annotations
 import contextlib
 from typing import Callable
 
-from rlhf_pipeline.trainers.algorithms.loop import PEAK_GPU
-
 
 @contextlib.contextmanager
 def frozen_heap():
@@ -88,6 +86,8 @@ class PeakMemory:
 
     def figures(self, training: dict | None) -> dict[str, float]:
         """MiB, for the manifest's `resources` and the `<stage>/memory/*` metrics."""
+        from rlhf_pipeline.trainers.algorithms.loop import PEAK_GPU
+
         mib = 2**20
         figures = {"peak_rss_mb": round(self.peak / mib, 1), "rss_before_mb": round(self.before / mib, 1)}
         gpu = (training or {}).get(PEAK_GPU)
@@ -123,3 +123,12 @@ def kill_process(pid: int, log: Callable[[str], None]) -> None:
         log(f"killed child process {pid} ({name}) left by the failed stage")
     except psutil.Error:
         pass  # already gone
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the OS picks it): for a server this project starts."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

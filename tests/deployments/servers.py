@@ -6,7 +6,6 @@ Every process is started here, binds 127.0.0.1 and is stopped by its pid.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,15 +14,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from rlhf_pipeline.deployments.local import stop, wait_until_up
+from rlhf_pipeline.tasks.store.resources import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

@@ -11,9 +11,9 @@ import sys
 import pytest
 
 from rlhf_pipeline.deployments.local import wait_until_up
+from rlhf_pipeline.tasks.store.resources import free_port
 from rlhf_pipeline.tasks.tracking import client as tracking
 from tests.browser import alive, chromium
-from tests.deployments.servers import free_port
 
 pytestmark = pytest.mark.e2e  # a server and a browser: tens of seconds
 STAGES = ("data", "sft", "rm", "dpo", "eval")

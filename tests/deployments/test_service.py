@@ -17,13 +17,13 @@ import pytest
 from rlhf_pipeline.deployments.env import WORKER_ENV
 from rlhf_pipeline.deployments.local import wait_until_up
 from rlhf_pipeline.tasks.stages import ALGORITHMS
+from rlhf_pipeline.tasks.store.resources import free_port
 from tests.deployments.servers import (
     ROOT,
     api_client,
     children,
     deployment,
     explain,
-    free_port,
     running_service,
     wait_for,
 )

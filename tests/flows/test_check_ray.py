@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from rlhf_pipeline.check import LOCAL_CLUSTER, LOCAL_NODE
+from rlhf_pipeline.tasks.store.resources import free_port
 from tests import ray_cluster
 from tests.flows.test_check import check, memory, table
 
@@ -115,7 +116,7 @@ def test_without_an_address_it_describes_this_machine_as_the_local_cluster_and_s
 
 
 def test_an_address_nothing_answers_at_fails_naming_it(capsys):
-    address = f"127.0.0.9:{ray_cluster._free_port()}"
+    address = f"127.0.0.9:{free_port()}"
     code, out = check(capsys, *RAY, f"launch.ray_address={address}", config="tiny")
     assert code == 1
     assert f"Ray cluster at {address}: cannot be reached: {address} does not answer" in out

@@ -154,7 +154,7 @@ def test_rlhf_run_creates_prefect_home_state_and_tracking_folders_that_do_not_ex
 
 
 def test_the_closing_table_shows_figures_with_and_without_intervals_and_names_the_benchmark_samples():
-    from rlhf_pipeline.cli import closing_table
+    from rlhf_pipeline.console import closing_table
 
     held, ifeval = "eval/heldout/", "eval/ifeval/"
     metrics = {

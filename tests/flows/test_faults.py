@@ -113,7 +113,7 @@ def test_a_stage_that_times_out_fails_and_kills_its_child_processes(prefect, tmp
 
 
 def test_an_unreachable_mlflow_server_fails_the_run_at_its_start_naming_the_uri(prefect, state, monkeypatch):
-    from tests.deployments.test_service import free_port
+    from rlhf_pipeline.tasks.store.resources import free_port
     from tests.flows.helpers import task_states
 
     uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there

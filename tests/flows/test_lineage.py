@@ -9,9 +9,9 @@ import shutil
 
 import pytest
 
+from rlhf_pipeline.tasks.store.resources import free_port
 from rlhf_pipeline.tasks.tracking import client as tracking
 from tests import mlflow_server
-from tests.deployments.servers import free_port
 from tests.flows.helpers import run
 
 pytestmark = pytest.mark.e2e  # a pipeline run against a real tracking server

@@ -86,7 +86,7 @@ def test_smoke_grpo_from_the_chat_model_on_the_instruction_task(prefect, state, 
     assert "eval/heldout/base_if_prompt_strict" not in metrics, "the start is the base model: one row, not two"
     assert any(name.startswith("eval/heldout/if_family/policy/") for name in metrics)
     assert summary["registry"]["version"]
-    from rlhf_pipeline.cli import closing_table
+    from rlhf_pipeline.console import closing_table
 
     table = closing_table(summary)
     assert "IFBench (4 of 294, seed 0, 4 of 56 instruction ids; 6 left out" in table, table

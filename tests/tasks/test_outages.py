@@ -6,12 +6,12 @@ import logging
 import re
 
 from rlhf_pipeline.tasks.store.artifacts import ArtifactRef, RunContext
+from rlhf_pipeline.tasks.store.resources import free_port
 from rlhf_pipeline.tasks.tracking import client as tracking
 from rlhf_pipeline.tasks.training import train_stage
 from rlhf_pipeline.trainers.algorithms.sft import SftConfig
 from rlhf_pipeline.trainers.config import CallbackSpec
 from tests import mlflow_server
-from tests.deployments.servers import free_port
 from tests.helpers import FAST, SMALL_MODEL, write_data_dir
 
 
