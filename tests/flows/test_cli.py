@@ -66,14 +66,14 @@ def test_a_model_folder_no_stage_wrote_is_evaluated_through_a_link_keyed_by_its_
 
 
 def test_rlhf_run_with_invalid_parameters_exits_2_with_garbage_collection_on_again(capsys, monkeypatch):
-    """`rlhf run` turns the garbage collector off while it imports (cli._settle_heap): every way out turns it on."""
+    """`rlhf run` turns the garbage collector off while it imports (startup.settle_heap): every way out turns it on."""
     import gc
 
-    from rlhf_pipeline import cli
+    from rlhf_pipeline import startup
 
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # no temporary server for parameters that fail
     # No console bars: their handler would outlive the test, writing to pytest's captured (then closed) stderr.
-    monkeypatch.setattr(cli, "_console", lambda args: None)
+    monkeypatch.setattr(startup, "console", lambda args: None)
     assert gc.isenabled()
     assert main(["run", "--set", "sft.max_steps=-1"]) == 2
     assert "invalid parameters" in capsys.readouterr().err

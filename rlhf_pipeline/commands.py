@@ -1,0 +1,159 @@
+"""What each `rlhf` command does once its arguments are parsed (rlhf_pipeline/cli.py parses and dispatches)."""
+
+from __future__ import annotations
+
+import sys
+
+from pydantic import ValidationError
+
+from rlhf_pipeline import startup
+from rlhf_pipeline.deployments import temporary
+from rlhf_pipeline.interrupt import stop_on_ctrl_c
+from rlhf_pipeline.tasks.store.secrets import redact_text
+
+
+def run(args) -> int:
+    """`rlhf run` and `rlhf params`: the parameters resolved, then printed, or the flow run with them. The temporary
+    server comes up while the parameters load."""
+    import gc
+    import json
+
+    if args.command == "run":
+        startup.console(args)
+        gc.disable()  # until the imports are done (startup.settle_heap)
+        temporary.start()
+        startup.warm_up_imports()
+    try:
+        from rlhf_pipeline.flows.params import load_params
+
+        try:
+            params = load_params(args.config, args.overrides, **({"no_cache": True} if args.no_cache else {}))
+        except (ValidationError, ValueError) as exc:
+            temporary.stop()  # started for nothing
+            print(f"rlhf: invalid parameters:\n{redact_text(str(exc))}", file=sys.stderr)
+            return 2
+        if args.command == "params" and args.plan:
+            from rlhf_pipeline.flows.plan import describe, plan
+
+            print(describe(plan(params)))
+            return 0
+        if args.command == "params":
+            from rlhf_pipeline.tasks.store.secrets import redact
+
+            print(json.dumps(redact(params.model_dump(mode="json")), indent=2))
+            return 0
+        from rlhf_pipeline.flows.rlhf import rlhf
+
+        temporary.wait()
+        startup.settle_heap()
+        with stop_on_ctrl_c(temporary.stop):
+            summary = rlhf(**dict(params))
+    finally:
+        startup.settle_heap()
+    startup.report(summary)
+    return 0
+
+
+def serve(args) -> int:
+    """`rlhf serve`: the deployments, served until stopped."""
+    from rlhf_pipeline.deployments.serve import RETRAIN_CRON, serve
+
+    serve(args.config, args.retrain_cron or RETRAIN_CRON, args.retrain_overrides, args.retrain_collision)
+    return 0
+
+
+def deploy(args) -> int:
+    """`rlhf deploy`: the same deployments registered on a work pool."""
+    from rlhf_pipeline.deployments.serve import RETRAIN_CRON, deploy
+
+    try:
+        cron = args.retrain_cron or RETRAIN_CRON
+        names = deploy(args.pool, args.config, cron, args.retrain_overrides, args.retrain_collision)
+    except (ValidationError, ValueError) as exc:
+        print(f"rlhf deploy: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"registered on work pool {args.pool!r}: {', '.join(names)} (start a worker: prefect worker start --pool "
+        f"{args.pool})"
+    )
+    return 0
+
+
+def evaluate(args) -> int:
+    from rlhf_pipeline.flows.evaluate import EvalParams, rlhf_eval
+    from rlhf_pipeline.flows.params import apply_overrides
+    from rlhf_pipeline.tasks.tracking.resolve import check_model_exists
+
+    values = apply_overrides({"policy": args.policy, "sft_model": args.sft, "reward_model": args.rm}, args.overrides)
+    try:
+        params = EvalParams.model_validate(values)
+    except (ValidationError, ValueError) as exc:
+        print(f"rlhf: invalid parameters:\n{redact_text(str(exc))}", file=sys.stderr)
+        return 2
+    try:
+        for role, source in (("policy", params.policy), ("sft", params.sft_model), ("reward", params.reward_model)):
+            if source:  # before any server starts: a missing model is said in seconds
+                check_model_exists(source, role)
+    except ValueError as exc:
+        print(f"rlhf eval: {redact_text(str(exc))}", file=sys.stderr)
+        return 2
+    startup.console(args)
+    temporary.start()
+    startup.warm_up_imports()
+    temporary.wait()
+    with stop_on_ctrl_c(temporary.stop):
+        summary = rlhf_eval(**dict(params))
+    startup.report(summary)
+    return 0
+
+
+def label(args) -> int:
+    """`rlhf label`: the labels of a file and of PAIR=LABEL items, sent to the waiting run."""
+    from pathlib import Path
+
+    from rlhf_pipeline.tasks.pairs import read_labels_file
+    from rlhf_pipeline.tasks.people import resume_with_labels
+    from rlhf_pipeline.trainers.pairs.stage import LABELS
+
+    labels: dict[int, str] = {}
+    if args.file:
+        labels |= {k: v for k, v in read_labels_file(Path(args.file), 1 << 30).items() if v is not None}
+    for item in args.labels:
+        pair, _, label = item.partition("=")
+        if not pair.isdigit() or label not in LABELS:
+            print(f"rlhf label: {item!r}: expected PAIR=LABEL with LABEL one of {', '.join(LABELS)}", file=sys.stderr)
+            return 2
+        labels[int(pair)] = label
+    resume_with_labels(args.flow_run_id, labels, finish=not args.more)
+    print(f"flow run {args.flow_run_id} resumed with {len(labels)} labels")
+    return 0
+
+
+def export(args) -> int:
+    """`rlhf export`: the model in Hub layout (weights, tokenizer, generation config, card with held-out metrics)."""
+    from pathlib import Path
+
+    from rlhf_pipeline.tasks.tracking.cards import export
+
+    try:
+        export(args.model, Path(args.out))
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    return 0
+
+
+def collect(args) -> int:
+    """`rlhf gc`: what no registered version, live run or recent run uses, listed or removed."""
+    dry_run, keep_runs = args.dry_run, args.keep_runs
+    from rlhf_pipeline.tasks.tracking import client as tracking
+    from rlhf_pipeline.tasks.tracking import gc
+
+    doomed = gc.collect(keep_runs)
+    total = sum(item.bytes for item in doomed)
+    for item in doomed:
+        print(f"{item.bytes / 1e6:9.1f} MB  {item.path}  ({item.why})")
+    verb = "would free" if dry_run else "freed"
+    freed = total if dry_run else gc.remove(doomed)
+    print(f"rlhf gc: {len(doomed)} paths under {tracking.state_dir()}; {verb} {freed / 1e6:.1f} MB")
+    return 0
