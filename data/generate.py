@@ -3,7 +3,7 @@
     python -m rlhf_pipeline.data.generate     # rewrites data/sort/*.jsonl
 
 The task is chosen so that alignment has something to fix, as in real RLHF
-(measured designs: docs/ARCHITECTURE.md, "Library facts the code relies on",
+(measured designs: docs/LIBRARY-FACTS.md,
 "The bundled task: measured designs"):
 
 * SFT demonstrations carry a *systematic* mistake tied to a prompt feature:

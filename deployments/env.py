@@ -3,7 +3,7 @@ deployments (`rlhf deploy`, checked against prefect.yaml by a test)."""
 
 WORKER_ENV = {
     # Library logs (and our progress lines, logger `trainers`) reach the Prefect UI only when named here
-    # (docs/ARCHITECTURE.md, "Library facts the code relies on", Prefect).
+    # (docs/LIBRARY-FACTS.md, Prefect).
     "PREFECT_LOGGING_EXTRA_LOGGERS": "transformers,trl,peft,accelerate,rlhf_pipeline",
     "HF_HUB_DISABLE_TELEMETRY": "1",
     "MLFLOW_DISABLE_TELEMETRY": "true",

@@ -64,7 +64,7 @@ def launch_command(launch: LaunchConfig, spec: Path, launcher: Launcher = "accel
         command += ["--config_file", str(config)]
     else:
         # A MULTI_CPU config takes accelerate's simple launcher (one process); --multi_gpu with use_cpu inside gives
-        # gloo DDP (docs/ARCHITECTURE.md, "Library facts the code relies on", accelerate).
+        # gloo DDP (docs/LIBRARY-FACTS.md, accelerate).
         command += ["--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no"]
     command += ["--num_processes", str(processes), "--num_machines", "1", "--main_process_port", str(free_port())]
     return [*command, "-m", "rlhf_pipeline.trainers.runtime.rank", str(spec)]

@@ -35,7 +35,7 @@ def state_dir() -> Path:
 
 
 def tracking_uri() -> str:
-    # The file store refuses writes in MLflow 3.17 (docs/ARCHITECTURE.md, "Library facts the code relies on", MLflow):
+    # The file store refuses writes in MLflow 3.17 (docs/LIBRARY-FACTS.md, MLflow):
     # default to SQLite.
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{state_dir() / 'mlflow.db'}"
 

@@ -192,7 +192,7 @@ class TrainingFields(AttentionField):
             "bf16": bf16,
             "use_cpu": not cuda,
             # TRL turns checkpointing on by default; it made tiny SFT ~47% slower, so it is the block's choice
-            # (docs/ARCHITECTURE.md, "Library facts the code relies on", TRL and transformers).
+            # (docs/LIBRARY-FACTS.md, TRL and transformers).
             # `activation_checkpointing` is transformers 5's name for `gradient_checkpointing`; non-reentrant
             # checkpointing needs no input that requires grad (LoRA's frozen embeddings) and works under DDP.
             "activation_checkpointing": self.gradient_checkpointing,

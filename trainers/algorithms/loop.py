@@ -21,7 +21,7 @@ from rlhf_pipeline.trainers.runtime.stopping import TERMINATING, Terminated, che
 def match_cpu_threads() -> int:
     """torch's CPU threads set to the cores this process may use (its affinity: a container's or a launcher's
     share), not the machine's: more threads than cores oversubscribe them, and every thread then waits on the others
-    (docs/ARCHITECTURE.md, "Library facts the code relies on", This machine). Returns the count."""
+    (docs/LIBRARY-FACTS.md, This machine). Returns the count."""
     import torch
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

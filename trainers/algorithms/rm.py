@@ -183,7 +183,7 @@ def _train_one(
         trainer.evaluate()  # logs rm/eval/accuracy through the callback and into log_history
         metrics = final_train_metrics("rm", trainer)
     # GRPO/RLOO load a reward model by path together with its tokenizer
-    # (docs/ARCHITECTURE.md, "Library facts the code relies on", TRL and transformers).
+    # (docs/LIBRARY-FACTS.md, TRL and transformers).
     save_on_main(trainer, tokenizer, out_dir / "model", keep_adapter=cfg.lora.keep_adapter)
     return metrics
 

@@ -21,7 +21,7 @@ ROLES = ("system", "user", "assistant", "tool")
 accept these."""
 
 # Assistant turns end with EOS: TRL adds no EOS to conversational rows
-# (docs/ARCHITECTURE.md, "Library facts the code relies on", TRL and transformers),
+# (docs/LIBRARY-FACTS.md, TRL and transformers),
 # and generation must stop there. {% generation %} marks the tokens that
 # `assistant_only_loss` trains on.
 CHAT_TEMPLATE = (

@@ -65,7 +65,7 @@ def main(argv: list[str]) -> int:
     stage = os.environ.get("RLHF_STAGE", "stage")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no phoning home from a training job
     address = args.address or os.environ.get("RAY_ADDRESS") or None
-    if not address:  # Ray's servers on the loopback interface only (docs/ARCHITECTURE.md, "Library facts": Ray)
+    if not address:  # Ray's servers on the loopback interface only (docs/LIBRARY-FACTS.md, Ray)
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
     import ray
