@@ -40,7 +40,7 @@ os.environ.update(
         "DO_NOT_TRACK": "1",
         "TOKENIZERS_PARALLELISM": "false",
         # The suite is this worker's operator: its own modules (tests.user_code, my_rewards, ...) may be imported by
-        # the runs it starts; tests/flows/test_trust.py unsets it to see the refusal.
+        # the runs it starts; tests/scenarios/test_trust.py unsets it to see the refusal.
         "RLHF_ALLOWED_IMPORTS": "*",
     }
 )
@@ -52,7 +52,7 @@ def prefect():
     """One Prefect test server for every test of the session that runs flows (starting one takes seconds). One, not
     one per folder: Prefect's events worker, which carries task runs' states to the server, is one per process and
     keeps the API it started with, so a second server nested in the session would receive the first's task runs.
-    (tests/tasks/test_events.py keeps its own, and drains that worker before and after.)"""
+    (tests/tasks/orchestration/test_events.py keeps its own, and drains that worker before and after.)"""
     from prefect.testing.utilities import prefect_test_harness
 
     with prefect_test_harness(server_startup_timeout=120):
@@ -62,6 +62,16 @@ def prefect():
 @pytest.fixture(scope="session")
 def state_dir() -> Path:
     return _STATE
+
+
+@pytest.fixture
+def state(tmp_path, monkeypatch):
+    """Artifacts of each run-level test (flows, scenarios, the application) in its own folder (MLflow stays in the
+    session database)."""
+    from rlhf_pipeline.tasks.tracking import client as tracking
+
+    monkeypatch.setenv(tracking.STATE_ENV, str(tmp_path / "state"))
+    return tmp_path / "state"
 
 
 @pytest.fixture(scope="session")

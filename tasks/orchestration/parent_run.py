@@ -74,7 +74,7 @@ class PipelineRun:
 class _ThreadTimeoutWarning(logging.Filter):
     """Prefect 3.9.1 warns, for every task with `timeout_seconds` that runs in a worker thread, that the timeout cannot
     interrupt a blocking call. Every stage has one (`retry.timeout_seconds`) and runs in a worker thread; the timeout
-    reaches it between training steps, and the launcher polls its ranks every 0.5 s (tests/flows/test_faults.py), so
+    reaches it between training steps, and the launcher polls its ranks every 0.5 s (tests/scenarios/test_faults.py), so
     the warning, on every stage of every run, says nothing that applies here."""
 
     def filter(self, record: logging.LogRecord) -> bool:

@@ -178,7 +178,7 @@ def test_data_event_starts_a_retrain_a_second_one_waits_and_the_registry_announc
     assert promoted.payload["mlflow_run_id"] == parents[0].info.run_id
     assert promoted.payload["reason"] == "no champion yet: the first version becomes champion"
     # No champion to compare with the first time, and the champion itself the second: the gate metric went unmeasured
-    # (tests/tasks/test_events.py checks the metrics a measured gate sends).
+    # (tests/tasks/orchestration/test_events.py checks the metrics a measured gate sends).
     gate = promoted.payload["gate_metric"]
     assert gate.startswith("eval/heldout/") and gate not in parents[0].data.metrics | parents[1].data.metrics
     assert promoted.payload["metrics"] == again.payload["metrics"] == {}

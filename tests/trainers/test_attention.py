@@ -15,12 +15,12 @@ from rlhf_pipeline.trainers.attention import device_problem
 from rlhf_pipeline.trainers.config import CallbackSpec
 from rlhf_pipeline.trainers.ppo import train as ppo
 from tests.helpers import CI_PRESET, FAST, SMALL_MODEL, write_data_dir
-from tests.trainers.test_ppo import (
+from tests.trainers.algorithms.test_sft import losses_and_record
+from tests.trainers.ppo.test_train import (
     EXACT_MATCH,
     tiny,  # noqa: F401 (the fixture)
 )
-from tests.trainers.test_ppo import FAST as PPO_FAST
-from tests.trainers.test_sft import losses_and_record
+from tests.trainers.ppo.test_train import FAST as PPO_FAST
 
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="asserts what this CPU-only machine refuses")
 

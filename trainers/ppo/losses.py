@@ -2,7 +2,7 @@
 trainer contract"; the loop is `trainers.ppo.train`). PPO: Schulman et al. 2017; GAE: Schulman et al. 2016; InstructGPT:
 Ouyang et al. 2022; N+: Huang et al. 2024, "The N+ Implementation Details of RLHF with PPO"; k3: Schulman 2020,
 "Approximating KL divergence" (http://joschu.net/blog/kl-approx.html). Tested against hand-worked values
-(tests/trainers/test_ppo_math.py).
+(tests/trainers/ppo/test_losses.py).
 """
 
 from __future__ import annotations

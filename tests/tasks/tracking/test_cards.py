@@ -1,5 +1,5 @@
 """Model cards (`tasks.tracking.cards`): what a stage's card names, that it is the same for identical builds, and the
-export's Hub layout, card with intervals, and refusals. End to end, on a real run: tests/flows/test_export.py."""
+export's Hub layout, card with intervals, and refusals. End to end, on a real run: tests/scenarios/test_export.py."""
 
 from __future__ import annotations
 

@@ -50,7 +50,7 @@ def _items(n_long: int, n_short: int, n_same: int = 0):
 
 
 def test_function_judge_win_rate_has_an_interval_that_narrows_with_more_items():
-    judge = load_judge(JudgeConfig(path="tests.trainers.test_judges:longer_is_better"))
+    judge = load_judge(JudgeConfig(path="tests.trainers.rewards.test_judges:longer_is_better"))
     seen = []
     spy = lambda p, a, b: seen.extend(zip(a, b)) or judge(p, a, b)
 
@@ -193,7 +193,7 @@ def test_templates_and_paths_are_checked_with_the_config():
     with pytest.raises(ValidationError, match="neither"):
         JudgeConfig(path="not a model")
     with pytest.raises(ValidationError, match="only apply to an LM judge"):
-        JudgeConfig(path="tests.trainers.test_judges:longer_is_better", revision="main")
+        JudgeConfig(path="tests.trainers.rewards.test_judges:longer_is_better", revision="main")
     assert [name for name, field in JudgeConfig.model_fields.items() if not field.description] == []
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from rlhf_pipeline.tasks import registry
 from tests.flows.helpers import run, task_runs
-from tests.flows.test_online import ONLINE_FAST
+from tests.scenarios.test_online import ONLINE_FAST
 
 STAGE_MODULES = ["rlhf_pipeline.tasks.data", "rlhf_pipeline.tasks.training", "rlhf_pipeline.tasks.eval"]
 NO_WAIT = ["retry.delay_seconds=[0]", "retry.jitter_factor=0"]

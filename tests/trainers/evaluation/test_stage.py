@@ -101,7 +101,7 @@ def test_evaluate_without_reference_answers_reports_what_needs_none_and_a_judge(
     # A different "policy"
     sft.train(sft.SftConfig(max_steps=1, **FAST), SMALL_MODEL, data, tmp_path / "short", tmp_path / "work2")
     cfg = evaluation.EvalConfig(
-        max_new_tokens=8, num_samples_logged=30, judge={"path": "tests.trainers.test_eval:longer_is_better"}
+        max_new_tokens=8, num_samples_logged=30, judge={"path": "tests.trainers.evaluation.test_stage:longer_is_better"}
     )
     metrics = evaluation.evaluate(
         cfg, SMALL_MODEL, tmp_path / "sft" / "model", tmp_path / "short" / "model", None, data, tmp_path / "out", "dpo"

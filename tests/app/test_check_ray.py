@@ -14,7 +14,7 @@ import pytest
 from rlhf_pipeline.check import LOCAL_CLUSTER, LOCAL_NODE
 from rlhf_pipeline.tasks.store.resources import free_port
 from tests import ray_cluster
-from tests.flows.test_check import check, memory, table
+from tests.app.test_check import check, memory, table
 
 pytestmark = pytest.mark.e2e  # a Ray cluster of two nodes and a check of the tiny preset per test: ~80 s in all
 

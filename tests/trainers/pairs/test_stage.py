@@ -89,11 +89,11 @@ def test_nothing_kept_fails_naming_why_and_publishes_nothing(tmp_path, data_dir)
 def test_a_judge_is_asked_both_orders_and_position_bias_alone_makes_no_pair(tmp_path, data_dir):
     samples = write_samples(tmp_path / "samples", [ROWS[0], ROWS[2]])
     biased = made.PairsConfig(
-        enabled=True, labeller="judge", judge=JudgeConfig(path="tests.trainers.test_pairs:first_always")
+        enabled=True, labeller="judge", judge=JudgeConfig(path="tests.trainers.pairs.test_stage:first_always")
     )
     with pytest.raises(ValueError, match="kept no pair"):
         made.label(biased, samples, data_dir, tmp_path / "biased")
-    fair = biased.model_copy(update={"judge": JudgeConfig(path="tests.trainers.test_pairs:longer")})
+    fair = biased.model_copy(update={"judge": JudgeConfig(path="tests.trainers.pairs.test_stage:longer")})
     metrics = made.label(fair, samples, data_dir, tmp_path / "fair")
     # "12" ties "21" and beats "1": its mean win (0.75 over two games) tops "21"'s (2/3 over three).
     assert [(p["chosen"], p["rejected"]) for p in made.read_pairs(tmp_path / "fair")] == [("12", "1"), ("54", "5")]

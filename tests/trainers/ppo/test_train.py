@@ -248,10 +248,12 @@ def test_resume_after_a_crash_matches_an_unbroken_run(tiny, tmp_path):
 
 def test_a_broken_reward_function_fails_before_training(tiny, tmp_path):
     rewards = RewardsConfig(
-        reward_model_weight=0, functions=[RewardFunctionSpec(path="tests.trainers.test_ppo:short_reward")]
+        reward_model_weight=0, functions=[RewardFunctionSpec(path="tests.trainers.ppo.test_train:short_reward")]
     )
     logged: list[int] = []
-    with pytest.raises(ValueError, match=r"'tests.trainers.test_ppo:short_reward' returned 3 scores for 4 completions"):
+    with pytest.raises(
+        ValueError, match=r"'tests.trainers.ppo.test_train:short_reward' returned 3 scores for 4 completions"
+    ):
         ppo.train(
             ppo.PpoConfig(**FAST),
             rewards,
