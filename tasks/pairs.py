@@ -90,7 +90,7 @@ def make_pairs(
     if config.labeller == "people":
         labels, awaiting = _people_labels(config, ctx, samples.ref, fingerprints)
         if awaiting:
-            return StageOutcome(ref=samples.ref, cached=samples.cached, metrics=samples.metrics, awaiting=awaiting)
+            return StageOutcome(samples.ref, "awaiting", samples.metrics, labels_store=awaiting)
     # The given pairs when they are trained on too; the held-out ones the labeller's agreement is measured on.
     inputs = {
         "samples": samples.ref,

@@ -136,7 +136,7 @@ def train_stage(
         record=MLFLOW,
         holder=lock_holder(),
     )
-    return dataclasses.replace(outcome, skipped=True) if switched_off else outcome
+    return dataclasses.replace(outcome, state="skipped") if switched_off else outcome
 
 
 def with_made_pairs(data_dir: Path, pairs_dir: Path, work_dir: Path) -> Path:

@@ -173,6 +173,14 @@ def is_permanent(exc: BaseException) -> bool:
     )
 
 
+SHOWN = {
+    "awaiting": ("AwaitingLabels", "samples published, labels awaited"),
+    "skipped": ("Skipped", "switched off"),
+    "cached": ("Cached", "manifest found"),
+}
+"""The Prefect state a stage's task ends in (name, message) when it built nothing now."""
+
+
 def stage_task(stage: str):
     """Make `fn(...) -> StageOutcome` a Prefect task named after the stage, with the default RetryConfig
     (a flow applies the run's own with `retrying(params.retry)`).
@@ -191,17 +199,10 @@ def stage_task(stage: str):
         def run(*args, **kwargs) -> ArtifactRef:
             outcome = fn(*args, **kwargs)
             _link_mlflow_run(stage, outcome.mlflow_run_id)
-            if outcome.awaiting:
-                return Completed(
-                    data=outcome.ref,
-                    name="AwaitingLabels",
-                    message=f"samples published, labels awaited: {outcome.ref.uri}",
-                )
-            if outcome.skipped:
-                return Completed(data=outcome.ref, name="Skipped", message=f"switched off: {outcome.ref.uri}")
-            if outcome.cached:
-                return Completed(data=outcome.ref, name="Cached", message=f"manifest found: {outcome.ref.uri}")
-            return outcome.ref
+            if outcome.state == "built":
+                return outcome.ref
+            name, why = SHOWN[outcome.state]
+            return Completed(data=outcome.ref, name=name, message=f"{why}: {outcome.ref.uri}")
 
         return task(
             name=stage,

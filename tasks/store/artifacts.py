@@ -12,7 +12,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -72,14 +72,17 @@ class RunContext(BaseModel):
 @dataclass(frozen=True)
 class StageOutcome:
     ref: ArtifactRef
-    cached: bool
+    state: Literal["built", "cached", "skipped", "awaiting"]
+    """How the stage ended: built now, reused from the cache, switched off (its artifact holds its input unchanged:
+    sft's, the base model), or awaiting people's labels (`pairs` with labeller=people: `ref` is the samples artifact,
+    `labels_store` where the labels go)."""
     metrics: dict[str, float]
     mlflow_run_id: str = ""
-    skipped: bool = False
-    """The stage was switched off: its artifact holds its input unchanged (sft's: the base model)."""
-    awaiting: str = ""
-    """People's labels are awaited (`pairs` with labeller=people): the labels store they go into; `ref` is the
-    samples artifact."""
+    labels_store: str = ""
+
+    @property
+    def cached(self) -> bool:
+        return self.state == "cached"
 
 
 Build = Callable[[Path, Path, LogMetrics], dict[str, float]]

@@ -207,7 +207,7 @@ def _reuse(entry: Entry, record: Recorder, log: Log) -> StageOutcome:
     ref = ref.model_copy(update={"digest": manifest["digest"], "parts": manifest.get("parts", {})})
     metrics = {**manifest["metrics"], **resource_metrics(entry.stage, manifest.get("resources", {}))}
     run_id = record.cached(entry, manifest["mlflow_run_id"], read_history(entry.final), metrics, log)
-    return StageOutcome(ref, cached=True, metrics=metrics, mlflow_run_id=run_id)
+    return StageOutcome(ref, "cached", metrics, mlflow_run_id=run_id)
 
 
 def _build(
@@ -282,7 +282,7 @@ def _build(
     )
     shutil.rmtree(work_dir, ignore_errors=True)  # checkpoints are only a resume source
     log(f"{stage}: done in {resources['seconds']:.1f}s -> {entry.final}")
-    return StageOutcome(ref, cached=False, metrics=metrics, mlflow_run_id=run_id)
+    return StageOutcome(ref, "built", metrics, mlflow_run_id=run_id)
 
 
 def _manifest(
