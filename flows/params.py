@@ -70,7 +70,7 @@ class RunSettings(StrictModel):
         held-out gold metric of eval that the stage's probes score and keep_best chooses by (empty where the stage
         does not probe, so eval's gold metric keys only the stages that use it)."""
         if block == "gold":
-            probes = getattr(self.config(stage), "evaluates", False)
+            probes = self.config(stage).evaluates
             return GoldMetric(function=self.config("eval").gold_metric if probes else None)
         return getattr(self, block)
 

@@ -225,7 +225,7 @@ def held_models(params, stage: str) -> list:
     cfg = params.config(stage)
     if stage == "pairs":  # planned for feedback rounds even when the first round's pairs are off
         return list(BY_NAME[stage].holds)
-    if not getattr(cfg, "enabled", True):  # switched off (sft): it loads the base model and saves it, untrained
+    if cfg.switched_off():  # switched off (sft): it loads the base model and saves it, untrained
         return [Held("base model, saved untrained (switched off)", classifier=False, trained=False)]
     lora = getattr(cfg, "lora", None)
     lora = lora if lora is not None and lora.enabled else None

@@ -229,7 +229,7 @@ ALGORITHMS: tuple[str, ...] = tuple(stage.name for stage in STAGES if stage.algo
 def reads(stage: str, config: StageConfig) -> tuple[str, ...]:
     """The datasets `stage` reads with this config: the row's, and the held-out ones it evaluates on while training;
     none when the stage is switched off (`sft.enabled: false`)."""
-    if not getattr(config, "enabled", True):
+    if config.switched_off():
         return ()
     return (*BY_NAME[stage].reads, *(name for name in config.held_out() if name not in BY_NAME[stage].reads))
 

@@ -106,7 +106,7 @@ def train_stage(
             return run_launched(stage, row.code.__name__, arguments, work_dir, log_metrics, prefect_log, ctx.launch)
         return row.code.train(**arguments, log_metrics=log_metrics)
 
-    switched_off = not getattr(config, "enabled", True)
+    switched_off = config.switched_off()
     keyed = {
         # Switched off, the stage's training settings change nothing it writes.
         stage: {"enabled": False} if switched_off else config.model_dump(mode="json"),

@@ -48,6 +48,10 @@ class StageConfig(Block):
         """Datasets of the `data` stage it reads only to evaluate."""
         return ()
 
+    def switched_off(self) -> bool:
+        """A stage that builds nothing of its own: its artifact holds its input unchanged (sft's `enabled`)."""
+        return False
+
     def data_hint(self, dataset: str) -> str:
         """What the error adds when `dataset`, which it reads, is not named in the data block."""
         return ""

@@ -71,6 +71,9 @@ class SftConfig(EvalDuringTraining, TrainingConfig):
     def held_out(self) -> tuple[str, ...]:
         return ("sft_eval",) if self.enabled and self.evaluates and self.eval_split is None else ()
 
+    def switched_off(self) -> bool:
+        return not self.enabled
+
     def data_hint(self, dataset: str) -> str:
         if dataset == "sft_eval":
             return " or sft.eval_split (e.g. 0.05) to hold out a share of the demonstrations"

@@ -153,11 +153,6 @@ class PpoFields(AttentionField):
 
         check_precision_fields(self.bf16, self.fp16)
         check_optimizer_name(self.optim, "adamw_torch")
-        factory = getattr(self, "optimizer_factory", None)  # PpoConfig's (Customisation)
-        if self.optim != "adamw_torch" and factory:
-            raise ValueError(
-                f"optim={self.optim!r} and optimizer_factory={factory!r} both choose the optimizer: set one"
-            )
         batch, minis = self.rollout_batch_size, self.num_mini_batches
         if batch % minis:
             raise ValueError(
@@ -192,3 +187,12 @@ class PpoFields(AttentionField):
 
 class PpoConfig(Customisation, ProbeFields, PpoFields):
     """Our PPO's fields (`PpoFields`), then the user's own optimizer and callbacks, as in every stage."""
+
+    @model_validator(mode="after")
+    def _one_optimizer(self):
+        if self.optim != "adamw_torch" and self.optimizer_factory:
+            raise ValueError(
+                f"optim={self.optim!r} and optimizer_factory={self.optimizer_factory!r} both choose the optimizer: "
+                "set one"
+            )
+        return self
