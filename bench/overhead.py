@@ -84,13 +84,13 @@ def plain(out: Path, overrides: list[str]) -> None:
     trainer.save_model(str(out / "sft"))
     finished("sft")
 
-    cfg = params.rm
+    rm_cfg = params.rm
     model = AutoModelForSequenceClassification.from_pretrained(str(out / "sft"), num_labels=1)
     model.config.pad_token_id = tokenizer.pad_token_id
     args = trl.RewardConfig(
-        **cfg.trl_arguments(out / "rm-work"),
-        max_length=cfg.max_length,
-        center_rewards_coefficient=cfg.center_rewards_coefficient,
+        **rm_cfg.trl_arguments(out / "rm-work"),
+        max_length=rm_cfg.max_length,
+        center_rewards_coefficient=rm_cfg.center_rewards_coefficient,
     )
     trainer = trl.RewardTrainer(
         model=model,
@@ -106,14 +106,14 @@ def plain(out: Path, overrides: list[str]) -> None:
 
     policy = params.algorithm
     if policy == "dpo":  # the default
-        cfg = params.dpo
+        dpo_cfg = params.dpo
         args = trl.DPOConfig(
-            **cfg.trl_arguments(out / "dpo-work"),
-            max_length=cfg.max_length,
-            beta=cfg.beta,
-            loss_type=list(cfg.loss_type),
-            loss_weights=cfg.loss_weights,
-            label_smoothing=cfg.label_smoothing,
+            **dpo_cfg.trl_arguments(out / "dpo-work"),
+            max_length=dpo_cfg.max_length,
+            beta=dpo_cfg.beta,
+            loss_type=list(dpo_cfg.loss_type),
+            loss_weights=dpo_cfg.loss_weights,
+            label_smoothing=dpo_cfg.label_smoothing,
         )
         model = AutoModelForCausalLM.from_pretrained(str(out / "sft"))
         trainer = trl.DPOTrainer(

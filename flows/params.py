@@ -9,16 +9,28 @@ from __future__ import annotations
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, Field, create_model, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from rlhf_pipeline.flows.plan import check_adapter_handoff, pairs_feed, stages
 from rlhf_pipeline.tasks.config import LaunchConfig, RetryConfig
+from rlhf_pipeline.tasks.gate import RegistryConfig
 from rlhf_pipeline.tasks.stages import ALGORITHMS, BY_NAME, STAGES, reads
+from rlhf_pipeline.trainers.algorithms.dpo import DpoConfig
+from rlhf_pipeline.trainers.algorithms.grpo import GrpoConfig
+from rlhf_pipeline.trainers.algorithms.kto import KtoConfig
+from rlhf_pipeline.trainers.algorithms.orpo import OrpoConfig
+from rlhf_pipeline.trainers.algorithms.rloo import RlooConfig
+from rlhf_pipeline.trainers.algorithms.rm import RewardModelConfig
+from rlhf_pipeline.trainers.algorithms.sft import SftConfig
 from rlhf_pipeline.trainers.config import TINY, ModelConfig, StrictModel
+from rlhf_pipeline.trainers.data import DataConfig
+from rlhf_pipeline.trainers.evaluation.stage import EvalConfig
 from rlhf_pipeline.trainers.pairs.feedback import FeedbackConfig
+from rlhf_pipeline.trainers.pairs.stage import PairsConfig
+from rlhf_pipeline.trainers.ppo.config import PpoConfig
 from rlhf_pipeline.trainers.rewards.mix import GoldMetric, RewardsConfig
 
 CONFIG_DIR = Path(str(resources.files("rlhf_pipeline.configs")))  # package data: present in a wheel too
@@ -265,28 +277,28 @@ OPTIONAL_READS = {"eval": ("sft", "preference_eval"), "rm": ("preference_eval",)
 (sft's held-out set is checked by `_held_out_data_given`)."""
 
 
-def _stage_blocks() -> dict[str, Any]:
-    """One field per stage of the table, in its order, with the row's description; `rewards` sits with the online
-    stages."""
-    fields: dict[str, Any] = {}
-    for stage in STAGES:
-        fields[stage.name] = (stage.config, Field(default_factory=stage.config, description=stage.description))
-    return fields
+def _block(name: str):
+    """A stage's block, as the table's row describes it."""
+    row = BY_NAME[name]
+    return Field(default_factory=row.config, description=row.description)
 
 
-if TYPE_CHECKING:  # a type checker cannot run create_model: to it, a stage block is any attribute
+class PipelineParams(RunSettings):
+    """Everything one run of the `rlhf` flow depends on: the run's settings and one block per stage of the table
+    (`tasks.stages.STAGES`, in its order; `tests/flows/test_params.py` checks that they agree)."""
 
-    class PipelineParams(RunSettings):
-        def __getattr__(self, stage: str) -> Any: ...
-
-else:
-    PipelineParams = create_model(
-        "PipelineParams",
-        __base__=RunSettings,
-        __doc__="Everything one run of the `rlhf` flow depends on: the run's settings and one block per stage "
-        "(`tasks.stages.STAGES`).",
-        **_stage_blocks(),
-    )
+    data: DataConfig = _block("data")
+    sft: SftConfig = _block("sft")
+    pairs: PairsConfig = _block("pairs")
+    rm: RewardModelConfig = _block("rm")
+    dpo: DpoConfig = _block("dpo")
+    kto: KtoConfig = _block("kto")
+    orpo: OrpoConfig = _block("orpo")
+    grpo: GrpoConfig = _block("grpo")
+    rloo: RlooConfig = _block("rloo")
+    ppo: PpoConfig = _block("ppo")
+    eval: EvalConfig = _block("eval")
+    registry: RegistryConfig = _block("registry")
 
 
 def parameter_order() -> list[str]:

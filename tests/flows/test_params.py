@@ -235,3 +235,14 @@ def test_eval_gold_metric_reaches_and_keys_only_the_online_stages_that_probe():
     assert probing.setting("gold", "grpo").function.path == "tests.helpers:brevity"
     assert probing.setting("gold", "grpo").code_paths() == ["tests.helpers:brevity"]
     assert probing.setting("rewards", "grpo") is probing.rewards
+
+
+def test_pipeline_params_has_one_typed_block_per_row_of_the_table_in_its_order():
+    from rlhf_pipeline.tasks.stages import STAGES
+
+    blocks = [name for name in PipelineParams.model_fields if name in {stage.name for stage in STAGES}]
+    assert blocks == [stage.name for stage in STAGES]
+    for stage in STAGES:
+        field = PipelineParams.model_fields[stage.name]
+        assert field.annotation is stage.config and field.description == stage.description, stage.name
+        assert isinstance(getattr(PipelineParams(), stage.name), stage.config)
