@@ -45,3 +45,25 @@ def test_no_module_over_600_lines_and_no_function_over_80(module):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 80
     ]
     assert not long
+
+
+def test_every_module_of_a_wing_has_its_test_file_or_its_door_names_the_tests_that_cover_it():
+    import re
+
+    for door in [
+        ROOT / "trainers" / "__init__.py",
+        ROOT / "tasks" / "__init__.py",
+        *(ROOT / "trainers").glob("*/__init__.py"),
+        *(ROOT / "tasks").glob("*/__init__.py"),
+    ]:
+        text = ast.get_docstring(ast.parse(door.read_text())) or ""
+        through = text.partition("Tested through")[2]
+        for cited in re.findall(r"tests/[\w/]+\.py", through):
+            assert (ROOT / cited).is_file(), f"{door.relative_to(ROOT)} cites {cited}, which does not exist"
+        folder = door.parent.relative_to(ROOT)
+        for module in door.parent.glob("*.py"):
+            own = ROOT / "tests" / folder / f"test_{module.name}"
+            if module.name != "__init__.py" and not own.is_file():
+                assert module.name in through, (
+                    f"{folder}/{module.name}: no {own.relative_to(ROOT)}, and its door names none"
+                )
