@@ -263,7 +263,7 @@ class RunSettings(StrictModel):
             return self
         limit = self.model.tiny.max_position_embeddings
         for stage in STAGES:
-            length = getattr(self.config(stage.name), "max_length", None)
+            length = self.config(stage.name).longest_sequence()
             if length is not None and length > limit:
                 raise ValueError(
                     f"{stage.name}.max_length={length} exceeds the tiny model's "

@@ -160,7 +160,7 @@ def check_adapter_handoff(params: RunSettings) -> None:
     if not (sft.enabled and sft.keep_adapter):
         return
     for stage in stages(params):
-        lora = getattr(params.config(stage), "lora", None)
+        lora = params.config(stage).adapters()
         if lora is None or "sft" not in BY_NAME[stage].upstream:
             continue
         if lora.handoff is None:

@@ -227,7 +227,7 @@ def held_models(params, stage: str) -> list:
         return list(BY_NAME[stage].holds)
     if cfg.switched_off():  # switched off (sft): it loads the base model and saves it, untrained
         return [Held("base model, saved untrained (switched off)", classifier=False, trained=False)]
-    lora = getattr(cfg, "lora", None)
+    lora = cfg.adapters()
     lora = lora if lora is not None and lora.enabled else None
     held = []
     for model in BY_NAME[stage].holds:

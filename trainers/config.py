@@ -52,6 +52,14 @@ class StageConfig(Block):
         """A stage that builds nothing of its own: its artifact holds its input unchanged (sft's `enabled`)."""
         return False
 
+    def adapters(self) -> LoraConfig | None:
+        """Its LoRA block, where it trains a model that can take adapters (None: it trains none)."""
+        return None
+
+    def longest_sequence(self) -> int | None:
+        """The longest sequence it feeds a model (its `max_length`), where it sets one."""
+        return None
+
     def data_hint(self, dataset: str) -> str:
         """What the error adds when `dataset`, which it reads, is not named in the data block."""
         return ""
@@ -375,6 +383,9 @@ class EvalDuringTraining(StageConfig):
     @property
     def evaluates(self) -> bool:
         return self.eval_strategy != "no"
+
+    def keeps_best_checkpoint(self) -> bool:
+        return self.load_best_model_at_end
 
     def eval_arguments(self) -> dict[str, Any]:
         """The TrainingArguments of evaluation during training."""

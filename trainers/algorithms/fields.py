@@ -162,6 +162,17 @@ class TrainingFields(AttentionField):
         """The most tokens one row of the datasets this stage reads may take (the data stage checks it)."""
         return self.max_length
 
+    def longest_sequence(self) -> int:
+        return self.max_length
+
+    def adapters(self) -> LoraConfig:
+        return self.lora
+
+    def keeps_best_checkpoint(self) -> bool:
+        """Whether the Trainer publishes its best checkpoint (`load_best_model_at_end`, with evaluation while
+        training), not its last."""
+        return False
+
     def trl_arguments(self, work_dir: Path) -> dict[str, Any]:
         """Keyword arguments shared by every TRL config (SFTConfig, RewardConfig, DPOConfig...)."""
         import torch

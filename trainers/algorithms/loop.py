@@ -134,7 +134,7 @@ def fit(trainer, cfg: TrainingConfig, work_dir: Path, out_dir: Path) -> dict:
             f"stopped by SIGTERM after step {state.global_step} of {state.max_steps}; the next attempt resumes from "
             f"checkpoint-{state.global_step}"
         )
-    best = state.best_model_checkpoint if getattr(cfg, "load_best_model_at_end", False) else None
+    best = state.best_model_checkpoint if cfg.keeps_best_checkpoint() else None
     outcome = {"global_step": state.global_step, "max_steps": state.max_steps}
     if is_main_process(trainer):
         outcome = write_outcome(out_dir, state.global_step, state.max_steps, best, state.best_metric)

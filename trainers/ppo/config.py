@@ -147,6 +147,9 @@ class PpoFields(AttentionField):
         description="LoRA adapters on the policy (peft); the reference is the policy with adapters disabled.",
     )
 
+    def adapters(self) -> LoraConfig:
+        return self.lora
+
     @model_validator(mode="after")
     def _fields_agree(self):
         from rlhf_pipeline.trainers.config import check_optimizer_name, check_precision_fields
