@@ -19,7 +19,6 @@ otherwise.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 import tempfile
@@ -43,17 +42,17 @@ def one_run(algorithm: str, seed: int, state: Path, log: Path) -> dict:
     metrics = json.loads((artifacts["eval"] / "manifest.json").read_text())["metrics"]
     made = json.loads((artifacts["pairs"] / "pairs.json").read_text())["metrics"] if "pairs" in artifacts else {}
     policy = artifacts["dpo" if algorithm == "pairs" else algorithm]
-    return {"seconds": seconds, "metrics": metrics, "pairs": made, "digest": weights_digest(policy / "model")}
+    return {"seconds": seconds, "metrics": metrics, "pairs": made, "digest": weights_digest(policy)}
 
 
-def weights_digest(model: Path) -> str:
-    """sha256 over the published model's files (paths and bytes) but its card: two checkouts that train the policy alike
-    publish the same weights, config and tokenizer. The card (README.md) names the stage key, which hashes the stage's
-    code, so a refactor that moves code changes the card and the artifact's own digest, and nothing else."""
-    digest = hashlib.sha256()
-    for file in sorted(p for p in model.rglob("*") if p.is_file() and p.name != "README.md"):
-        digest.update(file.relative_to(model).as_posix().encode() + b"\0" + file.read_bytes())
-    return digest.hexdigest()
+def weights_digest(policy: Path) -> str:
+    """The content digest of the policy's published model but its card: two checkouts that train the policy alike
+    publish the same weights, config and tokenizer. The card (model/README.md) names the stage key, which hashes the
+    stage's code, so a refactor that moves code changes the card and the artifact's own digest, and nothing else."""
+    from rlhf_pipeline.tasks.artifacts import content_digest
+
+    published = (p for p in (policy / "model").rglob("*") if p.is_file() and p.name != "README.md")
+    return content_digest(policy, tuple(p.relative_to(policy).as_posix() for p in published))
 
 
 def show(algorithm: str, seed: int, found: dict) -> bool:
