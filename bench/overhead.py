@@ -207,22 +207,23 @@ def main(argv: list[str] | None = None) -> int:
     def median(values: list[float]) -> float:
         return statistics.median(values) if values else float("nan")
 
+    def cell(values: list[float]) -> str:
+        """A part's median, or '-' where the side did not run it (ppo under the default algorithm)."""
+        return f"{median(values):9.1f}s" if values else f"{'-':>10}"
+
     print(
         f"\nthe embedded default{'' if args.full else ' at half its training steps (' + ', '.join(HALF) + ')'}; "
         f"{args.rounds} rounds, median [min, max]"
     )
     print(f"{'part':34} {'pipeline':>10} {'plain':>10}")
     for stage in STAGES:
-        print(
-            f"{stage + ' (build)':34} {median(parts['pipeline'].get(stage, [])):9.1f}s "
-            f"{median(parts['plain'].get(stage, [])):9.1f}s"
-        )
+        print(f"{stage + ' (build)':34} {cell(parts['pipeline'].get(stage, []))} {cell(parts['plain'].get(stage, []))}")
     built = [
         sum(parts["pipeline"][s][i] for s in parts["pipeline"] if i < len(parts["pipeline"][s]))
         for i in range(args.rounds)
     ]
     rest = [wall - inside for wall, inside in zip(walls["pipeline"], built)]
-    print(f"{'registry (build)':34} {median(parts['pipeline'].get('registry', [])):9.1f}s {'-':>10}")
+    print(f"{'registry (build)':34} {cell(parts['pipeline'].get('registry', []))} {'-':>10}")
     print(
         f"{'outside the builds':34} {median(rest):9.1f}s {median(parts['plain']['imports']):9.1f}s   (pipeline: "
         "Prefect, MLflow, start-up; plain: imports)"

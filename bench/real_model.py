@@ -111,9 +111,7 @@ def run_smollm2(overrides: list[str], state: Path) -> float:
     log = state.parent / "run.log"
     state.parent.mkdir(parents=True, exist_ok=True)
     print(f"{' '.join(rlhf_command(overrides, 'smollm2'))}\nstate: {state}; log: {log}", flush=True)
-    started = time.perf_counter()
-    rlhf_run(overrides, state, log, "smollm2", RLHF_MODEL_CACHE=str(MODEL_CACHE))
-    return time.perf_counter() - started
+    return rlhf_run(overrides, state, log, "smollm2", RLHF_MODEL_CACHE=str(MODEL_CACHE))[0]
 
 
 def run_or_reuse(overrides: list[str], state: Path) -> float:

@@ -89,9 +89,9 @@ def report(found: dict, wall: float) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prompts", type=int, default=192, help="training prompts sampled (of 2,000)")
+    parser.add_argument("--prompts", type=int, default=512, help="training prompts sampled (of 2,000)")
     parser.add_argument("--samples", type=int, default=4, help="answers per prompt")
-    parser.add_argument("--steps", type=int, default=30, help="DPO steps")
+    parser.add_argument("--steps", type=int, default=36, help="DPO steps (8 pairs each: about one pass)")
     parser.add_argument("--batch", type=int, default=8, help="pairs per DPO step")
     parser.add_argument("--learning-rate", type=float, default=1e-5)
     parser.add_argument("--beta", type=float, default=0.1)
