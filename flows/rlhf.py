@@ -47,12 +47,13 @@ def _rlhf(**blocks) -> dict:
             submit = SUBMIT[BY_NAME[step.stage].builds_with]
             submitting.futures[step.name] = built[step.stage] = submit(step, inputs, submitting)
         policy, report = (submitting.futures[name] for name in last_policy_and_report(steps))
-        published = {stage: future for stage, future in built.items() if BY_NAME[stage].code}  # keyed artifacts
-        registered = [future.result() for stage, future in built.items() if stage not in published]
+        # Results in step order: the first stage that failed raises its own error (those after it never ran).
+        stages = [future.result() for stage, future in built.items() if BY_NAME[stage].code]  # keyed artifacts
+        registered = [future.result() for stage, future in built.items() if not BY_NAME[stage].code]
         return run.finish(
             policy=policy.result(),
             report=report.result(),
-            stages=[future.result() for future in published.values()],
+            stages=stages,
             registered=registered[0] if registered else None,
             # Completed, or Cached where the manifest was there
             states={stage: future.state.name for stage, future in built.items()},

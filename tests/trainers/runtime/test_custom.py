@@ -22,7 +22,7 @@ from rlhf_pipeline.trainers.ppo import train as ppo
 from rlhf_pipeline.trainers.rewards.mix import RewardFunctionSpec, RewardsConfig
 from tests.helpers import FAST, SMALL_MODEL, trainable, unchanged, write_data_dir
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def steps_logged(logged: list[tuple[int, dict]], name: str) -> list[int]:
