@@ -12,6 +12,7 @@ from types import SimpleNamespace
 from prefect import flow, get_run_logger
 from pydantic import Field, field_validator, model_validator
 
+from rlhf_pipeline.flows.ownership import check_owned
 from rlhf_pipeline.flows.params import DEFAULT_PRESET, as_default, described_by, from_flow_parameters, load_params
 from rlhf_pipeline.tasks.config import RetryConfig
 from rlhf_pipeline.tasks.data import validate_data
@@ -68,6 +69,11 @@ class EvalParams(StrictModel):
     @classmethod
     def _known_form(cls, source: str | None) -> str | None:
         return source if source is None else check_model_source(source)
+
+    @model_validator(mode="after")
+    def _owned_by_the_operator(self):
+        check_owned(self)  # files and code: the worker's settings decide (flows/ownership.py)
+        return self
 
     @model_validator(mode="after")
     def _one_tokenizer(self):

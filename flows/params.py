@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
+from rlhf_pipeline.flows.ownership import check_owned
 from rlhf_pipeline.flows.plan import check_adapter_handoff, pairs_feed, stages
-from rlhf_pipeline.tasks.config import LaunchConfig, RetryConfig
+from rlhf_pipeline.tasks.config import LaunchConfig, RetryConfig, check_name
 from rlhf_pipeline.tasks.gate import RegistryConfig
 from rlhf_pipeline.tasks.stages import ALGORITHMS, BY_NAME, STAGES, reads
 from rlhf_pipeline.trainers.algorithms.dpo import DpoConfig
@@ -32,6 +33,7 @@ from rlhf_pipeline.trainers.pairs.feedback import FeedbackConfig
 from rlhf_pipeline.trainers.pairs.stage import PairsConfig
 from rlhf_pipeline.trainers.ppo.config import PpoConfig
 from rlhf_pipeline.trainers.rewards.mix import GoldMetric, RewardsConfig
+from rlhf_pipeline.trainers.runtime.trust import check_path
 
 CONFIG_DIR = Path(str(resources.files("rlhf_pipeline.configs")))  # package data: present in a wheel too
 DEFAULT_PRESET = "tiny"
@@ -54,6 +56,12 @@ class RunSettings(StrictModel):
         "field by field: `-p ppo='{\"kl_coef\": 0.1}'` changes one field of the preset's ppo block.",
     )
     experiment_name: str = Field("rlhf", description="MLflow experiment that holds the runs.")
+
+    @field_validator("experiment_name")
+    @classmethod
+    def _holdable_name(cls, name: str) -> str:
+        return check_name(name, "experiment_name")
+
     no_cache: bool = Field(False, description="Re-run every stage even when its artifact already exists.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="The base model.")
     rewards: RewardsConfig = Field(
@@ -258,6 +266,11 @@ class RunSettings(StrictModel):
         return self.config("registry").resolved(self.eval_metrics())
 
     @model_validator(mode="after")
+    def _owned_by_the_operator(self):
+        check_owned(self)  # clusters, files and code: the worker's settings decide (flows/ownership.py)
+        return self
+
+    @model_validator(mode="after")
     def _fits_tiny_model(self):
         if self.model.name_or_path != TINY:
             return self
@@ -317,6 +330,7 @@ def parameter_order() -> list[str]:
 def preset_path(preset: str) -> Path:
     path = Path(preset)
     if path.suffix in (".yaml", ".yml") and path.is_file():
+        check_path(path, f"preset {preset!r}", (CONFIG_DIR.resolve(),))  # read before the parameters are checked
         return path
     named = CONFIG_DIR / f"{preset}.yaml"
     if not named.is_file():
@@ -330,7 +344,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if "=" not in item:
         raise ValueError(f"--set {item!r}: expected key.path=value, e.g. sft.learning_rate=1e-4")
     key, raw = item.split("=", 1)
-    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else ""
+    return key.strip().split("."), read_yaml(raw, f"--set {item!r}") if raw.strip() else ""
 
 
 def deep_merge(base: dict, override: dict) -> dict:
@@ -347,15 +361,34 @@ def load_params(preset: str | None = DEFAULT_PRESET, overrides: list[str] = (), 
     return PipelineParams.model_validate(deep_merge(apply_overrides(preset_values(preset), overrides), fields))
 
 
-def preset_values(preset: str | None) -> dict[str, Any]:
+def preset_values(preset: str | None, chain: tuple[str, ...] = ()) -> dict[str, Any]:
     """A preset's values; `extends: <preset>` starts from another one, so a preset lists only what it changes."""
-    values = (yaml.safe_load(preset_path(preset).read_text()) if preset else None) or {}
+    if not preset:
+        return {"preset": preset}
+    if preset in chain:
+        raise ValueError(f"preset {preset!r}: {' extends '.join([*chain, preset])}, a cycle")
+    path = preset_path(preset)
+    values = read_yaml(path.read_text(encoding="utf-8", errors="replace"), f"preset {path}") or {}
+    if not isinstance(values, dict):
+        raise ValueError(f"preset {path}: a preset is a mapping of blocks and fields, not a {type(values).__name__}")
     if "extends" in values:
         parent = values.pop("extends")
-        if parent == preset:
-            raise ValueError(f"preset {preset!r} extends itself")
-        values = deep_merge(preset_values(parent), values)
+        if not isinstance(parent, str):
+            raise ValueError(f"preset {path}: extends names one preset, got {parent!r}")
+        values = deep_merge(preset_values(parent, (*chain, preset)), values)
     return {**values, "preset": preset}
+
+
+def read_yaml(text: str, where: str) -> Any:
+    """`text` as YAML's plain data (no tags: nothing is constructed), or ValueError naming `where`, the line and the
+    column."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" line {mark.line + 1} column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ValueError(f"{where}{at}: not valid YAML ({problem})") from None
 
 
 Params = TypeVar("Params", bound=StrictModel)

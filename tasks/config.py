@@ -1,5 +1,6 @@
-"""How stages are run and retried: the `launch` and `retry` blocks of a run's parameters. Config only (fields and their
-checks), so that every layer of tasks/ can read them; what runs them is tasks/orchestration (`launcher`, `stage_task`).
+"""How stages are run and retried: the `launch` and `retry` blocks of a run's parameters, and the names a run gives
+MLflow (`check_name`). Config only (fields and their checks), so that every layer of tasks/ can read them; what runs
+them is tasks/orchestration (`launcher`, `stage_task`).
 """
 
 from __future__ import annotations
@@ -16,11 +17,29 @@ ENGINES = ("ddp", "zero2", "zero3", "fsdp2")
 ENGINE_DIR = Path(str(resources.files("rlhf_pipeline.deployments") / "accelerate"))
 
 
+NAME_BYTES = 200
+"""The longest experiment or registered model name: each becomes a folder name (%-quoted, with a suffix such as a
+version's `v12` or a lock's `.promoting`), and a file system allows 255 bytes."""
+
+
+def check_name(name: str, what: str) -> str:
+    """`name` when MLflow and the state folder can hold it as an experiment's or a registered model's name."""
+    from urllib.parse import quote
+
+    if not name.strip():
+        raise ValueError(f"{what} is empty")
+    if any(char in name for char in "/:"):
+        raise ValueError(f"{what}={name!r}: MLflow names may not hold '/' or ':'")
+    if len(quote(name, safe=" -_").encode()) > NAME_BYTES:
+        raise ValueError(f"{what} is {len(name)} characters: at most {NAME_BYTES} bytes once %-quoted, as folder names")
+    return name
+
+
 class LaunchConfig(BaseModel):
     """How the training stages are run. Not part of any stage's key: the same stage built in one process or eight is the
     same artifact."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
     launcher: Literal["auto", "inprocess", "accelerate", "ray"] = Field(
         "auto",
         description=(
@@ -106,7 +125,7 @@ class RetryConfig(BaseModel):
     """How stages meet failure: transient errors (I/O, network, a lost device) retry with backoff;
     bad config or data (ValueError, TypeError, KeyError, ImportError) fail at once."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
     retries: int = Field(
         2, ge=0, le=20, description="Retries of a stage after a transient error; 0 fails at the first."
     )
@@ -122,6 +141,16 @@ class RetryConfig(BaseModel):
         description=(
             "A stage running longer fails (its child processes are killed) and is retried; also the longest wait for "
             "another run's build of the same stage. None: no limit."
+        ),
+    )
+
+    stall_seconds: float | None = Field(
+        300,
+        gt=0,
+        description=(
+            "A stage whose work has not moved (no training step, no batch generated or scored) for this long, or for "
+            "10x its longest step so far, fails with every thread's stack in the log, and the retry resumes from its "
+            "last checkpoint: a stuck reward function, a dead collective. None: never."
         ),
     )
 

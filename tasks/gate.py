@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import math
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
+from rlhf_pipeline.tasks.config import check_name
 from rlhf_pipeline.trainers.config import StageConfig
 from rlhf_pipeline.trainers.evaluation.stage import HELDOUT
 
@@ -27,6 +28,12 @@ answers)."""
 class RegistryConfig(StageConfig):
     enabled: bool = Field(True, description="Register the policy and run the promotion gate.")
     model_name: str = Field("rlhf-policy", min_length=1, description="Registered model name in MLflow.")
+
+    @field_validator("model_name")
+    @classmethod
+    def _holdable_name(cls, name: str) -> str:
+        return check_name(name, "registry.model_name")
+
     gate_metric: str | None = Field(
         None,
         description=(

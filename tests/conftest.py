@@ -42,6 +42,10 @@ os.environ.update(
         # The suite is this worker's operator: its own modules (tests.user_code, my_rewards, ...) may be imported by
         # the runs it starts; tests/scenarios/test_trust.py unsets it to see the refusal.
         "RLHF_ALLOWED_IMPORTS": "*",
+        # ... and of files and clusters: the runs read tmp_path's files and join the tests' Ray clusters
+        # (tests/flows/test_ownership.py unsets them to see the refusals).
+        "RLHF_ALLOWED_PATHS": "*",
+        "RLHF_ALLOWED_RAY_ADDRESSES": "*",
     }
 )
 os.environ.pop("PREFECT_API_URL", None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import re
 from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -21,10 +22,30 @@ LogMetrics = Callable[[dict[str, float], int], None]
 TINY = "tiny"
 
 
-class StrictModel(BaseModel):
-    """Frozen, and unknown keys are an error (a typo in a preset must not pass silently)."""
+BOUNDS = (
+    (re.compile(r"(^|_)(steps|episodes)$"), 10**9, "steps"),
+    (re.compile(r"(^|_)(length|tokens)$"), 1 << 20, "tokens"),
+    (re.compile(r"^learning_rate$"), 10.0, ""),
+)
+"""Upper bounds of the fields named so: a value above them is a typo (an exponent too many), never a setting."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+
+class StrictModel(BaseModel):
+    """Frozen; unknown keys, infinite or NaN numbers and values past `BOUNDS` are errors (a typo in a preset must not
+    pass silently, nor train an all-NaN model or run for ever)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _within_bounds(self):
+        for name, value in self:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            for pattern, limit, unit in BOUNDS:
+                if pattern.search(name) and value > limit:
+                    over = f"{limit:,} {unit}".strip() if isinstance(limit, int) else f"{limit:g}"
+                    raise ValueError(f"{name}={value:g} is over {over}: a typo? (an exponent too many)")
+        return self
 
 
 class Block(StrictModel):

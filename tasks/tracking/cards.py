@@ -290,6 +290,9 @@ def export(source: str, out: Path, log: Callable[[str], None] = print) -> Path:
 
 
 def _check_out(out: Path) -> None:
+    if out.is_symlink():  # renamed onto, a link would be replaced, or followed to where it points
+        target = os.readlink(out)
+        raise ValueError(f"rlhf export: {out} is a link (to {target}); give a new or empty folder, not a link")
     if out.exists() and not out.is_dir():
         raise ValueError(f"rlhf export: {out} is a file; give a new or empty folder")
     if out.is_dir() and any(out.iterdir()):

@@ -142,6 +142,8 @@ def _registered(uri: str) -> tuple[ArtifactRef, dict[str, str]]:
     version = match["version"] or tracking.alias_version(name, match["alias"])
     if version is None:
         raise ValueError(f"{uri}: registered model {name!r} has no alias {alias_or_version!r}")
+    if not tracking.version_exists(name, version):
+        raise ValueError(f"{uri}: registered model {name!r} has no version {version} (on {tracking.shown_uri()})")
     folder = tracking.state_dir() / "registry" / name / f"v{version}"
     tracking.download_version(name, version, folder / "model")
     tags = tracking.version_tags(name, version)

@@ -13,6 +13,17 @@ imported or a file is fetched:
         hub repositories (shell patterns) whose shipped code may run with `trust_remote_code: true`; `*` allows any.
         Unset: none may.
 
+The run's parameters may also name things outside the run, which the worker's environment decides in the same way
+(`flows/ownership.py` lists every such parameter, docs/SERVICE.md shows the list):
+
+    RLHF_ALLOWED_PATHS=/srv/datasets:/srv/models
+        folders (separated by ':', as in PATH) whose files a run may read: data files, model folders and GGUF files,
+        chat templates, labels files, accelerate configs, presets; `*` allows any. Unset: the worker's working
+        directory. The run state folder and the pipeline's own files are always allowed.
+    RLHF_ALLOWED_RAY_ADDRESSES=ray://head.lab:10001
+        Ray clusters a run may send its stages to with `launch.ray_address` (their workers get the run's secrets and
+        send back pickles); `*` allows any. Unset: none; the worker's own RAY_ADDRESS is always allowed.
+
 This module has no pydantic models and imports nothing heavy: the config classes call it from their validators.
 """
 
@@ -20,9 +31,12 @@ from __future__ import annotations
 
 import fnmatch
 import os
+from pathlib import Path
 
 IMPORTS_ENV = "RLHF_ALLOWED_IMPORTS"
 REMOTE_CODE_ENV = "RLHF_ALLOWED_REMOTE_CODE"
+PATHS_ENV = "RLHF_ALLOWED_PATHS"
+RAY_ADDRESSES_ENV = "RLHF_ALLOWED_RAY_ADDRESSES"
 OWN = "rlhf_pipeline"
 
 
@@ -61,6 +75,42 @@ def check_remote_code(repo: str, what: str) -> None:
         f"{what}.trust_remote_code=true for {repo!r}: running code shipped with a model is not allowed on this worker. "
         f"It is the worker's setting, not the run's: the operator lists the repositories in {REMOTE_CODE_ENV} "
         f"(patterns, comma-separated; now: {allowed})"
+    )
+
+
+def allowed_folders(always: tuple[Path, ...] = ()) -> list[Path] | None:
+    """The folders whose files a run may read (resolved), `always` among them; None where the operator allows any."""
+    entries = [entry.strip() for entry in os.environ.get(PATHS_ENV, "").split(os.pathsep) if entry.strip()]
+    if "*" in entries:
+        return None
+    return [Path(entry).expanduser().resolve() for entry in entries or [os.getcwd()]] + [p.resolve() for p in always]
+
+
+def check_path(path: Path, what: str, always: tuple[Path, ...] = ()) -> None:
+    """Refuses, naming the setting, a file or folder outside the folders the operator lets runs read (`path` resolved:
+    a link inside an allowed folder that points outside it is refused)."""
+    folders = allowed_folders(always)
+    resolved = path.expanduser().resolve()
+    if folders is None or any(resolved.is_relative_to(folder) for folder in folders):
+        return
+    now = os.environ.get(PATHS_ENV, "").strip() or f"unset, so the working directory {os.getcwd()}"
+    raise ValueError(
+        f"{what}: {resolved} is outside the folders a run may read on this worker. Which files a run may read is the "
+        f"worker's setting, not the run's: the operator lists the folders in {PATHS_ENV} (separated by "
+        f"{os.pathsep!r}; now: {now})"
+    )
+
+
+def check_ray_address(address: str) -> None:
+    """Refuses a Ray cluster the operator has not allowed: its workers would receive the run's secrets."""
+    entries = _entries(RAY_ADDRESSES_ENV)
+    if address == os.environ.get("RAY_ADDRESS") or "*" in entries or address in entries:
+        return
+    raise ValueError(
+        f"launch.ray_address={address!r}: sending stages to this Ray cluster is not allowed on this worker (its "
+        f"workers would receive the run's secrets, and results come back as pickles). Which clusters a run may use "
+        f"is the worker's setting, not the run's: the operator lists them in {RAY_ADDRESSES_ENV} (comma-separated; "
+        f"now: {', '.join(entries) or 'none'}) or sets RAY_ADDRESS"
     )
 
 
