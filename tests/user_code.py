@@ -220,3 +220,63 @@ class TerminateAt(TrainerCallback):
 
         if state.global_step >= self.step:
             TERMINATING.set()
+
+
+class GcMidRun(TrainerCallback):
+    """`rlhf gc`'s removal of a list made before the run started (`doomed`, set by the test), done as the dpo stage
+    begins: after the run reused data, sft and rm, before eval reads them."""
+
+    doomed: list = []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        from rlhf_pipeline.tasks.tracking import gc
+
+        gc.remove(type(self).doomed)
+
+
+def hang_forever(why: str) -> None:
+    """Hangs as a stuck call does: no progress, ever (a loop of short sleeps, so that the thread can be stopped)."""
+    import time
+
+    while True:
+        time.sleep(0.05)
+
+
+class HangAtStep(TrainerCallback):
+    """Hangs at `step` on `rank` (all ranks when None): a rank that never reaches the next collective, so the others
+    wait in it for ever. `once`: a marker file, so that the retry of the same config runs through."""
+
+    def __init__(self, step: int, rank: int | None = None, once: str | None = None):
+        self.step, self.rank, self.once = step, rank, once
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step != self.step or (self.rank is not None and int(os.environ.get("RANK", "0")) != self.rank):
+            return
+        if self.once is not None:
+            if Path(self.once).exists():
+                return
+            Path(self.once).write_text(f"{os.getpid()}\n")
+        hang_forever("a rank that stopped")
+
+
+def reward_that_hangs_once(prompts, completions, **kwargs) -> list[float]:
+    """A reward function that hangs on the second training batch (8 answers or more) it scores in a process, once per
+    `RLHF_TEST_HANG_ONCE` marker file: the stuck verifier a watchdog must catch."""
+    if len(completions) >= 8:
+        REWARD_CALLS.append(len(completions))
+    marker = Path(os.environ["RLHF_TEST_HANG_ONCE"])
+    if len(REWARD_CALLS) == 2 and not marker.exists():
+        marker.write_text(f"{os.getpid()}\n")
+        hang_forever("a stuck reward function")
+    return [float(len(c if isinstance(c, str) else c[-1]["content"])) for c in completions]
+
+
+REWARD_CALLS: list[int] = []
+
+
+class Notify(TrainerCallback):
+    """A callback of the kind that reports to a service, with an API key and an endpoint: both kept out of every
+    record (tests/scenarios/test_secrets.py)."""
+
+    def __init__(self, api_key: str, endpoint: str = ""):
+        self.api_key, self.endpoint = api_key, endpoint

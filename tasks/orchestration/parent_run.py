@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterator
 
 import yaml
@@ -13,6 +14,7 @@ import yaml
 from rlhf_pipeline.tasks.config import LaunchConfig
 from rlhf_pipeline.tasks.orchestration.stage_task import coordinated, current_flow_run, ensure_device_limit, prefect_log
 from rlhf_pipeline.tasks.store.artifacts import ArtifactRef, RunContext
+from rlhf_pipeline.tasks.store.leases import release
 from rlhf_pipeline.tasks.store.secrets import install_log_filter, redact, redact_text
 from rlhf_pipeline.tasks.tracking import client as tracking
 from rlhf_pipeline.tasks.tracking.client import MODEL_LOGGED, MODEL_URI, POLICY_MODEL
@@ -110,6 +112,7 @@ def pipeline_run(params: Any) -> Iterator[PipelineRun]:
         force=params.no_cache,
         launch=getattr(params, "launch", LaunchConfig()),  # the rlhf-eval flow trains nothing: it has no launch block
         wait_seconds=params.retry.timeout_seconds if hasattr(params, "retry") else None,
+        stall_seconds=params.retry.stall_seconds if hasattr(params, "retry") else None,
     )
     prefect_log(f"MLflow: {tracking.run_link(run_id)}")
     prefect_log(f"Artifacts: {ctx.artifact_root}")
@@ -125,6 +128,7 @@ def pipeline_run(params: Any) -> Iterator[PipelineRun]:
         raise
     finally:
         _OPEN.pop(flow_run_id or "", None)
+        release(Path(ctx.artifact_root), run_id)  # gc may remove what this run built or reused
     tracking.end_run(run_id)
 
 

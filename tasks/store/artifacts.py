@@ -67,6 +67,9 @@ class RunContext(BaseModel):
     wait_seconds: float | None = None
     """The longest wait for another run's build of the same key, or for a device slot (the run's
     `retry.timeout_seconds`); None: as long as it takes."""
+    stall_seconds: float | None = None
+    """How long a build may go without progress before it fails as stalled (the run's `retry.stall_seconds`,
+    `trainers.runtime.heartbeat`); None: never."""
 
 
 @dataclass(frozen=True)

@@ -44,12 +44,13 @@ from rlhf_pipeline.tasks.store.artifacts import (
     read_history,
 )
 from rlhf_pipeline.tasks.store.code_version import code_version
+from rlhf_pipeline.tasks.store.leases import lease
 from rlhf_pipeline.tasks.store.metric_queue import MetricQueue
 from rlhf_pipeline.tasks.store.resources import PeakMemory, child_pids, frozen_heap, kill_process
 from rlhf_pipeline.tasks.store.secrets import redact
 from rlhf_pipeline.trainers.algorithms.loop import OUTCOME, PEAK_GPU, last_checkpoint
 from rlhf_pipeline.trainers.models.load import tokenizer_digest
-from rlhf_pipeline.trainers.runtime import stopping
+from rlhf_pipeline.trainers.runtime import heartbeat, stopping
 from rlhf_pipeline.trainers.runtime.failures import permanent_reason
 
 PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "great-expectations", "prefect", "mlflow")
@@ -189,6 +190,7 @@ def run_stage(
     stage_root.mkdir(parents=True, exist_ok=True)
     # One builder per key: a second run with the same inputs waits here, then finds the manifest.
     with _key_lock(stage_root, key, stage, log, ctx.wait_seconds, holder or {}):
+        lease(stage_root, key, ctx.parent_run_id)  # `rlhf gc` leaves it alone until the run ends
         if (final / MANIFEST).is_file() and not ctx.force and (why := damage(final)):
             # Never reused, never blocking its key: kept aside for a look, and built again.
             aside = final.with_name(f".damaged-{key}-{uuid.uuid4().hex[:8]}")
@@ -252,7 +254,14 @@ def _build(
     with stopping.training():
         try:
             watching = record.watching(run_id) if system_metrics else contextlib.nullcontext()
-            with hold(), watching, frozen_heap(), PeakMemory() as memory:
+            # A hang fails as `heartbeat.Stalled`, transient: the retry resumes from the last checkpoint.
+            with (
+                hold(),
+                watching,
+                heartbeat.watching(entry.ctx.stall_seconds, stage, log),
+                frozen_heap(),
+                PeakMemory() as memory,
+            ):
                 metrics = build(tmp, work_dir, log_metrics)
             if history.is_file():
                 shutil.copy(history, tmp / HISTORY)

@@ -3,9 +3,11 @@
 Kept: the stage artifacts a registered model version names (its `rlhf.key.<stage>` tags) and the run whose copy of
 the weights it was registered from; the stage artifacts of the newest N parent runs of every experiment and of every
 run still RUNNING, with everything upstream of them (their manifests' `upstream`); whatever a live build holds (its
-key's lock). Removed: other stage artifacts, working folders (checkpoints) and leftovers (`.tmp-*`, `.trash-*`,
-`.damaged-*`) of builds that are not running, and the weights copies (`model/`) of parent runs nothing keeps, when
-MLflow's artifacts are local files. `--dry-run` lists them with their sizes and deletes nothing.
+key's lock) and whatever a live run built or reused (its lease: `tasks/store/leases.py`, checked under the key's lock
+as the artifact is removed). Every registered model, version, experiment and run is read, page after page. Removed:
+other stage artifacts, working folders (checkpoints) and leftovers (`.tmp-*`, `.trash-*`, `.damaged-*`) of builds
+that are not running, and the weights copies (`model/`) of parent runs nothing keeps, when MLflow's artifacts are
+local files. `--dry-run` lists them with their sizes and deletes nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from rlhf_pipeline.tasks.store.artifacts import MANIFEST
+from rlhf_pipeline.tasks.store.leases import LEASES, live_leases
 from rlhf_pipeline.tasks.tracking import client as tracking
 from rlhf_pipeline.tasks.tracking.client import MODEL_LOGGED, MODEL_URI
 
@@ -43,7 +46,8 @@ def size_of(path: Path) -> int:
 
 @contextlib.contextmanager
 def unheld(stage_root: Path, key: str) -> Iterator[bool]:
-    """Holds the key's build lock while the body runs when nobody else does; yields whether it could."""
+    """Holds the key's build lock while the body runs when no build holds it and no live run leases the key; yields
+    whether it could (a run leases under the same lock, so none can start using the key while the body runs)."""
     from filelock import FileLock, Timeout
 
     lock = FileLock(stage_root / ".locks" / f"{key}.lock")
@@ -53,9 +57,20 @@ def unheld(stage_root: Path, key: str) -> Iterator[bool]:
         yield False
         return
     try:
-        yield True
+        yield not live_leases(stage_root, key)
     finally:
         lock.release()
+
+
+def every(search, *args, **kwargs) -> Iterator:
+    """Every result of an MLflow search, page after page (one page holds 100 registered models, 1,000 runs)."""
+    token = None
+    while True:
+        page = search(*args, **kwargs, page_token=token)
+        yield from page
+        token = page.token
+        if not token:
+            return
 
 
 def kept(keep_runs: int) -> tuple[set[tuple[str, str]], set[str]]:
@@ -63,26 +78,26 @@ def kept(keep_runs: int) -> tuple[set[tuple[str, str]], set[str]]:
     mlflow = tracking.client()
     keys: set[tuple[str, str]] = set()
     runs: set[str] = set()
-    for model in mlflow.search_registered_models():
-        for version in mlflow.search_model_versions(f"name = '{model.name}'"):
+    for model in every(mlflow.search_registered_models):
+        for version in every(mlflow.search_model_versions, f"name = '{model.name}'"):
             runs.add(version.run_id)
             keys |= {
                 (tag.removeprefix("rlhf.key."), value)
                 for tag, value in version.tags.items()
                 if tag.startswith("rlhf.key.")
             }
-    for experiment in mlflow.search_experiments():
+    for experiment in every(mlflow.search_experiments):
         parents = [
             run
-            for run in mlflow.search_runs([experiment.experiment_id], order_by=["attributes.start_time DESC"])
+            for run in every(mlflow.search_runs, [experiment.experiment_id], order_by=["attributes.start_time DESC"])
             if "mlflow.parentRunId" not in run.data.tags
         ]
         for parent in [*parents[:keep_runs], *(run for run in parents if run.info.status == "RUNNING")]:
             runs.add(parent.info.run_id)
             if linked := LINKED_RUN.search(parent.data.tags.get(MODEL_URI, "")):  # a cached run's weights live there
                 runs.add(linked.group(1))
-            children = mlflow.search_runs(
-                [experiment.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'"
+            children = every(
+                mlflow.search_runs, [experiment.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'"
             )
             keys |= {
                 (c.data.tags["rlhf.stage"], c.data.tags["rlhf.key"]) for c in children if "rlhf.key" in c.data.tags
@@ -117,7 +132,7 @@ def collect(keep_runs: int = 5) -> list[Doomed]:
         stage = stage_root.name
         for folder in sorted(stage_root.iterdir()):
             # .labels: people's work; .curves: eval's drawn training curves (tasks.eval.curves_figure)
-            if folder.name in (".locks", ".work", ".labels", ".curves") or not folder.is_dir():
+            if folder.name in (".locks", LEASES, ".work", ".labels", ".curves") or not folder.is_dir():
                 continue
             if folder.name.startswith((".tmp-", ".trash-", ".damaged-")):
                 key = folder.name.split("-")[1]
@@ -129,8 +144,8 @@ def collect(keep_runs: int = 5) -> list[Doomed]:
             doomed.append(Doomed(work, size_of(work), "checkpoints of a build that is not running", work.name))
     doomed = [item for item in doomed if _not_held(item)]
     mlflow = tracking.client()
-    for experiment in mlflow.search_experiments():
-        for run in mlflow.search_runs([experiment.experiment_id]):
+    for experiment in every(mlflow.search_experiments):
+        for run in every(mlflow.search_runs, [experiment.experiment_id]):
             if run.info.run_id in runs or "mlflow.parentRunId" in run.data.tags:
                 continue
             uri = urlparse(run.info.artifact_uri)

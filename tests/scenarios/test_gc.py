@@ -1,5 +1,6 @@
 """`rlhf gc` after three runs: the dry run lists what nothing references (and deletes nothing); the real one removes
-exactly that and keeps everything the registry and the newest run use."""
+exactly that and keeps everything the registry and the newest run use, and whatever a live run reused since gc made
+its list; every registered model counts, not the first page of them."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ from pathlib import Path
 import pytest
 
 from rlhf_pipeline.cli import main
+from rlhf_pipeline.tasks.store.artifacts import MANIFEST
 from rlhf_pipeline.tasks.tracking import client as tracking
+from rlhf_pipeline.tasks.tracking import gc
+from tests import user_code
 from tests.flows.helpers import run, task_states
 
 pytestmark = pytest.mark.e2e  # three pipeline runs
@@ -55,3 +59,37 @@ def test_gc_keeps_what_the_registry_and_the_newest_run_use_and_removes_the_rest(
     assert main(["gc", "--dry-run", "--keep-runs", "1"]) == 0 and listed(capsys.readouterr().out) == set()
     again = run("dpo.beta=0.3", "registry.enabled=false")
     assert set(task_states(again).values()) == {"Cached"}
+
+
+def test_gc_never_removes_what_a_live_run_reused_after_gc_listed_it(prefect, state, tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'gc.db'}")
+    first = run("registry.enabled=false").result()
+    doomed = gc.collect(keep_runs=0)  # nothing registered, no run live: all of it
+    reused = {stage: Path(first["artifacts"][stage]) for stage in ("data", "sft", "rm")}
+    assert set(reused.values()) <= {item.path for item in doomed}
+
+    # A run starts and reuses data, sft and rm; gc removes its list as dpo begins; eval then reads sft and rm.
+    monkeypatch.setattr(user_code.GcMidRun, "doomed", doomed)
+    second = run("registry.enabled=false", "dpo.beta=0.2", "dpo.callbacks=[{path: tests.user_code:GcMidRun}]")
+    assert second.is_completed(), second.message
+    states = task_states(second)
+    assert [states[stage] for stage in reused] == ["Cached"] * 3
+    assert all((path / MANIFEST).is_file() for path in reused.values())
+    assert not Path(first["artifacts"]["dpo"]).exists()  # what no live run used went
+
+    # The run ended, and its leases with it: now gc removes them.
+    gc.remove(gc.collect(keep_runs=0))
+    assert not any(path.exists() for path in reused.values())
+
+
+def test_gc_keeps_the_artifacts_of_every_registered_model_past_the_first_page(state, tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'gc.db'}")
+    client = tracking.client()
+    for i in range(101):  # MLflow returns 100 registered models a page
+        key = f"{i:064x}"
+        (state / "artifacts" / "sft" / key).mkdir(parents=True)
+        (state / "artifacts" / "sft" / key / MANIFEST).write_text("{}")
+        client.create_registered_model(f"policy-{i:03d}")
+        client.create_model_version(f"policy-{i:03d}", str(tmp_path), tags={"rlhf.key.sft": key})
+    (state / "artifacts" / "sft" / "unreferenced").mkdir()
+    assert [item.path.name for item in gc.collect(keep_runs=0)] == ["unreferenced"]
