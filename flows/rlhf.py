@@ -22,9 +22,10 @@ from rlhf_pipeline.flows.params import PipelineParams, described_by, from_flow_p
 from rlhf_pipeline.flows.plan import Step, last_policy_and_report, plan, stages
 from rlhf_pipeline.tasks.data import validate_data
 from rlhf_pipeline.tasks.eval import evaluate
+from rlhf_pipeline.tasks.labels import labels_store
 from rlhf_pipeline.tasks.orchestration.parent_run import pipeline_run, preset_label, report_failure
 from rlhf_pipeline.tasks.orchestration.stage_task import retrying
-from rlhf_pipeline.tasks.pairs import labels_store, make_pairs
+from rlhf_pipeline.tasks.pairs import make_pairs
 from rlhf_pipeline.tasks.people import ask_people
 from rlhf_pipeline.tasks.registry import register_task
 from rlhf_pipeline.tasks.stages import BY_NAME, pair_readers
@@ -110,7 +111,7 @@ def _pairs(step: Step, inputs: dict, run: Submitting):
     made.wait()
     if made.state.name == "AwaitingLabels":
         samples = made.result()
-        ask_people(samples, labels_store(run.ctx, samples.key), run.params.pairs.people)
+        ask_people(samples, labels_store(run.ctx.artifact_root, samples.key), run.params.pairs.people)
         made = run.task(make_pairs).with_options(task_run_name=f"{name} labelled").submit(*arguments)
     return made
 

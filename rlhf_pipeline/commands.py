@@ -108,24 +108,30 @@ def evaluate(args) -> int:
 
 
 def label(args) -> int:
-    """`rlhf label`: the labels of a file and of PAIR=LABEL items, sent to the waiting run."""
+    """`rlhf label`: the labels of a file and of PAIR=LABEL items, checked against the pairs the run waits for, then
+    sent to it; any mistake exits 2 naming the file, the line (or the item) and the rule, and sends nothing."""
     from pathlib import Path
 
-    from rlhf_pipeline.tasks.pairs import read_labels_file
-    from rlhf_pipeline.tasks.people import resume_with_labels
-    from rlhf_pipeline.trainers.pairs.stage import LABELS
+    from rlhf_pipeline.tasks.labels import LabelsError, check_label, read_labels_file
+    from rlhf_pipeline.tasks.people import resume_with_labels, waiting_pairs
 
-    labels: dict[int, str] = {}
-    if args.file:
-        labels |= {k: v for k, v in read_labels_file(Path(args.file), 1 << 30).items() if v is not None}
-    for item in args.labels:
-        pair, _, label = item.partition("=")
-        if not pair.isdigit() or label not in LABELS:
-            print(f"rlhf label: {item!r}: expected PAIR=LABEL with LABEL one of {', '.join(LABELS)}", file=sys.stderr)
-            return 2
-        labels[int(pair)] = label
-    resume_with_labels(args.flow_run_id, labels, finish=not args.more)
-    print(f"flow run {args.flow_run_id} resumed with {len(labels)} labels")
+    try:
+        waiting = waiting_pairs(args.flow_run_id)
+        labels = read_labels_file(Path(args.file), waiting) if args.file else {}
+        for item in args.labels:
+            pair, _, label = item.partition("=")
+            if not pair.isdigit():
+                raise LabelsError(f"{item!r}: expected PAIR=LABEL, e.g. 0=A")
+            check_label(int(pair), label, None, waiting, f"{item!r}")
+            if labels.get(int(pair), label) != label:
+                raise LabelsError(f"{item!r}: pair {pair} is labelled {labels[int(pair)]!r} in {args.file}")
+            labels[int(pair)] = label
+    except LabelsError as exc:
+        print(f"rlhf label: {exc}", file=sys.stderr)
+        return 2
+    given = {pair: label for pair, label in labels.items() if label is not None}
+    resume_with_labels(args.flow_run_id, given, finish=not args.more)
+    print(f"flow run {args.flow_run_id} resumed with {len(given)} labels")
     return 0
 
 

@@ -2,7 +2,7 @@
 
     <artifact_root>/pairs/<key>/     the samples (keyed on prompts, sampling model, sampling settings), and the
                                      labelled pairs (keyed on the samples, the labeller and people's labels)
-    <artifact_root>/pairs/.labels/   people's labels per samples key (`tasks.people`): never collected by `rlhf gc`
+    <artifact_root>/pairs/.labels/   people's labels per samples key (`tasks.labels`): never collected by `rlhf gc`
 
 With `labeller: people` and labels still missing, the task publishes the samples and ends `AwaitingLabels`; the flow
 then asks people in Prefect (`tasks.people.ask_people`, outside any task: no device slot is held while it waits) and
@@ -15,57 +15,13 @@ import hashlib
 import json
 from pathlib import Path
 
+from rlhf_pipeline.tasks.labels import labels_store, read_labels_file, read_store
 from rlhf_pipeline.tasks.orchestration.stage_task import device_hold, lock_holder, prefect_log, stage_task
 from rlhf_pipeline.tasks.stages import BY_NAME
 from rlhf_pipeline.tasks.store.artifacts import ArtifactRef, RunContext, StageOutcome
 from rlhf_pipeline.tasks.store.stage import run_stage
 from rlhf_pipeline.tasks.tracking.recorder import MLFLOW
 from rlhf_pipeline.trainers.pairs.stage import PAIRS, SUMMARY, PairsConfig
-
-LABELS_DIR = ".labels"
-
-
-def labels_store(ctx: RunContext, samples_key: str) -> Path:
-    """Where people's labels for one set of samples are kept between pauses, suspends and runs."""
-    return Path(ctx.artifact_root) / "pairs" / LABELS_DIR / f"{samples_key}.json"
-
-
-def read_store(path: Path) -> tuple[dict[int, str | None], bool]:
-    """(pair id -> label, finished) from a labels store; ({}, False) when there is none yet."""
-    if not path.is_file():
-        return {}, False
-    stored = json.loads(path.read_text(encoding="utf-8"))
-    return {int(k): v for k, v in stored["labels"].items()}, bool(stored.get("finished"))
-
-
-def read_labels_file(path: Path, pairs: int) -> dict[int, str | None]:
-    """A labels file people wrote: one {"pair": <id>, "label": "A" | "B" | "tie" | null} per line; a line that is not
-    one fails naming the file and the line."""
-    from rlhf_pipeline.trainers.pairs.stage import LABELS
-
-    if not path.is_file():
-        raise ValueError(f"labels file {path}: no such file")
-    labels: dict[int, str | None] = {}
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"labels file {path} line {number}: not JSON ({exc.msg}): {line[:200]!r}") from exc
-        label = row.get("label") if isinstance(row, dict) else None
-        pair = row.get("pair") if isinstance(row, dict) else None
-        if not isinstance(pair, int) or label not in (*LABELS, None):
-            raise ValueError(
-                f'labels file {path} line {number}: each line is {{"pair": <id>, "label": "A" | "B" | "tie" | null}}, '
-                f"got {line[:200]!r}"
-            )
-        if not 0 <= pair < pairs:
-            raise ValueError(
-                f"labels file {path} line {number}: pair {pair} is not one of the {pairs} pairs (0..{pairs - 1})"
-            )
-        labels[pair] = label
-    return labels
 
 
 @stage_task("pairs")
@@ -149,7 +105,7 @@ def _sampled(config: PairsConfig, data: ArtifactRef, start: ArtifactRef, ctx: Ru
         {"data": data.select(("prompts",)), "model": start},
         ctx,
         lambda out_dir, work_dir, log_metrics: made.sample(
-            config, start.path / "model", data.path, out_dir, round_, log_metrics
+            config, start.path / "model", data.path, out_dir, round_, log_metrics, work_dir
         ),
         log_files=(made.SAMPLES,),
         log=prefect_log,
@@ -169,11 +125,12 @@ def _people_labels(config: PairsConfig, ctx: RunContext, samples: ArtifactRef, f
     from rlhf_pipeline.trainers.pairs import stage as made
 
     shown = made.people_pairs(made.read_samples(samples.path), config.people.max_pairs)
-    store = labels_store(ctx, samples.key)
+    hashes = {pair["pair"]: pair["hash"] for pair in shown}
+    store = labels_store(ctx.artifact_root, samples.key)
     if config.people.labels_file is not None:
-        labels, finished = read_labels_file(Path(config.people.labels_file).expanduser(), len(shown)), True
+        labels, finished = read_labels_file(Path(config.people.labels_file).expanduser(), hashes), True
     else:
-        labels, finished = read_store(store)
+        labels, finished = read_store(store, hashes)
     if not finished and any(labels.get(pair["pair"]) is None for pair in shown):
         return labels, str(store)
     canonical = json.dumps({str(k): v for k, v in sorted(labels.items())}, sort_keys=True)

@@ -17,14 +17,14 @@ finds the samples cached and the labels given so far, and asks only for the rest
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
+from rlhf_pipeline.tasks.labels import LabelsError, read_labels_file, read_store, write_store
 from rlhf_pipeline.tasks.orchestration.stage_task import prefect_log
-from rlhf_pipeline.tasks.pairs import read_labels_file, read_store
 from rlhf_pipeline.tasks.store.artifacts import ArtifactRef
 from rlhf_pipeline.trainers.pairs.stage import LABELS, PeopleConfig, people_pairs, read_samples
+from rlhf_pipeline.trainers.runtime.trust import check_path
 
 ARTIFACT_KEY = "rlhf-pairs-to-label"
 SKIP = "skip"
@@ -106,14 +106,6 @@ def description(pending: list[dict]) -> str:
     )
 
 
-def write_store(path: Path, labels: dict[int, str | None], finished: bool) -> None:
-    """The labels store, replaced whole (a crash leaves the old one)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps({"labels": {str(k): v for k, v in sorted(labels.items())}, "finished": finished}) + "\n")
-    os.replace(tmp, path)
-
-
 def answered(form: Any, shown: list[dict]) -> dict[int, str]:
     """The labels a submitted form gives: its choices (skip gives none), then its labels file's."""
     given = {
@@ -122,7 +114,9 @@ def answered(form: Any, shown: list[dict]) -> dict[int, str]:
         if getattr(form, field_name(pair["pair"]), SKIP) != SKIP
     }
     if getattr(form, "labels_file", None):
-        from_file = read_labels_file(Path(form.labels_file).expanduser(), len(shown))
+        # A path typed into the form: a file the worker's operator lets runs read (flows/ownership.py)
+        check_path(Path(form.labels_file), f"labels_file={form.labels_file!r}")
+        from_file = read_labels_file(Path(form.labels_file).expanduser(), {p["pair"]: p["hash"] for p in shown})
         given |= {pair: label for pair, label in from_file.items() if label is not None}
     return given
 
@@ -135,13 +129,14 @@ def ask_people(samples: ArtifactRef, store: Path, people: PeopleConfig) -> None:
     from prefect.runtime import deployment
 
     shown = people_pairs(read_samples(samples.path), people.max_pairs)
+    hashes = {pair["pair"]: pair["hash"] for pair in shown}
     deployed = bool(deployment.get_id())  # suspending needs a deployment to run the flow again
     for attempt in range(len(shown) + 1):
-        labels, finished = read_store(store)
+        labels, finished = read_store(store, hashes)
         pending = [pair for pair in shown if labels.get(pair["pair"]) is None]
         if finished or not pending:
             if not finished:
-                write_store(store, labels, True)
+                write_store(store, labels, True, hashes)
             return
         to_label = store.with_suffix(".to_label.jsonl")
         to_label.parent.mkdir(parents=True, exist_ok=True)
@@ -167,8 +162,12 @@ def ask_people(samples: ArtifactRef, store: Path, people: PeopleConfig) -> None:
             )
             _fail_saying(message)
             raise LabelsTimedOut(message) from exc
-        given = answered(got, shown)
-        write_store(store, labels | given, bool(getattr(got, "finish", True)))
+        try:
+            given = answered(got, shown)
+        except (LabelsError, ValueError) as exc:  # a bad labels file typed into the form: nothing is stored
+            prefect_log(f"pairs: the labels were refused, none stored: {exc}")
+            continue
+        write_store(store, labels | given, bool(getattr(got, "finish", True)), hashes)
         prefect_log(f"pairs: {len(given)} labels received ({len(labels | given)} of {len(shown)} pairs labelled)")
     raise RuntimeError(f"pairs: asked for labels {len(shown) + 1} times without an answer that labels a pair")
 
@@ -196,6 +195,7 @@ def _show(pending: list[dict], total: int, to_label: Path) -> None:
                 "prompt": text_of(pair["prompt"]),
                 "answer A": text_of(pair["a"]),
                 "answer B": text_of(pair["b"]),
+                "hash": pair["hash"],
             }
             for pair in pending
         ],
@@ -204,6 +204,40 @@ def _show(pending: list[dict], total: int, to_label: Path) -> None:
             f"(also in {to_label})."
         ),
     )
+
+
+def waiting_pairs(flow_run_id: str) -> dict[int, str]:
+    """The pairs a paused or suspended flow run waits for labels of (pair -> hash), from its table artifact;
+    LabelsError where there is no such run or it does not wait."""
+    from uuid import UUID
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.sorting import ArtifactSort
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        run_id = UUID(flow_run_id)
+    except ValueError:
+        raise LabelsError(f"{flow_run_id!r} is not a flow run id (a UUID, as the Prefect UI shows it)") from None
+    with get_client(sync_client=True) as client:
+        try:
+            run = client.read_flow_run(run_id)
+        except ObjectNotFound:
+            raise LabelsError(f"flow run {flow_run_id}: no such flow run on {client.api_url}") from None
+        if run.state is None or not run.state.is_paused():
+            state = run.state.name if run.state else "not started"
+            raise LabelsError(f"flow run {flow_run_id} ({run.name}) is not waiting for labels: it is {state}")
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[ARTIFACT_KEY])),
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])),
+            sort=ArtifactSort.UPDATED_DESC,
+            limit=1,
+        )
+    if not artifacts:
+        raise LabelsError(f"flow run {flow_run_id} ({run.name}) is paused, but not for labels of pairs")
+    table = json.loads(artifacts[0].data) if isinstance(artifacts[0].data, str) else artifacts[0].data
+    return {int(row["pair"]): str(row.get("hash")) for row in table}
 
 
 def resume_with_labels(flow_run_id: str, labels: dict[int, str], finish: bool = True) -> None:

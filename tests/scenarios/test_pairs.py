@@ -129,9 +129,12 @@ def test_feedback_rounds_of_dpo_sample_the_last_policy_and_train_on_every_rounds
     assert trained["upstream"]["pairs"]["key"] == second.data.tags["rlhf.key"]
 
 
-def test_people_answer_an_rlhf_run_in_two_goes_with_rlhf_label_and_partial_labels_are_kept(prefect, state):
-    """`rlhf run` pauses (no deployment to suspend for); `rlhf label --more` keeps a partial answer and the run asks
-    again for the rest only; the second answer finishes it."""
+def test_people_answer_an_rlhf_run_in_two_goes_with_rlhf_label_and_partial_labels_are_kept(
+    prefect, state, tmp_path, capsys
+):
+    """`rlhf run` pauses (no deployment to suspend for); `rlhf label` refuses every mistake, naming it, and sends
+    nothing; `rlhf label --more` keeps a partial answer and the run asks again for the rest only; the second answer
+    finishes it. The store keeps each label with its pair's hash."""
     import threading
 
     from prefect import get_client
@@ -161,6 +164,7 @@ def test_people_answer_an_rlhf_run_in_two_goes_with_rlhf_label_and_partial_label
 
     first = paused()
     assert first.state.name == "Paused"  # not Suspended: an `rlhf run` run has no deployment
+    refused_every_mistake_and_sent_nothing(main, str(first.id), state, tmp_path, capsys)
     assert main(["label", str(first.id), "0=A", "--more"]) == 0
     second = paused()
     assert second.id == first.id
@@ -171,8 +175,51 @@ def test_people_answer_an_rlhf_run_in_two_goes_with_rlhf_label_and_partial_label
     done = finished["state"]
     assert done.is_completed(), done.message
     [store] = (state / "artifacts" / "pairs" / ".labels").glob("*[0-9a-f].json")
-    assert json.loads(store.read_text()) == {"labels": {"0": "A", "1": "B", "2": "tie"}, "finished": True}
+    shown = {pair["pair"]: pair["hash"] for pair in map(json.loads, (store.with_suffix(".to_label.jsonl")).open())}
+    kept = json.loads(store.read_text())
+    assert {pair: entry["label"] for pair, entry in kept["labels"].items()} == {"0": "A", "1": "B", "2": "tie"}
+    assert kept["labels"]["1"]["hash"] == shown[1] and kept["finished"] is True
     assert task_states(done)["pairs labelled"] == "Completed"
+
+
+def refused_every_mistake_and_sent_nothing(main, run_id: str, state: Path, tmp_path: Path, capsys) -> None:
+    """Each mistake a person makes with `rlhf label` exits 2 naming the file, line or item and the rule; the run stays
+    paused and no label is stored."""
+    import uuid
+
+    [to_label] = (state / "artifacts" / "pairs" / ".labels").glob("*.to_label.jsonl")
+    hashes = [json.loads(line)["hash"] for line in to_label.read_text().splitlines()]
+    files = {
+        "poisoned": ['{"pair": true, "label": "A"}', "line 1: the pair is an integer pair number, got True"],
+        "range": ['{"pair": 0, "label": "A"}\n{"pair": 7, "label": "B"}', "line 2: pair 7 is not one of the 3 pairs"],
+        "label": ['{"pair": 0, "label": "a"}', "line 1: label 'a' of pair 0 is not one of A, B, tie or null"],
+        "json": ['{"pair": 0, "label": "A"', "line 1: not JSON"],
+        "twice": ['{"pair": 0, "label": "A"}\n\n{"pair": 0, "label": "B"}', "line 3: pair 0 is labelled 'B' here"],
+        "hash": [
+            json.dumps({"pair": 0, "label": "A", "hash": hashes[1]}),
+            f"line 1: hash {hashes[1]!r} is not pair 0's ({hashes[0]})",
+        ],
+    }
+    for name, (text, rule) in files.items():
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text(text + "\n")
+        assert main(["label", run_id, "--file", str(path)]) == 2, name
+        err = capsys.readouterr().err
+        assert f"labels file {path} {rule}" in err and "Traceback" not in err, (name, err)
+    big = tmp_path / "big.jsonl"
+    with big.open("w") as f:
+        f.truncate(9 << 20)  # sparse: refused by its size, never read
+    assert main(["label", run_id, "--file", str(big)]) == 2
+    assert "over the 8 MiB a labels file may be" in capsys.readouterr().err
+    for argv, says in (
+        ([run_id, "9=A"], "pair 9 is not one of the 3 pairs"),
+        ([run_id, "0=best"], "label 'best' of pair 0 is not one of"),
+        ([str(uuid.uuid4()), "0=A"], "no such flow run"),
+        (["not-a-run", "0=A"], "'not-a-run' is not a flow run id"),
+    ):
+        assert main(["label", *argv]) == 2, argv
+        assert says in capsys.readouterr().err, argv
+    assert not list((state / "artifacts" / "pairs" / ".labels").glob("*[0-9a-f].json")), "a label was stored"
 
 
 def test_the_reward_model_labels_sfts_answers_after_training_on_the_given_pairs_and_dpo_learns_them(prefect, state):

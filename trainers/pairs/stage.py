@@ -23,6 +23,7 @@ the given pairs appended with `train_on: both`) and `pairs.jsonl` (each with its
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -32,6 +33,7 @@ from pydantic import Field, model_validator
 
 from rlhf_pipeline.trainers.config import LogMetrics, StageConfig, StrictModel
 from rlhf_pipeline.trainers.rewards.judges import JudgeConfig
+from rlhf_pipeline.trainers.runtime.heartbeat import beat
 
 SAMPLES = "samples.jsonl"
 """The samples artifact: one line per prompt, {"id", "prompt", "completions": [...], **the prompt's other columns}."""
@@ -169,8 +171,11 @@ def sample(
     out_dir: Path,
     round_: int = 0,
     log_metrics: LogMetrics | None = None,
+    work_dir: Path | None = None,
 ) -> dict[str, float]:
-    """`samples_per_prompt` answers of the model in `model_dir` to each chosen prompt, into `out_dir/samples.jsonl`."""
+    """`samples_per_prompt` answers of the model in `model_dir` to each chosen prompt, into `out_dir/samples.jsonl`.
+    Each batch is seeded of its own and kept in `work_dir` as it is sampled: a run killed here resumes at the next
+    batch and writes the same samples as an unbroken one."""
     import random
     import time
 
@@ -188,11 +193,19 @@ def sample(
     prompts = chosen["prompt"]
     columns = {name: chosen[name] for name in chosen.column_names if name != "prompt"}
     policy, tokenizer = load_causal_lm(model_dir)
-    torch.manual_seed(cfg.seed * 1000 + round_)
     n, started, progress = cfg.samples_per_prompt, time.monotonic(), Progress("pairs", total=len(prompts))
     answers: list[list[str]] = [[] for _ in prompts]
+    kept = (work_dir or out_dir) / "samples.partial.jsonl"
+    before = {row["start"]: row["answers"] for row in _kept_batches(kept)}
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    partial = open(kept, "a", encoding="utf-8")  # closed after the loop
     for start in range(0, len(prompts), cfg.batch_size):
+        beat()
         batch = prompts[start : start + cfg.batch_size]
+        if start in before:
+            answers[start : start + len(batch)] = before[start]
+            continue
+        torch.manual_seed((cfg.seed * 1000 + round_) * 1_000_003 + start)  # each batch its own draws: resumable
         flat = [prompt for prompt in batch for _ in range(n)]  # each prompt's n answers side by side
         texts = generate(
             policy,
@@ -206,17 +219,21 @@ def sample(
         )
         for i in range(len(batch)):
             answers[start + i] = texts[i * n : (i + 1) * n]
+        partial.write(json.dumps({"start": start, "answers": answers[start : start + len(batch)]}) + "\n")
+        partial.flush()
         done = min(start + cfg.batch_size, len(prompts))
         progress.step(done)
         if done == len(prompts) or (start // cfg.batch_size) % 10 == 9:
             progress.log(done, {"pairs/samples/answers": float(done * n)})
     progress.close()
+    partial.close()
     del policy
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / SAMPLES, "w", encoding="utf-8") as f:
         for i, (row, prompt, texts) in enumerate(zip(rows, prompts, answers)):
             other = {name: values[i] for name, values in columns.items()}
             f.write(json.dumps({"id": row, "prompt": prompt, "completions": texts, **other}, ensure_ascii=False) + "\n")
+    kept.unlink()  # the samples are whole
     distinct = sum(len(set(texts)) > 1 for texts in answers)
     metrics = {
         "pairs/samples/prompts": float(len(prompts)),
@@ -229,8 +246,25 @@ def sample(
     return metrics
 
 
+def _kept_batches(path: Path) -> list[dict]:
+    """The batches a stopped run kept (`sample`); a last line cut short by a kill is left out."""
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
 def read_samples(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / SAMPLES).read_text(encoding="utf-8").splitlines() if line]
+
+
+def pair_hash(pair: dict) -> str:
+    """A shown pair's content hash (its prompt and answers A and B): what binds a label to the pair it was given for."""
+    content = json.dumps([pair["prompt"], pair["a"], pair["b"]], sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(content.encode()).hexdigest()[:12]
 
 
 def people_pairs(samples: list[dict], max_pairs: int) -> list[dict]:
@@ -240,9 +274,8 @@ def people_pairs(samples: list[dict], max_pairs: int) -> list[dict]:
     for row in samples:
         distinct = [answer for answer in dict.fromkeys(row["completions"]) if answer.strip()]
         if len(distinct) >= 2:
-            shown.append(
-                {"pair": len(shown), "id": row["id"], "prompt": row["prompt"], "a": distinct[0], "b": distinct[1]}
-            )
+            pair = {"pair": len(shown), "id": row["id"], "prompt": row["prompt"], "a": distinct[0], "b": distinct[1]}
+            shown.append({**pair, "hash": pair_hash(pair)})
         if len(shown) == max_pairs:
             break
     return shown
