@@ -4,9 +4,10 @@
     prefect deployment run rlhf/full -p ppo='{"kl_coef": 0.1}'   # in another shell, with
                                 # PREFECT_API_URL=http://127.0.0.1:4200/api
 
-Every server binds 127.0.0.1. Prefect's CSRF protection is on, CORS admits only the UI's origin, and basic
-authentication is on when PREFECT_SERVER_API_AUTH_STRING is set (`guarded`). Ctrl-C (or SIGTERM) stops the three
-processes by pid.
+Every server binds 127.0.0.1. Prefect's CSRF protection is on, CORS admits only the UI's origin, a request whose
+`Host` is not the server's is refused (`deployments.prefect_app`; MLflow's server does the same), and basic
+authentication is on, for Prefect and for the MLflow UI alike, when PREFECT_SERVER_API_AUTH_STRING is set (`guarded`,
+`mlflow_auth`). Ctrl-C (or SIGTERM) stops the three processes by pid.
 """
 
 from __future__ import annotations
@@ -70,6 +71,27 @@ def guarded(env: dict[str, str], ui: str) -> dict[str, str]:
     return guarded
 
 
+def mlflow_auth(auth_string: str) -> tuple[list[str], dict[str, str]]:
+    """The MLflow server's arguments and environment that put its UI and API behind the same user and password as
+    Prefect's: MLflow's basic-auth app, whose one user, its admin, is written afresh at every start (a changed
+    password takes effect), in a file only this user can read."""
+    import secrets
+
+    user, _, password = auth_string.partition(":")
+    folder = tracking.state_dir() / "mlflow-auth"
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    (folder / "users.db").unlink(missing_ok=True)
+    config = folder / "basic_auth.ini"
+    config.touch(mode=0o600)
+    config.write_text(
+        "[mlflow]\ndefault_permission = NO_PERMISSIONS\n"
+        f"database_uri = sqlite:///{folder / 'users.db'}\nadmin_username = {user}\nadmin_password = {password}\n"
+        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+    )
+    env = {"MLFLOW_AUTH_CONFIG_PATH": str(config), "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(32)}
+    return ["--app-name", "basic-auth"], env
+
+
 def up(port: int = 4200, mlflow_port: int = 5000, serve_args: list[str] = ()) -> int:
     api = f"http://{HOST}:{port}/api"
     mlflow_ui = f"http://{HOST}:{mlflow_port}"
@@ -79,12 +101,16 @@ def up(port: int = 4200, mlflow_port: int = 5000, serve_args: list[str] = ()) ->
     processes: list[subprocess.Popen] = []
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # run the `finally` below
     try:
+        # Prefect's own server app, as `prefect server start` runs it, behind a check of the Host header
+        app = [*("--factory", "rlhf_pipeline.deployments.prefect_app:create_app", "--lifespan", "on")]
         server = subprocess.Popen(
-            [sys.executable, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(port)], env=env
+            [sys.executable, "-m", "uvicorn", *app, "--host", HOST, "--port", str(port)],
+            env={**env, "PREFECT__SERVER_FINAL": "1"},
         )
         processes.append(server)
         if not tracking.tracking_uri().startswith("http"):
             tracking.state_dir().mkdir(parents=True, exist_ok=True)
+            auth_args, auth_env = mlflow_auth(env[AUTH_ENV]) if env.get(AUTH_ENV) else ([], {})
             processes.append(
                 subprocess.Popen(
                     [
@@ -100,15 +126,19 @@ def up(port: int = 4200, mlflow_port: int = 5000, serve_args: list[str] = ()) ->
                         HOST,
                         "--port",
                         str(mlflow_port),
+                        *auth_args,
                     ],
-                    env=env,
+                    env={**env, **auth_env},
                 )
             )
         wait_until_up(f"{api}/health", server)
         processes.append(subprocess.Popen([sys.executable, "-m", "rlhf_pipeline", "serve", *serve_args], env=env))
         print(f"\nPrefect UI: http://{HOST}:{port}   MLflow UI: {env.get(tracking.UI_ENV, tracking.shown_uri())}")
         if env.get(AUTH_ENV):
-            print(f"Basic authentication on ({AUTH_ENV}); clients set {CLIENT_AUTH_ENV}=user:password.")
+            print(
+                f"Basic authentication on ({AUTH_ENV}) for the Prefect and the MLflow UI; clients set "
+                f"{CLIENT_AUTH_ENV}=user:password."
+            )
         else:
             print(
                 f"No authentication: whoever reaches {HOST}:{port} can start runs. To require a password, restart with "

@@ -35,7 +35,7 @@ def start() -> None:
         "--app-dir",
         os.path.dirname(prefect_dir),
         "--factory",
-        "prefect.server.api.server:create_app",
+        "rlhf_pipeline.deployments.prefect_app:create_app",  # Prefect's, refusing a foreign Host (DNS rebinding)
         "--host",
         "127.0.0.1",
         "--port",

@@ -1,10 +1,10 @@
 """`registry`: register the policy as a model version; move `champion` only when it wins.
 
-Every run's policy becomes (or reuses, by content digest) a version of the
-registered model and takes the alias `candidate`. The alias `champion` moves to
-it only when the gate passes on the eval stage's metrics and the champion is
-still the one eval compared against (compare and set, under a lock); the first
-version becomes champion. `models:/<name>@champion` then loads with `from_pretrained`.
+Every run's policy becomes (or reuses, by content digest) a version of the registered model and takes the alias
+`candidate`. The alias `champion` moves to it only when the gate passes on the eval stage's metrics and the champion
+is still the one eval compared against (compare and set, under a lock on the tracking server: one promotion at a time
+for every run that uses it); the first version becomes champion. `models:/<name>@champion` then loads with
+`from_pretrained`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 from rlhf_pipeline.tasks.gate import CANDIDATE, CHAMPION, RegistryConfig, below_start, gate, hacking
 from rlhf_pipeline.tasks.orchestration.stage_task import current_flow_run, prefect_log
-from rlhf_pipeline.tasks.store.artifacts import ArtifactRef, RunContext
+from rlhf_pipeline.tasks.store.artifacts import FILES, ArtifactRef, RunContext
 from rlhf_pipeline.tasks.tracking import client as tracking
 from rlhf_pipeline.tasks.tracking import lineage
 
@@ -38,16 +38,53 @@ def compared_champion(report: ArtifactRef) -> str | None:
     return key.rpartition("/v")[2] or None
 
 
-@contextlib.contextmanager
-def champion_lock(model_name: str) -> Iterator[None]:
-    """One registration at a time moves a model's `champion` (an OS file lock in the state folder: runs that share
-    it, on one machine or a shared filesystem)."""
-    from filelock import FileLock
+LOCK_SUFFIX = ".promoting"
+STALE_LOCK_SECONDS = 600.0  # a promotion takes seconds; a lock this old was left by a process that died
 
-    locks = tracking.state_dir() / "registry" / ".locks"
-    locks.mkdir(parents=True, exist_ok=True)
-    with FileLock(locks / f"{tracking.folder_name(model_name)}.lock"):
+
+@contextlib.contextmanager
+def champion_lock(model_name: str, wait_seconds: float = 900.0) -> Iterator[None]:
+    """One promotion at a time per registered model on the tracking server itself, whichever machine or state folder
+    the runs use: the lock is a registered model `<name>.promoting`, which exists while its holder compares and moves
+    `champion` (creating a registered model that exists fails on every MLflow store: a test-and-set). A lock older than
+    `STALE_LOCK_SECONDS` was left by a holder that died and is taken over."""
+    import json
+    import os
+    import random
+    import socket
+    import time
+
+    from mlflow.exceptions import MlflowException
+
+    mlflow, lock = tracking.client(), f"{model_name}{LOCK_SUFFIX}"
+    holder = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "state": str(tracking.state_dir())})
+    deadline = time.monotonic() + wait_seconds
+    while True:
+        try:
+            mlflow.create_registered_model(lock, tags={"rlhf.holder": holder}, description="rlhf: a promotion runs")
+            break
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        try:
+            held = mlflow.get_registered_model(lock)
+        except MlflowException:
+            continue  # released meanwhile
+        if time.time() - held.creation_timestamp / 1000 > STALE_LOCK_SECONDS:
+            prefect_log(f"registry: taking over {lock!r}, left by {held.tags.get('rlhf.holder')} (it died)")
+            with contextlib.suppress(MlflowException):
+                mlflow.delete_registered_model(lock)
+            continue
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"registry: {lock!r} was held for over {wait_seconds:.0f}s by {held.tags.get('rlhf.holder')}; if no "
+                "such process runs, delete that registered model"
+            )
+        time.sleep(0.2 + random.random() * 0.3)
+    try:
         yield
+    finally:
+        mlflow.delete_registered_model(lock)
 
 
 def register_policy(
@@ -113,6 +150,7 @@ def _version_of(
     fingerprints = stages[0].manifest().get("fingerprints", {}) if stages else {}
     tags = {
         "rlhf.policy_digest": policy.digest,
+        tracking.FILES_TAG: _files_tag(policy),
         "rlhf.policy_stage": policy.stage,
         "rlhf.flow_run_id": current_flow_run()[0],
         "rlhf.mlflow_run_id": ctx.parent_run_id,
@@ -163,6 +201,21 @@ def _decide(cfg: RegistryConfig, report: ArtifactRef, metrics: dict, version: st
         if promoted:
             tracking.set_alias(cfg.model_name, CHAMPION, version)
     return promoted, reason, champion
+
+
+def _files_tag(policy: ArtifactRef) -> str:
+    """The policy's model files with their digests, from its manifest (read, not hashed again): each later copy of
+    the version is checked against them. Empty where they do not fit a tag (MLflow keeps 5,000 characters)."""
+    import json
+
+    listing = policy.manifest().get(FILES) or {}
+    files = {
+        path.removeprefix("model/"): entry["sha256"][:16]
+        for path, entry in listing.items()
+        if path.startswith("model/")
+    }
+    text = json.dumps(files, sort_keys=True) if files else ""
+    return text if len(text) <= 5000 else ""
 
 
 def register_task():

@@ -4,8 +4,8 @@ A value is a secret when its config key is named like one (`hub_token`,
 `password`, `api_key`, `aws_secret_access_key`, `Authorization`, ...), when it
 is the value of an environment variable named like one (`HF_TOKEN`,
 `MLFLOW_TRACKING_PASSWORD`, `AZURE_STORAGE_CONNECTION_STRING`, ...), or when it
-is the user info of a URI (`postgresql://user:password@host/db`), wherever the
-URI appears.
+is the user info of a URI (`postgresql://user:password@host/db`) or a secret in its
+query (an Azure SAS or presigned URL's signature, `?token=`), wherever the URI appears.
 Secrets belong in the environment or a Prefect Secret block: flow-run
 parameters are stored by Prefect as given.
 """
@@ -36,6 +36,16 @@ SETTINGS = frozenset({"true", "false", "yes", "no", "on", "off", "none", "null",
 URI_CREDENTIALS = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)([^\s/@?#]+)@")
 """`scheme://user:password@host`: the user info, masked whole wherever a URI appears (a database URI, a tracking
 server's, a proxy's)."""
+
+
+QUERY_SECRET = re.compile(
+    r"([?&](?:sig|signature|x-amz-signature|x-amz-credential|x-amz-security-token|x-goog-signature|x-goog-credential"
+    r"|password|passwd|pwd|token|access_token|id_token|api_?key|apikey|secret|client_secret|code|auth|key)=)"
+    r"[^&#\s'\"]+",
+    re.IGNORECASE,
+)
+"""A secret in a URI's query: an Azure SAS or a presigned S3/GCS URL's signature and credential, a password or token
+parameter. Masked wherever a URI appears, as the user info is."""
 
 
 def secret_like(value: str) -> bool:
@@ -74,8 +84,9 @@ def secret_values() -> list[str]:
 
 
 def mask_uri(uri: str) -> str:
-    """`uri` with its user info masked: `postgresql://***@db:5432/mlflow`."""
-    return URI_CREDENTIALS.sub(rf"\1{MASK}@", uri)
+    """`uri` with its user info and its query's secrets masked: `postgresql://***@db:5432/mlflow`,
+    `https://acct.blob.core.windows.net/c/f?sv=2022-11-02&sig=***`."""
+    return QUERY_SECRET.sub(rf"\1{MASK}", URI_CREDENTIALS.sub(rf"\1{MASK}@", uri))
 
 
 def redact(value: Any, key: str = "") -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,9 @@ from typing import Any
 from rlhf_pipeline.tasks.store.secrets import URI_CREDENTIALS, mask_uri, redact, redact_text
 
 STATE_ENV = "RLHF_STATE_DIR"
+# MLflow prints "View run ... at <tracking URI>" on stdout when a run ends, the URI's password included: never here,
+# nor in any process started from here (the variable is inherited).
+os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 PARAM_VALUE_LIMIT = 6000  # MLflow rejects longer param values
 UI_ENV = "RLHF_MLFLOW_UI"
 
@@ -521,13 +525,65 @@ def set_alias(name: str, alias: str, version: str) -> None:
     client().set_registered_model_alias(name, alias, version)
 
 
+def version_exists(name: str, version: str) -> bool:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client().get_model_version(name, version)
+    except MlflowException:
+        return False
+    return True
+
+
 def version_tags(name: str, version: str) -> dict[str, str]:
     return dict(client().get_model_version(name, version).tags)
 
 
+FILES_TAG = "rlhf.model_files"
+"""A registered version's tag: its model files as {relative path: the first 16 hex digits of their sha256}."""
+
+
 def download_version(name: str, version: str, dst: Path) -> Path:
-    """The files of a registered version, downloaded once to `dst`."""
-    return _download(client().get_model_version_download_uri(name, version), dst)
+    """The files of a registered version, downloaded once to `dst` and checked against the version's file digests
+    (`FILES_TAG`) every time they are used: a damaged copy (a truncated download, a file edited or removed) is moved
+    aside and fetched again; a version whose stored files are damaged too fails naming the files."""
+    import time
+
+    expected = json.loads(version_tags(name, version).get(FILES_TAG) or "{}")
+    _download(client().get_model_version_download_uri(name, version), dst)
+    if not (damaged := _damaged(dst, expected)):
+        return dst
+    aside = dst.with_name(f".damaged-{dst.name}-{time.strftime('%Y%m%dT%H%M%S')}-{os.urandom(3).hex()}")
+    dst.rename(aside)
+    _download(client().get_model_version_download_uri(name, version), dst)
+    if still := _damaged(dst, expected):
+        raise ValueError(
+            f"models:/{name}/{version}: the registered files do not match their digests ({', '.join(still)}): the "
+            "version's stored copy is damaged; register the policy again (re-run it with registry.enabled=true)"
+        )
+    logging.getLogger(__name__).warning(
+        f"models:/{name}/{version}: the local copy was damaged ({', '.join(damaged)}), kept in {aside}; fetched again"
+    )
+    return dst
+
+
+def files_digests(folder: Path) -> dict[str, str]:
+    """{relative path: first 16 hex digits of sha256} of the files under `folder` (`FILES_TAG`)."""
+    from rlhf_pipeline.tasks.store.artifacts import sha256_of
+
+    return {p.relative_to(folder).as_posix(): sha256_of(p)[:16] for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _damaged(folder: Path, expected: dict[str, str]) -> list[str]:
+    """The files of `folder` that differ from `expected` (missing, changed, truncated), each with why."""
+    if not expected:
+        return []  # a version registered before its files were recorded
+    found = files_digests(folder)
+    return [
+        f"{folder / path}: {'missing' if path not in found else 'not the registered bytes'}"
+        for path, digest in expected.items()
+        if found.get(path) != digest
+    ]
 
 
 def artifact_uri(run_id: str, path: str) -> str:

@@ -226,7 +226,7 @@ def test_rlhf_deploy_registers_the_served_deployments_on_a_pool_with_forms_that_
 
 def test_rlhf_up_starts_prefect_mlflow_and_serve_and_stops_them_all(tmp_path):
     """With a password configured: `rlhf serve` (a client) gets in, a request without it or without a CSRF token is
-    refused."""
+    refused, in the Prefect API and the MLflow UI alike; a request for another host (DNS rebinding) is refused."""
     import base64
     import signal
     import urllib.error
@@ -259,6 +259,13 @@ def test_rlhf_up_starts_prefect_mlflow_and_serve_and_stops_them_all(tmp_path):
             started = children(up.pid)
             assert len(started) == 3, (tmp_path / "up.log").read_text()[-3000:]
 
+            def fetch(url: str, headers: dict) -> int:
+                try:
+                    with urllib.request.urlopen(urllib.request.Request(url, None, headers), timeout=10) as response:
+                        return response.status
+                except urllib.error.HTTPError as error:
+                    return error.code
+
             def answer(method: str, path: str, headers: dict) -> int:
                 data = b"{}" if method == "POST" else None
                 request = urllib.request.Request(f"http://127.0.0.1:{port}/api/{path}", data, headers, method=method)
@@ -274,6 +281,17 @@ def test_rlhf_up_starts_prefect_mlflow_and_serve_and_stops_them_all(tmp_path):
             json_body = {"Content-Type": "application/json"}
             assert answer("POST", "flows/filter", {**json_body, "Authorization": basic}) == 403  # no CSRF token
             assert "Basic authentication on" in (tmp_path / "up.log").read_text()
+            # A page of another site whose name resolves to 127.0.0.1 (DNS rebinding) is refused, password or not.
+            assert answer("GET", "health", {"Host": "attacker.example"}) == 400
+            assert answer("GET", "admin/version", {"Host": f"attacker.example:{port}", "Authorization": basic}) == 400
+            assert answer("GET", "health", {"Host": f"localhost:{port}"}) == 200
+            # The MLflow UI and its API ask for the same password: nobody else moves `champion` past the gate.
+            mlflow = f"http://127.0.0.1:{mlflow_port}"
+            search = f"{mlflow}/api/2.0/mlflow/registered-models/search"
+            for url in (f"{mlflow}/", search):
+                assert fetch(url, {}) == 401, url
+                assert fetch(url, {"Authorization": basic}) == 200, url
+            assert fetch(search, {"Host": "attacker.example"}) in (400, 403)
         finally:
             up.send_signal(signal.SIGTERM)
             up.wait(60)

@@ -21,6 +21,9 @@ DB_PASSWORD = "pg-Wq7x2Lm9"
 DATABASE_URL = f"postgresql://rlhf:{DB_PASSWORD}@db.internal:5432/mlflow"
 CONFIG_URI = "https://bot:cfgUriPass4@hub.internal/org/policy"
 EVERY = (ENV_SECRET, CONFIG_SECRET, DB_PASSWORD, "cfgUriPass4")
+NOTIFY = (
+    f"sft.callbacks=[{{path: tests.user_code:Notify, kwargs: {{api_key: {CONFIG_SECRET}, endpoint: '{CONFIG_URI}'}}}}]"
+)
 
 
 def test_redact_masks_secret_keys_and_env_values_but_not_tokenizer_words(monkeypatch):
@@ -71,9 +74,9 @@ def test_secrets_appear_in_no_log_param_artifact_or_manifest(prefect, state, mon
         return evaluate(*args, **kwargs)
 
     monkeypatch.setattr(eval_stage, "run_stage", quoting_secrets)
-    # A config that carries a secret (TRL accepts `hub_token`) and a URI with a password.
+    # A config that carries a secret (a callback's API key) and a URI with a password.
     done = run(
-        f"sft.trl_overrides={{hub_token: {CONFIG_SECRET}, hub_model_id: '{CONFIG_URI}'}}",
+        NOTIFY,
         f"experiment_name=secrets-{ENV_SECRET[-4:]}",
     )
     assert done.is_completed(), done.message
@@ -87,8 +90,8 @@ def test_secrets_appear_in_no_log_param_artifact_or_manifest(prefect, state, mon
         logged = [*r.data.params.values(), *r.data.tags.values()]
         assert not any(secret in v for v in logged for secret in EVERY), r.info.run_name
     sft_run = next(r for r in runs if r.info.run_name == "sft")
-    masked = {k: v for k, v in sft_run.data.params.items() if k.endswith("trl_overrides.hub_token")}
-    assert list(masked.values()) == ["***"], masked  # masked, not dropped
+    masked = {k: v for k, v in sft_run.data.params.items() if "callbacks" in k}
+    assert any("api_key" in v and "***" in v for v in masked.values()), masked  # masked, not dropped
 
     # MLflow's artifact store (config.yaml, reports, manifests, the model) and the stage artifacts.
     assert files_containing(tracking.state_dir(), *EVERY) == []
@@ -109,8 +112,7 @@ def test_secrets_appear_in_no_log_param_artifact_or_manifest(prefect, state, mon
     [traceback] = [message for message in messages if message.startswith("the traceback is masked too")]
     assert "ConnectionError: refused: postgresql://***@db.internal" in traceback and "password ***" in traceback
     assert not any(secret in str(artifact.data) for artifact in artifacts for secret in EVERY)  # Prefect's artifacts
-    [uri] = [v for k, v in sft_run.data.params.items() if k.endswith("trl_overrides.hub_model_id")]
-    assert uri == "https://***@hub.internal/org/policy", uri
+    assert any("https://***@hub.internal/org/policy" in v for v in masked.values()), masked
 
 
 def test_every_uri_credential_secret_name_and_short_secret_is_masked_and_settings_are_not(monkeypatch):
@@ -146,12 +148,9 @@ def test_every_uri_credential_secret_name_and_short_secret_is_masked_and_setting
 def test_rlhf_params_and_its_errors_mask_secrets(capsys):
     from rlhf_pipeline.cli import main
 
-    assert (
-        main(["params", "--set", f"sft.trl_overrides={{hub_token: {CONFIG_SECRET}, hub_model_id: '{CONFIG_URI}'}}"])
-        == 0
-    )
+    assert main(["params", "--set", NOTIFY]) == 0
     shown = capsys.readouterr().out
-    assert CONFIG_SECRET not in shown and "cfgUriPass4" not in shown and '"hub_token": "***"' in shown
+    assert CONFIG_SECRET not in shown and "cfgUriPass4" not in shown and '"api_key": "***"' in shown
     assert main(["params", "--set", f"experiment_name={{bad: '{CONFIG_URI}'}}"]) == 2
     assert "cfgUriPass4" not in capsys.readouterr().err
 
@@ -161,12 +160,14 @@ def test_launch_json_holds_no_secret_and_the_ranks_get_them_by_environment(tmp_p
     from rlhf_pipeline.tasks.store.secrets import redact
     from rlhf_pipeline.trainers.runtime.rank import SECRETS_ENV, read_spec, write_spec
 
-    sft = load_params("tiny", [f"sft.trl_overrides={{hub_token: {CONFIG_SECRET}}}"]).sft
+    sft = load_params(
+        "tiny", [f"sft.callbacks=[{{path: tests.user_code:Notify, kwargs: {{api_key: {CONFIG_SECRET}}}}}]"]
+    ).sft
     spec = tmp_path / "launch.json"
     hidden = write_spec(
         spec, "rlhf_pipeline.trainers.algorithms.sft", {"cfg": sft, "steps": 3, "out": tmp_path}, mask=redact
     )
-    assert CONFIG_SECRET not in spec.read_text() and '"hub_token": "***"' in spec.read_text()
+    assert CONFIG_SECRET not in spec.read_text() and '"api_key": "***"' in spec.read_text()
     assert list(hidden) == ["cfg"]
     monkeypatch.setenv(SECRETS_ENV, json.dumps(hidden))
     trainer, arguments = read_spec(spec)
@@ -207,3 +208,53 @@ def test_the_reachability_check_sends_the_uris_credentials_as_mlflow_does_and_ne
         assert tracking.ui_url() == f"http://127.0.0.1:{port}" and "wrongpass" not in tracking.shown_uri()
     finally:
         server.shutdown()
+
+
+def test_query_string_secrets_and_sas_signatures_are_masked_wherever_a_uri_appears():
+    from rlhf_pipeline.tasks.store.secrets import redact_text
+
+    sas = "https://acct.blob.core.windows.net/data/prefs.parquet?sv=2022-11-02&sr=b&sig=Zk9%2BqW3xLm7%3D&se=2027"
+    presigned = "https://b.s3.amazonaws.com/k?X-Amz-Credential=AKIAEXAMPLE%2F1&X-Amz-Signature=9f8e7d6c5b4a"
+    text = redact_text(f"reading {sas} and {presigned}, then http://h:5000/api?token=tok-8Hq2Lm9 and ?page=2")
+    assert "Zk9" not in text and "AKIAEXAMPLE" not in text and "9f8e7d6c5b4a" not in text and "tok-8Hq2Lm9" not in text
+    assert "sv=2022-11-02&sr=b&sig=***&se=2027" in text and "?page=2" in text  # only the secrets go
+
+
+def test_a_run_against_a_tracking_server_with_a_password_prints_logs_and_keeps_it_nowhere(tmp_path):
+    """`rlhf run` as a user starts it, against a real tracking server whose URI carries a password: not on stdout
+    (MLflow's own "View run ... at <URI>" lines included), stderr, the Prefect logs, the run state or the server's
+    store."""
+    import os
+    import subprocess
+    import sys
+
+    from rlhf_pipeline.tasks.store.resources import free_port
+    from tests import mlflow_server
+    from tests.helpers import CI_PRESET
+
+    password = "Trk-9fQ2mZ7xLpVw"
+    port, pid_file = free_port(), tmp_path / "mlflow.pid"
+    mlflow_server.start(f"sqlite:///{tmp_path / 'server.db'}", port, pid_file, artifacts=tmp_path / "server-artifacts")
+    env = {
+        **os.environ,
+        "MLFLOW_TRACKING_URI": f"http://rlhf:{password}@127.0.0.1:{port}",
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "RLHF_STATE_DIR": str(tmp_path / "state"),
+    }
+    env.pop("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", None)  # the pipeline's to set, not the test's
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "rlhf_pipeline", "run", "--config", CI_PRESET, "--set", "registry.enabled=false"],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+    finally:
+        mlflow_server.stop(pid_file)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert password not in done.stdout + done.stderr
+    assert "View run" not in done.stdout and f"127.0.0.1:{port}" in done.stdout  # the closing table's link
+    assert (tmp_path / "prefect" / "prefect.db").is_file() and (tmp_path / "state" / "artifacts").is_dir()
+    assert files_containing(tmp_path, password) == []

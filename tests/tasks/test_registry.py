@@ -296,3 +296,81 @@ def test_gate_on_measured_exact_match_refuses_the_untrained_base_and_promotes_a_
     promoted = register_policy(cfg, sft_ref, report, [sft_ref], run_ctx)
     assert promoted["promoted"]
     assert str(client.get_model_version_by_alias("gate-test-promote", CHAMPION).version) == promoted["version"]
+
+
+@pytest.mark.e2e  # a tracking server of its own
+def test_runs_with_their_own_state_folders_and_one_tracking_server_make_exactly_one_champion(
+    ctx, tmp_path, monkeypatch
+):
+    """Two machines (two state folders, no shared file lock) register at once against one `mlflow server`: the lock
+    lives on the server, so one moves `champion` and the other stays a candidate, saying why."""
+    import threading
+    import time
+
+    from rlhf_pipeline.tasks.store.resources import free_port
+    from tests import mlflow_server
+
+    port, pid_file = free_port(), tmp_path / "mlflow.pid"
+    mlflow_server.start(f"sqlite:///{tmp_path / 'server.db'}", port, pid_file, artifacts=tmp_path / "server-artifacts")
+    try:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+        ctx = ctx.model_copy(update={"experiment_id": tracking.experiment_id("two-machines")})
+        cfg = RegistryConfig(model_name="shared-policy")
+        policy, report, run_ctx = publish(ctx, "dpo", 20, {}, cfg)
+        first = register_policy(cfg, policy, report, [policy, report], run_ctx)
+        better = {"eval/heldout/win_rate_vs_champion": 0.71, "eval/heldout/win_rate_vs_champion_low": 0.64}
+        racers = [publish(ctx, "dpo", seed, better, cfg) for seed in (21, 22)]
+
+        machine, real_state_dir, real_alias = threading.local(), tracking.state_dir, tracking.alias_version
+        monkeypatch.setattr(tracking, "state_dir", lambda: getattr(machine, "state", None) or real_state_dir())
+
+        def slow_alias(name: str, alias: str):  # each racer reads the champion, then is slow to decide
+            found = real_alias(name, alias)
+            time.sleep(1.0)
+            return found
+
+        monkeypatch.setattr(tracking, "alias_version", slow_alias)
+        start, outcomes = threading.Barrier(2), {}
+
+        def register(index: int) -> None:
+            machine.state = tmp_path / f"machine-{index}" / "state"
+            policy, report, run_ctx = racers[index]
+            start.wait()
+            outcomes[index] = register_policy(cfg, policy, report, [policy, report], run_ctx)
+
+        threads = [threading.Thread(target=register, args=(index,)) for index in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert [outcome["promoted"] for outcome in outcomes.values()].count(True) == 1, outcomes
+        [won] = [outcome for outcome in outcomes.values() if outcome["promoted"]]
+        [lost] = [outcome for outcome in outcomes.values() if not outcome["promoted"]]
+        assert won["previous_champion"] == first["version"]
+        assert int(MlflowClient().get_model_version_by_alias("shared-policy", CHAMPION).version) == int(won["version"])
+        assert lost["reason"].startswith(f"the champion moved to v{won['version']} after eval compared this policy")
+        assert [m.name for m in MlflowClient().search_registered_models()] == ["shared-policy"]  # the lock is gone
+    finally:
+        mlflow_server.stop(pid_file)
+
+
+def test_a_damaged_copy_of_the_champion_is_fetched_again_and_damaged_stored_files_are_named(ctx, caplog):
+    from pathlib import Path
+    from urllib.parse import unquote, urlparse
+
+    cfg = RegistryConfig(model_name="checked-policy")
+    policy, report, run_ctx = publish(ctx, "dpo", 30, {}, cfg)
+    register_policy(cfg, policy, report, [policy, report], run_ctx)
+    weights = current_champion(cfg).path / "model" / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[: len(whole) // 2])  # a download cut short, or a disk that filled up
+    assert (current_champion(cfg).path / "model" / "model.safetensors").read_bytes() == whole
+    assert f"{weights}: not the registered bytes" in caplog.text and "fetched again" in caplog.text
+
+    version = tracking.alias_version(cfg.model_name, CHAMPION)
+    stored = urlparse(tracking.client().get_model_version_download_uri(cfg.model_name, version))
+    assert stored.scheme in ("", "file"), stored  # the session's store keeps artifacts in files
+    (Path(unquote(stored.path)) / "model.safetensors").write_bytes(b"damaged")
+    weights.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"do not match their digests \(.*model.safetensors: not the registered"):
+        current_champion(cfg)
