@@ -30,6 +30,7 @@ from rlhf_pipeline.tasks.config import ENGINE_DIR, ENGINES, LaunchConfig, Launch
 from rlhf_pipeline.tasks.store.resources import free_port
 from rlhf_pipeline.tasks.store.secrets import redact
 from rlhf_pipeline.trainers.runtime.failures import PERMANENT
+from rlhf_pipeline.trainers.runtime.heartbeat import Stalled
 from rlhf_pipeline.trainers.runtime.progress import emit
 from rlhf_pipeline.trainers.runtime.rank import (
     ERROR_FILE,
@@ -44,6 +45,9 @@ from rlhf_pipeline.trainers.runtime.stopping import TERMINATING, Terminated
 
 PERMANENT_BY_NAME = {cls.__name__: cls for cls in PERMANENT}
 """Errors a rank reports that no retry can fix (bad config or data): raised again in the parent as the same type."""
+
+
+RANK_MODULE = "rlhf_pipeline.trainers.runtime.rank"  # what each launched rank runs
 
 
 def launch_command(launch: LaunchConfig, spec: Path, launcher: Launcher = "accelerate") -> list[str]:
@@ -67,7 +71,7 @@ def launch_command(launch: LaunchConfig, spec: Path, launcher: Launcher = "accel
         # gloo DDP (docs/LIBRARY-FACTS.md, accelerate).
         command += ["--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no"]
     command += ["--num_processes", str(processes), "--num_machines", "1", "--main_process_port", str(free_port())]
-    return [*command, "-m", "rlhf_pipeline.trainers.runtime.rank", str(spec)]
+    return [*command, "-m", RANK_MODULE, str(spec)]
 
 
 def run_launched(
@@ -108,7 +112,12 @@ def run_launched(
     try:
         _stream(process, ranks, log, log_metrics, tail)
         returncode = process.wait()
-    except BaseException:
+    except BaseException as exc:
+        if isinstance(exc, Stalled):  # every rank writes its threads' stacks (`trainers.runtime.rank`) into the log
+            ranks.signal(signal.SIGUSR1, only=RANK_MODULE)  # the launcher itself would die of it
+            time.sleep(1.0)
+            for stacks in sorted(work_dir.glob("stacks-rank*.txt")):
+                log(f"{stage}: {stacks.stem.removeprefix('stacks-')}'s threads:\n{stacks.read_text(errors='replace')}")
         ranks.kill(launch.kill_grace_seconds, log, stage)
         raise
     finally:
@@ -153,14 +162,15 @@ class ProcessTree:
         with contextlib.suppress(psutil.Error):
             self.known |= set(self.root.children(recursive=True))
 
-    def signal(self, signum: int) -> None:
-        """`signum` to every process of the tree that is still running."""
+    def signal(self, signum: int, only: str = "") -> None:
+        """`signum` to every process of the tree that is still running (`only`: those whose command line holds it)."""
         import psutil
 
         self.refresh()
         for process in self.known:
             with contextlib.suppress(psutil.Error):
-                process.send_signal(signum)
+                if not only or any(only in part for part in process.cmdline()):
+                    process.send_signal(signum)
 
     def kill(self, grace: float, log: Callable[[str], None], stage: str) -> None:
         """SIGTERM to every process of the tree, then SIGKILL to those alive after `grace` seconds."""

@@ -70,6 +70,17 @@ def manifest_metrics(state: Path, stage: str) -> dict[str, float]:
     return json.loads(manifest.read_text())["metrics"]
 
 
+def digest(state: Path, stage: str) -> str:
+    [manifest] = (state / "artifacts" / stage).glob("*/manifest.json")
+    return json.loads(manifest.read_text())["digest"]
+
+
+def different_files(first: Path, second: Path, stage: str) -> list[str]:
+    [one], [two] = ((state / "artifacts" / stage).glob("*/manifest.json") for state in (first, second))
+    files = [json.loads(m.read_text()).get("files", {}) for m in (one, two)]
+    return sorted(path for path in set(files[0]) | set(files[1]) if files[0].get(path) != files[1].get(path))
+
+
 def test_a_killed_run_resumes_sft_and_dpo_from_their_checkpoints_and_ends_where_an_unbroken_run_ends(tmp_path):
     from mlflow.tracking import MlflowClient
 
@@ -96,6 +107,8 @@ def test_a_killed_run_resumes_sft_and_dpo_from_their_checkpoints_and_ends_where_
 
         expected, got = manifest_metrics(unbroken, stage), manifest_metrics(crashed, stage)
         assert abs(got[f"{stage}/train/loss"] - expected[f"{stage}/train/loss"]) < 1e-4, (stage, got, expected)
+        # Byte for byte the unbroken run's artifact: the weights, and the card's average loss and token count too.
+        assert digest(crashed, stage) == digest(unbroken, stage), different_files(crashed, unbroken, stage)
     final = manifest_metrics(crashed, "eval")["eval/heldout/policy_exact_match"]
     assert abs(final - manifest_metrics(unbroken, "eval")["eval/heldout/policy_exact_match"]) <= 0.02
 

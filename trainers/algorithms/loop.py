@@ -122,6 +122,7 @@ def fit(trainer, cfg: TrainingConfig, work_dir: Path, out_dir: Path) -> dict:
     from rlhf_pipeline.trainers.runtime.custom import install
 
     install(trainer, cfg)
+    trainer.add_callback(counters_callback(trainer))
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     trainer.remove_callback(PrinterCallback)  # its printed log dicts: every value is in `log_metrics` already
@@ -139,6 +140,44 @@ def fit(trainer, cfg: TrainingConfig, work_dir: Path, out_dir: Path) -> dict:
     if is_main_process(trainer):
         outcome = write_outcome(out_dir, state.global_step, state.max_steps, best, state.best_metric)
     return outcome
+
+
+COUNTERS = "counters.json"
+"""Written into every checkpoint: the running totals the trainer keeps outside its saved state (the loss summed over
+the steps, the loss of the steps not logged yet, the last logged step, TRL's count of training tokens)."""
+
+
+def counters_callback(trainer):
+    """Keeps a resumed stage's totals whole, so that its artifact is the unbroken one's byte for byte (its card reports
+    the average loss and TRL's token count): each checkpoint saves the totals, and a resumed run starts from them, as
+    if it had never stopped, instead of counting from the checkpoint."""
+    from transformers import TrainerCallback
+
+    class ResumeCounters(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            if folder.is_dir() and state.is_world_process_zero and hasattr(trainer, "_tr_loss"):
+                totals = {
+                    "loss": trainer._total_loss_scalar,
+                    "pending_loss": trainer._tr_loss.item(),
+                    "last_logged": trainer._globalstep_last_logged,
+                    "tokens": getattr(trainer, "_total_train_tokens", None),
+                }
+                (folder / COUNTERS).write_text(json.dumps(totals))
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            saved = Path(args.output_dir) / f"checkpoint-{state.global_step}" / COUNTERS
+            if state.global_step == 0 or not saved.is_file() or not hasattr(trainer, "_tr_loss"):
+                return
+            totals = json.loads(saved.read_text())  # resumed from that checkpoint
+            trainer._total_loss_scalar = totals["loss"]
+            trainer._tr_loss += totals["pending_loss"]
+            trainer._globalstep_last_logged = totals["last_logged"]
+            trainer._initial_global_step = 0  # the average loss is over every step, as an unbroken run's
+            if totals["tokens"] is not None and hasattr(trainer, "_total_train_tokens"):
+                trainer._total_train_tokens = totals["tokens"]
+
+    return ResumeCounters()
 
 
 def is_main_process(trainer) -> bool:

@@ -124,12 +124,41 @@ def greedy_answers(
                 log(f"{len(rows)} answers from the answer cache ({path})")
             return [r["answer"] for r in rows], [r["cut"] for r in rows]
     started = time.perf_counter()
-    answers, cut = generate_answers(model, tokenizer, prompts, max_new_tokens, batch_size, progress=progress)
-    if key is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}"
-        partial.write_text("".join(json.dumps({"answer": a, "cut": c}) + "\n" for a, c in zip(answers, cut)))
-        partial.rename(path)
-        if log is not None:
-            log(f"{len(answers)} answers in {time.perf_counter() - started:.0f} s, kept in {path}")
+    if key is None:
+        return generate_answers(model, tokenizer, prompts, max_new_tokens, batch_size, progress=progress)
+    # Each batch is kept as it is answered: a run killed here resumes at the next batch, with the same answers.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    batches = path.with_suffix(".partial.jsonl")
+    before = read_batches(batches)
+    if before and log is not None:
+        log(f"resuming: {len(before)} of {len(prompts)} answers kept from a run that stopped ({batches})")
+    with open(batches, "a", encoding="utf-8") as kept:
+
+        def keep(indices: list[int], texts: list[str], cuts: list[bool]) -> None:
+            rows = [{"index": i, "answer": a, "cut": c} for i, a, c in zip(indices, texts, cuts)]
+            kept.write("".join(json.dumps(row) + "\n" for row in rows))
+            kept.flush()
+
+        answers, cut = generate_answers(
+            model, tokenizer, prompts, max_new_tokens, batch_size, progress=progress, done_before=before, on_batch=keep
+        )
+    whole = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}"
+    whole.write_text("".join(json.dumps({"answer": a, "cut": c}) + "\n" for a, c in zip(answers, cut)))
+    whole.rename(path)
+    batches.unlink(missing_ok=True)
+    if log is not None:
+        log(f"{len(answers)} answers in {time.perf_counter() - started:.0f} s, kept in {path}")
     return answers, cut
+
+
+def read_batches(path: Path) -> dict[int, tuple[str, bool]]:
+    """The answers kept batch by batch (index -> answer, cut); a last line cut short by a kill is left out."""
+    kept: dict[int, tuple[str, bool]] = {}
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            kept[row["index"]] = (row["answer"], row["cut"])
+    return kept

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Callable
 
+from rlhf_pipeline.trainers.runtime.heartbeat import beat
+
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -103,9 +105,14 @@ def generate_answers(
     temperature: float = 1.0,
     top_p: float = 1.0,
     progress: Callable[[int, int], None] | None = None,
+    done_before: dict[int, tuple[str, bool]] | None = None,
+    on_batch: Callable[[list[int], list[str], list[bool]], None] | None = None,
 ) -> tuple[list[str], list[bool]]:
     """`generate`'s completions, and for each whether the budget cut it (it reached `max_new_tokens` without a stop
-    token); `progress(done, total)` after each batch."""
+    token); `progress(done, total)` after each batch. Resumable: `done_before` holds the answers (and cut flags) of
+    prompts answered before, by index, whose batches are not generated again; `on_batch(indices, answers, cut)` is
+    told each batch generated, to keep it. The batches are the same either way, so a resumed call answers as an
+    unbroken one does."""
     import torch
 
     model.eval()
@@ -119,6 +126,12 @@ def generate_answers(
         stop_ids = torch.tensor(list(stops) if isinstance(stops, (list, tuple)) else [stops], device=model.device)
         done = 0
         for batch in length_batches([len(r) for r in rendered], batch_size):
+            beat()
+            if done_before and all(i in done_before for i in batch):
+                for i in batch:
+                    out[i], cut[i] = done_before[i]
+                done += len(batch)
+                continue
             input_ids, attention = pad(
                 [rendered[i] for i in batch], tokenizer.pad_token_id, left=True, device=model.device
             )
@@ -136,6 +149,8 @@ def generate_answers(
             budget = answers.shape[1] >= max_new_tokens
             for i, text, ended in zip(batch, tokenizer.batch_decode(answers, skip_special_tokens=True), stopped):
                 out[i], cut[i] = text, bool(not ended and budget)
+            if on_batch is not None:
+                on_batch(batch, [out[i] for i in batch], [cut[i] for i in batch])
             done += len(batch)
             if progress is not None:
                 progress(done, len(rendered))
@@ -167,6 +182,7 @@ def reward_scores(
     model.eval()
     scores: list[float] = []
     for start in range(0, len(rows), batch_size):
+        beat()
         input_ids, attention = pad(rows[start : start + batch_size], tokenizer.pad_token_id, device=model.device)
         with torch.no_grad():
             logits = model(input_ids=input_ids, attention_mask=attention).logits

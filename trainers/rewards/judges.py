@@ -31,6 +31,7 @@ from pydantic import Field, field_validator, model_validator
 from rlhf_pipeline.trainers.config import StrictModel
 from rlhf_pipeline.trainers.models.load import load_tokenizer
 from rlhf_pipeline.trainers.rewards.metrics import WinRate, bootstrap_mean
+from rlhf_pipeline.trainers.runtime.heartbeat import beat
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -179,6 +180,7 @@ class FunctionJudge:
         _same_length(prompts, completions_a, completions_b)
         out: list[float] = []
         for start in range(0, len(prompts), self.batch_size):
+            beat()
             rows = slice(start, start + self.batch_size)
             try:
                 got = self.fn(prompts[rows], completions_a[rows], completions_b[rows])
@@ -291,6 +293,7 @@ class LMJudge:
         out = [0.0] * len(rows)
         device = self.model.device
         for start in range(0, len(order), self.batch_size):
+            beat()
             batch = [rows[i] for i in order[start : start + self.batch_size]]
             input_ids, attention = pad(
                 [ids for ids, _, _ in batch], self.tokenizer.pad_token_id, left=True, device=device

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 from pydantic import Field, field_validator, model_validator
 
 from rlhf_pipeline.trainers.config import Block, StrictModel
+from rlhf_pipeline.trainers.runtime.heartbeat import beat
 
 if TYPE_CHECKING:
     import torch
@@ -284,6 +285,7 @@ class RewardScorer:
 
         scores: list[float] = []
         for start in range(0, len(ids), batch_size):
+            beat()
             input_ids, attention = pad(ids[start : start + batch_size], model.config.pad_token_id, device=model.device)
             with torch.no_grad():
                 scores.extend(model(input_ids=input_ids, attention_mask=attention).logits[:, 0].float().tolist())

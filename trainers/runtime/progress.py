@@ -19,6 +19,8 @@ import math
 import time
 from typing import Any
 
+from rlhf_pipeline.trainers.runtime.heartbeat import beat
+
 PROGRESS = logging.getLogger(__name__)
 PROGRESS.setLevel(logging.INFO)
 TICKS = logging.getLogger(f"{__name__}.ticks")
@@ -28,6 +30,7 @@ TICKS.propagate = False  # a tick per step is for a display, never for a log sto
 
 def emit(progress: dict[str, Any], message: str = "") -> None:
     """Log one progress record (`message` only for a "log" event, which is a line people read)."""
+    beat()  # the stage moved: its watchdog (`heartbeat.watching`) waits no longer
     logger = PROGRESS if progress["event"] == "log" else TICKS
     logger.info(message or f"{progress['stage']}: {progress['event']} {progress['step']}", extra={"progress": progress})
 

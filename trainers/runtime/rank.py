@@ -11,6 +11,7 @@ metrics are written to `<work_dir>/result.json`, and an error that no retry can 
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import json
 import logging
@@ -92,6 +93,8 @@ def main(argv: list[str]) -> int:
     _forward_progress()
     spec = Path(argv[0])
     work_dir = spec.parent
+    # A stalled launch asks every rank for its threads' stacks (SIGUSR1), which it reads from this file.
+    faulthandler.register(signal.SIGUSR1, file=open(work_dir / f"stacks-rank{rank()}.txt", "w"), all_threads=True)
 
     def log_metrics(values: dict[str, float], step: int) -> None:
         if rank() == 0:
