@@ -1,4 +1,5 @@
-"""Text to token ids, the one place that renders prompts and pads batches.
+"""Text to token ids, the one place that renders prompts, pads batches and generates (and keeps what a stopped
+generation had made: `kept_batches`, `rng_state`).
 
 Rows are rendered exactly as TRL renders them, so a score or a sample here
 means what it meant in training: a standard row is `prompt + completion + eos`;
@@ -9,6 +10,8 @@ generation prompt, the reply closed by the template).
 from __future__ import annotations
 
 import contextlib
+import json
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from rlhf_pipeline.trainers.runtime.heartbeat import beat
@@ -188,3 +191,36 @@ def reward_scores(
             logits = model(input_ids=input_ids, attention_mask=attention).logits
         scores.extend(logits[:, 0].float().tolist())
     return scores
+
+
+def kept_batches(path: Path):
+    """The batches a stopped generation kept (`trainers.pairs.stage.sample`), by their first prompt's index (a
+    last line cut short by a kill is left out), and the file opened to keep more."""
+    rows = {}
+    for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        rows[row["start"]] = row
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return rows, open(path, "a", encoding="utf-8")
+
+
+def rng_state(state: str | None = None) -> str:
+    """torch's random generators' state (the CPU's and every CUDA device's) as text; given one, restores it."""
+    import base64
+    import io
+
+    import torch
+
+    if state is not None:
+        saved = torch.load(io.BytesIO(base64.b64decode(state)), weights_only=True)
+        torch.set_rng_state(saved["cpu"])
+        if saved["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(saved["cuda"])
+        return state
+    buffer = io.BytesIO()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    torch.save({"cpu": torch.get_rng_state(), "cuda": cuda}, buffer)
+    return base64.b64encode(buffer.getvalue()).decode()

@@ -174,8 +174,8 @@ def sample(
     work_dir: Path | None = None,
 ) -> dict[str, float]:
     """`samples_per_prompt` answers of the model in `model_dir` to each chosen prompt, into `out_dir/samples.jsonl`.
-    Each batch is seeded of its own and kept in `work_dir` as it is sampled: a run killed here resumes at the next
-    batch and writes the same samples as an unbroken one."""
+    Each batch is kept in `work_dir` as it is sampled, with the random generator's state after it: a run killed here
+    resumes at the next batch, with the same draws, and writes the same samples as an unbroken one."""
     import random
     import time
 
@@ -183,7 +183,7 @@ def sample(
 
     from rlhf_pipeline.trainers.data import load_split
     from rlhf_pipeline.trainers.models.load import load_causal_lm
-    from rlhf_pipeline.trainers.models.text import generate
+    from rlhf_pipeline.trainers.models.text import generate, kept_batches, rng_state
     from rlhf_pipeline.trainers.runtime.progress import Progress
 
     prompts_ds = load_split(data_dir, "prompts")
@@ -193,19 +193,18 @@ def sample(
     prompts = chosen["prompt"]
     columns = {name: chosen[name] for name in chosen.column_names if name != "prompt"}
     policy, tokenizer = load_causal_lm(model_dir)
+    torch.manual_seed(cfg.seed * 1000 + round_)
     n, started, progress = cfg.samples_per_prompt, time.monotonic(), Progress("pairs", total=len(prompts))
     answers: list[list[str]] = [[] for _ in prompts]
     kept = (work_dir or out_dir) / "samples.partial.jsonl"
-    before = {row["start"]: row["answers"] for row in _kept_batches(kept)}
-    kept.parent.mkdir(parents=True, exist_ok=True)
-    partial = open(kept, "a", encoding="utf-8")  # closed after the loop
+    before, partial = kept_batches(kept)  # closed after the loop
     for start in range(0, len(prompts), cfg.batch_size):
         beat()
         batch = prompts[start : start + cfg.batch_size]
-        if start in before:
-            answers[start : start + len(batch)] = before[start]
+        if start in before:  # sampled by a run that stopped: its answers, and the draws go on from after them
+            answers[start : start + len(batch)] = before[start]["answers"]
+            rng_state(before[start]["rng"])
             continue
-        torch.manual_seed((cfg.seed * 1000 + round_) * 1_000_003 + start)  # each batch its own draws: resumable
         flat = [prompt for prompt in batch for _ in range(n)]  # each prompt's n answers side by side
         texts = generate(
             policy,
@@ -219,7 +218,8 @@ def sample(
         )
         for i in range(len(batch)):
             answers[start + i] = texts[i * n : (i + 1) * n]
-        partial.write(json.dumps({"start": start, "answers": answers[start : start + len(batch)]}) + "\n")
+        partial.write(json.dumps({"start": start, "answers": answers[start : start + len(batch)], "rng": rng_state()}))
+        partial.write("\n")
         partial.flush()
         done = min(start + cfg.batch_size, len(prompts))
         progress.step(done)
@@ -244,17 +244,6 @@ def sample(
     if log_metrics is not None:
         log_metrics(metrics, 0)
     return metrics
-
-
-def _kept_batches(path: Path) -> list[dict]:
-    """The batches a stopped run kept (`sample`); a last line cut short by a kill is left out."""
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
 
 
 def read_samples(folder: Path) -> list[dict]:
