@@ -102,7 +102,7 @@ def test_the_data_stage_rejects_the_file(case, good_specs, run_ids, tmp_path, mo
     assert all(str(BAD) in line for line in message.splitlines() if ": rule '" in line), message
 
     stage_root = tmp_path / "artifacts" / "data"
-    assert sorted(path.name for path in stage_root.iterdir()) == [".locks", ".work"], "nothing is published"
+    assert sorted(path.name for path in stage_root.iterdir()) == [".leases", ".locks", ".work"], "nothing is published"
     slot = next(slot for slot, name in case["files"].items() if BAD / name == reported)
     # The reports stay in the work dir and record exactly the rules the message names for the file (one line
     # each): files.json holds the raw-file rules, validation.json the dataset rules once the file could be read.

@@ -124,7 +124,7 @@ def test_a_failing_stage_publishes_nothing_and_marks_its_run_failed(ctx):
     with pytest.raises(OSError, match="disk vanished"):
         recorded_stage("dpo", DpoConfig(beta=0.3), {}, ctx, writing(calls, fail=True))
     stage_root = calls[0].parent
-    assert [p.name for p in stage_root.iterdir() if p.name not in (".work", ".locks")] == []
+    assert [p.name for p in stage_root.iterdir() if p.name not in (".work", ".locks", ".leases")] == []
     failed = MlflowClient().search_runs([ctx.experiment_id], "attributes.status = 'FAILED'")
     assert any("disk vanished" in r.data.tags.get("rlhf.error", "") for r in failed)
 
