@@ -145,7 +145,7 @@ class RetryConfig(BaseModel):
     )
 
     stall_seconds: float | None = Field(
-        300,
+        600,
         gt=0,
         description=(
             "A stage whose work has not moved (no training step, no batch generated or scored) for this long, or for "
