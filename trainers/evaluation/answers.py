@@ -153,12 +153,6 @@ def greedy_answers(
 
 def read_batches(path: Path) -> dict[int, tuple[str, bool]]:
     """The answers kept batch by batch (index -> answer, cut); a last line cut short by a kill is left out."""
-    kept: dict[int, tuple[str, bool]] = {}
-    if path.is_file():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            kept[row["index"]] = (row["answer"], row["cut"])
-    return kept
+    from rlhf_pipeline.trainers.models.text import kept_rows
+
+    return {row["index"]: (row["answer"], row["cut"]) for row in kept_rows(path)}

@@ -196,15 +196,20 @@ def reward_scores(
 def kept_batches(path: Path):
     """The batches a stopped generation kept (`trainers.pairs.stage.sample`), by their first prompt's index (a
     last line cut short by a kill is left out), and the file opened to keep more."""
-    rows = {}
-    for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        rows[row["start"]] = row
+    rows = {row["start"]: row for row in kept_rows(path)}
     path.parent.mkdir(parents=True, exist_ok=True)
     return rows, open(path, "a", encoding="utf-8")
+
+
+def kept_rows(path: Path) -> list[dict]:
+    """The rows of a JSONL file kept line by line as work went on; a last line cut short by a kill is left out."""
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
 
 
 def rng_state(state: str | None = None) -> str:
