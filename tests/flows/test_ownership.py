@@ -18,24 +18,28 @@ from rlhf_pipeline.trainers.algorithms.fields import MANAGED_ARGUMENTS, trl_conf
 from rlhf_pipeline.trainers.runtime.trust import PATHS_ENV, RAY_ADDRESSES_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
+# fmt: off
 ADDRESS_WORDS = {
     "path", "file", "dir", "address", "url", "uri", "host", "port", "endpoint", "hub", "remote", "server", "factory",
     "callbacks", "function", "judge", "engine", "preset", "template", "metrics", "deepspeed", "fsdp", "push", "resume",
     "init", "accelerator",
-}  # fmt: skip
+}
+# fmt: on
 """Words of a field's name that suggest it names something outside the run."""
 MODELS = {"policy", "sft_model", "reward_model"}  # `rlhf eval`'s models
 NAMES_NOTHING_OUTSIDE = {
     "*.judge.template": "the judge's prompt text",
 }
 """Fields whose names have such a word but whose values name nothing outside the run."""
+# fmt: off
 TRL_NAMES_NOTHING_OUTSIDE = {
     "activation_checkpointing_kwargs", "chat_template_kwargs", "dataset_kwargs", "eos_token", "pad_token",
     "generation_kwargs", "gradient_checkpointing_kwargs", "length_column_name", "liger_kernel_config",
     "lr_scheduler_kwargs", "parallelism_config", "run_name", "transformers_continuous_batching_config", "fsdp",
     "model_init_kwargs_for_ref", "batch_eval_metrics", "include_for_metrics", "skip_memory_metrics",
     "vllm_server_timeout",
-}  # fmt: skip
+}
+# fmt: on
 TRL_CONFIGS = ("SFTConfig", "RewardConfig", "DPOConfig", "KTOConfig", "experimental.orpo.ORPOConfig", "GRPOConfig")
 
 
