@@ -59,13 +59,11 @@ def start() -> None:
     # server starts.
     os.environ["RLHF_TEMPORARY_PREFECT_API_URL"] = _TEMPORARY["url"]
     atexit.register(stop)  # registered before Prefect's handlers, so it runs after them
-    print(
-        f"Starting temporary Prefect server on http://127.0.0.1:{port} (set PREFECT_API_URL to use a running one)",
-        file=sys.stderr,
-    )
 
 
 def wait() -> None:
+    """Wait for the temporary server (said once the parameters are known good: a run refused before it needs the
+    server says nothing of it)."""
     import time
     import urllib.error
     import urllib.request
@@ -73,6 +71,11 @@ def wait() -> None:
     process = _TEMPORARY.get("process")
     if process is None:
         return
+    print(
+        f"Starting temporary Prefect server on {_TEMPORARY['url'].removesuffix('/api')} (set PREFECT_API_URL to use "
+        "a running one)",
+        file=sys.stderr,
+    )
     timeout = float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"])
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -32,26 +32,42 @@ PERCENTILES = (50, 90, 99)
 
 
 def check(preset: str, overrides: list[str], report_dir: Path | None = None) -> int:
-    from rlhf_pipeline.flows.params import load_params
+    from rlhf_pipeline.explain import missing_files
+    from rlhf_pipeline.explain import problems as explained
+    from rlhf_pipeline.flows.params import PipelineParams, load_params
 
     try:
         params = load_params(preset, overrides)
     except (ValidationError, ValueError) as exc:
-        print(f"rlhf check: invalid parameters:\n{exc}\nnot ready: fix the parameters above")
+        lines = explained(exc, PipelineParams) if isinstance(exc, ValidationError) else [str(exc)]
+        print("rlhf check: invalid parameters:\n" + "".join(f"  {line}\n" for line in lines), end="")
+        print(f"not ready: fix the {len(lines)} problem{'s' * (len(lines) > 1)} above")
         return 2
     plan = stages(params)
     print(f"rlhf check: preset {params.preset}, model {params.model.name_or_path} ({params.model.dtype}); the plan:")
     print(textwrap.indent(describe(steps(params)), "  "))
-    problems: list[str] = []
+    problems: list[str] = missing_files(params)
+    for line in problems:
+        print(f"data: {line}")
+    missing = bool(problems)  # the data rules need the files: checked once they are all there
 
-    _check_attention(params, problems)
-    tokenizer = _tokenizer(params, problems)
-    counted = _check_data(params, tokenizer, report_dir, problems)
+    def part(name: str, check, *arguments, default=None):
+        """One part of the check; one that cannot finish is a problem named by its part, never a traceback."""
+        try:
+            return check(*arguments)
+        except Exception as exc:  # the preflight reports what it could not check and goes on
+            print(f"{name}: could not be checked: {_first_line(exc)}")
+            problems.append(f"{name}: {_first_line(exc)}")
+            return default
+
+    part("attention", _check_attention, params, problems)
+    tokenizer = part("tokenizer", _tokenizer, params, problems)
+    counted = None if missing else part("data", _check_data, params, tokenizer, report_dir, problems)
     if counted:
-        _print_lengths(params, counted)
-    build = _empty_model_builder(params, tokenizer, problems)
-    totals = _print_memory(params, build, problems) if build is not None else {}
-    cluster = _check_ray(params, totals, problems)
+        part("token lengths", _print_lengths, params, counted)
+    build = part("model", _empty_model_builder, params, tokenizer, problems)
+    totals = (part("memory", _print_memory, params, build, problems) if build is not None else None) or {}
+    cluster = part("ray", _check_ray, params, totals, problems)
 
     if problems:
         print(

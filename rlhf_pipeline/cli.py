@@ -4,6 +4,7 @@ rlhf run                                   # the embedded default (configs/tiny.
 rlhf run --config my.yaml --set sft.learning_rate=1e-4 --set dpo.beta=0.2
 rlhf run --no-cache                        # re-run every stage
 rlhf params [--config ...] [--set ...]     # print the resolved parameters (--plan: the run's steps), run nothing
+rlhf params --explain dpo.beta             # a field's help, type, default and value
 rlhf gc [--dry-run] [--keep-runs N]        # remove what no registered version, live run or recent run uses
 rlhf check [--config ...] [--set ...]      # preflight: tokenizer, every data rule, token lengths, memory per stage;
                                            # trains nothing
@@ -26,7 +27,7 @@ from rlhf_pipeline.deployments.env import QUIET_ENV
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlhf", description="RLHF post-training pipeline (Prefect + MLflow + TRL).")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     # --config and --set, as run, params and check take them.
     preset = argparse.ArgumentParser(add_help=False)
     preset.add_argument("--config", default="tiny", help="preset name in configs/ or a YAML file (default: tiny)")
@@ -44,13 +45,50 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Parser(argparse.ArgumentParser):
+    """A command's parser whose help may end with text made only when the help is shown (`choices`)."""
+
+    def __init__(self, *args, choices: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.choices = choices
+
+    def format_help(self) -> str:
+        if self.choices and self.epilog is None:
+            self.epilog = choices_text()
+        return super().format_help()
+
+
+def choices_text() -> str:
+    """The algorithms and presets a run can take, read from the table of stages and configs/ (imported only for
+    --help)."""
+    from rlhf_pipeline.flows.params import CONFIG_DIR, DEFAULT_PRESET
+    from rlhf_pipeline.tasks.stages import STAGES
+
+    offline = ", ".join(stage.name for stage in STAGES if stage.algorithm and not stage.online)
+    online = ", ".join(stage.name for stage in STAGES if stage.online)
+    presets = ", ".join(
+        f"{path.stem} (default)" if path.stem == DEFAULT_PRESET else path.stem
+        for path in sorted(CONFIG_DIR.glob("*.yaml"))
+    )
+    return (
+        f"algorithms (--set algorithm=NAME): {offline} (offline, on preference pairs); {online} (online RL, "
+        f"against `rewards`)\npresets (--config NAME): {presets}; or a YAML file\n"
+        "a field's help: rlhf params --explain KEY (e.g. dpo.beta, or dpo for the block's fields)"
+    )
+
+
 def _pipeline_commands(commands, preset: argparse.ArgumentParser) -> None:
     """run, params and check: a preset and its overrides."""
     for name, help_text in (("run", "run the rlhf flow"), ("params", "print the resolved parameters as JSON")):
-        sub = commands.add_parser(name, help=help_text, parents=[preset])
+        sub = commands.add_parser(
+            name, help=help_text, parents=[preset], choices=True, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
         sub.add_argument("--no-cache", action="store_true", help="re-run every stage even if its artifact exists")
         if name == "params":
             sub.add_argument("--plan", action="store_true", help="print the run's steps and their inputs")
+            sub.add_argument(
+                "--explain", metavar="KEY", default=None, help="a field's help, type, default and value (e.g. dpo.beta)"
+            )
         sub.add_argument(
             "--verbose",
             action="store_true",

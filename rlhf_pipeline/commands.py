@@ -8,6 +8,8 @@ from pydantic import ValidationError
 
 from rlhf_pipeline import startup
 from rlhf_pipeline.deployments import temporary
+from rlhf_pipeline.explain import explain, missing_files
+from rlhf_pipeline.explain import problems as explained
 from rlhf_pipeline.interrupt import stop_on_ctrl_c
 from rlhf_pipeline.tasks.store.secrets import redact_text
 
@@ -24,14 +26,23 @@ def run(args) -> int:
         temporary.start()
         startup.warm_up_imports()
     try:
-        from rlhf_pipeline.flows.params import load_params
+        from rlhf_pipeline.flows.params import PipelineParams, load_params
 
         try:
             params = load_params(args.config, args.overrides, **({"no_cache": True} if args.no_cache else {}))
         except (ValidationError, ValueError) as exc:
             temporary.stop()  # started for nothing
-            print(f"rlhf: invalid parameters:\n{redact_text(str(exc))}", file=sys.stderr)
-            return 2
+            return refused(exc, PipelineParams)
+        missing = missing_files(params) if args.command == "run" else []
+        if missing:  # found with the parameters: no flow run, no MLflow run
+            temporary.stop()
+            return refused(missing)
+        if args.command == "params" and args.explain:
+            try:
+                print(explain(args.explain, PipelineParams, params))
+            except ValueError as exc:
+                return refused([str(exc)])
+            return 0
         if args.command == "params" and args.plan:
             from rlhf_pipeline.flows.plan import describe, plan
 
@@ -52,6 +63,21 @@ def run(args) -> int:
         startup.settle_heap()
     startup.report(summary)
     return 0
+
+
+def refused(problems: Exception | list[str], model=None) -> int:
+    """Exit 2 after one line per problem of the parameters (a validation error of `model`, or lines already made)."""
+    if isinstance(problems, ValidationError):
+        problems = explained(problems, model)
+    elif isinstance(problems, Exception):
+        problems = [redact_text(str(problems))]
+    print(
+        f"rlhf: {len(problems)} problem{'s' * (len(problems) > 1)} with the parameters; nothing ran:",
+        file=sys.stderr,
+    )
+    for line in problems:
+        print(f"  {line}", file=sys.stderr)
+    return 2
 
 
 def serve(args) -> int:
@@ -88,8 +114,7 @@ def evaluate(args) -> int:
     try:
         params = EvalParams.model_validate(values)
     except (ValidationError, ValueError) as exc:
-        print(f"rlhf: invalid parameters:\n{redact_text(str(exc))}", file=sys.stderr)
-        return 2
+        return refused(exc, EvalParams)
     try:
         for role, source in (("policy", params.policy), ("sft", params.sft_model), ("reward", params.reward_model)):
             if source:  # before any server starts: a missing model is said in seconds

@@ -41,8 +41,8 @@ def test_presets_that_extend_each_other_are_a_cycle_named_in_order(tmp_path, cap
 @pytest.mark.parametrize(
     ("given", "says"),
     [
-        ("sft.learning_rate=.inf", "Input should be a finite number"),
-        ("dpo.beta=.nan", "Input should be a finite number"),
+        ("sft.learning_rate=.inf", "input should be a finite number"),
+        ("dpo.beta=.nan", "input should be a finite number"),
         ("sft.max_steps=100000000000000000000000", "max_steps=1e+23 is over 1,000,000,000 steps"),
         ("sft.learning_rate=30", "learning_rate=30 is over 10"),
         ("dpo.max_length=1e12", "max_length"),

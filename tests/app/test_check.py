@@ -139,7 +139,7 @@ def test_a_gpt2_folder_without_a_chat_template_fails_rule_chat_template_until_on
     ("override", "says"),
     [
         ("sft.learning_rate=-1", "greater than 0"),
-        ("sft.no_such_field=1", "Extra inputs are not permitted"),
+        ("sft.no_such_field=1", "unknown field of sft"),
         ("sft.max_steps", "expected key.path=value"),
     ],
 )

@@ -76,7 +76,7 @@ def test_rlhf_run_with_invalid_parameters_exits_2_with_garbage_collection_on_aga
     monkeypatch.setattr(startup, "console", lambda args: None)
     assert gc.isenabled()
     assert main(["run", "--set", "sft.max_steps=-1"]) == 2
-    assert "invalid parameters" in capsys.readouterr().err
+    assert "1 problem with the parameters" in capsys.readouterr().err
     assert gc.isenabled()
 
 
