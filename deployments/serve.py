@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlhf_pipeline.flows.params import DEFAULT_PRESET, load_params
-from rlhf_pipeline.flows.plan import stages
 from rlhf_pipeline.tasks.orchestration.events import DATA_EVENT, DATA_RESOURCE
 from rlhf_pipeline.tasks.stages import ALGORITHMS
 
@@ -130,24 +129,78 @@ def deployments(
     ]
 
 
+FORM = {
+    "model": ("name_or_path", "seed", "dtype"),
+    "data": ("path",),
+    "algorithm": (
+        "max_steps",
+        "total_episodes",
+        "learning_rate",
+        "beta",
+        "kl_coef",
+        "per_device_train_batch_size",
+        "num_generations",
+        "max_completion_length",
+    ),
+}
+"""The fields the UI form shows of the blocks it shows (of `data`, each dataset's path; of the algorithm's block, those
+of these it has); every other field is reached through `overrides`."""
+
+
 def leading_form(deployment: RunnerDeployment, params) -> RunnerDeployment:
-    """The deployment's form leads with what its runs use: the algorithm, its block (and `rewards`, `feedback` for an
-    online one), the run's settings and the stages it builds; the stage blocks it skips come last, titled as unused.
-    Only the order and titles change: every field keeps its type, bounds and server-side validation, and a block given
-    still merges field by field onto the preset."""
-    from rlhf_pipeline.flows.params import parameter_order
+    """The deployment's form as a person fills it in: the algorithm, the preset, the run's name in MLflow, `overrides`
+    (any other field, as `--set`), the model, the algorithm's block (and `rewards` for an online one) and the data,
+    each block with the few fields most runs change (`FORM`). The blocks and fields not shown keep the deployment's
+    values (the UI sends them back unchanged, and a run's block still merges field by field onto the preset); the
+    flow validates every field as it does for `rlhf run`."""
     from rlhf_pipeline.tasks.stages import BY_NAME
 
-    properties = deployment._parameter_openapi_schema.properties
-    algorithm, plan = params.algorithm, stages(params)
-    lead = ["algorithm", algorithm, *(("rewards", "feedback") if BY_NAME[algorithm].online else ())]
-    rest = [name for name in parameter_order() if name not in lead]
-    unused = [name for name in rest if name in BY_NAME and name not in plan]
-    for position, name in enumerate([*lead, *(name for name in rest if name not in unused), *unused]):
-        properties[name]["position"] = position
-    for name in unused:
-        properties[name]["title"] = f"{name} (unused: this deployment runs {algorithm})"
+    schema = deployment._parameter_openapi_schema
+    algorithm = params.algorithm
+    shown = [
+        "algorithm",
+        "preset",
+        "experiment_name",
+        "overrides",
+        "model",
+        algorithm,
+        *(("rewards",) if BY_NAME[algorithm].online else ()),
+        "data",
+        "no_cache",
+    ]
+    schema.properties = {name: {**schema.properties[name], "position": at} for at, name in enumerate(shown)}
+    for block, fields in (("model", FORM["model"]), (algorithm, FORM["algorithm"])):
+        hidden = _only(schema.definitions[_definition(schema.properties[block], block)], fields)
+        if hidden:
+            schema.properties[block]["description"] = (
+                f"{schema.properties[block].get('description', '').rstrip()} Shown: the fields most runs change; "
+                f"{len(hidden)} more through `overrides` (e.g. {block}.{hidden[0]}=...)."
+            ).strip()
+    _only(schema.definitions["DatasetSpec"], FORM["data"])
     return deployment
+
+
+def _definition(prop: dict, block: str) -> str:
+    """The name of the definition a block's property refers to."""
+    for candidate in (prop, *prop.get("allOf", ()), *prop.get("anyOf", ())):
+        if "$ref" in candidate:
+            return candidate["$ref"].rsplit("/", 1)[-1]
+    raise ValueError(f"the form's block {block!r} refers to no definition")
+
+
+def _only(definition: dict, fields: tuple[str, ...]) -> list[str]:
+    """Show only `fields` of a block's definition (in that order); returns the others. They stay in the values the form
+    sends back: the definition admits them by name (`patternProperties`, which the form does not draw) and still
+    refuses any other key, so a misspelt field is refused when the run is created; the flow checks their values."""
+    import re
+
+    properties = definition["properties"]
+    definition["properties"] = {name: properties[name] for name in fields if name in properties}
+    others = [name for name in properties if name not in definition["properties"]]
+    if others:
+        definition["patternProperties"] = {f"^({'|'.join(map(re.escape, others))})$": {}}
+    definition.pop("required", None)
+    return others
 
 
 def serve(

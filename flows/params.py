@@ -63,6 +63,11 @@ class RunSettings(StrictModel):
         return check_name(name, "experiment_name")
 
     no_cache: bool = Field(False, description="Re-run every stage even when its artifact already exists.")
+    overrides: list[str] = Field(
+        default_factory=list,
+        description="Any other field, as the command line's `--set KEY=VALUE` (`sft.learning_rate=1e-4`, "
+        "`data.preference.split=test`), applied over the blocks; `rlhf params --explain KEY` describes a field.",
+    )
     model: ModelConfig = Field(default_factory=ModelConfig, description="The base model.")
     rewards: RewardsConfig = Field(
         default_factory=RewardsConfig, description="Rewards of the online stages (grpo, rloo, ppo)."
@@ -300,6 +305,18 @@ class PipelineParams(RunSettings):
     """Everything one run of the `rlhf` flow depends on: the run's settings and one block per stage of the table
     (`tasks.stages.STAGES`, in its order; `tests/flows/test_params.py` checks that they agree)."""
 
+    @model_validator(mode="wrap")
+    @classmethod
+    def _overrides_applied(cls, values: Any, handler) -> PipelineParams:
+        """`overrides` (the UI form's way to every field it does not show) set their fields on the whole parameters, as
+        `--set` does; the result is checked again."""
+        made = handler(values)
+        if not made.overrides:
+            return made
+        return handler(
+            {**apply_overrides(made.model_dump(exclude={"overrides"}), made.overrides), "overrides": made.overrides}
+        )
+
     data: DataConfig = _block("data")
     sft: SftConfig = _block("sft")
     pairs: PairsConfig = _block("pairs")
@@ -317,7 +334,7 @@ class PipelineParams(RunSettings):
 def parameter_order() -> list[str]:
     """The flow's parameters as a person reads them: the run's settings, then the stages in pipeline order
     (`rewards` just before the first online stage, `feedback` after the last algorithm), then `retry` and `launch`."""
-    order = ["algorithm", "preset", "experiment_name", "no_cache", "model"]
+    order = ["algorithm", "preset", "experiment_name", "no_cache", "overrides", "model"]
     for stage in STAGES:
         if stage.online and "rewards" not in order:
             order.append("rewards")

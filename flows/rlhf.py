@@ -149,12 +149,30 @@ def _signature() -> inspect.Signature:
 
 
 def run_name() -> str:
-    """The flow run's name, also its MLflow parent run's: what runs, `<algorithm>-<preset>` (`ppo-tiny`, `dpo-ci`).
-    Prefect 3.9.1 allows equal names; runs differ by id and start time."""
+    """The flow run's name, also its MLflow parent run's: the name a person gave it (the UI's Run Name, `prefect
+    deployment run --flow-run-name`), else what runs and which run it is, `<algorithm>-<preset>-<flow run id's first 6
+    characters>` (`ppo-tiny-3f9a2c`, `dpo-ci-81b0d4`), in place of the adjective-animal name Prefect gives an unnamed
+    run."""
     from prefect.runtime import flow_run
 
+    given = flow_run.name
+    if given and not prefect_made(given):
+        return given
     algorithm, preset = (flow_run.parameters.get(name, getattr(DEFAULTS, name)) for name in ("algorithm", "preset"))
-    return f"{algorithm}-{preset_label(preset)}"
+    return f"{algorithm}-{preset_label(preset)}-{str(flow_run.id)[:6]}"
+
+
+def prefect_made(name: str) -> bool:
+    """Whether `name` is one Prefect makes for an unnamed run: two words of coolname's adjectives and animals
+    (`prefect.utilities.names.generate_slug(2)`: 'free-bittern')."""
+    import coolname
+
+    words = name.split("-")
+    try:  # coolname's two-word list is the product of its adjectives and its animals (coolname is locked)
+        adjectives, animals = coolname._default._lists[2]._lists[0]._lists
+    except (AttributeError, KeyError, IndexError, ValueError):  # another coolname: the slug's shape alone
+        return len(words) == 2 and all(word.isalpha() and word.islower() for word in words)
+    return len(words) == 2 and words[0] in adjectives and words[1] in animals
 
 
 _rlhf.__signature__ = _signature()  # type: ignore[attr-defined]  # what inspect (and Prefect) read

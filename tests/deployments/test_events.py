@@ -156,9 +156,11 @@ def test_data_event_starts_a_retrain_a_second_one_waits_and_the_registry_announc
     assert first.created_by.type == "AUTOMATION" and first.created_by.display_value == TRIGGER
 
     # Names that say what runs, on the flow run and on its MLflow parent run; the deployment's tags on the runs.
-    assert first.name == second.name == "ppo-ci" and {"rlhf", "ppo", "retrain"} <= set(first.tags)
+    # Unnamed (an automation's), each is `<algorithm>-<preset>-<its id's first 6 characters>`: distinguishable.
+    assert [run.name for run in (first, second)] == [f"ppo-ci-{str(run.id)[:6]}" for run in (first, second)]
+    assert first.name != second.name and {"rlhf", "ppo", "retrain"} <= set(first.tags)
     parents = [parent_run(service, run.id) for run in (first, second)]
-    assert [parent.info.run_name for parent in parents] == ["ppo-ci", "ppo-ci"]
+    assert [parent.info.run_name for parent in parents] == [first.name, second.name]
 
     # The registry's events: the first policy became candidate and champion; the second run's policy is the same
     # version (the same bytes), candidate again and already champion: nothing was promoted.

@@ -1,3 +1,4 @@
+import copy
 import inspect
 
 import pytest
@@ -58,7 +59,7 @@ def test_flow_parameters_are_the_typed_params_with_a_description_on_every_field(
     assert schema["properties"]["ppo"]["$ref"] == "#/definitions/PpoConfig"
     assert schema["definitions"]["PpoConfig"]["additionalProperties"] is False  # a misspelt field is refused
     assert schema["definitions"]["PpoConfig"]["properties"]["learning_rate"]["exclusiveMinimum"] == 0
-    loss = schema["definitions"]["DpoConfig"]["properties"]["loss_type"]
+    loss = own["definitions"]["DpoConfig"]["properties"]["loss_type"]
     assert "sigmoid" in loss["items"]["enum"]
 
 
@@ -72,9 +73,13 @@ def test_a_partial_block_changes_its_fields_and_keeps_the_rest_of_the_preset():
     assert params.model_dump(exclude={"ppo"}) == preset.model_dump(exclude={"ppo"})
 
 
-def test_each_deployments_form_leads_with_its_algorithm_and_puts_the_blocks_it_skips_last_marked_unused():
-    import copy
+def test_each_deployments_form_shows_a_few_fields_and_refuses_a_misspelt_one_by_name():
+    """The form (issue 44): the run's settings, `overrides`, and the model, the algorithm's block (`rewards` for an
+    online one) and the data with the few fields most runs change, in that order; every field shown keeps the flow's
+    type, bounds and description, and a block still refuses a key it does not have."""
+    import jsonschema
 
+    from rlhf_pipeline.deployments.serve import FORM
     from rlhf_pipeline.flows.rlhf import rlhf as flow
 
     made = {d.name: d for d in deployments()}
@@ -82,22 +87,46 @@ def test_each_deployments_form_leads_with_its_algorithm_and_puts_the_blocks_it_s
     for name, algorithm in (("full", "ppo"), ("retrain", "ppo"), ("grpo", "grpo"), ("dpo", "dpo")):
         schema = made[name]._parameter_openapi_schema.model_dump()
         order = sorted(schema["properties"], key=lambda p: schema["properties"][p]["position"])
-        skipped = [s for s in ALGORITHMS if s != algorithm]
-        assert order[:2] == ["algorithm", algorithm], order
-        # Last, in pipeline order
-        assert order[-len(skipped) :] == [s for s in parameter_order() if s in skipped], order
-        for block in skipped:
-            assert schema["properties"][block]["title"] == f"{block} (unused: this deployment runs {algorithm})"
-        assert schema["properties"]["sft"]["title"] == "sft"
-        # Only positions and titles differ from the flow's own schema: every type, bound and description stays.
-        stripped = copy.deepcopy(schema)
-        for prop, original in zip(
-            stripped["properties"].values(), [plain["properties"][p] for p in stripped["properties"]]
-        ):
-            prop["position"], prop["title"] = original["position"], original["title"]
-        assert stripped == plain
-    online = made["full"]._parameter_openapi_schema.properties
-    assert online["rewards"]["position"] == 2 and online["feedback"]["position"] == 3
+        online = ["rewards"] if algorithm in ("ppo", "grpo") else []
+        assert order == [
+            "algorithm",
+            "preset",
+            "experiment_name",
+            "overrides",
+            "model",
+            algorithm,
+            *online,
+            "data",
+            "no_cache",
+        ], order
+        definitions = schema["definitions"]
+        config = schema["properties"][algorithm]["$ref"].rsplit("/", 1)[-1]
+        block, every = definitions[config], plain["definitions"][config]["properties"]
+        assert list(block["properties"]) == [field for field in FORM["algorithm"] if field in every]
+        assert 0 < len(block["properties"]) <= 6
+        assert "more through `overrides` (e.g." in schema["properties"][algorithm]["description"]
+        for definition, original in ((d, plain["definitions"][n]) for n, d in definitions.items()):
+            for field, prop in definition["properties"].items():
+                assert prop == original["properties"][field]  # type, bounds and description as the flow's
+            assert definition.get("additionalProperties") == original.get("additionalProperties")
+        # What the form sends back (the deployment's values, two changed) is valid; a misspelt field is not.
+        values = copy.deepcopy(made[name].parameters)
+        values[algorithm]["learning_rate"] = 1e-4
+        jsonschema.validate(values, schema)
+        values[algorithm]["learning_rat"] = 1e-4
+        with pytest.raises(jsonschema.ValidationError, match="learning_rat"):
+            jsonschema.validate(values, schema)
+
+
+def test_overrides_set_any_field_as_set_does_and_name_a_bad_item():
+    params = load_params("tiny", overrides=["overrides=[dpo.warmup_steps=7, sft.max_steps=3]"])
+    assert params.dpo.warmup_steps == 7 and params.sft.max_steps == 3
+    # As the form sends it: every block whole, the overrides on top
+    given = {**dict(load_params("tiny")), "overrides": ["sft.max_steps=3", "data.preference.split=test"]}
+    made = from_flow_parameters(PipelineParams, given)
+    assert made.sft.max_steps == 3 and made.data.preference.split == "test"
+    with pytest.raises(ValueError, match="expected key.path=value"):
+        load_params("tiny", overrides=["overrides=[sft.max_steps]"])
 
 
 def test_prefect_yaml_describes_the_served_deployments_names_tags_version_triggers_and_limit():

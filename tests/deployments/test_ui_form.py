@@ -26,6 +26,8 @@ from tests.flows.helpers import CI_PRESET, assert_a_flat_graph, task_runs
 # machine.
 SMALLER_BATCHES = {"sft": {"per_device_train_batch_size": 16}, "rm": {"per_device_train_batch_size": 16}}
 ALGORITHM, BETA = "grpo", 0.123  # rlhf/full runs ppo; grpo (2 steps, ~1.5 s) is the quickest choice with dpo and rloo
+RUN_NAME = "beta sweep 0.123"
+SCREEN = 900  # px: the window's height
 
 
 def field(within, label: str):
@@ -47,41 +49,50 @@ def differences(got, want, path: str = "") -> list[str]:
     return [] if got == want else [f"{path.rstrip('.')}: {got!r} != {want!r}"]
 
 
-def submit_from_the_form(url: str, deployed: dict, artifacts: Path) -> list[int]:
-    """Change `algorithm` and `grpo.beta` on the form, screenshot it, submit; returns the browser's pids (closed by
-    then)."""
+def submit_from_the_form(url: str, deployed: dict, artifacts: Path) -> tuple[list[int], dict]:
+    """Name the run, change `algorithm` and give `grpo.beta` through `overrides` on the form, measure it (fields drawn,
+    page height), screenshot it, submit; returns the browser's pids (closed by then) and the measures."""
     from playwright.sync_api import expect
 
-    with chromium(artifacts / "ui_form_failed.png", width=1280, height=900) as browser:
+    with chromium(artifacts / "ui_form_failed.png", width=1280, height=SCREEN) as browser:
         page = browser.page
         page.goto(url)
         algorithm = field(page, "algorithm (Optional)").get_by_role("group").get_by_role("button")
         expect(algorithm).to_have_text(deployed["algorithm"])  # the form opens filled in from the deployment
-        # It leads with the stage that runs: the ppo block above every block rlhf/full does not use (issue 16).
-        unused = "(unused: this deployment runs ppo) (Optional)"
-        blocks = [
-            field(page, "ppo (Optional)").first,
-            *(field(page, f"{block} {unused}").first for block in ("dpo", "kto", "grpo", "rloo")),
+        overrides = field(page, "overrides (Optional)")
+        lead = [
+            field(page, f"{name} (Optional)").first for name in ("algorithm", "preset", "overrides", "model", "ppo")
         ]
-        for block in blocks:  # the form renders section by section: each is drawn before it is measured
+        for block in lead:  # the form renders section by section: each is drawn before it is measured
             expect(block).to_be_visible()
-        tops = [block.bounding_box()["y"] for block in blocks]
-        assert all(tops[0] < top for top in tops[1:]), tops
+        tops = [block.bounding_box()["y"] for block in lead]
+        assert tops == sorted(tops) and tops[2] < SCREEN, tops  # overrides on the first screen
+        measured = {
+            "fields": page.locator(".schema-form-property").count(),
+            "height": page.locator(".app-router-view").evaluate("view => view.scrollHeight"),
+        }
+        name = page.locator(".flow-run-name-input input")
+        name.fill(RUN_NAME)
         # A click on prefect-design's select button leaves its list closed here (a click on its chevron, Space or
         # ArrowDown opens it).
         algorithm.press("ArrowDown")
         page.get_by_role("listbox").get_by_role("option", name=ALGORITHM, exact=True).click()
         expect(algorithm).to_have_text(ALGORITHM)
-        beta = field(field(page, f"grpo {unused}"), "Beta (Optional)").get_by_role("spinbutton")
-        expect(beta).to_have_value(str(deployed["grpo"]["beta"]))
-        beta.fill(str(BETA))
-        expect(beta).to_have_value(str(BETA))
+        overrides.get_by_role("button", name="Add item").click()
+        item = overrides.get_by_role("textbox").last
+        item.fill(f"grpo.beta={BETA}")
+        expect(item).to_have_value(f"grpo.beta={BETA}")
 
         # The page scrolls inside `.app-router-view`, not the document: a full-page shot needs a viewport that tall.
         height = page.locator(".app-router-view").evaluate("view => view.scrollHeight")
         page.set_viewport_size({"width": 1280, "height": height})
         page.screenshot(path=artifacts / "ui_form.png", full_page=True)
 
+        # Prefect's toasts ("You can use Prefect Cloud for free") sit over the Submit button of a short form: a person
+        # closes them first.
+        toasts = page.locator("#prefect-design-toast-app button")
+        while toasts.count():
+            toasts.first.click()
         for attempt in range(3):
             # Prefect's SQLite store can answer a write that races its own services with "database is locked",
             # sent as 503 (retryable for its Python client); the UI shows "Something went wrong" and a person
@@ -93,7 +104,7 @@ def submit_from_the_form(url: str, deployed: dict, artifacts: Path) -> list[int]
             browser.refused.clear()
         # Submit leads to the deployment's page
         page.wait_for_url(lambda address: not address.rstrip("/").endswith("/run"))
-    return browser.pids
+    return browser.pids, measured
 
 
 # The fill of a Completed node in the UI's flow-run graph (prefect-design's state colour)
@@ -152,16 +163,20 @@ def test_a_run_submitted_from_the_ui_form_has_the_typed_parameters_and_completes
         deployed = full.parameters
         assert deployed["algorithm"] != ALGORITHM and deployed["grpo"]["beta"] != BETA  # the form has to change both
         url = f"{service['env']['PREFECT_API_URL'].removesuffix('/api')}/deployments/deployment/{full.id}/run"
-        browser_pids = submit_from_the_form(url, deployed, screenshots)
+        browser_pids, form = submit_from_the_form(url, deployed, screenshots)
         assert browser_pids and still_alive(browser_pids) == []
+        # A form people can read (issue 44): the fields most runs change, on a few screens.
+        assert form["fields"] <= 40 and form["height"] <= 6 * SCREEN, form
+        print(f"the form of rlhf/full: {form['fields']} fields, {form['height']} px high")
 
         with service["client"]() as client:
             runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[full.id])))
         assert len(runs) == 1, f"Submit created {len(runs)} runs of rlhf/full"
         run = runs[0]
         expected = copy.deepcopy(deployed)
-        expected["algorithm"], expected["grpo"]["beta"] = ALGORITHM, BETA
+        expected["algorithm"], expected["overrides"] = ALGORITHM, [f"grpo.beta={BETA}"]
         assert differences(run.parameters, expected) == []  # the two typed values, and every other field as deployed
+        assert run.name == RUN_NAME  # the Run Name typed in the form is kept
 
         run = wait_for(service, run.id, timeout=300)
         assert run.state.type.value == "COMPLETED", explain(service, run)
@@ -184,3 +199,4 @@ def test_a_run_submitted_from_the_ui_form_has_the_typed_parameters_and_completes
     experiment = mlflow.get_experiment_by_name(deployed["experiment_name"]).experiment_id
     [parent] = mlflow.search_runs([experiment], f"tags.`prefect.flow_run_id` = '{run.id}'")
     assert parent.data.params["grpo.beta"] == str(BETA)  # the typed value is the one the stage trained with
+    assert parent.data.tags["mlflow.runName"] == RUN_NAME

@@ -162,3 +162,15 @@ def test_corrupted_preferences_stop_the_flow_in_data(prefect, state, tmp_path):
     # The Data Docs named in the message outlive the failure.
     docs = message.rsplit("Data Docs: ", 1)[1].split()[0]
     assert Path(docs).is_file()
+
+
+def test_a_run_keeps_a_name_a_person_gave_and_only_replaces_the_one_prefect_made():
+    """The UI's Run Name (or `--flow-run-name`) is kept; Prefect's adjective-animal name for an unnamed run is what the
+    flow replaces with `<algorithm>-<preset>-<id>` (issue 44)."""
+    from prefect.utilities.names import generate_slug
+
+    from rlhf_pipeline.flows.rlhf import prefect_made
+
+    assert all(prefect_made(generate_slug(2)) for _ in range(500))
+    given = ["beta sweep 0.123", "my-baseline", "dpo-tiny-3f9a2c", "alpha927-sulafat", "Free-Bittern"]
+    assert [name for name in given if prefect_made(name)] == []
