@@ -169,7 +169,7 @@ def prefect_made(name: str) -> bool:
 
     words = name.split("-")
     try:  # coolname's two-word list is the product of its adjectives and its animals (coolname is locked)
-        adjectives, animals = coolname._default._lists[2]._lists[0]._lists
+        adjectives, animals = coolname._default._lists[2]._lists[0]._lists  # type: ignore[attr-defined]
     except (AttributeError, KeyError, IndexError, ValueError):  # another coolname: the slug's shape alone
         return len(words) == 2 and all(word.isalpha() and word.islower() for word in words)
     return len(words) == 2 and words[0] in adjectives and words[1] in animals
