@@ -92,6 +92,28 @@ def mlflow_auth(auth_string: str) -> tuple[list[str], dict[str, str]]:
     return ["--app-name", "basic-auth"], env
 
 
+def mlflow_server(port: int, extra: list[str] = ()) -> list[str]:
+    """The MLflow server `rlhf up` starts on the state folder's store: its UI, and the artifacts of the local store's
+    runs served over http (a Data Docs page opens from the Prefect UI, `tracking.artifact_url`). Its uvicorn writes no
+    line per request: the terminal keeps what people read."""
+    return [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--backend-store-uri",
+        tracking.tracking_uri(),
+        "--artifacts-destination",
+        tracking.artifacts_root().as_uri(),
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--uvicorn-opts=--no-access-log",
+        *extra,
+    ]
+
+
 def up(port: int = 4200, mlflow_port: int = 5000, serve_args: list[str] = ()) -> int:
     api = f"http://{HOST}:{port}/api"
     mlflow_ui = f"http://{HOST}:{mlflow_port}"
@@ -111,26 +133,7 @@ def up(port: int = 4200, mlflow_port: int = 5000, serve_args: list[str] = ()) ->
         if not tracking.tracking_uri().startswith("http"):
             tracking.state_dir().mkdir(parents=True, exist_ok=True)
             auth_args, auth_env = mlflow_auth(env[AUTH_ENV]) if env.get(AUTH_ENV) else ([], {})
-            processes.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "mlflow",
-                        "server",
-                        "--backend-store-uri",
-                        tracking.tracking_uri(),
-                        "--artifacts-destination",
-                        (tracking.state_dir() / "mlartifacts").as_uri(),
-                        "--host",
-                        HOST,
-                        "--port",
-                        str(mlflow_port),
-                        *auth_args,
-                    ],
-                    env={**env, **auth_env},
-                )
-            )
+            processes.append(subprocess.Popen(mlflow_server(mlflow_port, auth_args), env={**env, **auth_env}))
         wait_until_up(f"{api}/health", server)
         processes.append(subprocess.Popen([sys.executable, "-m", "rlhf_pipeline", "serve", *serve_args], env=env))
         print(f"\nPrefect UI: http://{HOST}:{port}   MLflow UI: {env.get(tracking.UI_ENV, tracking.shown_uri())}")

@@ -181,28 +181,36 @@ def publish_failed_rules(report_dir: Path) -> None:
 
 
 def link_data_docs(outcome: StageOutcome, names: list[str]) -> None:
-    """Each dataset's Data Docs, linked from the stage's MLflow run (tags `rlhf.data_docs.<dataset>`: the page in the
-    state folder's GX site, whose index lists every validation; the report's copy is among the run's artifacts) and
-    from the Prefect run (a markdown artifact, `rlhf-data-docs`)."""
+    """Each dataset's Data Docs, linked from the stage's MLflow run (tags `rlhf.data_docs.<dataset>`) and from the
+    Prefect run (a markdown artifact, `rlhf-data-docs`, and a log line): the report's copy among the MLflow run's
+    artifacts over http where an MLflow server serves them (a browser opens no file:// link from an http page), else
+    the page in the state folder's GX site, whose index lists every validation."""
     pages: dict[str, tuple[dict, str | None]] = {}
     for name in names:
         path = outcome.ref.path / "report" / name / "validation.json"
         if path.is_file():
             report = json.loads(path.read_text())
-            pages[name] = report, report.get("history")
-    links = {f"rlhf.data_docs.{name}": history for name, (_, history) in pages.items() if history}
+            served = docs_url(outcome, name, report)
+            pages[name] = report, (served[0] if served else report.get("history"))
+    links = {f"rlhf.data_docs.{name}": link for name, (_, link) in pages.items() if link}
     if links and outcome.mlflow_run_id:
         tracking.set_tags(outcome.mlflow_run_id, links)
+    for name, (_, link) in pages.items():
+        if link and link.startswith("http"):
+            prefect_log(f"data: {name}: Data Docs {link}")
     if not pages or not _in_prefect_run():
         return
     from prefect.artifacts import create_markdown_artifact
 
     lines = ["| dataset | file | rows | rules | Data Docs |", "|---|---|---:|---|---|"]
-    for name, (report, history) in pages.items():
+    for name, (report, link) in pages.items():
         passed = sum(rule["success"] for rule in report["rules"])
-        docs = f"[history]({history})" if history else "-"
-        copy = report.get("data_docs")
-        docs += f" (this run: `{copy}`)" if copy else ""
+        if link and link.startswith("http"):
+            docs = f"[this run]({link})"
+        else:
+            docs = f"[history]({link})" if link else "-"
+            copy = report.get("data_docs")
+            docs += f" (this run: `{copy}`)" if copy else ""
         rules = f"{passed} of {len(report['rules'])} passed"
         lines.append(f"| {name} | `{report['source']}` | {report['num_rows']} | {rules} | {docs} |")
     create_markdown_artifact(
@@ -210,6 +218,25 @@ def link_data_docs(outcome: StageOutcome, names: list[str]) -> None:
         markdown="# Data checks\n\n" + "\n".join(lines) + "\n",
         description="Great Expectations Data Docs of every dataset the data stage checked",
     )
+
+
+def docs_url(outcome: StageOutcome, name: str, report: dict) -> tuple[str, str] | None:
+    """Dataset `name`'s Data Docs page in the MLflow run that logged the report (this run, or for a cached one the run
+    that built it, when this tracking store has it): its page in the MLflow UI (shown there) and the server's URL of the
+    file (the site's relative links resolve from it; a browser saves it), or None where no MLflow server serves it."""
+    from rlhf_pipeline.validators.validate import DATA_DOCS_DIR
+
+    copy = report.get("data_docs")
+    run_id = outcome.mlflow_run_id
+    if outcome.cached:
+        run_id = outcome.ref.manifest().get("mlflow_run_id", "")
+    if not copy or not run_id or DATA_DOCS_DIR not in Path(copy).parts or not tracking.run_exists(run_id):
+        return None
+    parts = Path(copy).parts
+    page = parts[len(parts) - 1 - parts[::-1].index(DATA_DOCS_DIR) :]  # the page inside the report's Data Docs
+    path = "/".join(("report", name, *page))
+    shown, served = tracking.artifact_page(run_id, path), tracking.artifact_url(run_id, path)
+    return (shown, served) if shown and served else None
 
 
 def _in_prefect_run() -> bool:

@@ -10,6 +10,7 @@ for every run that uses it); the first version becomes champion. `models:/<name>
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 
 from rlhf_pipeline.tasks.gate import CANDIDATE, CHAMPION, RegistryConfig, below_start, gate, hacking
@@ -17,6 +18,7 @@ from rlhf_pipeline.tasks.orchestration.stage_task import current_flow_run, prefe
 from rlhf_pipeline.tasks.store.artifacts import FILES, ArtifactRef, RunContext
 from rlhf_pipeline.tasks.tracking import client as tracking
 from rlhf_pipeline.tasks.tracking import lineage
+from rlhf_pipeline.tasks.tracking.cards import EVAL_METRICS_TAG
 
 
 def current_champion(cfg: RegistryConfig) -> ArtifactRef | None:
@@ -48,7 +50,6 @@ def champion_lock(model_name: str, wait_seconds: float = 900.0) -> Iterator[None
     the runs use: the lock is a registered model `<name>.promoting`, which exists while its holder compares and moves
     `champion` (creating a registered model that exists fails on every MLflow store: a test-and-set). A lock older than
     `STALE_LOCK_SECONDS` was left by a holder that died and is taken over."""
-    import json
     import os
     import random
     import socket
@@ -96,6 +97,7 @@ def register_policy(
     tracking.set_alias(cfg.model_name, CANDIDATE, version)
 
     promoted, reason, champion = _decide(cfg, report, metrics, version)
+    tracking.set_version_tags(cfg.model_name, version, _verdict_tags(cfg, metrics, promoted, reason))
     outcome = {
         "model_name": cfg.model_name,
         "version": version,
@@ -145,30 +147,51 @@ def _version_of(
             {},
             {"rlhf.stage": policy.stage},
             lineage.model_type(policy.path / "model"),
+            lineage.card_text(policy.path / "model"),
         )[0]
     )
     fingerprints = stages[0].manifest().get("fingerprints", {}) if stages else {}
+    built_from = {
+        "keys": {ref.stage: ref.key for ref in stages},
+        "models": models,
+        "data": fingerprints,
+        "flow_run_id": current_flow_run()[0],
+        "mlflow_run_id": ctx.parent_run_id,
+    }
+    # What a person reads on the version page, and what the code reads back: the algorithm, the bytes and their copy
+    # check, the eval metrics (one JSON tag: the eval run has them all), the lineage in one tag.
     tags = {
+        "rlhf.policy_stage": policy.stage,
         "rlhf.policy_digest": policy.digest,
         tracking.FILES_TAG: _files_tag(policy),
-        "rlhf.policy_stage": policy.stage,
-        "rlhf.flow_run_id": current_flow_run()[0],
-        "rlhf.mlflow_run_id": ctx.parent_run_id,
-        **{f"rlhf.key.{ref.stage}": ref.key for ref in stages},
-        **{f"{lineage.MODEL_TAG}{stage}": found for stage, found in models.items()},
-        **{f"rlhf.data.{name}": value for name, value in fingerprints.items()},
-        **{k: f"{v:.6g}" for k, v in metrics.items()},
+        EVAL_METRICS_TAG: _metrics_tag(metrics),
+        lineage.LINEAGE_TAG: json.dumps(built_from, sort_keys=True),
     }
-    version = tracking.register_version(
-        # The logged model's own artifact location: a `models:/m-<id>` source makes MLflow's SQL registry look
-        # the model up through the process-wide tracking URI, which may be another store.
-        cfg.model_name,
-        tracking.logged_model(model_id).artifact_location,
-        ctx.parent_run_id,
-        tags,
-        model_id=model_id,
+    return tracking.register_version(
+        cfg.model_name, model_id, ctx.parent_run_id, tags, lineage.card_text(policy.path / "model")
     )
-    return version
+
+
+def _metrics_tag(metrics: dict) -> str:
+    """The eval metrics as JSON, 6 significant digits, as many as fit a tag (5,000 characters), in name order."""
+    kept: dict[str, float] = {}
+    for name in sorted(metrics):
+        value = float(f"{metrics[name]:.6g}")
+        if len(json.dumps({**kept, name: value})) > 5000:
+            break
+        kept[name] = value
+    return json.dumps(kept, sort_keys=True)
+
+
+def _verdict_tags(cfg: RegistryConfig, metrics: dict, promoted: bool, reason: str) -> dict[str, str]:
+    """The gate's verdict on the version page: promoted or not, why, and the metric it compared."""
+    metric = cfg.resolved(set(metrics)).gate_metric or ""
+    value = metrics.get(metric)
+    return {
+        "rlhf.gate": "promoted" if promoted else "candidate",
+        "rlhf.gate.reason": reason,
+        **({metric: f"{value:.6g}"} if value is not None else {}),
+    }
 
 
 def _decide(cfg: RegistryConfig, report: ArtifactRef, metrics: dict, version: str) -> tuple[bool, str, str | None]:
@@ -206,8 +229,6 @@ def _decide(cfg: RegistryConfig, report: ArtifactRef, metrics: dict, version: st
 def _files_tag(policy: ArtifactRef) -> str:
     """The policy's model files with their digests, from its manifest (read, not hashed again): each later copy of
     the version is checked against them. Empty where they do not fit a tag (MLflow keeps 5,000 characters)."""
-    import json
-
     listing = policy.manifest().get(FILES) or {}
     files = {
         path.removeprefix("model/"): entry["sha256"][:16]

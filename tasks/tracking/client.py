@@ -119,6 +119,12 @@ KIND_TAG, TRAINING = "mlflow.experimentKind", "custom_model_development"
 traces."""
 
 
+def artifacts_root() -> Path:
+    """Where a local store's experiments keep their artifacts: what `rlhf up`'s MLflow server serves
+    (`--artifacts-destination`)."""
+    return state_dir() / "mlartifacts"
+
+
 def folder_name(name: str) -> str:
     """`name` as one folder name: separators and every other character a path gives meaning to are %-quoted, so no
     experiment name ('../../x', '/abs', '.') reaches outside `mlartifacts/`."""
@@ -139,7 +145,7 @@ def experiment_id(name: str) -> str:
         return found.experiment_id
     location = None
     if tracking_uri().startswith("sqlite:"):  # keep artifacts beside the database, not in ./mlruns
-        location = (state_dir() / "mlartifacts" / folder_name(name)).as_uri()
+        location = (artifacts_root() / folder_name(name)).as_uri()
     return mlflow.create_experiment(name, artifact_location=location, tags={KIND_TAG: TRAINING})
 
 
@@ -309,6 +315,11 @@ def log_datasets(run_id: str, datasets: list[dict]) -> None:
 
 MODEL_DIGEST = "rlhf.model_digest"
 """The tag that names a logged model's bytes: the publishing stage's artifact digest (`ArtifactRef.digest`)."""
+NOTE_TAG, VERSIONS_TAG = "mlflow.note.content", "mlflow.modelVersions"
+"""A logged model's tags that MLflow's UI reads: its Description, and the registered versions made from it (the page
+says "Registered" and lists them)."""
+DESCRIPTION_LIMIT = 5000
+"""Characters of a model card kept as a description (a registry tag keeps 5,000 in our stores)."""
 
 
 def find_logged_model(digest: str) -> str | None:
@@ -335,10 +346,12 @@ def log_model(
     params: dict[str, Any],
     tags: dict[str, str],
     model_type: str,
+    description: str = "",
 ) -> tuple[str, bool]:
     """The logged model of the published `folder` (a transformers model folder, as `from_pretrained` reads it), made
     the run's output: (model id, whether it was uploaded now). Bytes already logged in this tracking store (a cached
-    re-run, the same policy registered again) are linked, not copied."""
+    re-run, the same policy registered again) are linked, not copied. `description` (the model card) is the page's
+    Description."""
     from mlflow.entities import LoggedModelOutput
 
     mlflow = client()
@@ -349,7 +362,11 @@ def log_model(
             experiment,
             name=stage,
             source_run_id=run_id,
-            tags={MODEL_DIGEST: digest, **{k: redact_text(str(v))[:5000] for k, v in tags.items()}},
+            tags={
+                MODEL_DIGEST: digest,
+                **{k: redact_text(str(v))[:5000] for k, v in tags.items()},
+                **({NOTE_TAG: redact_text(description)[:DESCRIPTION_LIMIT]} if description else {}),
+            },
             params=dict(list(flat.items())[:500]),
             model_type=model_type,
         )
@@ -372,14 +389,25 @@ def log_model_inputs(run_id: str, model_ids: list[str]) -> None:
         client().log_inputs(run_id, models=[LoggedModelInput(model_id) for model_id in model_ids])
 
 
-def log_model_metrics(run_id: str, model_id: str, metrics: dict[str, float], step: int = 0) -> None:
-    """The run's final metrics, linked to its logged model (the model's page lists them)."""
+def log_model_metrics(
+    run_id: str, model_id: str, metrics: dict[str, float], step: int = 0, datasets: list[tuple[str, str]] = ()
+) -> None:
+    """The run's final metrics, linked to its logged model (the model's page lists them), once per dataset of
+    `datasets` ((name, digest) of the run's dataset inputs it trained on): MLflow 3's "Datasets used" of a logged
+    model are the datasets its metrics name."""
     import time
 
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
-    rows = [Metric(k, float(v), now, step, model_id=model_id) for k, v in metrics.items()]
+    named = list(datasets) or [(None, None)]
+    # A logged model keeps one value per metric, step, run and millisecond, whatever the dataset: each dataset's
+    # rows are a millisecond apart.
+    rows = [
+        Metric(k, float(v), now + i, step, model_id=model_id, dataset_name=name, dataset_digest=digest)
+        for i, (name, digest) in enumerate(named)
+        for k, v in metrics.items()
+    ]
     for start in range(0, len(rows), 1000):
         client().log_batch(run_id, metrics=rows[start : start + 1000])
 
@@ -476,6 +504,45 @@ def experiment_url(experiment: str, ui: str | None = None) -> str | None:
     return f"{ui}/#/experiments/{experiment}/runs?{TRAINING_VIEW}" if ui else None
 
 
+ARTIFACTS_ROUTE = "/api/2.0/mlflow-artifacts/artifacts/"
+"""Where an MLflow server with artifact serving answers for a file under its artifact root, one path per file, so a
+page's relative links (a Data Docs page's styles and the pages it links) resolve on the same server."""
+
+
+def artifact_url(run_id: str, path: str) -> str | None:
+    """An http URL of the run's artifact `path` on the MLflow server, or None where none serves it (a local store
+    without `rlhf up`: the file:// link is the way). A run whose artifacts the server keeps (`mlflow-artifacts:/...`),
+    or, under `rlhf up`, in the state folder it serves, gets a path of `ARTIFACTS_ROUTE`; any other location the
+    server's one-file route, which shows the page but not what it links relatively."""
+    from urllib.parse import quote, unquote, urlencode, urlsplit
+
+    ui = ui_url()
+    if ui is None:
+        return None
+    location = urlsplit(client().get_run(run_id).info.artifact_uri)
+    relative = None
+    if location.scheme == "mlflow-artifacts":
+        relative = location.path.strip("/")
+    elif location.scheme == "file" and not tracking_uri().startswith("http"):
+        with contextlib.suppress(ValueError):
+            relative = Path(unquote(location.path)).relative_to(artifacts_root()).as_posix()
+    if relative is None:
+        return f"{ui}/get-artifact?{urlencode({'path': path, 'run_uuid': run_id})}"
+    return f"{ui}{ARTIFACTS_ROUTE}{quote(relative)}/{quote(path)}"
+
+
+def artifact_page(run_id: str, path: str) -> str | None:
+    """The MLflow UI's page of the run's artifact `path` (the artifact tab with the file open: an HTML file is shown in
+    the page, where the server's own URL of the file makes the browser save it), or None without a UI."""
+    from urllib.parse import quote
+
+    ui = ui_url()
+    if ui is None:
+        return None
+    experiment = client().get_run(run_id).info.experiment_id
+    return f"{ui.rstrip('/')}/#/experiments/{experiment}/runs/{run_id}/artifactPath/{quote(path)}"
+
+
 def run_link(run_id: str) -> str:
     """Where a person finds the run: its UI page, else how to open the local UI."""
     uri = shown_uri()
@@ -485,9 +552,11 @@ def run_link(run_id: str) -> str:
 # --- model registry ----------------------------------------------------------------
 
 
-def register_version(name: str, source: str, run_id: str, tags: dict[str, str], model_id: str | None = None) -> str:
-    """A new version of registered model `name` (of logged model `model_id`: MLflow lists the version on the logged
-    model's page, its tag `mlflow.modelVersions`); returns the version number."""
+def register_version(name: str, model_id: str, run_id: str, tags: dict[str, str], description: str = "") -> str:
+    """A new version of registered model `name` made from logged model `model_id`, as `mlflow.register_model` makes
+    one: source `models:/<model_id>` on a tracking server (its files stay the logged model's artifacts), `model_id`
+    set, the logged model's `mlflow.modelVersions` tag naming the version (the tracking server sets it itself; a
+    database store does not); `description` is the version page's Description. Returns the version number."""
     from mlflow.exceptions import MlflowException
 
     mlflow = client()
@@ -496,10 +565,36 @@ def register_version(name: str, source: str, run_id: str, tags: dict[str, str], 
     except MlflowException as exc:
         if "already exists" not in str(exc).lower() and "RESOURCE_ALREADY_EXISTS" not in str(exc):
             raise
+    # A database store's registry resolves a `models:/<model_id>` source through a client of MLflow's process-wide
+    # tracking URI, not of the store it is called on (MLflow 3.17's SqlAlchemyStore.create_model_version): there the
+    # source is the logged model's own artifact location, which is what the tracking server stores for that URI.
+    remote = tracking_uri().startswith("http")
+    source = f"models:/{model_id}" if remote else mlflow.get_logged_model(model_id).artifact_location
     version = mlflow.create_model_version(
-        name, source, run_id=run_id, tags={k: str(v)[:5000] for k, v in tags.items()}, model_id=model_id
+        name,
+        source,
+        run_id=run_id,
+        tags={k: str(v)[:5000] for k, v in tags.items()},
+        description=redact_text(description)[:DESCRIPTION_LIMIT] or None,
+        model_id=model_id,
     )
+    link_version(model_id, name, str(version.version))
     return str(version.version)
+
+
+def link_version(model_id: str, name: str, version: str) -> None:
+    """Version `version` of `name` listed in logged model `model_id`'s `mlflow.modelVersions` tag (once)."""
+    mlflow = client()
+    listed = json.loads(mlflow.get_logged_model(model_id).tags.get(VERSIONS_TAG) or "[]")
+    entry = {"name": name, "version": int(version)}  # as MLflow's tracking server writes it
+    if entry not in [{"name": e.get("name"), "version": int(e.get("version", 0))} for e in listed]:
+        mlflow.set_logged_model_tags(model_id, {VERSIONS_TAG: json.dumps([*listed, entry])})
+
+
+def set_version_tags(name: str, version: str, tags: dict[str, str]) -> None:
+    mlflow = client()
+    for key, value in tags.items():
+        mlflow.set_model_version_tag(name, version, key, str(value)[:5000])
 
 
 def find_version(name: str, tag: str, value: str) -> str | None:

@@ -1,6 +1,6 @@
 """`rlhf gc`: remove what no registered version, no live run and none of the last N runs reference.
 
-Kept: the stage artifacts a registered model version names (its `rlhf.key.<stage>` tags) and the run whose copy of
+Kept: the stage artifacts a registered model version names (its `rlhf.lineage` keys) and the run whose copy of
 the weights it was registered from; the stage artifacts of the newest N parent runs of every experiment and of every
 run still RUNNING, with everything upstream of them (their manifests' `upstream`); whatever a live build holds (its
 key's lock) and whatever a live run built or reused (its lease: `tasks/store/leases.py`, checked under the key's lock
@@ -25,6 +25,7 @@ from rlhf_pipeline.tasks.store.artifacts import MANIFEST
 from rlhf_pipeline.tasks.store.leases import LEASES, live_leases
 from rlhf_pipeline.tasks.tracking import client as tracking
 from rlhf_pipeline.tasks.tracking.client import MODEL_LOGGED, MODEL_URI
+from rlhf_pipeline.tasks.tracking.lineage import version_lineage
 
 LINKED_RUN = re.compile(r"/([0-9a-f]{32})/artifacts/model$")
 
@@ -81,11 +82,7 @@ def kept(keep_runs: int) -> tuple[set[tuple[str, str]], set[str]]:
     for model in every(mlflow.search_registered_models):
         for version in every(mlflow.search_model_versions, f"name = '{model.name}'"):
             runs.add(version.run_id)
-            keys |= {
-                (tag.removeprefix("rlhf.key."), value)
-                for tag, value in version.tags.items()
-                if tag.startswith("rlhf.key.")
-            }
+            keys |= set(version_lineage(version.tags)["keys"].items())
     for experiment in every(mlflow.search_experiments):
         parents = [
             run

@@ -4,10 +4,13 @@
                its digest and source: the runs table's Datasets column
     models     the upstream stages' logged models, as the run's model inputs
     its model  a stage that publishes `model/` logs it as an MLflow logged model (the Models tab), tagged with its
-               artifact digest and the logged models it was trained from; a cached re-run links the same one
+               artifact digest and the logged models it was trained from, its card as the Description, its final
+               metrics linked to it with the datasets it trained on (the page's "Datasets used"); a cached re-run
+               links the same one
 
-A registered version points at the policy's logged model and names its upstream ones (`tasks.registry`), so a machine
-that shares only the tracking server finds the SFT and reward models through MLflow (`tasks.tracking.resolve`).
+A registered version is made from the policy's logged model and names its upstream ones in one tag (`LINEAGE_TAG`,
+`tasks.registry`), so a machine that shares only the tracking server finds the SFT and reward models through MLflow
+(`tasks.tracking.resolve`).
 """
 
 from __future__ import annotations
@@ -19,11 +22,41 @@ from typing import Any
 from rlhf_pipeline.tasks.store.artifacts import ArtifactRef
 from rlhf_pipeline.tasks.tracking import client as tracking
 
-MODEL_TAG = "rlhf.model."
-"""`rlhf.model.<stage>` on a registered version: the logged model id of that stage's model (the policy's and the
-ones it was built from)."""
+LINEAGE_TAG = "rlhf.lineage"
+"""A registered version's one tag of what it was built from, JSON: `keys` (stage -> artifact key), `models` (stage ->
+logged model id of that stage's model, the policy's and the ones it was built from), `data` (dataset -> fingerprint),
+and the flow run and MLflow run that registered it."""
+MODEL_TAG, KEY_TAG = "rlhf.model.", "rlhf.key."
+"""`rlhf.model.<stage>` / `rlhf.key.<stage>`: the same, one tag a stage, on versions registered before `LINEAGE_TAG`."""
 UPSTREAM_TAG = "rlhf.upstream."
 """`rlhf.upstream.<name>` on a logged model: the logged model id of its upstream model `<name>` (sft, rm, ...)."""
+
+
+CARD = "README.md"
+"""The model card every published `model/` folder carries (`tasks.tracking.cards` writes it)."""
+
+
+def version_lineage(tags: dict[str, str]) -> dict[str, dict[str, str]]:
+    """`keys` and `models` (stage -> artifact key / logged model id) of a registered version, from its tags: the
+    `LINEAGE_TAG`, else the older one-tag-a-stage form."""
+    if tags.get(LINEAGE_TAG):
+        found = json.loads(tags[LINEAGE_TAG])
+        return {"keys": dict(found.get("keys", {})), "models": dict(found.get("models", {}))}
+    return {
+        "keys": {tag.removeprefix(KEY_TAG): value for tag, value in tags.items() if tag.startswith(KEY_TAG)},
+        "models": {tag.removeprefix(MODEL_TAG): value for tag, value in tags.items() if tag.startswith(MODEL_TAG)},
+    }
+
+
+def card_text(model: Path) -> str:
+    """A model folder's card without its YAML header: the Description of its logged model and registered versions."""
+    try:
+        text = (model / CARD).read_text()
+    except OSError:
+        return ""
+    if text.startswith("---\n") and "\n---\n" in text[4:]:
+        text = text[4:].split("\n---\n", 1)[1]
+    return text.strip()
 
 
 def has_model(folder: Path) -> bool:
@@ -113,7 +146,8 @@ def record(
     """The run's dataset and model inputs, and its published model as a logged model (uploaded once per tracking
     store, linked after); returns the logged model's id, or None for a stage without a model."""
     manifest = json.loads((final / "manifest.json").read_text())
-    tracking.log_datasets(run_id, dataset_inputs(stage, final, manifest, upstream, config))
+    datasets = dataset_inputs(stage, final, manifest, upstream, config)
+    tracking.log_datasets(run_id, datasets)
     inputs = upstream_models(upstream)
     tracking.log_model_inputs(run_id, sorted(set(inputs.values())))
     if not has_model(final):
@@ -131,6 +165,8 @@ def record(
             **{f"{UPSTREAM_TAG}{name}": model_id for name, model_id in inputs.items()},
         },
         model_type(final / "model"),
+        card_text(final / "model"),
     )
-    tracking.log_model_metrics(run_id, model_id, metrics, step)
+    trained_on = [(d["name"], d["digest"]) for d in datasets if d["context"] == "training"]
+    tracking.log_model_metrics(run_id, model_id, metrics, step, trained_on)
     return model_id

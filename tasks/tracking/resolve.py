@@ -11,16 +11,16 @@ from pathlib import Path
 from rlhf_pipeline.tasks.store.artifacts import MANIFEST, ArtifactRef, content_digest
 from rlhf_pipeline.tasks.tracking import client as tracking
 from rlhf_pipeline.tasks.tracking.client import MODEL_DIGEST
-from rlhf_pipeline.tasks.tracking.lineage import MODEL_TAG
+from rlhf_pipeline.tasks.tracking.lineage import version_lineage
 
 
 def resolve_model(source: str | None, role: str) -> tuple[ArtifactRef, dict[str, str]]:
     """(ref, lineage) for 'models:/<name>/<version>', 'models:/<name>@<alias>', a logged model 'models:/m-<id>', or a
     folder.
 
-    `lineage` maps stage names to what a registered version was built from: the logged models its `rlhf.model.<stage>`
-    tags name (found through the tracking server alone), else the local artifact folders of its `rlhf.key.<stage>`
-    tags (versions registered before logged models).
+    `lineage` maps stage names to what a registered version was built from (its `rlhf.lineage` tag): the logged models
+    it names (found through the tracking server alone), else the local artifact folders of its stage keys (versions
+    registered before logged models).
     """
     if not source:
         raise ValueError(f"no {role} model given, and the policy's lineage does not name one: pass it explicitly")
@@ -148,14 +148,9 @@ def _registered(uri: str) -> tuple[ArtifactRef, dict[str, str]]:
     tracking.download_version(name, version, folder / "model")
     tags = tracking.version_tags(name, version)
     root = Path(tracking.state_dir() / "artifacts")
-    lineage = {
-        stage: str(root / stage / key)
-        for stage, key in ((t.removeprefix("rlhf.key."), v) for t, v in tags.items() if t.startswith("rlhf.key."))
-    }
-    lineage |= {
-        stage: f"models:/{model_id}"
-        for stage, model_id in ((t.removeprefix(MODEL_TAG), v) for t, v in tags.items() if t.startswith(MODEL_TAG))
-    }
+    built_from = version_lineage(tags)
+    lineage = {stage: str(root / stage / key) for stage, key in built_from["keys"].items()}
+    lineage |= {stage: f"models:/{model_id}" for stage, model_id in built_from["models"].items()}
     stage = tags.get("rlhf.policy_stage", "policy")
     ref = ArtifactRef(stage=stage, key=f"{name}/v{version}", uri=str(folder), digest=tags.get("rlhf.policy_digest", ""))
     return ref, lineage

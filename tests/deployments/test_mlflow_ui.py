@@ -4,13 +4,15 @@ Chromium."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import subprocess
-import sys
+from pathlib import Path
 
 import pytest
 
-from rlhf_pipeline.deployments.local import wait_until_up
+from rlhf_pipeline.deployments.local import mlflow_server, wait_until_up
 from rlhf_pipeline.tasks.store.resources import free_port
 from rlhf_pipeline.tasks.tracking import client as tracking
 from tests.browser import alive, chromium
@@ -33,29 +35,10 @@ def test_our_experiment_opens_on_the_runs_table_with_the_stage_runs_nested_under
         tracking.end_run(child)
     tracking.end_run(parent)
 
-    port = free_port()
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mlflow",
-            "server",
-            "--backend-store-uri",
-            tracking.tracking_uri(),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        wait_until_up(f"http://127.0.0.1:{port}/health", server)
+    with served(free_port(), tmp_path / "mlflow.log") as ui:
         with chromium(screenshots / "mlflow_runs_failed.png", height=900) as browser:
             page = browser.page
-            page.goto(tracking.experiment_url(experiment, f"http://127.0.0.1:{port}"))
+            page.goto(tracking.experiment_url(experiment, ui))
             # The training view's runs table, not GenAI's overview of traces.
             expect(page.get_by_role("columnheader", name="Run Name", exact=True).first).to_be_visible()
             expect(page.get_by_role("link", name="rlhf-flow-run", exact=True)).to_be_visible()
@@ -66,7 +49,110 @@ def test_our_experiment_opens_on_the_runs_table_with_the_stage_runs_nested_under
             for stage in STAGES:
                 expect(page.get_by_role("link", name=stage, exact=True)).to_be_visible()
             page.screenshot(path=screenshots / "mlflow_runs.png", full_page=True)
+
+
+@contextlib.contextmanager
+def served(port: int, log: Path):
+    """`rlhf up`'s MLflow server (`deployments.local.mlflow_server`) on the test's store, its output in `log`, stopped
+    by its pid."""
+    with open(log, "w") as out:
+        server = subprocess.Popen(
+            mlflow_server(port), stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=os.environ
+        )
+    try:
+        wait_until_up(f"http://127.0.0.1:{port}/health", server)
+        yield f"http://127.0.0.1:{port}"
     finally:
         os.killpg(server.pid, 15)
         server.wait(30)
     assert not alive(server.pid)
+
+
+def test_a_registered_policy_page_says_registered_and_its_version_shows_the_card_with_few_tags(
+    tmp_path, monkeypatch, screenshots
+):
+    from mlflow.tracking import MlflowClient
+    from playwright.sync_api import expect
+
+    from rlhf_pipeline.tasks.gate import RegistryConfig
+    from rlhf_pipeline.tasks.registry import register_policy
+    from rlhf_pipeline.tasks.store.artifacts import RunContext
+    from rlhf_pipeline.tasks.tracking.lineage import card_text
+    from tests.tasks.test_registry import publish
+
+    monkeypatch.setenv(tracking.STATE_ENV, str(tmp_path / "state"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'state' / 'mlflow.db'}")
+    experiment = tracking.experiment_id("rlhf-registry")
+    ctx = RunContext(artifact_root=str(tmp_path / "artifacts"), experiment_id=experiment, parent_run_id="")
+    cfg = RegistryConfig(model_name="ui-policy")
+    metrics = {"eval/heldout/win_rate_vs_champion": 0.71, "eval/heldout/win_rate_vs_champion_low": 0.64}
+    policy, report, run_ctx = publish(ctx, "dpo", 1, metrics, cfg)
+    version = register_policy(cfg, policy, report, [policy, report], run_ctx)["version"]
+    registered = MlflowClient(tracking.tracking_uri()).get_model_version("ui-policy", version)
+    model_id = json.loads(registered.tags["rlhf.lineage"])["models"]["dpo"]  # a database store keeps no model_id
+    listed = MlflowClient(tracking.tracking_uri()).get_logged_model(model_id).tags["mlflow.modelVersions"]
+    assert json.loads(listed) == [{"name": "ui-policy", "version": int(version)}]  # as mlflow.register_model lists it
+    assert len(registered.tags) <= 10, sorted(registered.tags)
+    card = card_text(policy.path / "model")
+    heading = next(line.lstrip("# ") for line in card.splitlines() if line.startswith("#"))
+
+    failed = screenshots / "mlflow_registered_failed.png"
+    with served(free_port(), tmp_path / "mlflow.log") as ui, chromium(failed) as browser:
+        page = browser.page
+        page.goto(f"{ui}/#/experiments/{experiment}/models/{model_id}")
+        expect(page.get_by_text("Not registered")).to_have_count(0)
+        versions = page.get_by_text("Model versions").locator("xpath=..")  # its section lists the version
+        expect(versions.get_by_role("link", name="ui-policy")).to_be_visible()
+        expect(versions.get_by_text(f"v{version}", exact=True)).to_be_visible()
+        expect(page.get_by_text(heading).first).to_be_visible()  # the card as the logged model's description
+        page.screenshot(path=screenshots / "mlflow_logged_model.png", full_page=True)
+        page.goto(f"{ui}/#/models/ui-policy/versions/{version}")
+        expect(page.get_by_text(heading).first).to_be_visible()  # the card as the version's description
+        page.screenshot(path=screenshots / "mlflow_version.png", full_page=True)
+
+
+def test_data_docs_link_is_http_on_rlhf_ups_mlflow_server_and_serves_the_page(tmp_path, monkeypatch):
+    """The page's URL on the server `rlhf up` starts, for the report's copy among the data stage run's artifacts; the
+    server writes no access-log line per request; without a server the link stays the file:// one."""
+    import urllib.request
+    from urllib.parse import urljoin
+
+    from playwright.sync_api import expect
+
+    from rlhf_pipeline.tasks.data import docs_url
+    from rlhf_pipeline.tasks.store.artifacts import ArtifactRef, StageOutcome
+
+    monkeypatch.setenv(tracking.STATE_ENV, str(tmp_path / "state"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'state' / 'mlflow.db'}")
+    run_id = tracking.start_run(tracking.experiment_id("rlhf-docs"), "data", {"rlhf.stage": "data"})
+    docs = tmp_path / "data" / "report" / "sft" / "data_docs"
+    (docs / "validations" / "sft").mkdir(parents=True)
+    (docs / "validations" / "sft" / "run.html").write_text("<html><link href='../../static/s.css'>checked</html>")
+    (docs / "static").mkdir()
+    (docs / "static" / "s.css").write_text("body {}")
+    tracking.log_artifacts(run_id, tmp_path / "data" / "report", "report")
+    report = {"data_docs": str(docs / "validations" / "sft" / "run.html")}
+    data = ArtifactRef(stage="data", key="k", uri=str(tmp_path / "data"), digest="d")
+    outcome = StageOutcome(data, "built", {}, mlflow_run_id=run_id)
+    assert docs_url(outcome, "sft", report) is None  # no server: the file:// link
+
+    port = free_port()
+    monkeypatch.setenv(tracking.UI_ENV, f"http://127.0.0.1:{port}")
+    with served(port, tmp_path / "mlflow.log"):
+        page, url = docs_url(outcome, "sft", report) or ("", "")
+        assert url.startswith(f"http://127.0.0.1:{port}/"), url
+        # The link a person follows from the Prefect UI shows the page in MLflow's UI (its own URL makes a browser
+        # save the file: MLflow serves every artifact as an attachment).
+        assert page.startswith(f"http://127.0.0.1:{port}/#/experiments/") and page.endswith("run.html"), page
+        with chromium(tmp_path / "data_docs_failed.png") as browser:
+            browser.page.goto(page)
+            shown = browser.page.frame_locator("iframe").first.get_by_text("checked")
+            expect(shown).to_be_visible()
+            browser.page.screenshot(path=tmp_path / "data_docs.png")
+        with urllib.request.urlopen(url, timeout=30) as response:
+            assert (response.status, response.headers.get_content_type()) == (200, "text/html")
+            assert b"checked" in response.read()
+        with urllib.request.urlopen(urljoin(url, "../../static/s.css"), timeout=30) as response:
+            assert response.status == 200  # the page's relative links resolve on the same server
+    log = (tmp_path / "mlflow.log").read_text()
+    assert "GET /health" not in log and "GET /api/" not in log, log[-2000:]

@@ -61,11 +61,11 @@ def test_a_second_machine_evaluates_the_champion_and_finds_its_lineage_through_m
 
     # The registered version points at the policy's logged model and names the ones it came from.
     version = client.get_model_version_by_alias("lineage-test", "champion")
-    assert version.source == models["dpo"].artifact_location
+    assert version.source == f"models:/{models['dpo'].model_id}"  # as mlflow.register_model makes it
     registered = json.loads(client.get_logged_model(models["dpo"].model_id).tags["mlflow.modelVersions"])
     assert registered == [{"name": "lineage-test", "version": int(version.version)}]
-    assert version.tags["rlhf.model.sft"] == models["sft"].model_id
-    assert version.tags["rlhf.model.rm"] == models["rm"].model_id
+    built_from = json.loads(version.tags["rlhf.lineage"])["models"]
+    assert (built_from["sft"], built_from["rm"]) == (models["sft"].model_id, models["rm"].model_id)
 
     # The dpo run: its datasets and input models, MLflow's context tags, system metrics over time.
     dpo_run = client.get_run(models["dpo"].source_run_id)

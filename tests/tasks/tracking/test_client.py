@@ -73,9 +73,7 @@ def test_a_registered_version_downloads_from_the_default_store_whatever_the_work
     run_id = tracking.client().create_run(experiment).info.run_id
     model_id, uploaded = tracking.log_model(run_id, experiment, "dpo", folder, "d" * 64, {}, {}, "llama")
     assert uploaded
-    version = tracking.register_version(
-        "rlhf-policy", tracking.logged_model(model_id).artifact_location, run_id, {}, model_id=model_id
-    )
+    version = tracking.register_version("rlhf-policy", model_id, run_id, {})
 
     got = tracking.download_version("rlhf-policy", version, tmp_path / "registry" / "v1" / "model")
     assert (got / "model.safetensors").read_bytes() == b"weights"
