@@ -168,7 +168,13 @@ def leading_form(deployment: RunnerDeployment, params) -> RunnerDeployment:
         "data",
         "no_cache",
     ]
-    schema.properties = {name: {**schema.properties[name], "position": at} for at, name in enumerate(shown)}
+    # The other blocks stay parameters (`prefect deployment run -p sft=...` names them), last and with no field drawn.
+    hidden = [name for name in schema.properties if name not in shown]
+    for at, name in enumerate([*shown, *hidden]):
+        schema.properties[name]["position"] = at
+    for name in hidden:
+        schema.properties[name]["title"] = f"{name} (its fields: through overrides)"
+        _only(schema.definitions[_definition(schema.properties[name], name)], ())
     for block, fields in (("model", FORM["model"]), (algorithm, FORM["algorithm"])):
         hidden = _only(schema.definitions[_definition(schema.properties[block], block)], fields)
         if hidden:

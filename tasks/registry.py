@@ -17,7 +17,7 @@ from rlhf_pipeline.tasks.gate import CANDIDATE, CHAMPION, RegistryConfig, below_
 from rlhf_pipeline.tasks.orchestration.stage_task import current_flow_run, prefect_log
 from rlhf_pipeline.tasks.store.artifacts import FILES, ArtifactRef, RunContext
 from rlhf_pipeline.tasks.tracking import client as tracking
-from rlhf_pipeline.tasks.tracking import lineage
+from rlhf_pipeline.tasks.tracking import lineage, versions
 from rlhf_pipeline.tasks.tracking.cards import EVAL_METRICS_TAG
 
 
@@ -25,12 +25,12 @@ def current_champion(cfg: RegistryConfig) -> ArtifactRef | None:
     """The champion's files, downloaded into the state folder (eval compares against them)."""
     if not cfg.enabled:
         return None
-    version = tracking.alias_version(cfg.model_name, CHAMPION)
+    version = versions.alias_version(cfg.model_name, CHAMPION)
     if version is None:
         return None
     folder = tracking.state_dir() / "registry" / cfg.model_name / f"v{version}"
-    tracking.download_version(cfg.model_name, version, folder / "model")
-    digest = tracking.version_tags(cfg.model_name, version).get("rlhf.policy_digest", "")
+    versions.download_version(cfg.model_name, version, folder / "model")
+    digest = versions.version_tags(cfg.model_name, version).get("rlhf.policy_digest", "")
     return ArtifactRef(stage="champion", key=f"{cfg.model_name}/v{version}", uri=str(folder), digest=digest)
 
 
@@ -94,10 +94,10 @@ def register_policy(
     """Register (or reuse) the policy's version, set `candidate`, and promote it if the gate passes."""
     metrics = report.manifest()["metrics"]
     version = _version_of(cfg, policy, stages, metrics, ctx)
-    tracking.set_alias(cfg.model_name, CANDIDATE, version)
+    versions.set_alias(cfg.model_name, CANDIDATE, version)
 
     promoted, reason, champion = _decide(cfg, report, metrics, version)
-    tracking.set_version_tags(cfg.model_name, version, _verdict_tags(cfg, metrics, promoted, reason))
+    versions.set_version_tags(cfg.model_name, version, _verdict_tags(cfg, metrics, promoted, reason))
     outcome = {
         "model_name": cfg.model_name,
         "version": version,
@@ -129,7 +129,7 @@ def _version_of(
     """The policy's model version: the one registered for its digest before, else a new one, from its logged model
     (its stage logged it; a policy from elsewhere is logged here, on the parent run), tagged with what it was built
     from."""
-    version = tracking.find_version(cfg.model_name, "rlhf.policy_digest", policy.digest)
+    version = versions.find_version(cfg.model_name, "rlhf.policy_digest", policy.digest)
     if version is not None:
         return version
     # The policy's logged model (its stage logged it; a policy from elsewhere is logged here, on the parent run),
@@ -163,11 +163,11 @@ def _version_of(
     tags = {
         "rlhf.policy_stage": policy.stage,
         "rlhf.policy_digest": policy.digest,
-        tracking.FILES_TAG: _files_tag(policy),
+        versions.FILES_TAG: _files_tag(policy),
         EVAL_METRICS_TAG: _metrics_tag(metrics),
         lineage.LINEAGE_TAG: json.dumps(built_from, sort_keys=True),
     }
-    return tracking.register_version(
+    return versions.register_version(
         cfg.model_name, model_id, ctx.parent_run_id, tags, lineage.card_text(policy.path / "model")
     )
 
@@ -199,7 +199,7 @@ def _decide(cfg: RegistryConfig, report: ArtifactRef, metrics: dict, version: st
     no other run moves `champion` in between."""
     seen = compared_champion(report)
     with champion_lock(cfg.model_name):  # compare and set: no other run moves `champion` in between
-        champion = tracking.alias_version(cfg.model_name, CHAMPION)
+        champion = versions.alias_version(cfg.model_name, CHAMPION)
         if hacked := hacking(cfg, metrics):  # even a first version: a policy that games its reward is no champion
             promoted, reason = False, hacked
         elif weaker := below_start(cfg, metrics):  # even a first version: no worse than where it started
@@ -222,7 +222,7 @@ def _decide(cfg: RegistryConfig, report: ArtifactRef, metrics: dict, version: st
         else:
             promoted, reason = gate(cfg, metrics)
         if promoted:
-            tracking.set_alias(cfg.model_name, CHAMPION, version)
+            versions.set_alias(cfg.model_name, CHAMPION, version)
     return promoted, reason, champion
 
 

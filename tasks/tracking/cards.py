@@ -332,9 +332,10 @@ def local_lineage(ref: ArtifactRef, lineage: dict[str, str]) -> dict[str, str]:
     name, _, version = ref.key.rpartition("/v")
     if name and version.isdigit():
         from rlhf_pipeline.tasks.tracking import client as tracking
+        from rlhf_pipeline.tasks.tracking import versions
 
         root = tracking.state_dir() / "artifacts"
-        for stage, key in version_lineage(tracking.version_tags(name, version))["keys"].items():
+        for stage, key in version_lineage(versions.version_tags(name, version))["keys"].items():
             if stage not in folders and (root / stage / key).is_dir():
                 folders[stage] = str(root / stage / key)
     return folders
@@ -365,9 +366,9 @@ def eval_metrics(ref: ArtifactRef, lineage: dict[str, str]) -> dict[str, Any]:
             return {"metrics": manifest["metrics"], "data": specs}
     name, _, version = ref.key.rpartition("/v")
     if name and version.isdigit():
-        from rlhf_pipeline.tasks.tracking import client as tracking
+        from rlhf_pipeline.tasks.tracking import versions
 
-        tags = tracking.version_tags(name, version)
+        tags = versions.version_tags(name, version)
         metrics = {k: float(v) for k, v in tags.items() if k.startswith("eval/") and _number(v)}
         metrics |= json.loads(tags.get(EVAL_METRICS_TAG) or "{}")
         if metrics:

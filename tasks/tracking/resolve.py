@@ -10,6 +10,7 @@ from pathlib import Path
 
 from rlhf_pipeline.tasks.store.artifacts import MANIFEST, ArtifactRef, content_digest
 from rlhf_pipeline.tasks.tracking import client as tracking
+from rlhf_pipeline.tasks.tracking import versions
 from rlhf_pipeline.tasks.tracking.client import MODEL_DIGEST
 from rlhf_pipeline.tasks.tracking.lineage import version_lineage
 
@@ -139,14 +140,14 @@ def check_model_exists(source: str, role: str) -> None:
 def _registered(uri: str) -> tuple[ArtifactRef, dict[str, str]]:
     match = MODEL_URI.match(check_model_source(uri))
     name, alias_or_version = match["name"], match["version"] or match["alias"]
-    version = match["version"] or tracking.alias_version(name, match["alias"])
+    version = match["version"] or versions.alias_version(name, match["alias"])
     if version is None:
         raise ValueError(f"{uri}: registered model {name!r} has no alias {alias_or_version!r}")
-    if not tracking.version_exists(name, version):
+    if not versions.version_exists(name, version):
         raise ValueError(f"{uri}: registered model {name!r} has no version {version} (on {tracking.shown_uri()})")
     folder = tracking.state_dir() / "registry" / name / f"v{version}"
-    tracking.download_version(name, version, folder / "model")
-    tags = tracking.version_tags(name, version)
+    versions.download_version(name, version, folder / "model")
+    tags = versions.version_tags(name, version)
     root = Path(tracking.state_dir() / "artifacts")
     built_from = version_lineage(tags)
     lineage = {stage: str(root / stage / key) for stage, key in built_from["keys"].items()}

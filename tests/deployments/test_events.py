@@ -201,7 +201,7 @@ def test_a_failed_runs_hook_names_its_mlflow_run_and_state_folder(service):
     line = hook_line(service, run.id, "Failed")
     state = service["tmp"] / "state"
     assert f"MLflow parent run {parent.info.run_id}: " in line and f"state folder {state} " in line, line
-    assert line.startswith("rlhf run 'ppo-ci' Failed")
+    assert line.startswith(f"rlhf run 'ppo-ci-{str(run.id)[:6]}' Failed"), line
     assert line in (service["tmp"] / "serve.log").read_text()  # printed too: the serve process's output
 
 

@@ -88,17 +88,12 @@ def test_each_deployments_form_shows_a_few_fields_and_refuses_a_misspelt_one_by_
         schema = made[name]._parameter_openapi_schema.model_dump()
         order = sorted(schema["properties"], key=lambda p: schema["properties"][p]["position"])
         online = ["rewards"] if algorithm in ("ppo", "grpo") else []
-        assert order == [
-            "algorithm",
-            "preset",
-            "experiment_name",
-            "overrides",
-            "model",
-            algorithm,
-            *online,
-            "data",
-            "no_cache",
-        ], order
+        shown = ["algorithm", "preset", "experiment_name", "overrides", "model", algorithm, *online, "data", "no_cache"]
+        assert order[: len(shown)] == shown, order
+        # The other blocks stay parameters (`prefect deployment run -p sft=...`), last, with no field drawn
+        assert sorted(order[len(shown) :]) == sorted(set(plain["properties"]) - set(shown))
+        for block in order[len(shown) :]:
+            assert schema["properties"][block]["title"] == f"{block} (its fields: through overrides)"
         definitions = schema["definitions"]
         config = schema["properties"][algorithm]["$ref"].rsplit("/", 1)[-1]
         block, every = definitions[config], plain["definitions"][config]["properties"]

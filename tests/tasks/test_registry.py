@@ -11,6 +11,7 @@ from rlhf_pipeline.tasks.gate import CANDIDATE, CHAMPION, RegistryConfig, gate, 
 from rlhf_pipeline.tasks.registry import current_champion, register_policy
 from rlhf_pipeline.tasks.store.artifacts import RunContext
 from rlhf_pipeline.tasks.tracking import client as tracking
+from rlhf_pipeline.tasks.tracking import versions
 from rlhf_pipeline.trainers.models.base_model import load_base_model
 from rlhf_pipeline.trainers.models.load import save_model
 from rlhf_pipeline.trainers.models.tiny import build_tokenizer
@@ -321,7 +322,7 @@ def test_runs_with_their_own_state_folders_and_one_tracking_server_make_exactly_
         better = {"eval/heldout/win_rate_vs_champion": 0.71, "eval/heldout/win_rate_vs_champion_low": 0.64}
         racers = [publish(ctx, "dpo", seed, better, cfg) for seed in (21, 22)]
 
-        machine, real_state_dir, real_alias = threading.local(), tracking.state_dir, tracking.alias_version
+        machine, real_state_dir, real_alias = threading.local(), tracking.state_dir, versions.alias_version
         monkeypatch.setattr(tracking, "state_dir", lambda: getattr(machine, "state", None) or real_state_dir())
 
         def slow_alias(name: str, alias: str):  # each racer reads the champion, then is slow to decide
@@ -329,7 +330,7 @@ def test_runs_with_their_own_state_folders_and_one_tracking_server_make_exactly_
             time.sleep(1.0)
             return found
 
-        monkeypatch.setattr(tracking, "alias_version", slow_alias)
+        monkeypatch.setattr(versions, "alias_version", slow_alias)
         start, outcomes = threading.Barrier(2), {}
 
         def register(index: int) -> None:
@@ -367,7 +368,7 @@ def test_a_damaged_copy_of_the_champion_is_fetched_again_and_damaged_stored_file
     assert (current_champion(cfg).path / "model" / "model.safetensors").read_bytes() == whole
     assert f"{weights}: not the registered bytes" in caplog.text and "fetched again" in caplog.text
 
-    version = tracking.alias_version(cfg.model_name, CHAMPION)
+    version = versions.alias_version(cfg.model_name, CHAMPION)
     stored = urlparse(tracking.client().get_model_version_download_uri(cfg.model_name, version))
     assert stored.scheme in ("", "file"), stored  # the session's store keeps artifacts in files
     (Path(unquote(stored.path)) / "model.safetensors").write_bytes(b"damaged")

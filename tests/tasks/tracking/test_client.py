@@ -16,6 +16,7 @@ go = Path(sys.argv[1])
 while not go.exists():
     time.sleep(0.005)
 from rlhf_pipeline.tasks.tracking import client as tracking
+from rlhf_pipeline.tasks.tracking import versions
 mlflow = tracking.client()
 mlflow.search_experiments(max_results=1)
 mlflow.search_registered_models(max_results=1)
@@ -58,6 +59,7 @@ def test_a_registered_version_downloads_from_the_default_store_whatever_the_work
     downloaded through that store, not through MLflow's process-wide default (a new `mlflow.db` in the working
     directory, where the version does not exist: an identical re-run of `rlhf run` failed at eval's champion)."""
     from rlhf_pipeline.tasks.tracking import client as tracking
+    from rlhf_pipeline.tasks.tracking import versions
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("MLFLOW_REGISTRY_URI", raising=False)
@@ -73,9 +75,9 @@ def test_a_registered_version_downloads_from_the_default_store_whatever_the_work
     run_id = tracking.client().create_run(experiment).info.run_id
     model_id, uploaded = tracking.log_model(run_id, experiment, "dpo", folder, "d" * 64, {}, {}, "llama")
     assert uploaded
-    version = tracking.register_version("rlhf-policy", model_id, run_id, {})
+    version = versions.register_version("rlhf-policy", model_id, run_id, {})
 
-    got = tracking.download_version("rlhf-policy", version, tmp_path / "registry" / "v1" / "model")
+    got = versions.download_version("rlhf-policy", version, tmp_path / "registry" / "v1" / "model")
     assert (got / "model.safetensors").read_bytes() == b"weights"
     logged = tracking.download_logged_model(model_id, tmp_path / "logged" / "model")
     assert (logged / "config.json").read_text() == '{"model_type": "llama"}'
