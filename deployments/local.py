@@ -94,7 +94,7 @@ def mlflow_auth(auth_string: str) -> tuple[list[str], dict[str, str]]:
 
 def mlflow_server(port: int, extra: list[str] = ()) -> list[str]:
     """The MLflow server `rlhf up` starts on the state folder's store: its UI, and the artifacts of the local store's
-    runs served over http (a Data Docs page opens from the Prefect UI, `tracking.artifact_url`). Its uvicorn writes no
+    runs served over http (a Data Docs page opens from the Prefect UI, `tracking.artifact_page`). Its uvicorn writes no
     line per request: the terminal keeps what people read."""
     return [
         sys.executable,

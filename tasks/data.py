@@ -190,8 +190,8 @@ def link_data_docs(outcome: StageOutcome, names: list[str]) -> None:
         path = outcome.ref.path / "report" / name / "validation.json"
         if path.is_file():
             report = json.loads(path.read_text())
-            served = docs_url(outcome, name, report)
-            pages[name] = report, (served[0] if served else report.get("history"))
+            found = docs_artifact(outcome, name, report)
+            pages[name] = report, (found and tracking.artifact_page(*found)) or report.get("history")
     links = {f"rlhf.data_docs.{name}": link for name, (_, link) in pages.items() if link}
     if links and outcome.mlflow_run_id:
         tracking.set_tags(outcome.mlflow_run_id, links)
@@ -220,10 +220,11 @@ def link_data_docs(outcome: StageOutcome, names: list[str]) -> None:
     )
 
 
-def docs_url(outcome: StageOutcome, name: str, report: dict) -> tuple[str, str] | None:
-    """Dataset `name`'s Data Docs page in the MLflow run that logged the report (this run, or for a cached one the run
-    that built it, when this tracking store has it): its page in the MLflow UI (shown there) and the server's URL of the
-    file (the site's relative links resolve from it; a browser saves it), or None where no MLflow server serves it."""
+def docs_artifact(outcome: StageOutcome, name: str, report: dict) -> tuple[str, str] | None:
+    """Dataset `name`'s Data Docs page among the artifacts of the MLflow run that logged the report (this run, or for a
+    cached one the run that built it, when this tracking store has it): (run id, artifact path), or None. Its page in
+    the MLflow UI (`tracking.artifact_page`) is the link people follow; the server's URL of the file
+    (`tracking.artifact_url`) keeps the site's relative links, but a browser saves it."""
     from rlhf_pipeline.validators.validate import DATA_DOCS_DIR
 
     copy = report.get("data_docs")
@@ -234,9 +235,7 @@ def docs_url(outcome: StageOutcome, name: str, report: dict) -> tuple[str, str] 
         return None
     parts = Path(copy).parts
     page = parts[len(parts) - 1 - parts[::-1].index(DATA_DOCS_DIR) :]  # the page inside the report's Data Docs
-    path = "/".join(("report", name, *page))
-    shown, served = tracking.artifact_page(run_id, path), tracking.artifact_url(run_id, path)
-    return (shown, served) if shown and served else None
+    return run_id, "/".join(("report", name, *page))
 
 
 def _in_prefect_run() -> bool:

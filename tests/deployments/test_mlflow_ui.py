@@ -119,7 +119,7 @@ def test_data_docs_link_is_http_on_rlhf_ups_mlflow_server_and_serves_the_page(tm
 
     from playwright.sync_api import expect
 
-    from rlhf_pipeline.tasks.data import docs_url
+    from rlhf_pipeline.tasks.data import docs_artifact
     from rlhf_pipeline.tasks.store.artifacts import ArtifactRef, StageOutcome
 
     monkeypatch.setenv(tracking.STATE_ENV, str(tmp_path / "state"))
@@ -134,12 +134,15 @@ def test_data_docs_link_is_http_on_rlhf_ups_mlflow_server_and_serves_the_page(tm
     report = {"data_docs": str(docs / "validations" / "sft" / "run.html")}
     data = ArtifactRef(stage="data", key="k", uri=str(tmp_path / "data"), digest="d")
     outcome = StageOutcome(data, "built", {}, mlflow_run_id=run_id)
-    assert docs_url(outcome, "sft", report) is None  # no server: the file:// link
+    found = docs_artifact(outcome, "sft", report)
+    assert found == (run_id, "report/sft/data_docs/validations/sft/run.html"), found
+    # no server: the file:// link
+    assert tracking.artifact_page(*found) is None and tracking.artifact_url(*found) is None
 
     port = free_port()
     monkeypatch.setenv(tracking.UI_ENV, f"http://127.0.0.1:{port}")
     with served(port, tmp_path / "mlflow.log"):
-        page, url = docs_url(outcome, "sft", report) or ("", "")
+        page, url = tracking.artifact_page(*found) or "", tracking.artifact_url(*found) or ""
         assert url.startswith(f"http://127.0.0.1:{port}/"), url
         # The link a person follows from the Prefect UI shows the page in MLflow's UI (its own URL makes a browser
         # save the file: MLflow serves every artifact as an attachment).
