@@ -6,7 +6,8 @@ great_expectations takes seconds, and `import validators` must stay cheap.
 A dataset's rules become one expectation suite, validated once over the whole dataset: a frame of
 the derived scalars (`Frame`, built a record batch at a time, a few bytes a row) beside the dataset's
 own columns as zero-copy views of its Arrow data. A GX Checkpoint runs the suite's validation
-definition, and its UpdateDataDocsAction renders the Data Docs. Through public GX APIs only.
+definition; an ephemeral context's UpdateDataDocsAction renders its Data Docs, and a file context's site is built
+once per run, for all its validations together, when the run's `History` closes. Through public GX APIs only.
 
 Two contexts (docs/ARCHITECTURE.md, Great Expectations):
 - a file context under a project folder (the data stage passes the state folder: `<state>/gx/`): suites,
@@ -171,7 +172,8 @@ def run_suite(
     from great_expectations.exceptions import DataContextError
 
     sites = _sites(context, docs_dir, history is not None)
-    actions = [UpdateDataDocsAction(name="data_docs", site_names=sites)] if sites else []
+    # The history site is built once when the run's History closes (`History.build_docs`); an ephemeral site here.
+    actions = [UpdateDataDocsAction(name="data_docs", site_names=sites)] if sites and history is None else []
     asset_name = _key(name)
     # The suite is written every run (its rules follow the run's settings); its validation definition and checkpoint,
     # which name it, only when they are missing or differ: each write rewrites their JSON files.
@@ -200,8 +202,7 @@ def run_suite(
     if history is None:
         _prune_unused_images(docs_dir)
         return SuiteRun(outcomes, docs_dir / "index.html")
-    [page] = [site["site_url"] for site in context.get_docs_sites_urls(resource_identifier=key, site_name=HISTORY_SITE)]
-    return SuiteRun(outcomes, _copy_pages(page, asset_name, docs_dir), page)
+    return SuiteRun(outcomes, *history.docs_later(key, asset_name, docs_dir))
 
 
 class History:
@@ -213,6 +214,8 @@ class History:
         self.project = pathlib.Path(project)
         self.context: Any = None
         self.lock: Any = None
+        self.pending: list[tuple[Any, str, str, pathlib.Path]] = []
+        """(validation result id, suite name, page URL, docs_dir) of each validation whose pages are not built yet."""
 
     def __enter__(self) -> History:
         from filelock import FileLock
@@ -230,9 +233,38 @@ class History:
             raise
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.context = None
-        self.lock.release()
+    def __exit__(self, kind, value, traceback) -> None:
+        try:
+            # A dataset that failed its rules has its pages too; an interrupted run builds nothing.
+            if kind is None or issubclass(kind, Exception):
+                self.build_docs()
+        finally:
+            self.context = None
+            self.lock.release()
+
+    def docs_later(self, key, suite: str, docs_dir: pathlib.Path) -> tuple[pathlib.Path, str]:
+        """Note a validation whose pages `build_docs` renders; returns where its page will be copied in docs_dir and
+        its page's file:// URL in the history site."""
+        [url] = [
+            site["site_url"]
+            for site in self.context.get_docs_sites_urls(
+                resource_identifier=key, site_name=HISTORY_SITE, only_if_exists=False
+            )
+        ]
+        self.pending.append((key, suite, url, docs_dir))
+        return docs_dir / _site_page(url).relative_to(_site_of(_site_page(url))), url
+
+    def build_docs(self) -> None:
+        """The history site's pages of every validation since the last build (each with its suite's page) and its index,
+        in one build (GX's UpdateDataDocsAction builds the index once per validation), then each run's pages copied
+        beside its report."""
+        if not self.pending:
+            return
+        identifiers = [identifier for key, *_ in self.pending for identifier in (key, key.expectation_suite_identifier)]
+        self.context.build_data_docs(site_names=[HISTORY_SITE], resource_identifiers=identifiers)
+        for _, suite, url, docs_dir in self.pending:
+            _copy_pages(url, suite, docs_dir)
+        self.pending.clear()
 
 
 def _ephemeral(gx):
@@ -305,8 +337,8 @@ def _copy_pages(url: str, suite: str, docs_dir: pathlib.Path) -> pathlib.Path:
     """This run's pages of the history site (its validation and its suite, with the styles they read) into docs_dir,
     at the same relative places, so that the report folder (and its MLflow copy) shows them on its own. Returns the
     copied validation page."""
-    page = pathlib.Path(unquote(urlparse(url).path))
-    site = next(parent for parent in page.parents if parent.name == HISTORY_SITE)
+    page = _site_page(url)
+    site = _site_of(page)
     suite_page = site / "expectations" / f"{suite}.html"
     docs_dir.mkdir(parents=True, exist_ok=True)
     for path in (page, suite_page):
@@ -398,3 +430,11 @@ def _outcomes(result, belongs: list[str]) -> dict[str, Outcome]:
     missing = set(belongs) - set(by_rule)
     assert not missing, f"GX returned no result for rules {sorted(missing)}"
     return by_rule
+
+
+def _site_page(url: str) -> pathlib.Path:
+    return pathlib.Path(unquote(urlparse(url).path))
+
+
+def _site_of(page: pathlib.Path) -> pathlib.Path:
+    return next(parent for parent in page.parents if parent.name == HISTORY_SITE)

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PAIRS = [{"prompt": f"sort {n}1 -> ", "chosen": f"1{n}", "rejected": f"{n}1"} for n in range(2, 9)]
 
 
-def validate(rows: list[dict] | datasets.Dataset, project: Path, report_dir: Path, source: str = "data/pairs.jsonl"):
+def validate(rows: list[dict] | datasets.Dataset, project, report_dir: Path, source: str = "data/pairs.jsonl"):
     """validate_dataset through the file context under `project`; the report, whether it passed or not."""
     try:
         return validate_dataset(
@@ -63,6 +63,35 @@ def test_two_validations_leave_two_results_in_the_history_and_the_index_lists_bo
     assert Path(first.data_docs).is_relative_to(tmp_path / "run1" / "data_docs")
     assert Path(first.data_docs).read_bytes() == page
     assert Path(second.data_docs).is_relative_to(tmp_path / "run2" / "data_docs") and Path(second.data_docs).is_file()
+
+
+def test_a_run_of_several_datasets_builds_the_history_sites_index_once_and_every_page(tmp_path, monkeypatch):
+    """Issue 45: the data stage's datasets share one History, and its Data Docs are built once when it closes (a
+    Checkpoint's UpdateDataDocsAction rebuilt the index once per dataset); a dataset that failed has its pages too."""
+    from great_expectations.render.renderer.site_builder import DefaultSiteIndexBuilder
+
+    from rlhf_pipeline.validators.suite import History
+
+    builds = []
+    build = DefaultSiteIndexBuilder.build
+    monkeypatch.setattr(
+        DefaultSiteIndexBuilder, "build", lambda self, *a, **k: builds.append(1) or build(self, *a, **k)
+    )
+    project = tmp_path / "state"
+    broken = [dict(PAIRS[0], rejected=PAIRS[0]["chosen"]), *PAIRS[1:]]
+    with History(project) as history:
+        reports = [
+            validate(rows, history, tmp_path / name, source=f"data/{name}.jsonl")
+            for name, rows in (("first", PAIRS), ("second", broken), ("third", PAIRS[:4]))
+        ]
+        assert builds == [] and not any(Path(report.data_docs).exists() for report in reports)
+    assert len(builds) == 1
+    assert [report.success for report in reports] == [True, False, True]
+    index = (project / "gx" / "uncommitted" / "data_docs" / "local_site" / "index.html").read_text()
+    for name, report in zip(("first", "second", "third"), reports):
+        assert Path(report.data_docs).is_relative_to(tmp_path / name / "data_docs") and Path(report.data_docs).is_file()
+        relative = site_page(report.history).relative_to(project / "gx" / "uncommitted" / "data_docs" / "local_site")
+        assert str(relative) in index
 
 
 def test_data_docs_show_the_datasets_own_columns(tmp_path):
@@ -140,7 +169,14 @@ def test_only_public_great_expectations_apis_are_used():
     private = [node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr.startswith("_")]
     assert private == []
     calls = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
-    assert not calls & {"remove_key", "set", "validation_results_store", "build_data_docs"}
+    assert not calls & {"remove_key", "set", "validation_results_store"}
+    # The one Data Docs build of a run (issue 45) names this run's pages: never a rebuild of the whole history.
+    builds = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "build_data_docs"
+    ]
+    assert len(builds) == 1 and {keyword.arg for keyword in builds[0].keywords} >= {"resource_identifiers"}
     modules = {
         node.module
         for node in ast.walk(tree)
