@@ -51,6 +51,15 @@ os.environ.update(
 os.environ.pop("PREFECT_API_URL", None)
 
 
+def _seed_prefect_home() -> None:
+    from tests.prefect_db import seeded
+
+    seeded(_STATE / "prefect")
+
+
+_seed_prefect_home()
+
+
 @pytest.fixture(scope="session")
 def prefect():
     """One Prefect test server for every test of the session that runs flows (starting one takes seconds). One, not
@@ -89,12 +98,22 @@ def screenshots() -> Path:
 
 def pytest_collection_modifyitems(config, items: list) -> None:
     """Each module's tests stay together and in their order (its module fixtures are built once). In one process the
-    modules without an end-to-end test come first, so a run that breaks something basic fails in minutes; split over
-    xdist workers (whole modules each, `--dist loadfile`) the long modules go first, so no worker starts one when the
-    other is nearly done."""
-    slow = {item.module for item in items if item.get_closest_marker("e2e")}
-    first_the_slow = bool(os.environ.get("PYTEST_XDIST_WORKER"))
-    items.sort(key=lambda item: (item.module in slow) != first_the_slow)
+    modules without a slow test come first, so a run that breaks something basic fails in minutes; split over xdist
+    workers (whole modules each, `--dist loadfile`, in this order: `--no-loadscope-reorder`) the longest modules go
+    first (tests/durations.json), so that no worker starts a long one when the other is nearly done."""
+    from tests import durations
+
+    slow = {item.module for item in items if item.get_closest_marker("slow")}
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: item.module in slow)
+        return
+    known = durations.read()
+
+    def seconds(item) -> float:
+        default = durations.DEFAULT_SLOW if item.module in slow else durations.DEFAULT
+        return known.get(item.nodeid.split("::", 1)[0], default)
+
+    items.sort(key=lambda item: -seconds(item))
 
 
 @pytest.fixture(scope="session")

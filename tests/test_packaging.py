@@ -17,6 +17,8 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
+from tests.prefect_db import seeded
+
 ROOT = Path(__file__).resolve().parents[1]
 LOCKS = ROOT / "requirements"
 
@@ -52,7 +54,7 @@ def test_the_wheel_claims_one_import_name_and_ships_presets_and_the_bundled_task
     assert not any(n.startswith(("tests/", "rlhf_pipeline/tests")) for n in names)
 
 
-@pytest.mark.e2e
+@pytest.mark.slow
 def test_the_installed_wheel_runs_the_pipeline_from_an_unrelated_folder(wheel, tmp_path):
     site = tmp_path / "site"
     subprocess.run(
@@ -65,7 +67,7 @@ def test_the_installed_wheel_runs_the_pipeline_from_an_unrelated_folder(wheel, t
     env = {k: v for k, v in os.environ.items() if k != "RLHF_STATE_DIR"}
     env |= {
         "PYTHONPATH": str(site),
-        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PREFECT_HOME": seeded(tmp_path / "prefect"),
         "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
     }
     where = subprocess.run(
@@ -161,6 +163,7 @@ def test_the_wheel_pins_every_dependency_and_torch_at_2_13_0(wheel):
     assert not loose, f"not pinned exactly in pyproject.toml: {loose}"
 
 
+@pytest.mark.slow  # pip resolves the wheel against each lock: ~12 s each
 @pytest.mark.parametrize(("lock", "extras"), [("runtime", ""), ("dev", "[dev]"), ("ray", "[ray]")])
 def test_pip_resolves_the_wheel_to_exactly_the_locked_versions_and_files(wheel, tmp_path, lock, extras):
     """`pip install` of the wheel with the lock's versions as constraints picks every locked version and a file whose

@@ -16,7 +16,7 @@ from rlhf_pipeline.tasks.store.resources import free_port
 from tests import ray_cluster
 from tests.app.test_check import check, memory, table
 
-pytestmark = pytest.mark.e2e  # a Ray cluster of two nodes and a check of the tiny preset per test: ~80 s in all
+pytestmark = pytest.mark.slow  # a Ray cluster of two nodes and a check of the tiny preset per test: ~80 s in all
 
 RAY = ("launch.launcher=ray",)
 

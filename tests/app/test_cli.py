@@ -123,7 +123,7 @@ def progress_in_the_prefect_ui(database: Path) -> dict[str, int]:
     return dict(Counter(message.split(":", 1)[0] for (message,) in rows if ": step " in message))
 
 
-@pytest.mark.e2e
+@pytest.mark.slow
 def test_rlhf_run_creates_prefect_home_state_and_tracking_folders_that_do_not_exist(tmp_path):
     fresh = tmp_path / "not" / "there" / "yet"
     env = {

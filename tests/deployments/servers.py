@@ -15,6 +15,7 @@ from pathlib import Path
 
 from rlhf_pipeline.deployments.local import stop, wait_until_up
 from rlhf_pipeline.tasks.store.resources import free_port
+from tests.prefect_db import seeded
 
 ROOT = Path(__file__).resolve().parents[2]
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
@@ -27,7 +28,7 @@ def running_service(tmp: Path, serve_args: list[str] = ()) -> Iterator[dict]:
     port, mlflow_ui = free_port(), "http://127.0.0.1:9"  # no MLflow UI runs: links are only written
     env = {
         **os.environ,
-        "PREFECT_HOME": str(tmp / "prefect"),
+        "PREFECT_HOME": seeded(tmp / "prefect"),
         "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
         "PREFECT_RUNNER_POLL_FREQUENCY": "1",
         "RLHF_STATE_DIR": str(tmp / "state"),

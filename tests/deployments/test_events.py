@@ -20,6 +20,8 @@ from rlhf_pipeline.deployments.serve import deployment_version
 from tests.deployments.servers import FINAL, ROOT, deployment, explain, running_service, wait_for
 from tests.helpers import CI_PRESET
 
+pytestmark = pytest.mark.slow  # a real Prefect server, `rlhf serve` and retrains from events: about a minute each
+
 SERVE = ["--config", CI_PRESET]  # every deployment carries the tests' preset: a retrain takes about a minute
 TRIGGER = "rlhf/retrain on rlhf.data.updated"
 
@@ -127,7 +129,6 @@ def hook_line(service, flow_run_id, state: str, timeout: float = 60) -> str:
         time.sleep(1)
 
 
-@pytest.mark.e2e
 def test_data_event_starts_a_retrain_a_second_one_waits_and_the_registry_announces_the_model(service):
     from prefect.events.filters import EventFilter, EventNameFilter
 

@@ -17,7 +17,7 @@ from rlhf_pipeline.tasks.store.resources import free_port
 from rlhf_pipeline.tasks.tracking import client as tracking
 from tests.browser import alive, chromium
 
-pytestmark = pytest.mark.e2e  # a server and a browser: tens of seconds
+pytestmark = pytest.mark.slow  # a server and a browser: tens of seconds
 STAGES = ("data", "sft", "rm", "dpo", "eval")
 
 

@@ -80,7 +80,7 @@ def label_in_the_browser(url: str, prompts: list[str], artifacts: Path) -> list[
     return browser.pids
 
 
-@pytest.mark.e2e
+@pytest.mark.slow
 def test_people_label_a_suspended_run_in_the_prefect_ui_and_dpo_trains_on_their_labels(tmp_path, screenshots):
     (tmp_path / "service").mkdir()
     preset = tmp_path / "people.yaml"

@@ -88,7 +88,7 @@ def open_artifact(page, run_page: str, key: str) -> None:
     card.click()
 
 
-@pytest.mark.e2e
+@pytest.mark.slow
 def test_while_sft_trains_its_progress_artifact_advances_and_after_the_run_the_eval_summary_shows_its_plots(
     tmp_path, screenshots
 ):

@@ -28,6 +28,9 @@ from tests.deployments.servers import (
     wait_for,
 )
 from tests.flows.helpers import task_runs
+from tests.prefect_db import seeded
+
+pytestmark = pytest.mark.slow  # real Prefect and MLflow servers, `rlhf serve` and `rlhf up`: minutes
 
 PASSWORD = "operator:Zq8-service-pass"  # PREFECT_SERVER_API_AUTH_STRING for `rlhf up`
 TINY_RUN = {  # a few steps of every stage; each block merges onto the preset, field by field
@@ -237,7 +240,7 @@ def test_rlhf_up_starts_prefect_mlflow_and_serve_and_stops_them_all(tmp_path):
     port, mlflow_port = free_port(), free_port()
     env = {
         **os.environ,
-        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PREFECT_HOME": seeded(tmp_path / "prefect"),
         "RLHF_STATE_DIR": str(tmp_path / "state"),
         "PREFECT_SERVER_API_AUTH_STRING": PASSWORD,
     }

@@ -150,7 +150,7 @@ def the_flow_run_graph(url: str, stages: int, artifacts: Path) -> tuple[dict, li
         return fetched.value.json(), boxes
 
 
-@pytest.mark.e2e
+@pytest.mark.slow
 def test_a_run_submitted_from_the_ui_form_has_the_typed_parameters_and_completes(tmp_path, screenshots):
     (tmp_path / "service").mkdir()
     preset = tmp_path / "ui.yaml"

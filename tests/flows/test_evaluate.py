@@ -13,7 +13,7 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRun
 from rlhf_pipeline.flows.evaluate import rlhf_eval
 from tests.flows.helpers import run, task_states
 
-pytestmark = pytest.mark.e2e  # a pipeline run end to end: the fast loop skips it (-m 'not e2e')
+pytestmark = pytest.mark.slow  # a pipeline run end to end: the fast loop skips it (-m 'not slow')
 
 
 def prefect_artifacts(flow_state) -> dict[str, object]:

@@ -18,7 +18,7 @@ from tests.flows.helpers import (
     task_states,
 )
 
-pytestmark = pytest.mark.e2e  # a pipeline run end to end: the fast loop skips it (-m 'not e2e')
+pytestmark = pytest.mark.slow  # a pipeline run end to end: the fast loop skips it (-m 'not slow')
 
 
 def run_without_registry(*overrides: str):

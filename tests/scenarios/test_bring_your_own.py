@@ -14,7 +14,7 @@ from rlhf_pipeline.trainers.evaluation.stage import planned_metrics
 from tests.flows.helpers import CI_PRESET, run, task_states
 from tests.foreign_models import chat_data, gpt2_folder, qwen2_folder
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.slow
 
 LENGTHS = [f"{stage}.max_length=128" for stage in ("sft", "rm", "dpo", "grpo")] + [
     "grpo.max_completion_length=12",

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.e2e  # a pipeline run end to end: the fast loop skips it (-m 'not e2e')
+from tests.prefect_db import seeded
+
+pytestmark = pytest.mark.slow  # a pipeline run end to end: the fast loop skips it (-m 'not slow')
 
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = [
@@ -35,12 +37,11 @@ SETTINGS = [
 
 
 def start(state: Path, log: Path, *extra: str) -> subprocess.Popen:
-    (state / "prefect").mkdir(parents=True, exist_ok=True)
     env = {
         **os.environ,
         "RLHF_STATE_DIR": str(state),
         "MLFLOW_TRACKING_URI": f"sqlite:///{state / 'mlflow.db'}",
-        "PREFECT_HOME": str(state / "prefect"),
+        "PREFECT_HOME": seeded(state / "prefect"),
     }
     args = [sys.executable, "-m", "rlhf_pipeline", "run", *(f"--set={item}" for item in (*SETTINGS, *extra))]
     with open(log, "a") as out:

@@ -12,7 +12,7 @@ from rlhf_pipeline.tasks.store.artifacts import RunContext
 from rlhf_pipeline.tasks.tracking import client as tracking
 from tests.helpers import recorded_stage
 
-pytestmark = pytest.mark.e2e  # a pipeline run end to end: the fast loop skips it (-m 'not e2e')
+pytestmark = pytest.mark.slow  # a pipeline run end to end: the fast loop skips it (-m 'not slow')
 
 
 def overlaps(spans: list[tuple[float, float]]) -> bool:

@@ -13,7 +13,7 @@ from rlhf_pipeline.tasks.stages import reads
 from tests.flows.helpers import run
 from tests.helpers import CI_PRESET
 
-pytestmark = pytest.mark.e2e  # two pipeline runs end to end (the second trains grpo alone)
+pytestmark = pytest.mark.slow  # two pipeline runs end to end (the second trains grpo alone)
 
 MODEL_NAME = "cards-policy"
 

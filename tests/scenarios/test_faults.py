@@ -43,7 +43,7 @@ def run_counts(flow_state) -> dict[str, tuple[str, int]]:
     return {r.name: (r.state.type.value, r.run_count) for r in task_runs(flow_state.state_details.flow_run_id)}
 
 
-@pytest.mark.e2e
+@pytest.mark.slow
 def test_every_stage_survives_a_transient_failure_with_one_retry(prefect, state, monkeypatch):
     attempts = inject(monkeypatch, ConnectionError("injected: the tracking server dropped the connection"))
     dpo = run(*NO_WAIT)
@@ -58,7 +58,7 @@ def test_every_stage_survives_a_transient_failure_with_one_retry(prefect, state,
     assert run_counts(ppo)["ppo"] == ("COMPLETED", 2) and attempts["ppo"] == 2
 
 
-@pytest.mark.e2e
+@pytest.mark.slow
 def test_a_permanent_failure_is_not_retried(prefect, state, monkeypatch):
     attempts = inject(monkeypatch, ValueError("injected: rm.max_length does not fit the data"), only="rm")
     failed = run(*NO_WAIT)

@@ -15,7 +15,7 @@ from rlhf_pipeline.tasks.tracking import gc
 from tests import user_code
 from tests.flows.helpers import run, task_states
 
-pytestmark = pytest.mark.e2e  # three pipeline runs
+pytestmark = pytest.mark.slow  # three pipeline runs
 
 
 def listed(output: str) -> set[Path]:

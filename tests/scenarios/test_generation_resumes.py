@@ -16,7 +16,7 @@ import pytest
 
 from tests.helpers import write_data_dir
 
-pytestmark = pytest.mark.e2e  # three driver processes per generator, each loading torch
+pytestmark = pytest.mark.slow  # three driver processes per generator, each loading torch
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = """

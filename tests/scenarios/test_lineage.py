@@ -14,7 +14,7 @@ from rlhf_pipeline.tasks.tracking import client as tracking
 from tests import mlflow_server
 from tests.flows.helpers import run
 
-pytestmark = pytest.mark.e2e  # a pipeline run against a real tracking server
+pytestmark = pytest.mark.slow  # a pipeline run against a real tracking server
 
 
 @pytest.fixture

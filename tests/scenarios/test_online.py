@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from rlhf_pipeline.flows.params import load_params
 from tests.flows.helpers import CI_PRESET, run, task_states
 
-pytestmark = pytest.mark.e2e  # a pipeline run end to end: the fast loop skips it (-m 'not e2e')
+pytestmark = pytest.mark.slow  # a pipeline run end to end: the fast loop skips it (-m 'not slow')
 
 ONLINE_FAST = [  # a reward that varies on an untrained model's samples, mixed with the reward model
     "rewards.functions=[{path: 'tests.helpers:length_reward', weight: 1.0}]",

@@ -13,7 +13,7 @@ import pytest
 from rlhf_pipeline.flows.params import load_params
 from tests.flows.helpers import run, task_runs, task_states
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.slow
 
 MADE = [
     "data.preference=null",  # the preference file left out: every pair is made

@@ -16,7 +16,7 @@ from tests.flows.helpers import task_states
 from tests.foreign_models import chat_data
 from tests.helpers import unchanged
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.slow
 
 PRESET = str(Path(__file__).resolve().parents[1] / "smollm2-ci.yaml")
 SHORT = [

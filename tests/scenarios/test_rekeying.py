@@ -9,7 +9,7 @@ import pytest
 
 from tests.flows.helpers import run, task_states
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.slow
 NO_REGISTRY = "registry.enabled=false"  # the champion is an input of eval: keep it out (see test_registry)
 
 

@@ -12,8 +12,9 @@ import pytest
 from rlhf_pipeline.tasks.store.secrets import redact
 from rlhf_pipeline.tasks.tracking import client as tracking
 from tests.flows.helpers import run
+from tests.prefect_db import seeded
 
-pytestmark = pytest.mark.e2e  # a pipeline run end to end: the fast loop skips it (-m 'not e2e')
+pytestmark = pytest.mark.slow  # a pipeline run end to end: the fast loop skips it (-m 'not slow')
 
 ENV_SECRET = "hf_env_7Hq2LmZp9RwX4vKd"
 CONFIG_SECRET = "hf_cfg_3Jt8NcYb5SuE1gFa"
@@ -238,7 +239,7 @@ def test_a_run_against_a_tracking_server_with_a_password_prints_logs_and_keeps_i
     env = {
         **os.environ,
         "MLFLOW_TRACKING_URI": f"http://rlhf:{password}@127.0.0.1:{port}",
-        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PREFECT_HOME": seeded(tmp_path / "prefect"),
         "RLHF_STATE_DIR": str(tmp_path / "state"),
     }
     env.pop("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", None)  # the pipeline's to set, not the test's

@@ -20,7 +20,7 @@ from tests import user_code
 from tests.flows.helpers import run, task_runs
 from tests.helpers import FAST, SMALL_MODEL, data_artifact, stage_context
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.slow
 
 
 def test_a_reward_function_that_hangs_fails_its_attempt_as_stalled_and_the_retry_completes_the_run(

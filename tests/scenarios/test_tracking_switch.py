@@ -7,7 +7,7 @@ from mlflow.tracking import MlflowClient
 
 from tests.flows.helpers import DPO_RUN_STAGES, run, task_states
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.slow
 
 
 def test_a_new_empty_tracking_store_gets_every_run_from_the_artifacts(prefect, state, tmp_path, monkeypatch):

@@ -226,7 +226,7 @@ def test_two_registrations_at_once_move_champion_once_and_the_other_stays_candid
     )
 
 
-@pytest.mark.e2e  # trains the full tiny model for 60 steps and runs 4 evaluations: minutes on a CPU
+@pytest.mark.slow  # trains the full tiny model for 60 steps and runs 4 evaluations: minutes on a CPU
 def test_gate_on_measured_exact_match_refuses_the_untrained_base_and_promotes_a_trained_model(ctx, tmp_path):
     """Every number the gate sees here is measured by the eval stage's code, on purpose-built models."""
     from rlhf_pipeline.trainers.algorithms import sft
@@ -299,7 +299,7 @@ def test_gate_on_measured_exact_match_refuses_the_untrained_base_and_promotes_a_
     assert str(client.get_model_version_by_alias("gate-test-promote", CHAMPION).version) == promoted["version"]
 
 
-@pytest.mark.e2e  # a tracking server of its own
+@pytest.mark.slow  # a tracking server of its own
 def test_runs_with_their_own_state_folders_and_one_tracking_server_make_exactly_one_champion(
     ctx, tmp_path, monkeypatch
 ):

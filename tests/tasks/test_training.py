@@ -58,6 +58,7 @@ def test_editing_a_callback_re_runs_the_stage_that_uses_it_and_nothing_else(ctx,
     assert build() == (False, True)  # sft re-trains; dpo, which runs no user code, is reused
 
 
+@pytest.mark.slow  # three sft builds: ~15 s
 def test_sft_evaluates_on_the_data_stages_sft_eval_and_keys_on_it_only_then(ctx, tmp_path):
     from rlhf_pipeline.tasks.data import validate_data
     from rlhf_pipeline.tasks.store.artifacts import read_history

@@ -16,7 +16,7 @@ from rlhf_pipeline.trainers.algorithms.sft import SftConfig
 from rlhf_pipeline.trainers.config import CallbackSpec
 from tests.helpers import FAST, SMALL_MODEL, data_artifact, stage_context, write_data_dir
 
-pytestmark = pytest.mark.e2e  # each launch starts two Python processes with torch (~10 s)
+pytestmark = pytest.mark.slow  # each launch starts two Python processes with torch (~10 s)
 
 TWO_RANKS = LaunchConfig(launcher="accelerate", num_processes=2, kill_grace_seconds=5)
 

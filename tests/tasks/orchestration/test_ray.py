@@ -21,7 +21,7 @@ from rlhf_pipeline.trainers.config import CallbackSpec
 from tests import ray_cluster
 from tests.helpers import FAST, SMALL_MODEL, data_artifact, stage_context
 
-pytestmark = pytest.mark.e2e  # a Ray cluster of two nodes, and each stage starts two Ray workers with torch
+pytestmark = pytest.mark.slow  # a Ray cluster of two nodes, and each stage starts two Ray workers with torch
 
 SPREAD = LaunchConfig(launcher="ray", num_workers=2, placement_strategy="STRICT_SPREAD", kill_grace_seconds=5)
 """Two workers, one on each node."""

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.deployments.servers import ROOT
 
 OPEN_AT_ONCE = """
@@ -24,6 +26,7 @@ tracking.experiment_id(f"opened-by-{os.getpid()}")
 """
 
 
+@pytest.mark.slow  # processes that each import MLflow: ~17 s
 def test_processes_that_open_a_new_sqlite_store_at_once_all_get_its_tables(tmp_path):
     """A served deployment's runs, their hooks and `rlhf eval` may open a new store together: without one process at
     a time creating the tables, MLflow's migrations run twice and one process fails ('duplicate column name')."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import re
 
+import pytest
+
 from rlhf_pipeline.tasks.store.artifacts import ArtifactRef, RunContext
 from rlhf_pipeline.tasks.store.resources import free_port
 from rlhf_pipeline.tasks.tracking import client as tracking
@@ -13,6 +15,8 @@ from rlhf_pipeline.trainers.algorithms.sft import SftConfig
 from rlhf_pipeline.trainers.config import CallbackSpec
 from tests import mlflow_server
 from tests.helpers import FAST, SMALL_MODEL, write_data_dir
+
+pytestmark = pytest.mark.slow  # an MLflow server stopped and started again mid-sft: ~35 s
 
 
 def test_an_mlflow_server_stopped_mid_sft_and_started_again_loses_no_step_of_the_curve(tmp_path, monkeypatch, caplog):
