@@ -28,6 +28,11 @@ import tempfile
 import time
 from pathlib import Path
 
+SECONDS_1M = 20
+"""The 1M-row clean file's median seconds must stay under this (issue 14)."""
+PEAK_MB = 1_500
+"""Every run's peak RSS must stay under this, flat in the rows (issue 14: < 1.5 GB at 5M rows). Exit 1 past either."""
+
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = {"10k": 10_000, "100k": 100_000, "1M": 1_000_000, "5M": 5_000_000}
 TOPICS = ("billing", "login", "shipping", "refunds", "the mobile app", "invoices", "passwords", "delivery times")
@@ -194,7 +199,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     for line in table:
         print(_format(line))
-    return 0 if all(line["named"] in ("-", "ok") for line in table) else 1
+    missed = []
+    for line in table:
+        if line["rows"] == 1_000_000 and line["variant"] == "clean" and line["median_s"] >= SECONDS_1M:
+            missed.append(f"1M rows took {line['median_s']:.1f} s (target < {SECONDS_1M} s)")
+        if line["peak_rss_mb"] >= PEAK_MB:
+            missed.append(f"{line['rows']:,} rows ({line['variant']}) peaked at {line['peak_rss_mb']:,.0f} MB")
+    print("\n".join(missed) if missed else f"targets met: 1M rows < {SECONDS_1M} s, every peak RSS < {PEAK_MB:,} MB")
+    return 0 if all(line["named"] in ("-", "ok") for line in table) and not missed else 1
 
 
 def _format(line: dict) -> str:

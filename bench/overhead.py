@@ -34,6 +34,9 @@ from bench.runs import ROOT, clean_env, printed_artifacts, timed
 
 HALF = ["sft.max_steps=150", "rm.max_steps=75", "dpo.max_steps=100", "ppo.total_episodes=2560"]
 STAGES = ("data", "sft", "rm", "dpo", "ppo", "eval")
+TARGET = 1.25
+"""Pipeline over plain scripts on the toy, by medians (issue 45: its short stages carry a fixed cost; the real model's
+target, 1.05, is bench.real_overhead's). Exit 1 above it."""
 
 
 def plain(out: Path, overrides: list[str]) -> None:
@@ -235,10 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     ratio = median(walls["pipeline"]) / median(walls["plain"])
     print(
         f"ratio pipeline / plain: {ratio:.3f} by medians (per round {', '.join(f'{r:.3f}' for r in ratios)}); target "
-        f"<= 1.05: {'met' if ratio <= 1.05 else 'NOT met'}"
+        f"<= {TARGET}: {'met' if ratio <= TARGET else 'NOT met'}"
     )
     shutil.rmtree(root, ignore_errors=True)
-    return 0
+    return 0 if ratio <= TARGET else 1
 
 
 if __name__ == "__main__":
