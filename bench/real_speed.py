@@ -146,10 +146,9 @@ with torch.no_grad():  # the process's first forward passes (allocator growth, k
 count = lambda texts: sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts)
 started = time.perf_counter()
 if side == "ours" and sampling:
-    from datasets import Dataset as D
     from rlhf_pipeline.trainers.pairs.stage import read_samples, sample
     (out / "data" / "datasets").mkdir(parents=True)
-    D.from_dict({"prompt": prompts}).to_parquet(str(out / "data" / "datasets" / "prompts.parquet"))
+    Dataset.from_dict({"prompt": prompts}).to_parquet(str(out / "data" / "datasets" / "prompts.parquet"))
     started = time.perf_counter()  # from here: the prompts file is the bench's, not the stage's
     sample(cfg.model_copy(update={"max_prompts": None}), model_dir, out / "data", out / "out", work_dir=out / "work")
     texts = [text for row in read_samples(out / "out") for text in row["completions"]]

@@ -202,7 +202,7 @@ def run_suite(
     if history is None:
         _prune_unused_images(docs_dir)
         return SuiteRun(outcomes, docs_dir / "index.html")
-    return SuiteRun(outcomes, *history.docs_later(key, asset_name, docs_dir))
+    return SuiteRun(outcomes, *history.docs_later(key, docs_dir))
 
 
 class History:
@@ -214,8 +214,8 @@ class History:
         self.project = pathlib.Path(project)
         self.context: Any = None
         self.lock: Any = None
-        self.pending: list[tuple[Any, str, str, pathlib.Path]] = []
-        """(validation result id, suite name, page URL, docs_dir) of each validation whose pages are not built yet."""
+        self.pending: list[tuple[Any, str, pathlib.Path]] = []
+        """(validation result id, page URL, docs_dir) of each validation whose pages are not built yet."""
 
     def __enter__(self) -> History:
         from filelock import FileLock
@@ -242,7 +242,7 @@ class History:
             self.context = None
             self.lock.release()
 
-    def docs_later(self, key, suite: str, docs_dir: pathlib.Path) -> tuple[pathlib.Path, str]:
+    def docs_later(self, key, docs_dir: pathlib.Path) -> tuple[pathlib.Path, str]:
         """Note a validation whose pages `build_docs` renders; returns where its page will be copied in docs_dir and
         its page's file:// URL in the history site."""
         [url] = [
@@ -251,8 +251,9 @@ class History:
                 resource_identifier=key, site_name=HISTORY_SITE, only_if_exists=False
             )
         ]
-        self.pending.append((key, suite, url, docs_dir))
-        return docs_dir / _site_page(url).relative_to(_site_of(_site_page(url))), url
+        self.pending.append((key, url, docs_dir))
+        page = _site_page(url)
+        return docs_dir / page.relative_to(_site_of(page)), url
 
     def build_docs(self) -> None:
         """The history site's pages of every validation since the last build (each with its suite's page) and its index,
@@ -262,8 +263,8 @@ class History:
             return
         identifiers = [identifier for key, *_ in self.pending for identifier in (key, key.expectation_suite_identifier)]
         self.context.build_data_docs(site_names=[HISTORY_SITE], resource_identifiers=identifiers)
-        for _, suite, url, docs_dir in self.pending:
-            _copy_pages(url, suite, docs_dir)
+        for key, url, docs_dir in self.pending:
+            _copy_pages(url, key.expectation_suite_identifier.name, docs_dir)
         self.pending.clear()
 
 
