@@ -61,6 +61,21 @@ def chromium(failed: Path, width: int = 1400, height: int = 1000, timeout_s: flo
             launched.close()
 
 
+def submit(browser: Browser, button, endpoint: str, tries: int = 3) -> Any:
+    """Click `button` and wait for the page's POST to `endpoint`; on a 503 click it again, as a person would after the
+    UI's "Something went wrong": Prefect's SQLite store answers a write that races its own services with "database is
+    locked", sent as 503 (retryable for its Python client, which retries; a 503 changes nothing). Returns the answer."""
+    for attempt in range(1, tries + 1):
+        with browser.page.expect_response(
+            lambda r: r.request.method == "POST" and r.url.rstrip("/").endswith(endpoint)
+        ) as answered:
+            button.click()
+        if answered.value.status != 503 or attempt == tries:
+            return answered.value
+        browser.refused.remove(answered.value)
+        time.sleep(2)
+
+
 def body(response) -> str:
     try:
         return response.text()[:2000]

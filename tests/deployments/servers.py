@@ -34,6 +34,7 @@ def running_service(tmp: Path, serve_args: list[str] = ()) -> Iterator[dict]:
         "RLHF_STATE_DIR": str(tmp / "state"),
         "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}",
         "RLHF_MLFLOW_UI": mlflow_ui,
+        "PREFECT_SERVER_LOG_RETRYABLE_ERRORS": "true",  # a 503's cause (SQLite busy) goes to server.log
     }
     env.pop("PREFECT_LOGGING_EXTRA_LOGGERS", None)  # `rlhf serve` sets it, as for a user
     logs = {name: open(tmp / f"{name}.log", "w") for name in ("server", "serve")}

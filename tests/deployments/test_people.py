@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.browser import chromium, still_alive
+from tests.browser import chromium, still_alive, submit
 from tests.deployments.servers import deployment, explain, running_service, wait_for
 from tests.deployments.test_ui_form import field
 from tests.flows.helpers import CI_PRESET, task_runs
@@ -75,7 +75,8 @@ def label_in_the_browser(url: str, prompts: list[str], artifacts: Path) -> list[
             page.get_by_role("listbox").get_by_role("option", name=choice, exact=True).click()
             expect(select).to_have_text(choice)
         page.screenshot(path=artifacts / "labels_form.png")
-        dialog.get_by_role("button", name="Submit", exact=True).click()
+        resumed = submit(browser, dialog.get_by_role("button", name="Submit", exact=True), "/resume")
+        assert resumed.ok, f"resume answered {resumed.status}: {resumed.text()}"
         expect(dialog).to_be_hidden()
     return browser.pids
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.browser import chromium, still_alive
+from tests.browser import chromium, still_alive, submit
 from tests.deployments.servers import deployment, explain, running_service, wait_for
 from tests.flows.helpers import CI_PRESET, assert_a_flat_graph, task_runs
 
@@ -93,15 +93,7 @@ def submit_from_the_form(url: str, deployed: dict, artifacts: Path) -> tuple[lis
         toasts = page.locator("#prefect-design-toast-app button")
         while toasts.count():
             toasts.first.click()
-        for attempt in range(3):
-            # Prefect's SQLite store can answer a write that races its own services with "database is locked",
-            # sent as 503 (retryable for its Python client); the UI shows "Something went wrong" and a person
-            # submits again. A 503 creates no run.
-            with page.expect_response(lambda response: response.url.endswith("/create_flow_run")) as created:
-                page.get_by_role("button", name="Submit", exact=True).click()
-            if created.value.status != 503 or attempt == 2:
-                break
-            browser.refused.clear()
+        submit(browser, page.get_by_role("button", name="Submit", exact=True), "/create_flow_run")
         # Submit leads to the deployment's page
         page.wait_for_url(lambda address: not address.rstrip("/").endswith("/run"))
     return browser.pids, measured
