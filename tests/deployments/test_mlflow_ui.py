@@ -21,12 +21,22 @@ pytestmark = pytest.mark.slow  # a server and a browser: tens of seconds
 STAGES = ("data", "sft", "rm", "dpo", "eval")
 
 
-def test_our_experiment_opens_on_the_runs_table_with_the_stage_runs_nested_under_the_parent(
-    tmp_path, monkeypatch, screenshots
-):
+@pytest.fixture(scope="module")
+def ui(tmp_path_factory):
+    """One `rlhf up` MLflow server for the module, on the module's state folder and store (each test its own
+    experiment): its URL, the folder and the server's log."""
+    home = tmp_path_factory.mktemp("mlflow-ui")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(tracking.STATE_ENV, str(home / "state"))
+        patch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{home / 'state' / 'mlflow.db'}")
+        port = free_port()
+        with served(port, home / "mlflow.log") as url:
+            yield {"url": url, "port": port, "home": home, "log": home / "mlflow.log"}
+
+
+def test_our_experiment_opens_on_the_runs_table_with_the_stage_runs_nested_under_the_parent(ui, screenshots):
     from playwright.sync_api import expect
 
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     experiment = tracking.experiment_id("rlhf-ui")  # as a flow run makes it: a parent run, one child per stage
     parent = tracking.start_run(experiment, "rlhf-flow-run", {"rlhf.algorithm": "dpo"})
     for stage in STAGES:
@@ -35,20 +45,19 @@ def test_our_experiment_opens_on_the_runs_table_with_the_stage_runs_nested_under
         tracking.end_run(child)
     tracking.end_run(parent)
 
-    with served(free_port(), tmp_path / "mlflow.log") as ui:
-        with chromium(screenshots / "mlflow_runs_failed.png", height=900) as browser:
-            page = browser.page
-            page.goto(tracking.experiment_url(experiment, ui))
-            # The training view's runs table, not GenAI's overview of traces.
-            expect(page.get_by_role("columnheader", name="Run Name", exact=True).first).to_be_visible()
-            expect(page.get_by_role("link", name="rlhf-flow-run", exact=True)).to_be_visible()
-            expect(page.get_by_text("matching runs")).to_contain_text("6")
-            for stage in STAGES:  # nested: hidden until the parent row is expanded
-                expect(page.get_by_role("link", name=stage, exact=True)).to_have_count(0)
-            page.get_by_role("gridcell").filter(has_text="rlhf-flow-run").get_by_role("button").click()  # its expander
-            for stage in STAGES:
-                expect(page.get_by_role("link", name=stage, exact=True)).to_be_visible()
-            page.screenshot(path=screenshots / "mlflow_runs.png", full_page=True)
+    with chromium(screenshots / "mlflow_runs_failed.png", height=900) as browser:
+        page = browser.page
+        page.goto(tracking.experiment_url(experiment, ui["url"]))
+        # The training view's runs table, not GenAI's overview of traces.
+        expect(page.get_by_role("columnheader", name="Run Name", exact=True).first).to_be_visible()
+        expect(page.get_by_role("link", name="rlhf-flow-run", exact=True)).to_be_visible()
+        expect(page.get_by_text("matching runs")).to_contain_text("6")
+        for stage in STAGES:  # nested: hidden until the parent row is expanded
+            expect(page.get_by_role("link", name=stage, exact=True)).to_have_count(0)
+        page.get_by_role("gridcell").filter(has_text="rlhf-flow-run").get_by_role("button").click()  # its expander
+        for stage in STAGES:
+            expect(page.get_by_role("link", name=stage, exact=True)).to_be_visible()
+        page.screenshot(path=screenshots / "mlflow_runs.png", full_page=True)
 
 
 @contextlib.contextmanager
@@ -69,7 +78,7 @@ def served(port: int, log: Path):
 
 
 def test_a_registered_policy_page_says_registered_and_its_version_shows_the_card_with_few_tags(
-    tmp_path, monkeypatch, screenshots
+    ui, tmp_path, screenshots
 ):
     from mlflow.tracking import MlflowClient
     from playwright.sync_api import expect
@@ -80,8 +89,6 @@ def test_a_registered_policy_page_says_registered_and_its_version_shows_the_card
     from rlhf_pipeline.tasks.tracking.lineage import card_text
     from tests.tasks.test_registry import publish
 
-    monkeypatch.setenv(tracking.STATE_ENV, str(tmp_path / "state"))
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'state' / 'mlflow.db'}")
     experiment = tracking.experiment_id("rlhf-registry")
     ctx = RunContext(artifact_root=str(tmp_path / "artifacts"), experiment_id=experiment, parent_run_id="")
     cfg = RegistryConfig(model_name="ui-policy")
@@ -97,21 +104,21 @@ def test_a_registered_policy_page_says_registered_and_its_version_shows_the_card
     heading = next(line.lstrip("# ") for line in card.splitlines() if line.startswith("#"))
 
     failed = screenshots / "mlflow_registered_failed.png"
-    with served(free_port(), tmp_path / "mlflow.log") as ui, chromium(failed) as browser:
+    with chromium(failed) as browser:
         page = browser.page
-        page.goto(f"{ui}/#/experiments/{experiment}/models/{model_id}")
+        page.goto(f"{ui['url']}/#/experiments/{experiment}/models/{model_id}")
         expect(page.get_by_text("Not registered")).to_have_count(0)
         versions = page.get_by_text("Model versions").locator("xpath=..")  # its section lists the version
         expect(versions.get_by_role("link", name="ui-policy")).to_be_visible()
         expect(versions.get_by_text(f"v{version}", exact=True)).to_be_visible()
         expect(page.get_by_text(heading).first).to_be_visible()  # the card as the logged model's description
         page.screenshot(path=screenshots / "mlflow_logged_model.png", full_page=True)
-        page.goto(f"{ui}/#/models/ui-policy/versions/{version}")
+        page.goto(f"{ui['url']}/#/models/ui-policy/versions/{version}")
         expect(page.get_by_text(heading).first).to_be_visible()  # the card as the version's description
         page.screenshot(path=screenshots / "mlflow_version.png", full_page=True)
 
 
-def test_data_docs_link_is_http_on_rlhf_ups_mlflow_server_and_serves_the_page(tmp_path, monkeypatch):
+def test_data_docs_link_is_http_on_rlhf_ups_mlflow_server_and_serves_the_page(ui, tmp_path, monkeypatch):
     """The page's URL on the server `rlhf up` starts, for the report's copy among the data stage run's artifacts; the
     server writes no access-log line per request; without a server the link stays the file:// one."""
     import urllib.request
@@ -122,8 +129,6 @@ def test_data_docs_link_is_http_on_rlhf_ups_mlflow_server_and_serves_the_page(tm
     from rlhf_pipeline.tasks.data import docs_artifact
     from rlhf_pipeline.tasks.store.artifacts import ArtifactRef, StageOutcome
 
-    monkeypatch.setenv(tracking.STATE_ENV, str(tmp_path / "state"))
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'state' / 'mlflow.db'}")
     run_id = tracking.start_run(tracking.experiment_id("rlhf-docs"), "data", {"rlhf.stage": "data"})
     docs = tmp_path / "data" / "report" / "sft" / "data_docs"
     (docs / "validations" / "sft").mkdir(parents=True)
@@ -139,23 +144,22 @@ def test_data_docs_link_is_http_on_rlhf_ups_mlflow_server_and_serves_the_page(tm
     # no server: the file:// link
     assert tracking.artifact_page(*found) is None and tracking.artifact_url(*found) is None
 
-    port = free_port()
-    monkeypatch.setenv(tracking.UI_ENV, f"http://127.0.0.1:{port}")
-    with served(port, tmp_path / "mlflow.log"):
-        page, url = tracking.artifact_page(*found) or "", tracking.artifact_url(*found) or ""
-        assert url.startswith(f"http://127.0.0.1:{port}/"), url
-        # The link a person follows from the Prefect UI shows the page in MLflow's UI (its own URL makes a browser
-        # save the file: MLflow serves every artifact as an attachment).
-        assert page.startswith(f"http://127.0.0.1:{port}/#/experiments/") and page.endswith("run.html"), page
-        with chromium(tmp_path / "data_docs_failed.png") as browser:
-            browser.page.goto(page)
-            shown = browser.page.frame_locator("iframe").first.get_by_text("checked")
-            expect(shown).to_be_visible()
-            browser.page.screenshot(path=tmp_path / "data_docs.png")
-        with urllib.request.urlopen(url, timeout=30) as response:
-            assert (response.status, response.headers.get_content_type()) == (200, "text/html")
-            assert b"checked" in response.read()
-        with urllib.request.urlopen(urljoin(url, "../../static/s.css"), timeout=30) as response:
-            assert response.status == 200  # the page's relative links resolve on the same server
-    log = (tmp_path / "mlflow.log").read_text()
+    port = ui["port"]
+    monkeypatch.setenv(tracking.UI_ENV, ui["url"])
+    page, url = tracking.artifact_page(*found) or "", tracking.artifact_url(*found) or ""
+    assert url.startswith(f"http://127.0.0.1:{port}/"), url
+    # The link a person follows from the Prefect UI shows the page in MLflow's UI (its own URL makes a browser
+    # save the file: MLflow serves every artifact as an attachment).
+    assert page.startswith(f"http://127.0.0.1:{port}/#/experiments/") and page.endswith("run.html"), page
+    with chromium(tmp_path / "data_docs_failed.png") as browser:
+        browser.page.goto(page)
+        shown = browser.page.frame_locator("iframe").first.get_by_text("checked")
+        expect(shown).to_be_visible()
+        browser.page.screenshot(path=tmp_path / "data_docs.png")
+    with urllib.request.urlopen(url, timeout=30) as response:
+        assert (response.status, response.headers.get_content_type()) == (200, "text/html")
+        assert b"checked" in response.read()
+    with urllib.request.urlopen(urljoin(url, "../../static/s.css"), timeout=30) as response:
+        assert response.status == 200  # the page's relative links resolve on the same server
+    log = ui["log"].read_text()
     assert "GET /health" not in log and "GET /api/" not in log, log[-2000:]

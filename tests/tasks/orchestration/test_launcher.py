@@ -43,43 +43,6 @@ def launched_processes(spec_dir) -> list[psutil.Process]:
     return found
 
 
-def test_sft_and_dpo_train_on_two_ranks_and_publish_as_in_process(ctx, data, caplog):
-    caplog.set_level(logging.INFO, logger="rlhf")
-    config = SftConfig(max_steps=4, **{**FAST, "per_device_train_batch_size": 8})
-    outcome = train_stage("sft", config, {"model": SMALL_MODEL}, {"data": data}, ctx)
-    assert "sft: world size 2 (distributed, gloo)" in caplog.messages
-    # Rank 0's, once
-    assert [step for step, values in read_history(outcome.ref.path) if "sft/train/loss" in values] == [
-        1,
-        2,
-        3,
-        4,
-    ]
-    manifest = outcome.ref.manifest()
-    assert manifest["training"] == {"global_step": 4, "max_steps": 4, "stopped_early": False} and manifest["tokenizer"]
-    assert (outcome.ref.path / "model" / "model.safetensors").is_file()
-    metrics = MlflowClient().get_run(outcome.mlflow_run_id).data.metrics
-    assert metrics["sft/train/loss"] == manifest["metrics"]["sft/train/loss"]
-    assert train_stage(
-        "sft", config, {"model": SMALL_MODEL}, {"data": data}, ctx
-    ).cached  # the launcher is not part of the key
-    # dpo from that sft artifact, on two ranks as well.
-    from rlhf_pipeline.trainers.algorithms.dpo import DpoConfig
-
-    caplog.clear()
-    dpo = train_stage(
-        "dpo",
-        DpoConfig(max_steps=2, **{**FAST, "per_device_train_batch_size": 8}),
-        {},
-        {"data": data, "sft": outcome.ref},
-        ctx,
-    )
-    assert "dpo: world size 2 (distributed, gloo)" in caplog.messages
-    assert (
-        dpo.ref.manifest()["training"]["global_step"] == 2 and (dpo.ref.path / "model" / "model.safetensors").is_file()
-    )
-
-
 def test_a_rank_killed_mid_stage_fails_the_stage_leaves_no_process_and_the_retry_resumes(ctx, data, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="rlhf")
     kill = CallbackSpec(
@@ -216,7 +179,9 @@ def test_sft_dpo_and_ppo_on_two_ranks_and_two_ray_workers_reach_the_held_out_exa
     """The embedded default's sft (300 steps of 64), once in this process, once on 2 accelerate ranks of 32 and once on
     2 Ray Train workers of 32 (a local Ray cluster on 127.0.0.1, started for each stage): the same held-out figure. Then
     dpo and ppo from the in-process sft, on shorter budgets than the preset's (so each is still moving), in the three
-    ways. (The preset's full budgets side by side: `python -m bench.launch_parity`.)"""
+    ways. (The preset's full budgets side by side: `python -m bench.launch_parity`.) Each launched way publishes as the
+    in-process one does: rank 0's history once, the manifest's outcome and tokenizer, the metrics in MLflow; and the
+    launcher is not part of a stage's key."""
     from rlhf_pipeline.flows.params import load_params
     from rlhf_pipeline.trainers.data import load_split
     from rlhf_pipeline.trainers.models.load import load_causal_lm
@@ -253,8 +218,8 @@ def test_sft_dpo_and_ppo_on_two_ranks_and_two_ray_workers_reach_the_held_out_exa
         for way, run in runs.items():
             caplog.clear()
             launched = halved(config) if halve and way != "inprocess" else config
-            ref = train_stage(stage, launched, settings, upstream, run).ref
-            found[way] = score(ref)
+            outcome = train_stage(stage, launched, settings, upstream, run)
+            outcomes[stage, way], found[way] = outcome, score(outcome.ref)
             if way != "inprocess":
                 assert any(m.startswith(f"{stage}: world size 2 ") for m in caplog.messages), (way, caplog.messages)
             if way == "ray":
@@ -263,11 +228,27 @@ def test_sft_dpo_and_ppo_on_two_ranks_and_two_ray_workers_reach_the_held_out_exa
                 )
         return found
 
+    outcomes = {}
     sft = train_stage("sft", params.sft, {"model": params.model}, {"data": data}, runs["inprocess"])
     scores = {"sft": trained("sft", params.sft, {"model": params.model}, {"data": data})}
     assert scores["sft"]["inprocess"] == score(sft.ref)  # cached: the in-process sft is the one dpo and ppo start from
+    logged = [step for step, values in read_history(sft.ref.path) if "sft/train/loss" in values]
+    for way in ("accelerate", "ray"):
+        published = outcomes["sft", way]
+        assert [step for step, values in read_history(published.ref.path) if "sft/train/loss" in values] == logged
+        manifest = published.ref.manifest()  # rank 0's history, once; the outcome and tokenizer as in-process
+        assert manifest["training"] == {"global_step": 300, "max_steps": 300, "stopped_early": False}
+        assert manifest["tokenizer"] and (published.ref.path / "model" / "model.safetensors").is_file()
+        metrics = MlflowClient().get_run(published.mlflow_run_id).data.metrics
+        assert metrics["sft/train/loss"] == manifest["metrics"]["sft/train/loss"]
+    # The launcher is not part of the key: the launched sft, asked for in this process, is reused.
+    inprocess = runs["accelerate"].model_copy(update={"launch": LaunchConfig(launcher="inprocess")})
+    assert train_stage("sft", halved(params.sft), {"model": params.model}, {"data": data}, inprocess).cached
     upstream = {"data": data, "sft": sft.ref}
     scores["dpo"] = trained("dpo", params.dpo.model_copy(update={"max_steps": 60}), {}, upstream)
+    for way in ("accelerate", "ray"):
+        dpo = outcomes["dpo", way].ref
+        assert dpo.manifest()["training"]["global_step"] == 60 and (dpo.path / "model" / "model.safetensors").is_file()
     # 20 updates; the rollout batch is global (ppo splits it over the ranks itself: not halved)
     ppo = params.ppo.model_copy(update={"total_episodes": 1280})
     scores["ppo"] = trained("ppo", ppo, {"rewards": params.rewards}, upstream, halve=False)

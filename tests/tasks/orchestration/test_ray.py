@@ -4,9 +4,11 @@ without Prefect."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
+from pathlib import Path
 
 import psutil
 import pytest
@@ -49,43 +51,6 @@ def placed(messages: list[str]) -> dict[int, str]:
     """Each worker's node, from the `ray worker <rank>/<world> on node <id> (<ip>)` lines."""
     found = (re.fullmatch(r"ray worker (\d+)/(\d+) on node (\w+) \(([\d.]+)\)", m) for m in messages)
     return {int(m[1]): f"{m[3]} ({m[4]})" for m in found if m}
-
-
-def test_sft_and_dpo_span_both_nodes_of_the_cluster_and_publish_as_in_process(ctx, data, caplog):
-    caplog.set_level(logging.INFO, logger="rlhf")
-    config = SftConfig(max_steps=4, **{**FAST, "per_device_train_batch_size": 8})
-    outcome = train_stage("sft", config, {"model": SMALL_MODEL}, {"data": data}, ctx)
-    assert "sft: world size 2 (distributed, gloo)" in caplog.messages
-    nodes = placed(caplog.messages)
-    assert sorted(nodes) == [0, 1] and len(set(nodes.values())) == 2, nodes  # a worker on each node
-    assert {nodes[0].split()[1], nodes[1].split()[1]} == {f"({ray_cluster.HEAD})", f"({ray_cluster.SECOND})"}
-    assert any(m.startswith("sft: Ray cluster at 127.0.0.2:") and "2 node(s), 2 CPUs" in m for m in caplog.messages)
-    assert [step for step, values in read_history(outcome.ref.path) if "sft/train/loss" in values] == [1, 2, 3, 4]
-    manifest = outcome.ref.manifest()
-    assert manifest["training"] == {"global_step": 4, "max_steps": 4, "stopped_early": False} and manifest["tokenizer"]
-    assert (outcome.ref.path / "model" / "model.safetensors").is_file()
-    metrics = MlflowClient().get_run(outcome.mlflow_run_id).data.metrics
-    assert metrics["sft/train/loss"] == manifest["metrics"]["sft/train/loss"]
-    inprocess = ctx.model_copy(update={"launch": LaunchConfig(launcher="inprocess")})
-    assert train_stage("sft", config, {"model": SMALL_MODEL}, {"data": data}, inprocess).cached  # not in the key
-    assert ray_cluster.train_workers(os.environ["RAY_ADDRESS"]) == []  # no worker outlived its stage
-
-    from rlhf_pipeline.trainers.algorithms.dpo import DpoConfig
-
-    caplog.clear()
-    dpo = train_stage(
-        "dpo",
-        DpoConfig(max_steps=2, **{**FAST, "per_device_train_batch_size": 8}),
-        {},
-        {"data": data, "sft": outcome.ref},
-        ctx,
-    )
-    assert (
-        "dpo: world size 2 (distributed, gloo)" in caplog.messages and len(set(placed(caplog.messages).values())) == 2
-    )
-    assert (
-        dpo.ref.manifest()["training"]["global_step"] == 2 and (dpo.ref.path / "model" / "model.safetensors").is_file()
-    )
 
 
 def test_a_worker_killed_mid_stage_fails_the_attempt_and_the_retry_resumes_from_its_checkpoint(
@@ -153,7 +118,7 @@ HALF = {**FAST, "per_device_train_batch_size": 4, "max_steps": 2}
 """Each of the two workers takes 4 rows a step: the global batch of 8 that the stages' own tests train with."""
 
 
-@pytest.mark.parametrize("stage", ["rm", "kto", "orpo", "grpo", "rloo"])
+@pytest.mark.parametrize("stage", ["kto", "orpo", "grpo", "rloo"])  # sft, rm and dpo: the pipeline's test below
 def test_every_other_trl_stage_trains_on_two_workers(ctx, data, sft_ref, stage, caplog):
     from rlhf_pipeline.tasks.stages import BY_NAME
     from rlhf_pipeline.trainers.rewards.mix import RewardFunctionSpec, RewardsConfig
@@ -179,27 +144,44 @@ def test_every_other_trl_stage_trains_on_two_workers(ctx, data, sft_ref, stage, 
 
 
 def test_the_pipeline_runs_end_to_end_with_its_training_stages_on_the_ray_cluster(
-    cluster, prefect, tmp_path, monkeypatch
+    cluster, prefect, tmp_path, monkeypatch, caplog
 ):
     """The flow as users start it (`--set launch.launcher=ray ...`): every training stage a Ray job of two workers, one
-    on each node; Prefect's task states and logs and the eval as on one machine."""
+    on each node; Prefect's task states and logs and the eval as on one machine. Each stage publishes as in one
+    process: rank 0's history once, the manifest's outcome and tokenizer, its metrics in MLflow; and the launcher is
+    not part of a stage's key (the same run in one process reuses every stage)."""
     import time
 
     from prefect import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
+    from rlhf_pipeline.flows.params import load_params
     from tests.flows.helpers import DPO_RUN_STAGES, run, task_states
+    from tests.helpers import CI_PRESET
 
+    caplog.set_level(logging.INFO, logger="rlhf")
     monkeypatch.setenv(tracking.STATE_ENV, str(tmp_path / "state"))
-    state = run(
-        "launch.launcher=ray",
-        "launch.num_workers=2",
-        "launch.placement_strategy=STRICT_SPREAD",
-        "registry.enabled=false",
-        "experiment_name=ray",
-    )
+    settings = ["registry.enabled=false", "experiment_name=ray"]
+    state = run("launch.launcher=ray", "launch.num_workers=2", "launch.placement_strategy=STRICT_SPREAD", *settings)
     assert state.is_completed(), state.message
     assert task_states(state) == {stage: "Completed" for stage in DPO_RUN_STAGES}
+    assert any(m.startswith("sft: Ray cluster at 127.0.0.2:") and "2 node(s), 2 CPUs" in m for m in caplog.messages)
+    lines = (re.fullmatch(r"ray worker \d+/2 on node \w+ \(([\d.]+)\)", m) for m in caplog.messages)
+    addresses = sorted(found[1] for found in lines if found)  # each stage's two workers: one on each node
+    assert addresses == sorted([ray_cluster.HEAD, ray_cluster.SECOND] * 3), addresses
+    summary, params = state.result(), load_params(CI_PRESET)
+    for stage in ("sft", "rm", "dpo"):
+        folder = Path(summary["artifacts"][stage])
+        steps = getattr(params, stage).max_steps
+        logged = [step for step, values in read_history(folder) if f"{stage}/train/loss" in values]
+        assert logged == list(range(2, steps + 1, 2)), (stage, logged)  # logging_steps 2: rank 0's, once
+        manifest = json.loads((folder / "manifest.json").read_text())
+        assert manifest["training"] == {"global_step": steps, "max_steps": steps, "stopped_early": False}
+        assert manifest["tokenizer"] and (folder / "model" / "model.safetensors").is_file()
+        [tracked] = MlflowClient().search_runs(
+            [tracking.experiment_id("ray")], f"attributes.run_name = '{stage}'", max_results=1
+        )
+        assert tracked.data.metrics[f"{stage}/train/loss"] == manifest["metrics"][f"{stage}/train/loss"]
     wanted = [f"{stage}: world size 2 (distributed, gloo)" for stage in ("sft", "rm", "dpo")]
     deadline = time.monotonic() + 60
     with get_client(sync_client=True) as client:
@@ -213,6 +195,9 @@ def test_the_pipeline_runs_end_to_end_with_its_training_stages_on_the_ray_cluste
     assert "eval/heldout/policy_exact_match" in state.result()["metrics"]
     # The last stage's workers end with its job, seconds after its driver.
     assert psutil.wait_procs(ray_cluster.train_workers(os.environ["RAY_ADDRESS"]), timeout=30)[1] == []
+    again = run("launch.launcher=inprocess", *settings)
+    assert again.is_completed(), again.message
+    assert task_states(again) == {stage: "Cached" for stage in DPO_RUN_STAGES}
 
 
 def test_a_driver_joins_through_ray_client_as_from_a_machine_that_is_no_node(ctx, data, caplog):
