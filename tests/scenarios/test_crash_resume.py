@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from rlhf_pipeline.tasks.store.artifacts import read_history
 from tests.prefect_db import seeded
 
 pytestmark = pytest.mark.slow  # a pipeline run end to end: the fast loop skips it (-m 'not slow')
@@ -114,43 +115,16 @@ def test_a_killed_run_resumes_sft_and_dpo_from_their_checkpoints_and_ends_where_
     assert abs(final - manifest_metrics(unbroken, "eval")["eval/heldout/policy_exact_match"]) <= 0.02
 
 
-def test_sigterm_mid_sft_checkpoints_exits_within_the_grace_and_the_next_run_resumes_from_that_checkpoint(tmp_path):
-    from mlflow.tracking import MlflowClient
+def wait_for_a_logged_sft_step(process: subprocess.Popen, state: Path, log: Path, after: int = 0) -> None:
+    """Until sft's work folder holds a logged step past `after`."""
 
-    from rlhf_pipeline.trainers.runtime.stopping import DEFAULT_GRACE
+    def logged() -> list[int]:
+        return [
+            step for folder in (state / "artifacts" / "sft" / ".work").glob("*") for step, _ in read_history(folder)
+        ]
 
-    state, log = tmp_path / "state", tmp_path / "run.log"
-    no_periodic_checkpoint = "sft.save_steps=1000"  # the only checkpoint is the one the signal writes
-    process = start(state, log, no_periodic_checkpoint)
     deadline = time.time() + 300
-    while not list((state / "artifacts" / "sft" / ".work").glob("*/history.jsonl")):  # sft has logged a step
-        assert process.poll() is None, f"the run ended before sft trained:\n{log.read_text()[-3000:]}"
-        assert time.time() < deadline, "sft logged no step within 300s"
-        time.sleep(0.05)
-    os.kill(process.pid, signal.SIGTERM)  # the main process only, as Kubernetes and Prefect's runner send it
-    sent = time.time()
-    code = process.wait(DEFAULT_GRACE + 30)
-    assert time.time() - sent < DEFAULT_GRACE, f"exited {time.time() - sent:.1f}s after SIGTERM"
-    assert code == -signal.SIGTERM, (code, log.read_text()[-3000:])  # it still ends as SIGTERM ends a process
-    [marker] = (state / "artifacts" / "sft" / ".work").glob("*/checkpoint-*/checkpoint.complete")
-    stopped_at = int(marker.parent.name.split("-")[1])
-    assert 5 <= stopped_at < 60 and not list((state / "artifacts" / "sft").glob("[0-9a-f]*/manifest.json"))
-
-    finish(start(state, log, no_periodic_checkpoint), log)
-    mlflow = MlflowClient(tracking_uri=f"sqlite:///{state / 'mlflow.db'}")
-    experiment = mlflow.get_experiment_by_name("rlhf").experiment_id
-    runs = mlflow.search_runs([experiment], "attributes.run_name = 'sft' and tags.`rlhf.cached` = 'false'")
-    by_status = {run.info.status: run for run in runs}
-    assert sorted(by_status) == ["FAILED", "FINISHED"], sorted(by_status)
-    assert "Terminated: stopped by SIGTERM after step" in by_status["FAILED"].data.tags["rlhf.error"]
-    assert by_status["FINISHED"].data.tags["rlhf.resumed_from"] == f"checkpoint-{stopped_at}"
-    steps = sorted({m.step for m in mlflow.get_metric_history(by_status["FINISHED"].info.run_id, "sft/train/loss")})
-    assert steps and steps[0] > stopped_at and steps[-1] == 60, steps  # the step counter continues from the signal
-
-
-def wait_for_a_logged_sft_step(process: subprocess.Popen, state: Path, log: Path) -> None:
-    deadline = time.time() + 300
-    while not list((state / "artifacts" / "sft" / ".work").glob("*/history.jsonl")):
+    while not [step for step in logged() if step > after]:
         assert process.poll() is None, f"the run ended before sft trained:\n{log.read_text()[-3000:]}"
         assert time.time() < deadline, "sft logged no step within 300s"
         time.sleep(0.05)
@@ -178,13 +152,16 @@ def prefect_states(state: Path) -> tuple[list[str], list[str]]:
     return flows, tasks
 
 
-def test_ctrl_c_mid_sft_checkpoints_cancels_the_run_stops_the_server_last_exits_130_and_the_next_run_resumes(tmp_path):
+def test_ctrl_c_then_sigterm_mid_sft_each_checkpoint_and_stop_and_each_next_run_resumes_from_the_last(tmp_path):
+    """Ctrl-C mid-sft checkpoints, cancels the run, stops the server last and exits 130; the next run resumes there and
+    a SIGTERM mid-sft (as Kubernetes and Prefect's runner send it) checkpoints again and exits within the grace; the
+    third run resumes from that checkpoint and finishes. One chain: each interruption's resumed run is the next one."""
     from mlflow.tracking import MlflowClient
 
     from rlhf_pipeline.trainers.runtime.stopping import DEFAULT_GRACE
 
     state, log = tmp_path / "state", tmp_path / "run.log"
-    no_periodic_checkpoint = "sft.save_steps=1000"  # the only checkpoint is the one Ctrl-C writes
+    no_periodic_checkpoint = "sft.save_steps=1000"  # the only checkpoints are the ones Ctrl-C and SIGTERM write
     process = start(state, log, no_periodic_checkpoint)
     wait_for_a_logged_sft_step(process, state, log)
     os.killpg(process.pid, signal.SIGINT)  # as a terminal sends Ctrl-C: to every process of the foreground group
@@ -197,9 +174,8 @@ def test_ctrl_c_mid_sft_checkpoints_cancels_the_run_stops_the_server_last_exits_
     last = output.strip().splitlines()[-1]
     assert "resumes from the last checkpoint" in last and "rlhf run --set=algorithm=dpo" in last, last
     assert not temporary_server_answers(output)
-    [marker] = (state / "artifacts" / "sft" / ".work").glob("*/checkpoint-*/checkpoint.complete")
-    stopped_at = int(marker.parent.name.split("-")[1])
-    assert 5 <= stopped_at < 60
+    interrupted = checkpoint_steps(state)
+    assert len(interrupted) == 1 and 5 <= interrupted[0] < 60, interrupted
     flows, tasks = prefect_states(state)
     assert flows == ["CANCELLED"] and "RUNNING" not in tasks and "PENDING" not in tasks, (flows, tasks)
     mlflow = MlflowClient(tracking_uri=f"sqlite:///{state / 'mlflow.db'}")
@@ -207,9 +183,33 @@ def test_ctrl_c_mid_sft_checkpoints_cancels_the_run_stops_the_server_last_exits_
     statuses = {run.info.run_name: run.info.status for run in mlflow.search_runs([experiment])}
     assert "RUNNING" not in statuses.values() and statuses["sft"] == "FAILED", statuses  # sft: its Terminated
 
+    # The next run resumes from that checkpoint; a SIGTERM once sft has logged a step past it.
+    process = start(state, log, no_periodic_checkpoint)
+    wait_for_a_logged_sft_step(process, state, log, after=interrupted[0])
+    os.kill(process.pid, signal.SIGTERM)  # the main process only, as Kubernetes and Prefect's runner send it
+    sent = time.time()
+    code = process.wait(DEFAULT_GRACE + 30)
+    assert time.time() - sent < DEFAULT_GRACE, f"exited {time.time() - sent:.1f}s after SIGTERM"
+    assert code == -signal.SIGTERM, (code, log.read_text()[-3000:])  # it still ends as SIGTERM ends a process
+    terminated = checkpoint_steps(state)[-1]
+    assert interrupted[0] < terminated < 60 and not list((state / "artifacts" / "sft").glob("[0-9a-f]*/manifest.json"))
+
     finish(start(state, log, no_periodic_checkpoint), log)
-    [resumed] = mlflow.search_runs([experiment], "attributes.run_name = 'sft' and attributes.status = 'FINISHED'")
-    assert resumed.data.tags["rlhf.resumed_from"] == f"checkpoint-{stopped_at}"
+    runs = mlflow.search_runs([experiment], "attributes.run_name = 'sft' and tags.`rlhf.cached` = 'false'")
+    resumed = {run.data.tags.get("rlhf.resumed_from"): run for run in runs}
+    assert sorted(run.info.status for run in runs) == ["FAILED", "FAILED", "FINISHED"], runs
+    second, third = resumed[f"checkpoint-{interrupted[0]}"], resumed[f"checkpoint-{terminated}"]
+    assert second.info.status == "FAILED"
+    assert "Terminated: stopped by SIGTERM after step" in second.data.tags["rlhf.error"]
+    assert third.info.status == "FINISHED"
+    steps = sorted({m.step for m in mlflow.get_metric_history(third.info.run_id, "sft/train/loss")})
+    assert steps and steps[0] > terminated and steps[-1] == 60, steps  # the step counter continues from the signal
+
+
+def checkpoint_steps(state: Path) -> list[int]:
+    """The steps of sft's complete checkpoints in its work folder, in order."""
+    markers = (state / "artifacts" / "sft" / ".work").glob("*/checkpoint-*/checkpoint.complete")
+    return sorted(int(marker.parent.name.split("-")[1]) for marker in markers)
 
 
 def test_a_second_ctrl_c_exits_at_once_without_tracebacks(tmp_path):

@@ -120,6 +120,8 @@ HALF = {**FAST, "per_device_train_batch_size": 4, "max_steps": 2}
 
 @pytest.mark.parametrize("stage", ["kto", "orpo", "grpo", "rloo"])  # sft, rm and dpo: the pipeline's test below
 def test_every_other_trl_stage_trains_on_two_workers(ctx, data, sft_ref, stage, caplog):
+    """kto's driver joins through Ray client (`launch.ray_address=ray://<head>:<client port>`), as a Prefect job's pod
+    beside a KubeRay cluster reaches it, from a machine that is no node; the others through the cluster's address."""
     from rlhf_pipeline.tasks.stages import BY_NAME
     from rlhf_pipeline.trainers.rewards.mix import RewardFunctionSpec, RewardsConfig
 
@@ -135,8 +137,13 @@ def test_every_other_trl_stage_trains_on_two_workers(ctx, data, sft_ref, stage, 
         else {}
     )
     config = BY_NAME[stage].config(**HALF, **online)
+    if stage == "kto":
+        client = SPREAD.model_copy(update={"ray_address": os.environ[ray_cluster.CLIENT]})
+        ctx = ctx.model_copy(update={"launch": client})
     outcome = train_stage(stage, config, settings, {"data": data, "sft": sft_ref}, ctx)
     assert f"{stage}: world size 2 (distributed, gloo)" in caplog.messages, caplog.messages
+    if stage == "kto":
+        assert any(m.startswith("kto: Ray cluster at ray://127.0.0.2:") for m in caplog.messages), caplog.messages
     assert len(set(placed(caplog.messages).values())) == 2
     assert outcome.ref.manifest()["training"]["global_step"] == 2
     assert (outcome.ref.path / "model" / "model.safetensors").is_file()
@@ -198,21 +205,3 @@ def test_the_pipeline_runs_end_to_end_with_its_training_stages_on_the_ray_cluste
     again = run("launch.launcher=inprocess", *settings)
     assert again.is_completed(), again.message
     assert task_states(again) == {stage: "Cached" for stage in DPO_RUN_STAGES}
-
-
-def test_a_driver_joins_through_ray_client_as_from_a_machine_that_is_no_node(ctx, data, caplog):
-    """`launch.ray_address=ray://<head>:<client port>`: how a Prefect job's pod beside a KubeRay cluster reaches it."""
-    caplog.set_level(logging.INFO, logger="rlhf")
-    address = os.environ[ray_cluster.CLIENT]
-    client = ctx.model_copy(update={"launch": SPREAD.model_copy(update={"ray_address": address})})
-    outcome = train_stage(
-        "sft",
-        SftConfig(max_steps=2, **{**FAST, "per_device_train_batch_size": 8}),
-        {"model": SMALL_MODEL},
-        {"data": data},
-        client,
-    )
-    assert "sft: world size 2 (distributed, gloo)" in caplog.messages
-    assert any(m.startswith("sft: Ray cluster at ray://127.0.0.2:") for m in caplog.messages), caplog.messages
-    assert len(set(placed(caplog.messages).values())) == 2
-    assert outcome.ref.manifest()["training"]["global_step"] == 2
