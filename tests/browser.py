@@ -72,7 +72,7 @@ def submit(browser: Browser, button, endpoint: str, tries: int = 3) -> Any:
             button.click()
         if answered.value.status != 503 or attempt == tries:
             return answered.value
-        browser.refused.remove(answered.value)
+        browser.refused[:] = [r for r in browser.refused if r is not answered.value]  # answered, then retried
         time.sleep(2)
 
 

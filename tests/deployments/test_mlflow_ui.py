@@ -24,14 +24,14 @@ STAGES = ("data", "sft", "rm", "dpo", "eval")
 @pytest.fixture(scope="module")
 def ui(tmp_path_factory):
     """One `rlhf up` MLflow server for the module, on the module's state folder and store (each test its own
-    experiment): its URL, the folder and the server's log."""
+    experiment): its URL, port and log."""
     home = tmp_path_factory.mktemp("mlflow-ui")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(tracking.STATE_ENV, str(home / "state"))
         patch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{home / 'state' / 'mlflow.db'}")
         port = free_port()
         with served(port, home / "mlflow.log") as url:
-            yield {"url": url, "port": port, "home": home, "log": home / "mlflow.log"}
+            yield {"url": url, "port": port, "log": home / "mlflow.log"}
 
 
 def test_our_experiment_opens_on_the_runs_table_with_the_stage_runs_nested_under_the_parent(ui, screenshots):

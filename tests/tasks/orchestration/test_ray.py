@@ -47,9 +47,13 @@ def data(tmp_path) -> ArtifactRef:
     return data_artifact(tmp_path)
 
 
+WORKER_LINE = re.compile(r"ray worker (\d+)/(\d+) on node (\w+) \(([\d.]+)\)")
+"""The line each worker sends first: `ray worker <rank>/<world> on node <id> (<ip>)`."""
+
+
 def placed(messages: list[str]) -> dict[int, str]:
-    """Each worker's node, from the `ray worker <rank>/<world> on node <id> (<ip>)` lines."""
-    found = (re.fullmatch(r"ray worker (\d+)/(\d+) on node (\w+) \(([\d.]+)\)", m) for m in messages)
+    """Each worker's node, from its line (the last stage's, where several ran)."""
+    found = (WORKER_LINE.fullmatch(m) for m in messages)
     return {int(m[1]): f"{m[3]} ({m[4]})" for m in found if m}
 
 
@@ -173,8 +177,10 @@ def test_the_pipeline_runs_end_to_end_with_its_training_stages_on_the_ray_cluste
     assert state.is_completed(), state.message
     assert task_states(state) == {stage: "Completed" for stage in DPO_RUN_STAGES}
     assert any(m.startswith("sft: Ray cluster at 127.0.0.2:") and "2 node(s), 2 CPUs" in m for m in caplog.messages)
-    lines = (re.fullmatch(r"ray worker \d+/2 on node \w+ \(([\d.]+)\)", m) for m in caplog.messages)
-    addresses = sorted(found[1] for found in lines if found)  # each stage's two workers: one on each node
+    lines = (WORKER_LINE.fullmatch(m) for m in caplog.messages)
+    addresses = sorted(
+        found[4] for found in lines if found and found[2] == "2"
+    )  # each stage's two workers: one on each node
     assert addresses == sorted([ray_cluster.HEAD, ray_cluster.SECOND] * 3), addresses
     summary, params = state.result(), load_params(CI_PRESET)
     for stage in ("sft", "rm", "dpo"):
