@@ -178,9 +178,8 @@ def test_the_pipeline_runs_end_to_end_with_its_training_stages_on_the_ray_cluste
     assert task_states(state) == {stage: "Completed" for stage in DPO_RUN_STAGES}
     assert any(m.startswith("sft: Ray cluster at 127.0.0.2:") and "2 node(s), 2 CPUs" in m for m in caplog.messages)
     lines = (WORKER_LINE.fullmatch(m) for m in caplog.messages)
-    addresses = sorted(
-        found[4] for found in lines if found and found[2] == "2"
-    )  # each stage's two workers: one on each node
+    # each stage's two workers: one on each node
+    addresses = sorted(found[4] for found in lines if found and found[2] == "2")
     assert addresses == sorted([ray_cluster.HEAD, ray_cluster.SECOND] * 3), addresses
     summary, params = state.result(), load_params(CI_PRESET)
     for stage in ("sft", "rm", "dpo"):
