@@ -83,6 +83,7 @@ def test_a_source_edit_changes_exactly_the_versions_of_the_stages_that_import_it
 def test_a_docstring_or_comment_edit_in_trainers_config_re_keys_no_stage_and_a_code_edit_re_keys_them_all(monkeypatch):
     from pathlib import Path
 
+    from rlhf_pipeline.tasks.store import code_version as code_version_module
     from rlhf_pipeline.tasks.store.code_version import code_of
 
     config = Path(BY_NAME["sft"].code.__file__).parents[1] / "config.py"
@@ -91,6 +92,8 @@ def test_a_docstring_or_comment_edit_in_trainers_config_re_keys_no_stage_and_a_c
 
     def versions(edited: str) -> dict[str, str]:
         monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: edited if self == config else read(self, *a, **k))
+        # The edit is read, not written: the file's time and size, which key the process's parsed code, stay as they are
+        code_version_module._code_of_file.cache_clear()
         return {s.name: code_version(s.code and s.code.__name__) for s in STAGES}
 
     before = versions(text)
