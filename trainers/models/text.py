@@ -128,7 +128,7 @@ def generate_answers(
     with own_sampling(model, tokenizer) as stops:
         stop_ids = torch.tensor(list(stops) if isinstance(stops, (list, tuple)) else [stops], device=model.device)
         done = 0
-        for batch in length_batches([len(r) for r in rendered], batch_size):
+        for batch in length_batches([len(r) for r in rendered], batch_size, max_new_tokens):
             beat()
             if done_before and all(i in done_before for i in batch):
                 for i in batch:
@@ -160,15 +160,19 @@ def generate_answers(
     return out, cut
 
 
-def length_batches(lengths: list[int], batch_size: int) -> list[list[int]]:
+def length_batches(lengths: list[int], batch_size: int, max_new_tokens: int = 0) -> list[list[int]]:
     """Indices of prompts of these token lengths in generation batches: longest first, at most `batch_size` to a
-    batch, none shorter than half its batch's longest. A batch pads to its longest prompt and runs until its last
-    answer stops, so one long prompt among short ones would cost each of them its length (IFBench holds a 2,591-token
-    prompt among prompts of ~100); the longest batch first also finds a too small memory at once."""
+    batch, none whose sequence (its prompt and the `max_new_tokens` budget) is shorter than half its batch's longest.
+    A batch pads to its longest prompt and runs until its last answer stops, so one long prompt among short ones would
+    cost each of them its length (IFBench holds a 2,591-token prompt among prompts of ~100); but a batch of its own
+    costs a short prompt the budget's decoding steps again, at fewer rows a step, where a CPU's matmuls run slower
+    (`python -m bench.generation` prints their rate by rows), so a prompt twice as long as another shares its batch
+    when the budget dwarfs both. The longest batch first also finds a too small memory at once."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     batches: list[list[int]] = []
     for i in order:
-        if batches and len(batches[-1]) < batch_size and 2 * lengths[i] >= lengths[batches[-1][0]]:
+        longest = lengths[batches[-1][0]] if batches else 0
+        if batches and len(batches[-1]) < batch_size and 2 * (lengths[i] + max_new_tokens) >= longest + max_new_tokens:
             batches[-1].append(i)
         else:
             batches.append([i])

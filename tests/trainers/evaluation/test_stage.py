@@ -134,6 +134,10 @@ def test_length_batches_keep_a_long_prompt_from_padding_short_ones():
     assert batches == [[1], [3], [5, 2, 4], [0, 6]]
     for batch in batches:
         assert all(2 * lengths[i] >= lengths[batch[0]] for i in batch)
+    # A budget that dwarfs the prompts: one batch rather than a second one of short prompts decoding on their own
+    assert length_batches([129, 60, 64, 40], batch_size=64) == [[0], [2, 1, 3]]
+    assert length_batches([129, 60, 64, 40], batch_size=64, max_new_tokens=512) == [[0, 2, 1, 3]]
+    assert length_batches(lengths, batch_size=7, max_new_tokens=512) == [[1], [3], [5, 2, 4, 0, 6]]
 
 
 def test_greedy_answers_are_made_once_per_model_prompts_and_budget(tmp_path, monkeypatch):
