@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [len(prompt_ids(tokenizer, p)) for p in prompts]
     answers = {name: [""] * len(prompts) for name in models}
     seconds = dict.fromkeys(models, 0.0)
-    for n, batch in enumerate(length_batches(lengths, args.batch_size)):
+    for n, batch in enumerate(length_batches(lengths, args.batch_size, args.max_new_tokens)):
         order = list(models) if n % 2 == 0 else list(models)[::-1]
         work = {}
         for name in order:
