@@ -138,7 +138,7 @@ from datasets import Dataset
 sampling = what == "pairs"
 source = "prompts" if sampling else "prompts_eval"
 n, new, batch_size = (cfg.samples_per_prompt, cfg.max_new_tokens, cfg.batch_size) if sampling else (1, 64, 16)
-# eval: 16 x steps prompts; pairs: two of the stage's batches (8 prompts x 4 answers each)
+# eval: 16 x steps prompts; pairs: two of the stage's batches (the preset's batch_size prompts x samples_per_prompt)
 prompts = Dataset.from_parquet(str(data_dir / "datasets" / f"{source}.parquet"))["prompt"][
     : 2 * batch_size if sampling else steps * 16]
 with torch.no_grad():  # the process's first forward passes (allocator growth, kernel set-up) timed on neither side
