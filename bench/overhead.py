@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.runs import ROOT, clean_env, printed_artifacts, timed
+from bench.runs import ROOT, clean_env, migrated_prefect_home, printed_artifacts, ratio_of_medians, timed
 
 HALF = ["sft.max_steps=150", "rm.max_steps=75", "dpo.max_steps=100", "ppo.total_episodes=2560"]
 STAGES = ("data", "sft", "rm", "dpo", "ppo", "eval")
@@ -182,14 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     sets = [part for item in overrides for part in ("--set", item)]
     walls: dict[str, list[float]] = {"pipeline": [], "plain": []}
     parts: dict[str, dict[str, list[float]]] = {"pipeline": {}, "plain": {}}
-    # One Prefect home for every round, its database made before the first: a user's runs share theirs, and a fresh
-    # database's migration (~10 s) is a one-time cost, not the pipeline's.
-    prefect_home = root / "prefect"
-    timed(
-        [sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"],
-        {**base, "PREFECT_HOME": str(prefect_home)},
-        log,
-    )
+    prefect_home = migrated_prefect_home(root, log)
     for round_ in range(args.rounds):
         state = root / f"round-{round_}"
         env = {**base, "RLHF_STATE_DIR": str(state / "state"), "PREFECT_HOME": str(prefect_home)}
@@ -234,12 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     for side in ("pipeline", "plain"):
         values = walls[side]
         print(f"{side + ' wall to wall':34} {median(values):9.1f}s  [{min(values):.1f}, {max(values):.1f}]")
-    ratios = [one / two for one, two in zip(walls["pipeline"], walls["plain"])]
-    ratio = median(walls["pipeline"]) / median(walls["plain"])
-    print(
-        f"ratio pipeline / plain: {ratio:.3f} by medians (per round {', '.join(f'{r:.3f}' for r in ratios)}); target "
-        f"<= {TARGET}: {'met' if ratio <= TARGET else 'NOT met'}"
-    )
+    ratio = ratio_of_medians(walls, TARGET)
     shutil.rmtree(root, ignore_errors=True)
     return 0 if ratio <= TARGET else 1
 

@@ -52,7 +52,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
-from bench.runs import ROOT, clean_env, printed_artifacts, rlhf_command, timed
+from bench.runs import ROOT, clean_env, migrated_prefect_home, printed_artifacts, ratio_of_medians, rlhf_command, timed
 
 if TYPE_CHECKING:
     from rlhf_pipeline.trainers.rewards.ifeval import Benchmark
@@ -475,26 +475,14 @@ def report(rounds: list[dict], overrides: list[str]) -> float:
         print(f"{key:34} " + "".join(f"{one:9.3f} /{two:7.3f}" for one, two in pairs))
     for n, one in enumerate(rounds):
         print(f"round {n + 1}: held-out answers shown by the pipeline equal to the plain side's: {one['equal']}")
-    ratios = [one / two for one, two in zip(walls["pipeline"], walls["plain"])]
-    ratio = median(walls["pipeline"]) / median(walls["plain"])
-    print(
-        f"ratio pipeline / plain: {ratio:.3f} by medians (per round {', '.join(f'{r:.3f}' for r in ratios)}); target "
-        f"<= {TARGET}: {'met' if ratio <= TARGET else 'NOT met'}"
-    )
+    ratio = ratio_of_medians(walls, TARGET)
     return ratio
 
 
 def measure(rounds: int, overrides: list[str], root: Path, keep: bool) -> int:
     """Every round, the table and the verdict (0 or 1); `keep`: each round's folder is left in `root`."""
     log = root / "runs.log"
-    # One Prefect home for every round, its database made before the first: a user's runs share theirs, and a fresh
-    # database's migration is a one-time cost, not the pipeline's.
-    prefect_home = root / "prefect"
-    timed(
-        [sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"],
-        clean_env(PREFECT_HOME=str(prefect_home)),
-        log,
-    )
+    prefect_home = migrated_prefect_home(root, log)
     results = []
     for n in range(rounds):
         folder = root / f"round-{n + 1}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -56,3 +57,24 @@ def rlhf_run(
     env = clean_env(RLHF_STATE_DIR=str(state), PREFECT_HOME=str(state.parent / "prefect"), **env)
     seconds, printed = timed(rlhf_command(overrides, config), env, log)
     return seconds, printed_artifacts(printed)
+
+
+def migrated_prefect_home(root: Path, log: Path) -> Path:
+    """`root/prefect`, its Prefect database made: the home every round of a wall-to-wall bench shares, as a user's
+    runs share theirs, so that a fresh database's migration (~10 s) is a one-time cost, not the pipeline's."""
+    home = root / "prefect"
+    timed(
+        [sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"], clean_env(PREFECT_HOME=str(home)), log
+    )
+    return home
+
+
+def ratio_of_medians(walls: dict[str, list[float]], target: float) -> float:
+    """Pipeline over plain by the medians of their wall times, printed with each round's ratio and the verdict."""
+    ratios = [one / two for one, two in zip(walls["pipeline"], walls["plain"])]
+    ratio = statistics.median(walls["pipeline"]) / statistics.median(walls["plain"])
+    print(
+        f"ratio pipeline / plain: {ratio:.3f} by medians (per round {', '.join(f'{r:.3f}' for r in ratios)}); target "
+        f"<= {target}: {'met' if ratio <= target else 'NOT met'}"
+    )
+    return ratio
