@@ -19,7 +19,7 @@ from rlhf_pipeline.tasks.data import validate_data
 from rlhf_pipeline.tasks.eval import evaluate
 from rlhf_pipeline.tasks.gate import RegistryConfig
 from rlhf_pipeline.tasks.orchestration.parent_run import model_label, pipeline_run, report_failure
-from rlhf_pipeline.tasks.orchestration.stage_task import retrying
+from rlhf_pipeline.tasks.orchestration.stage_task import retrying, stage_runner
 from rlhf_pipeline.tasks.tracking.resolve import check_model_source, resolve_model
 from rlhf_pipeline.trainers.config import ModelConfig, StrictModel
 from rlhf_pipeline.trainers.data import DataConfig
@@ -110,6 +110,7 @@ def run_name() -> str:
     persist_result=False,
     validate_parameters=True,
     log_prints=False,  # see tasks.orchestration.stage_task.stage_task
+    task_runner=stage_runner(),  # every stage on one thread
     on_failure=[report_failure],  # name the MLflow run and the state folder
     on_crashed=[report_failure],
 )

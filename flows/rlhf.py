@@ -24,7 +24,7 @@ from rlhf_pipeline.tasks.data import validate_data
 from rlhf_pipeline.tasks.eval import evaluate
 from rlhf_pipeline.tasks.labels import labels_store
 from rlhf_pipeline.tasks.orchestration.parent_run import pipeline_run, preset_label, report_failure
-from rlhf_pipeline.tasks.orchestration.stage_task import retrying
+from rlhf_pipeline.tasks.orchestration.stage_task import retrying, stage_runner
 from rlhf_pipeline.tasks.pairs import make_pairs
 from rlhf_pipeline.tasks.people import ask_people
 from rlhf_pipeline.tasks.registry import register_task
@@ -185,6 +185,7 @@ rlhf = flow(
     persist_result=False,
     validate_parameters=True,
     log_prints=False,
+    task_runner=stage_runner(),  # every stage on one thread
     on_failure=[report_failure],  # name the MLflow run and the state folder
     on_crashed=[report_failure],
 )(described_by(PipelineParams)(_rlhf))

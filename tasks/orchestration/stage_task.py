@@ -28,6 +28,18 @@ def retrying(config: RetryConfig) -> Callable:
     return lambda task: task.with_options(**config.task_options())
 
 
+def stage_runner():
+    """The flows' task runner: Prefect's thread pool with one worker, so that every stage of a run builds on the same
+    thread. The steps run one after another anyway (each waits for the one before it), but with the default runner
+    each would run on a thread of its own, and the threads of the stages before stay alive, each with the OpenMP pool
+    its torch work started. Once the pools' threads outnumber the cores, libgomp cuts its spin-waits short and every
+    parallel region puts its workers to sleep and wakes them through the kernel: eval's generation on SmolLM2 took 26%
+    longer beside an earlier stage's pool than after it on the same thread (`bench.threads`, docs/PERFORMANCE.md)."""
+    from prefect.task_runners import ThreadPoolTaskRunner
+
+    return ThreadPoolTaskRunner(max_workers=1)
+
+
 DEVICE_LIMIT_ENV = "RLHF_DEVICE_LIMIT"
 
 

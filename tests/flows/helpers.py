@@ -30,6 +30,23 @@ def task_states(flow_state) -> dict[str, str]:
     return {r.name: r.state.name for r in task_runs(flow_state.state_details.flow_run_id)}
 
 
+def building_threads(monkeypatch) -> dict[str, int]:
+    """Record the thread each stage builds on (stage -> `threading.get_ident()`), filled in as the flow runs."""
+    import threading
+
+    import rlhf_pipeline.tasks.store.stage as store
+
+    threads: dict[str, int] = {}
+    real = store._build
+
+    def recording(entry, *args, **kwargs):
+        threads[entry.stage] = threading.get_ident()
+        return real(entry, *args, **kwargs)
+
+    monkeypatch.setattr(store, "_build", recording)
+    return threads
+
+
 # --- the flow-run graph the Prefect UI draws (issue 16) ---------------------------------------------------------------
 
 

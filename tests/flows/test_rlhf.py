@@ -12,6 +12,7 @@ from mlflow.tracking import MlflowClient
 from tests.flows.helpers import (
     DPO_RUN_STAGES,
     assert_a_flat_graph,
+    building_threads,
     data_running_before_the_next_submission,
     graph_of,
     run,
@@ -30,8 +31,11 @@ def run_without_registry(*overrides: str):
 def test_pipeline_runs_caches_and_reruns_only_what_changed(prefect, state, monkeypatch):
     with monkeypatch.context() as patched:
         data_running_before_the_next_submission(patched)  # as under a real server, so the graph below is what users see
+        threads = building_threads(patched)
         first = run_without_registry()
     assert first.is_completed(), first.message
+    # Every stage built on the one thread of the flow's runner: one OpenMP pool (`stage_task.stage_runner`).
+    assert set(threads) == set(DPO_RUN_STAGES) and len(set(threads.values())) == 1, threads
     # The stages' own logs, without Prefect's warning about timeouts in worker threads on every stage.
     import time
 
