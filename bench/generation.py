@@ -37,15 +37,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench.runs import ROOT, clean_env
+from bench.runs import ROOT, in_fresh_process
 
 TARGET = 1.10
 LIMIT_ROWS = 512
@@ -359,23 +357,8 @@ def matmul_rates(model_dir: str, dtype_name: str, rows: tuple[int, ...], threads
 
 def run_side(work: dict, side: str, setting: Setting | None, timeout: float | None = None) -> dict:
     """`measure` in a fresh process; {"error": ...} when it failed or ran past `timeout` seconds."""
-    with tempfile.TemporaryDirectory(prefix=f"bench-generation-{work['what']}-{side}-") as out:
-        spec = Path(out) / "spec.json"
-        spec.write_text(json.dumps(work | {"side": side, "out": out, "setting": setting and asdict(setting)}))
-        try:
-            done = subprocess.run(
-                [sys.executable, "-c", WORKER, str(spec)],
-                env=clean_env(RLHF_STATE_DIR=str(Path(out) / "state")),
-                cwd=ROOT,
-                capture_output=True,
-                text=True,
-                timeout=timeout,
-            )
-        except subprocess.TimeoutExpired:
-            return {"error": f"ran past {timeout:.0f} s"}
-    if done.returncode != 0:
-        return {"error": done.stderr[-3000:]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    spec = work | {"side": side, "setting": setting and asdict(setting)}
+    return in_fresh_process(WORKER, spec, f"bench-generation-{work['what']}-{side}-", timeout)
 
 
 def rate(found: dict) -> float:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,6 +33,29 @@ def timed(command: list[str], env: dict, log: Path) -> tuple[float, str]:
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed with {done.returncode}; see {log}")
     return seconds, log.read_text().rsplit("\n$ ", 1)[-1]
+
+
+def in_fresh_process(worker: str, spec: dict, prefix: str, timeout: float | None = None) -> dict:
+    """`python -c worker SPEC` from the repository root, where SPEC is a JSON file of `spec` with "out" (a temporary
+    folder of the process's own, its state folder inside) added: the JSON of its last printed line, or
+    {"error": ...} when it failed or ran past `timeout` seconds."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as out:
+        path = Path(out) / "spec.json"
+        path.write_text(json.dumps(spec | {"out": out}))
+        try:
+            done = subprocess.run(
+                [sys.executable, "-c", worker, str(path)],
+                env=clean_env(RLHF_STATE_DIR=str(Path(out) / "state")),
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
+        except subprocess.TimeoutExpired:
+            return {"error": f"ran past {timeout:.0f} s"}
+    if done.returncode != 0:
+        return {"error": done.stderr[-3000:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def printed_artifacts(printed: str) -> dict[str, Path]:

@@ -24,12 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-from bench.runs import ROOT, clean_env
+from bench.runs import in_fresh_process
 
 TARGET = 0.95
 """`one` must take at most 95% of `apart`'s time: the runner is there for the difference, not for noise."""
@@ -74,19 +72,10 @@ def measure(spec_path: str) -> None:
 
 
 def run_side(work: dict, side: str) -> dict:
-    with tempfile.TemporaryDirectory(prefix=f"bench-threads-{side}-") as out:
-        spec = Path(out) / "spec.json"
-        spec.write_text(json.dumps(work | {"side": side}))
-        done = subprocess.run(
-            [sys.executable, "-c", WORKER, str(spec)],
-            env=clean_env(RLHF_STATE_DIR=str(Path(out) / "state")),
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-        )
-    if done.returncode != 0:
-        raise SystemExit(f"the {side} side failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    found = in_fresh_process(WORKER, work | {"side": side}, f"bench-threads-{side}-")
+    if "error" in found:
+        raise SystemExit(f"the {side} side failed:\n{found['error']}")
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
