@@ -7,6 +7,7 @@ inside the functions, so importing this module stays cheap for flows.
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
@@ -167,6 +168,9 @@ def _score(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # masked out: any id will do
     was_training = model.training
     model.eval()
+    # The output layer only where a completion token is predicted (`logits_to_keep`: the last positions): over a
+    # prompt's positions it would make [batch, width, vocab] logits that nothing reads.
+    keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
     out: list[tuple[float, int]] = []
     for start in range(0, len(rows), batch_size):
         batch = rows[start : start + batch_size]
@@ -177,11 +181,16 @@ def _score(
         position = torch.arange(width, device=model.device)
         starts = torch.tensor([max(cut, 1) for _, cut in batch], device=model.device)
         scored = (position >= starts[:, None]) & (position < attention.sum(1, keepdim=True))
+        first = int(starts.min()) - 1  # the first position whose logits predict a scored token
         with torch.no_grad():
-            logits = model(input_ids=input_ids, attention_mask=attention).logits[:, :-1]
-        mask = scored[:, 1:]  # logits at t predict token t + 1
+            outputs = model(
+                input_ids=input_ids, attention_mask=attention, **({"logits_to_keep": width - first} if keeps else {})
+            )
+        logits = outputs.logits[:, first - width : -1]  # logits at t predict token t + 1
+        mask = scored[:, first + 1 :]
         # Only the completion positions go through float32 log_softmax: [tokens, vocab], not [batch, width, vocab].
-        picked = logits[mask].float().log_softmax(-1).gather(-1, input_ids[:, 1:][mask].unsqueeze(-1)).squeeze(-1)
+        targets = input_ids[:, first + 1 :][mask]
+        picked = logits[mask].float().log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         row = torch.arange(len(batch), device=model.device).unsqueeze(1).expand_as(mask)[mask]
         sums = torch.zeros(len(batch), dtype=torch.float64, device=model.device).index_add_(0, row, picked.double())
         out.extend(zip(sums.tolist(), mask.sum(1).tolist()))

@@ -133,6 +133,24 @@ def test_sequence_logprobs_do_not_depend_on_batching(tiny):
     assert batched == pytest.approx([2 * per_token, 10 * per_token, per_token, 2 * per_token], rel=0.05)
 
 
+def test_only_the_positions_that_predict_a_completion_token_reach_the_output_layer(tiny):
+    from rlhf_pipeline.trainers.models.text import completion_ids
+
+    model, tokenizer = tiny
+    prompts, completions = ["sort 987654321 -> ", "sort 3 -> "], ["123456789", "3"]
+    rows = [completion_ids(tokenizer, p, c) for p, c in zip(prompts, completions)]
+    width, first = max(len(ids) for ids, _ in rows), min(cut for _, cut in rows) - 1
+    seen: list[int] = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda module, args, out: seen.append(args[0].shape[1]))
+    try:
+        scored = sequence_logprobs(model, tokenizer, prompts, completions, batch_size=2)
+    finally:
+        hook.remove()
+    assert seen == [width - first] and first > 0, (seen, width, first)  # not the shorter prompt's positions
+    single = [sequence_logprobs(model, tokenizer, [p], [c], batch_size=1)[0] for p, c in zip(prompts, completions)]
+    assert scored == pytest.approx(single, abs=1e-4)
+
+
 def test_conversational_prompts_score_like_their_rendered_text(tiny):
     model, tokenizer = tiny
     chat = [{"role": "user", "content": "sort 21 -> "}]
