@@ -34,10 +34,24 @@ def stage_runner():
     each would run on a thread of its own, and the threads of the stages before stay alive, each with the OpenMP pool
     its torch work started. Once the pools' threads outnumber the cores, libgomp cuts its spin-waits short and every
     parallel region puts its workers to sleep and wakes them through the kernel: eval's generation on SmolLM2 took 26%
-    longer beside an earlier stage's pool than after it on the same thread (`bench.threads`, docs/PERFORMANCE.md)."""
+    longer beside an earlier stage's pool than after it on the same thread (`bench.threads`, docs/PERFORMANCE.md).
+
+    A task's run is created when the worker starts it, right after the step before it ended; Prefect makes a task whose
+    parameter is a future of a task it reads as running its child (a nested node in the UI's graph), and it reads that
+    state from the server, which records a finished task's state a moment later. So each future keeps its final state
+    the moment its task ends, before the worker starts the next."""
     from prefect.task_runners import ThreadPoolTaskRunner
 
-    return ThreadPoolTaskRunner(max_workers=1)
+    class OneThread(ThreadPoolTaskRunner):
+        def __init__(self, max_workers: int | None = 1):
+            super().__init__(max_workers=1)
+
+        def submit(self, task, parameters, wait_for=None, dependencies=None):  # type: ignore[override]
+            future = super().submit(task, parameters, wait_for, dependencies)
+            future.add_done_callback(lambda done: done.wait())  # `wait` keeps the final state on the future
+            return future
+
+    return OneThread()
 
 
 DEVICE_LIMIT_ENV = "RLHF_DEVICE_LIMIT"

@@ -11,7 +11,7 @@ from prefect import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
 from rlhf_pipeline.flows.evaluate import rlhf_eval
-from tests.flows.helpers import run, task_states
+from tests.flows.helpers import DPO_RUN_STAGES, assert_a_flat_graph, graph_of, run, task_states
 
 pytestmark = pytest.mark.slow  # a pipeline run end to end: the fast loop skips it (-m 'not slow')
 
@@ -31,6 +31,9 @@ def test_report_artifacts_and_on_demand_evaluation_of_the_champion(prefect, stat
     assert trained.is_completed(), trained.message
     summary = trained.result()
     assert summary["registry"]["promoted"]  # the first version becomes champion
+    # The registry's parameters are eval's and dpo's futures: it starts on the runner's one thread as eval ends, and is
+    # still a node of its own, not eval's child (`stage_task.stage_runner`).
+    assert_a_flat_graph(graph_of(trained.state_details.flow_run_id), [*DPO_RUN_STAGES, "registry"])
 
     artifacts = prefect_artifacts(trained)
     markdown = artifacts["rlhf-eval-summary"].data
