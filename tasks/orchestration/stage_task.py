@@ -42,16 +42,13 @@ def stage_runner():
     the moment its task ends, before the worker starts the next."""
     from prefect.task_runners import ThreadPoolTaskRunner
 
-    class OneThread(ThreadPoolTaskRunner):
-        def __init__(self, max_workers: int | None = 1):
-            super().__init__(max_workers=1)
-
+    class OneThread(ThreadPoolTaskRunner):  # Prefect copies it per flow run with the same `max_workers`
         def submit(self, task, parameters, wait_for=None, dependencies=None):  # type: ignore[override]
             future = super().submit(task, parameters, wait_for, dependencies)
             future.add_done_callback(lambda done: done.wait())  # `wait` keeps the final state on the future
             return future
 
-    return OneThread()
+    return OneThread(max_workers=1)
 
 
 DEVICE_LIMIT_ENV = "RLHF_DEVICE_LIMIT"
