@@ -11,6 +11,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -38,23 +39,32 @@ def _start(arguments: list[str], log: Path, env: dict[str, str]) -> subprocess.P
     )
 
 
-def _stop(process: subprocess.Popen, timeout: float = 5) -> None:
-    """SIGTERM to the node's process group (`ray start` and the servers and workers under it), SIGKILL to what is left
-    after `timeout` (a head node's processes take ~30 s to end on SIGTERM)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            os.killpg(process.pid, 0)
-        except ProcessLookupError:
-            break
-        process.poll()
-        time.sleep(0.2)
-    else:
+def _stop(processes: list[subprocess.Popen], timeout: float = 2) -> None:
+    """SIGTERM to each node's process group (`ray start` and the servers and workers under it), all at once, and
+    SIGKILL to what is left after `timeout`: a second node's processes end in ~1 s, a head's take ~30 s, so waiting
+    longer for the head only idles the test."""
+    for process in processes:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-    process.wait(timeout=10)
+            os.killpg(process.pid, signal.SIGTERM)
+    deadline = time.time() + timeout
+    for process in processes:
+        while time.time() < deadline:
+            try:
+                os.killpg(process.pid, 0)
+            except ProcessLookupError:
+                break
+            process.poll()
+            time.sleep(0.2)
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
+
+
+def _listening(host: str, port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=1):
+        return True
+    return False
 
 
 def alive_nodes(address: str, env: dict[str, str]) -> int:
@@ -89,10 +99,16 @@ def two_nodes(timeout: float = 120) -> Iterator[dict[str, str]]:
     nodes = [head]
     try:
         deadline = time.time() + timeout
-        while alive_nodes(env["RAY_ADDRESS"], env) < 1:
+        # The head's GCS port first (a probe of its nodes would import Ray in a new process each time); the second
+        # node waits for the GCS itself.
+        while not _listening(HEAD, port):
             assert head.poll() is None and time.time() < deadline, (folder / "head.log").read_text()[-3000:]
-            time.sleep(1)
+            time.sleep(0.2)
         nodes.append(_start(["--address", env["RAY_ADDRESS"], "--node-ip-address", SECOND], folder / "node.log", env))
+        # `ray start` says so once its node has registered; then a driver's view confirms both nodes alive.
+        while "Ray runtime started" not in (folder / "node.log").read_text(errors="replace"):
+            assert nodes[1].poll() is None and time.time() < deadline, (folder / "node.log").read_text()[-3000:]
+            time.sleep(0.2)
         while alive_nodes(env["RAY_ADDRESS"], env) < 2:
             assert nodes[1].poll() is None and time.time() < deadline, (folder / "node.log").read_text()[-3000:]
             time.sleep(1)
@@ -101,8 +117,7 @@ def two_nodes(timeout: float = 120) -> Iterator[dict[str, str]]:
         yield {**{name: env[name] for name in names}, CLIENT: f"ray://{HEAD}:{client}"}
     finally:
         NODES.pop(env["RAY_ADDRESS"], None)
-        for node in reversed(nodes):
-            _stop(node)
+        _stop(nodes)
         shutil.rmtree(folder, ignore_errors=True)
 
 
