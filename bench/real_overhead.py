@@ -29,12 +29,15 @@ tokens), and the line it logs ("model: converted ... in N s") gives the seconds 
 The parts: ours from each artifact's manifest (`resources.seconds`), the plain side's from its own clocks (each part
 with the imports it needs); "outside" is the wall time left over (ours: start-up, Prefect, MLflow, hashing, the
 registry step; plain: start-up, torch and the parameters). Before a verdict the bench checks that both sides did the
-same work: the same GRPO steps, the same number of answers per model and prompt set (and the same answer sets
-generated: ours counted in its answer cache), the same held-out prompts (those ours shows in its samples table) and the
-same instruction ids in each benchmark's sample; the scores of both sides are printed side by side (greedy bf16 answers
-may differ a little). Each side's "other work" is the share of the cores that processes not its own used meanwhile
-(`/proc/stat`): above `BUSY` the seconds measure the machine's load as much as either side. Exit 0: pipeline / plain
-by medians <= TARGET; 1: above it; 3: no verdict (a run failed, the sides did different work, or the machine was busy).
+same work: the same GRPO steps with the same tokens at each logged step (TRL's `num_tokens`: both sides train on the
+same prompts and sample the same completions, seeded alike), the same number of answers per model and prompt set (and
+the same answer sets generated: ours counted in its answer cache), the same held-out prompts (those ours shows in its
+samples table) and the same instruction ids in each benchmark's sample. The scores of both sides are printed side by
+side, and the greedy answers' length in tokens: ours batches prompts by length, the script in their order, and a batch
+composed otherwise tips bf16 near-ties, so the answers differ a little and so does the eval's work. Each side's
+"other work" is the share of the cores that processes not its own used meanwhile (`/proc/stat`): above `BUSY` the
+seconds measure the machine's load as much as either side. Exit 0: pipeline / plain by medians <= TARGET; 1: above
+it; 3: no verdict (a run failed, the sides did different work, or the machine was busy).
 """
 
 from __future__ import annotations
@@ -137,17 +140,22 @@ def plain(out: Path, overrides: list[str]) -> None:
 
     start = Path(local_folder(params.model.name_or_path, log=lambda line: None))
     finished("conversion")
-    steps = plain_grpo(params, start, data, out)
+    steps, tokens = plain_grpo(params, start, data, out)
     finished("grpo")
     scores, work, heldout = plain_eval(params, start, out / "grpo", data)
     finished("eval")
-    record = {"parts": parts, "scores": scores, "work": {"grpo_steps": steps, **work}, "heldout": heldout}
+    record = {
+        "parts": parts,
+        "scores": scores,
+        "work": {"grpo_steps": steps, "grpo_tokens": tokens, **work},
+        "heldout": heldout,
+    }
     (out / "record.json").write_text(json.dumps(record))
 
 
-def plain_grpo(params, start: Path, data: Path, out: Path) -> int:
+def plain_grpo(params, start: Path, data: Path, out: Path) -> tuple[int, list[float]]:
     """TRL's GRPOTrainer with the resolved `grpo` settings (`GRPO_FIELDS`) on the Parquet prompts, from the converted
-    start; saves the policy to `out/grpo`. Returns the steps trained."""
+    start; saves the policy to `out/grpo`. Returns the steps trained and the tokens seen by each logged step."""
     import torch
     import trl
     from datasets import Dataset
@@ -179,7 +187,7 @@ def plain_grpo(params, start: Path, data: Path, out: Path) -> int:
     )
     trainer.train()
     trainer.save_model(str(out / "grpo"))
-    return trainer.state.global_step
+    return trainer.state.global_step, [row["num_tokens"] for row in trainer.state.log_history if "num_tokens" in row]
 
 
 def eval_sets(params, data: Path) -> dict[str, tuple[list[dict], int, Benchmark]]:
@@ -268,6 +276,11 @@ def sampled_kl(models: dict, tokenizer, prompts: list, cfg) -> float:
     return sum(gaps) / len(gaps)
 
 
+def answer_tokens(tokenizer, texts: list[str]) -> int:
+    """The greedy answers' length in tokens, both sides counted alike: each text as the tokenizer encodes it."""
+    return sum(len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in texts)
+
+
 def followed(rows: list[dict], texts: list[str], checkers: Benchmark) -> dict[str, float]:
     """Prompt- and instruction-level accuracy, strict and loose, by the checkers as our eval calls them."""
     from rlhf_pipeline.trainers.rewards.ifeval import check, text_of
@@ -325,6 +338,9 @@ def plain_eval(params, start: Path, policy: Path, data: Path) -> tuple[dict[str,
     scores["heldout/kl_to_start"] = sampled_kl(models, tokenizer, [row["prompt"] for row in heldout], cfg)
     work = {
         "answers": {key: {name: len(texts) for name, texts in by_model.items()} for key, by_model in answers.items()},
+        "answer_tokens": answer_tokens(
+            tokenizer, [text for by_model in answers.values() for texts in by_model.values() for text in texts]
+        ),
         "answer_sets": sorted(len(texts) for by_model in answers.values() for texts in by_model.values()),
         "instruction_ids": {
             key: sorted({i for row in rows for i in row["instruction_id_list"]})
@@ -362,10 +378,17 @@ def pipeline_round(folder: Path, prefect_home: Path, overrides: list[str], log: 
     parts["outside"] = wall - sum(parts.values())
     metrics = json.loads((artifacts["eval"] / "summary.json").read_text())["metrics"]
     training = json.loads((artifacts["grpo"] / "training.json").read_text())
-    answered = sorted(folder.glob("pipeline-models/answers/*.jsonl"))
+    history = [json.loads(line)["metrics"] for line in (artifacts["grpo"] / "history.jsonl").read_text().splitlines()]
+    answered = sorted(path for path in folder.glob("pipeline-models/answers/*.jsonl") if ".partial" not in path.name)
+    from transformers import AutoTokenizer
+
+    (converted,) = folder.glob("pipeline-models/gguf-*/")
+    texts = [json.loads(line)["answer"] for path in answered for line in path.read_text().splitlines()]
     sets = {"heldout": "eval/heldout/", **{key: f"eval/{key}/" for key in ("ifeval", "ifbench")}}
     work = {
         "grpo_steps": training["global_step"],
+        "grpo_tokens": [row["grpo/train/num_tokens"] for row in history if "grpo/train/num_tokens" in row],
+        "answer_tokens": answer_tokens(AutoTokenizer.from_pretrained(converted), texts),
         "answers": {
             key: {
                 name: int(metrics[f"{prefix}num_prompts"])
@@ -375,7 +398,7 @@ def pipeline_round(folder: Path, prefect_home: Path, overrides: list[str], log: 
             for key, prefix in sets.items()
             if f"{prefix}num_prompts" in metrics
         },
-        "answer_sets": sorted(len(path.read_text().splitlines()) for path in answered if ".partial" not in path.name),
+        "answer_sets": sorted(len(path.read_text().splitlines()) for path in answered),
         "instruction_ids": {
             key: sorted(
                 metric.rpartition("/")[2] for metric in metrics if metric.startswith(f"{prefix}if_instruction/sft/")
@@ -414,7 +437,7 @@ def same_work(pipeline: dict, plain: dict, shown: tuple[list[dict], list[dict]])
     ours, theirs = pipeline["work"], plain["work"]
     problems = [
         f"{what}: pipeline {ours[what]} vs plain {theirs[what]}"
-        for what in ("grpo_steps", "answers", "answer_sets", "instruction_ids")
+        for what in ("grpo_steps", "grpo_tokens", "answers", "answer_sets", "instruction_ids")
         if ours[what] != theirs[what]
     ]
     rows, plain_rows = shown
@@ -463,6 +486,9 @@ def report(rounds: list[dict], overrides: list[str]) -> float:
                 + (f"{median(present):9.1f}" if present else f"{'-':>9}")
             )
         print(f"{label:34} {cells[0]} | {cells[1]}")
+    tokens = {side: [r[side]["work"]["answer_tokens"] for r in rounds] for side in ("pipeline", "plain")}
+    cells = ["".join(f"{v:8d}" for v in tokens[side]) + f"{median(tokens[side]):9.0f}" for side in tokens]
+    print(f"{'eval: greedy answers, tokens':34} {cells[0]} | {cells[1]}")
     walls = {side: [r[side]["wall"] for r in rounds] for side in ("pipeline", "plain")}
     cells = ["".join(f"{v:8.1f}" for v in walls[side]) + f"{median(walls[side]):9.1f}" for side in walls]
     print(f"{'wall to wall':34} {cells[0]} | {cells[1]}")
@@ -509,6 +535,7 @@ def measure(rounds: int, overrides: list[str], root: Path, keep: bool) -> int:
                 "scores": r["scores"],
                 "grpo_steps": r["work"]["grpo_steps"],
                 "answers": r["work"]["answers"],
+                "answer_tokens": r["work"]["answer_tokens"],
             }
             for side, r in (("pipeline", pipeline), ("plain", plain_side))
         }
