@@ -20,12 +20,30 @@ def start() -> None:
     if os.environ.get("PREFECT_API_URL"):
         return
     import atexit
-    import importlib.util
-    import subprocess
 
     from rlhf_pipeline.tasks.store.resources import free_port
 
     port = free_port()
+    process = spawn(port)
+    _TEMPORARY.update(process=process, url=f"http://127.0.0.1:{port}/api")
+    os.environ["PREFECT_API_URL"] = _TEMPORARY["url"]
+    # Its leases die with it, so device slots are not shared through it (tasks.orchestration.stage_task.coordinated);
+    # the name is written out here, since importing tasks.orchestration.stage_task would import Prefect before the
+    # server starts.
+    os.environ["RLHF_TEMPORARY_PREFECT_API_URL"] = _TEMPORARY["url"]
+    atexit.register(stop)  # registered before Prefect's handlers, so it runs after them
+
+
+def spawn(port: int, batch: bool = True):
+    """The temporary server's process on `port`: Prefect's uvicorn app with its ephemeral settings, in a process group
+    of its own (Ctrl-C, which the terminal sends the whole foreground group, must not stop it before the run has
+    recorded its stop: rlhf_pipeline.interrupt; it is stopped last), ending when this process dies, however it dies,
+    and a batch task (`batch_task`; `batch=False`: a normal one, which `bench.server_beside` compares)."""
+    import importlib.util
+    import subprocess
+
+    from rlhf_pipeline.trainers.runtime.rank import die_with_parent  # stdlib only; imported before the fork
+
     prefect_dir = os.path.dirname(importlib.util.find_spec("prefect").origin)
     env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
     command = [
@@ -45,29 +63,29 @@ def start() -> None:
         "--lifespan",
         "on",
     ]
-    from rlhf_pipeline.trainers.runtime.rank import (
-        die_with_parent,  # stdlib only; a killed `rlhf run` leaves no server behind
-    )
 
-    # A process group of its own: Ctrl-C, which the terminal sends the whole foreground group, must not stop it before
-    # the run has recorded its stop (rlhf_pipeline.interrupt); it is stopped last.
-    process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent, process_group=0)
-    _TEMPORARY.update(process=process, url=f"http://127.0.0.1:{port}/api")
-    os.environ["PREFECT_API_URL"] = _TEMPORARY["url"]
-    # Its leases die with it, so device slots are not shared through it (tasks.orchestration.stage_task.coordinated);
-    # the name is written out here, since importing tasks.orchestration.stage_task would import Prefect before the
-    # server starts.
-    os.environ["RLHF_TEMPORARY_PREFECT_API_URL"] = _TEMPORARY["url"]
-    atexit.register(stop)  # registered before Prefect's handlers, so it runs after them
+    def in_server() -> None:
+        die_with_parent()
+        if batch:
+            batch_task()
+
+    return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, preexec_fn=in_server, process_group=0)
+
+
+def batch_task() -> None:
+    """This process runs as a batch task (Linux SCHED_BATCH), whose wake-ups do not preempt the run's compute
+    threads; called in the temporary server before it execs uvicorn. Idle, the server wakes ~100 times a second
+    (docket's polls of its in-process Redis, the event services, SQLite's threads); a wake-up that preempts one of
+    torch's threads stalls the others at their next barrier, and generation beside the server ran slower (`python -m
+    bench.server_beside`, docs/PERFORMANCE.md). A batch task runs when a core is free or at the next scheduler tick, a
+    few milliseconds later, at the same share of the cores."""
+    if hasattr(os, "SCHED_BATCH"):  # Linux
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
 
 
 def wait() -> None:
     """Wait for the temporary server (said once the parameters are known good: a run refused before it needs the
     server says nothing of it)."""
-    import time
-    import urllib.error
-    import urllib.request
-
     process = _TEMPORARY.get("process")
     if process is None:
         return
@@ -76,7 +94,16 @@ def wait() -> None:
         "a running one)",
         file=sys.stderr,
     )
-    timeout = float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"])
+    answered(process, _TEMPORARY["url"], float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
+
+
+def answered(process, url: str, timeout: float) -> None:
+    """Return once the server `process` started answers at `url` (its API); SystemExit when it exits first or does not
+    answer within `timeout` seconds."""
+    import time
+    import urllib.error
+    import urllib.request
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -85,13 +112,13 @@ def wait() -> None:
                 "is above)"
             )
         try:
-            with urllib.request.urlopen(f"{_TEMPORARY['url']}/health", timeout=2) as response:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
                 if response.status == 200:
                     return
         except (urllib.error.URLError, OSError):
             pass
         time.sleep(0.05)
-    raise SystemExit(f"rlhf: the temporary Prefect server did not answer at {_TEMPORARY['url']} within {timeout:.0f}s")
+    raise SystemExit(f"rlhf: the temporary Prefect server did not answer at {url} within {timeout:.0f}s")
 
 
 def stop() -> None:
