@@ -65,6 +65,10 @@ def champion_lock(model_name: str, wait_seconds: float = 900.0) -> Iterator[None
             mlflow.create_registered_model(lock, tags={"rlhf.holder": holder}, description="rlhf: a promotion runs")
             break
         except MlflowException as exc:
+            # A store that finds the name taken reads the holder's model back; when the holder released it in between,
+            # that read answers RESOURCE_DOES_NOT_EXIST: the lock is free again.
+            if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
+                continue
             if exc.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
         try:
