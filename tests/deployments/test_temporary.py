@@ -1,9 +1,10 @@
 """The temporary Prefect server of `rlhf run` and `rlhf eval`: a batch task, whose wake-ups do not preempt a run's
-compute threads (bench.server_beside)."""
+compute threads (bench.server_beside), stopped without waiting for its exit and never outliving the command."""
 
 from __future__ import annotations
 
 import os
+import signal
 
 from rlhf_pipeline.deployments import temporary
 
@@ -32,3 +33,54 @@ def test_the_temporary_server_answers_with_every_thread_a_batch_task_and_leaves_
     finally:
         temporary.stop()
     assert "PREFECT_API_URL" not in os.environ
+    assert process.wait(timeout=30) == -signal.SIGTERM  # stop() does not wait, and the server does not outlive it
+
+
+def test_a_refused_run_leaves_no_server_behind(tmp_path):
+    """`rlhf run` refused after its temporary server started (the dataset the parameters name is missing): once the
+    command has exited, no process it started is left, though stop() does not wait for the server's exit. Every process
+    the command starts inherits a marker in its environment, which finds them."""
+    import subprocess
+    import sys
+    import time
+    import uuid
+
+    marker = f"rlhf-test-{uuid.uuid4().hex}"
+    env = {key: value for key, value in os.environ.items() if key != "PREFECT_API_URL"}
+    missing = tmp_path / "no-such-sft.jsonl"
+    command = [sys.executable, "-m", "rlhf_pipeline", "run", "--set", f"data.sft.path={missing}"]
+    run = subprocess.Popen(
+        command, env={**env, "RLHF_TEST_MARKER": marker}, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
+    )
+    servers = set()
+    while run.poll() is None:  # the server it started, seen while the command runs
+        servers.update(pid for pid in marked(marker) if b"prefect_app:create_app" in cmdline(pid))
+        time.sleep(0.05)
+    stderr = run.stderr.read()
+    assert run.returncode == 2 and f"data.sft.path: {missing}" in stderr, stderr
+    assert servers, "the command started no temporary server"
+    deadline = time.monotonic() + 30
+    while marked(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not marked(marker)
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as found:
+            return found.read()
+    except OSError:
+        return b""
+
+
+def marked(marker: str) -> list[int]:
+    """The processes whose environment holds `marker`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as environ:
+                if marker.encode() in environ.read():
+                    found.append(int(pid))
+        except OSError:  # ended meanwhile, or not ours to read
+            pass
+    return found
