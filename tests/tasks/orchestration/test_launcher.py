@@ -247,13 +247,14 @@ def test_sft_dpo_and_ppo_on_two_ranks_reach_the_held_out_exact_match_of_one_proc
     assert dpo_ranks.ref.manifest()["training"]["global_step"] == 60
     assert (dpo_ranks.ref.path / "model" / "model.safetensors").is_file()
     scores["dpo"] = (score(train_stage("dpo", dpo, {}, upstream, inprocess).ref), score(dpo_ranks.ref))
-    # 20 updates; the rollout batch is global (ppo splits it over the ranks itself: not halved)
+    # 20 updates; the rollout batch is global (ppo splits it over the ranks itself: not halved), so both ways have one
+    # key: the in-process one keeps artifacts of its own, else it would reuse the launched one and compare it to itself.
     ppo = params.ppo.model_copy(update={"total_episodes": 1280})
     ppo_ranks = launched("ppo", ppo, {"rewards": params.rewards}, upstream, ctx, halve=False)
-    scores["ppo"] = (
-        score(train_stage("ppo", ppo, {"rewards": params.rewards}, upstream, inprocess).ref),
-        score(ppo_ranks.ref),
-    )
+    apart = inprocess.model_copy(update={"artifact_root": str(tmp_path / "inprocess-artifacts")})
+    ppo_alone = train_stage("ppo", ppo, {"rewards": params.rewards}, upstream, apart)
+    assert not ppo_alone.cached and ppo_alone.ref.key == ppo_ranks.ref.key and ppo_alone.ref.path != ppo_ranks.ref.path
+    scores["ppo"] = (score(ppo_alone.ref), score(ppo_ranks.ref))
     # Each trained, and each launched figure within 3 points of the in-process one
     (sft_one, _), (dpo_one, _), (ppo_one, _) = scores["sft"], scores["dpo"], scores["ppo"]
     assert sft_one > 0.5 and dpo_one > sft_one + 0.05 and ppo_one > sft_one + 0.05, scores
