@@ -33,8 +33,12 @@ from pathlib import Path
 from rlhf_pipeline.flows.params import load_params
 stage, data, sft, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4])
 params = load_params("tiny")
-import importlib
-trainer = importlib.import_module(f"rlhf_pipeline.trainers.{stage}")
+try:  # the module that builds the stage
+    from rlhf_pipeline.tasks.stages import BY_NAME
+    trainer = BY_NAME[stage].code
+except ImportError:  # a base commit from before the stage table, whose trainers were rlhf_pipeline.trainers.<stage>
+    import importlib
+    trainer = importlib.import_module(f"rlhf_pipeline.trainers.{stage}")
 arguments = {"cfg": getattr(params, stage), "data_dir": data, "out_dir": out / "out", "work_dir": out / "work"}
 arguments |= {"model": params.model} if stage == "sft" else {"sft_model": sft}
 arguments |= {"rewards": params.rewards, "reward_model": None} if stage == "ppo" else {}

@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     from rlhf_pipeline.flows.params import load_params
     from rlhf_pipeline.tasks.config import LaunchConfig
     from rlhf_pipeline.tasks.orchestration.launcher import run_launched
+    from rlhf_pipeline.tasks.stages import BY_NAME
     from rlhf_pipeline.trainers.data import load_split
     from tests.helpers import write_data_dir
 
@@ -66,18 +67,16 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
 
     def build(stage: str, mode: str, arguments: dict) -> Path:
-        import importlib
-
         out, work = root / mode / stage, root / mode / f"{stage}-work"
         shutil.rmtree(work, ignore_errors=True)
         arguments = {**arguments, "data_dir": data, "out_dir": out, "work_dir": work}
         started = time.perf_counter()
         if mode == "inprocess":
-            importlib.import_module(f"rlhf_pipeline.trainers.{stage}").train(**arguments)
+            BY_NAME[stage].code.train(**arguments)
         else:
             run_launched(
                 stage,
-                f"rlhf_pipeline.trainers.{stage}",
+                BY_NAME[stage].code.__name__,
                 arguments,
                 work,
                 lambda values, step: None,

@@ -61,11 +61,12 @@ ENV = {
 }
 
 OURS = """
-import importlib, json, sys
+import json, sys
 from pathlib import Path
 from rlhf_pipeline.trainers.rewards.mix import RewardsConfig
 stage, spec = sys.argv[1], json.loads(Path(sys.argv[2]).read_text())
-module = importlib.import_module(f"rlhf_pipeline.trainers.{stage}")
+from rlhf_pipeline.tasks.stages import BY_NAME
+module = BY_NAME[stage].code  # the module that builds the stage
 module.train(
     cfg=getattr(module, spec["config"])(**spec["cfg"]), rewards=RewardsConfig(**spec["rewards"]), \
 sft_model=Path(spec["sft"]),
