@@ -54,7 +54,7 @@ def test_a_refused_run_leaves_no_server_behind(tmp_path):
     )
     servers = set()
     while run.poll() is None:  # the server it started, seen while the command runs
-        servers.update(pid for pid in marked(marker) if b"prefect_app:create_app" in cmdline(pid))
+        servers.update(pid for pid, command in marked(marker).items() if "prefect_app:create_app" in command)
         time.sleep(0.05)
     stderr = run.stderr.read()
     assert run.returncode == 2 and f"data.sft.path: {missing}" in stderr, stderr
@@ -65,22 +65,12 @@ def test_a_refused_run_leaves_no_server_behind(tmp_path):
     assert not marked(marker)
 
 
-def cmdline(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as found:
-            return found.read()
-    except OSError:
-        return b""
+def marked(marker: str) -> dict[int, str]:
+    """The processes whose environment holds `marker`: pid -> command line."""
+    import psutil
 
-
-def marked(marker: str) -> list[int]:
-    """The processes whose environment holds `marker`."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as environ:
-                if marker.encode() in environ.read():
-                    found.append(int(pid))
-        except OSError:  # ended meanwhile, or not ours to read
-            pass
-    return found
+    return {
+        process.pid: " ".join(process.info["cmdline"] or ())
+        for process in psutil.process_iter(["environ", "cmdline"])
+        if (process.info["environ"] or {}).get("RLHF_TEST_MARKER") == marker
+    }
