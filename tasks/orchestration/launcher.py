@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections import deque
 from pathlib import Path
 from typing import Any, Callable
@@ -93,6 +94,7 @@ def run_launched(
     launcher = launch.launcher_of(stage)
     command = launch_command(launch, spec, launcher)
     env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1", "RLHF_STAGE": stage}
+    env[LAUNCH_ENV] = uuid.uuid4().hex
     if hidden:
         env[SECRETS_ENV] = json.dumps(hidden)
     log(f"{stage}: {' '.join(command[2:])}")
@@ -107,7 +109,7 @@ def run_launched(
         env=env,
         preexec_fn=_rank_start,
     )
-    ranks = ProcessTree(process.pid)
+    ranks = ProcessTree(process.pid, env[LAUNCH_ENV])
     tail: deque[str] = deque(maxlen=30)
     try:
         _stream(process, ranks, log, log_metrics, tail)
@@ -147,20 +149,47 @@ def _rank_start() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+LAUNCH_ENV = "RLHF_LAUNCH"
+"""A fresh id in the environment of every process of one launch (each inherits it): finds one that left the tree, such
+as a worker a local Ray cluster's raylet started as it stopped, whose parent died before the launch was killed."""
+
+
 class ProcessTree:
     """The launcher and every process under it, remembered as they appear: a rank whose parent died is still found."""
 
-    def __init__(self, pid: int):
+    def __init__(self, pid: int, marker: str = ""):
         import psutil
 
         self.root = psutil.Process(pid)
         self.known = {self.root}
+        self.marker = marker
 
     def refresh(self) -> None:
         import psutil
 
         with contextlib.suppress(psutil.Error):
             self.known |= set(self.root.children(recursive=True))
+
+    def _marked(self) -> set:
+        """Every process of this machine whose environment carries this launch's marker."""
+        import psutil
+
+        found = set()
+        for process in psutil.process_iter() if self.marker else ():
+            with contextlib.suppress(psutil.Error):
+                if process.environ().get(LAUNCH_ENV) == self.marker:
+                    found.add(process)
+        return found
+
+    def _alive(self) -> list:
+        import psutil
+
+        alive = []
+        for process in self.known:
+            with contextlib.suppress(psutil.Error):
+                if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(process)
+        return alive
 
     def signal(self, signum: int, only: str = "") -> None:
         """`signum` to every process of the tree that is still running (`only`: those whose command line holds it)."""
@@ -173,21 +202,28 @@ class ProcessTree:
                     process.send_signal(signum)
 
     def kill(self, grace: float, log: Callable[[str], None], stage: str) -> None:
-        """SIGTERM to every process of the tree, then SIGKILL to those alive after `grace` seconds."""
+        """SIGTERM to every process of the launch, then SIGKILL to those alive after `grace` seconds; again for any
+        that appeared meanwhile (one a dying process started), until none is left."""
         import psutil
 
-        self.refresh()
-        alive = [p for p in self.known if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        for process in alive:
-            with contextlib.suppress(psutil.Error):
-                process.terminate()
-        _, left = psutil.wait_procs(alive, timeout=grace)
-        for process in left:
-            with contextlib.suppress(psutil.Error):
-                process.kill()
-        if left:
-            log(f"{stage}: killed {len(left)} process(es) of the launch that outlived SIGTERM by {grace:.0f}s")
-        psutil.wait_procs(left, timeout=5)
+        killed = 0
+        for _ in range(5):
+            self.refresh()
+            self.known |= self._marked()
+            alive = self._alive()
+            if not alive:
+                break
+            for process in alive:
+                with contextlib.suppress(psutil.Error):
+                    process.terminate()
+            _, left = psutil.wait_procs(alive, timeout=grace)
+            for process in left:
+                with contextlib.suppress(psutil.Error):
+                    process.kill()
+            killed += len(left)
+            psutil.wait_procs(left, timeout=5)
+        if killed:
+            log(f"{stage}: killed {killed} process(es) of the launch that outlived SIGTERM by {grace:.0f}s")
 
 
 def _stream(process: subprocess.Popen, ranks: ProcessTree, log, log_metrics, tail: deque) -> None:

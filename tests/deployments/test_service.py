@@ -395,4 +395,6 @@ def test_cancelling_a_flow_run_stops_its_ray_job_and_every_worker_within_30_seco
     assert alive == [] and ours(ray_cluster.train_workers()) == [], [(p.pid, p.name()) for p in alive]
     cancelled = wait_for(service, run.id, timeout=120)
     assert cancelled.state.type.value == "CANCELLED", explain(service, cancelled)
-    assert stopped_in <= 30 and cluster() == []
+    left = cluster()  # also none that started after `started` was taken (CI of d4f3a20 found one)
+    born = [(p.pid, round(p.create_time() - asked, 1), p.info["cmdline"]) for p in left]
+    assert stopped_in <= 30 and left == [], born
