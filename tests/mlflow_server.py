@@ -10,6 +10,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from rlhf_pipeline.deployments.local import MLFLOW_NO_JOBS
+
 
 def start(store_uri: str, port: int, pid_file: Path, timeout: float = 120, artifacts: Path | None = None) -> int:
     """Start it (one worker), write its pid to `pid_file`, and return once /health answers. `artifacts`: the folder
@@ -22,6 +24,7 @@ def start(store_uri: str, port: int, pid_file: Path, timeout: float = 120, artif
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
+        env={**MLFLOW_NO_JOBS, **os.environ},  # as `rlhf up` starts its own
     )
     Path(pid_file).write_text(f"{server.pid}\n")
     deadline = time.time() + timeout

@@ -237,6 +237,8 @@ def test_rlhf_up_starts_prefect_mlflow_and_serve_and_stops_them_all(tmp_path):
     import urllib.error
     import urllib.request
 
+    import psutil
+
     port, mlflow_port = free_port(), free_port()
     env = {
         **os.environ,
@@ -263,6 +265,12 @@ def test_rlhf_up_starts_prefect_mlflow_and_serve_and_stops_them_all(tmp_path):
             assert deployment(service, "rlhf/retrain").schedules  # served, and read, with the password
             started = children(up.pid)
             assert len(started) == 3, (tmp_path / "up.log").read_text()[-3000:]
+            jobs = []  # MLflow's job runner stays off
+            for process in psutil.Process(up.pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    if "mlflow.server.jobs" in " ".join(process.cmdline()):
+                        jobs.append(process.cmdline())
+            assert jobs == []
 
             def fetch(url: str, headers: dict) -> int:
                 try:
