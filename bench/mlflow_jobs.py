@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -28,7 +29,7 @@ from rlhf_pipeline.deployments.local import MLFLOW_NO_JOBS
 from rlhf_pipeline.tasks.store.resources import free_port
 
 
-def idle_server(jobs: bool, seconds: float) -> tuple[float, int, float]:
+def idle_server(jobs: bool, seconds: float) -> tuple[float, int, float | None]:
     """One server watched for `seconds`: (CPU seconds of its processes, how many there were, seconds until it
     answered)."""
     import psutil
@@ -44,10 +45,11 @@ def idle_server(jobs: bool, seconds: float) -> tuple[float, int, float]:
     server = subprocess.Popen(
         command, env=env, cwd=store, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
-    started, answered, seen = time.time(), float("nan"), {}
+    started, seen = time.time(), {}
+    answered: float | None = None
     try:
         while time.time() - started < seconds:
-            if answered != answered:  # NaN: not yet
+            if answered is None:
                 with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
                     answered = time.time() - started
             with contextlib.suppress(psutil.Error):
@@ -61,6 +63,7 @@ def idle_server(jobs: bool, seconds: float) -> tuple[float, int, float]:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)
+        shutil.rmtree(store, ignore_errors=True)
     return sum(seen.values()), len(seen), answered
 
 
@@ -73,10 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     for round_ in range(1, args.rounds + 1):
         for jobs in (True, False) if round_ % 2 else (False, True):
             spent, processes, answered = idle_server(jobs, args.seconds)
+            reply = "never answering" if answered is None else f"answering after {answered:.1f} s"
             cpu[jobs].append(spent)
             print(
                 f"round {round_}, {'with' if jobs else 'without'} the job runner: {spent:.1f} CPU s in "
-                f"{args.seconds:.0f} s, {processes} processes, answering after {answered:.1f} s",
+                f"{args.seconds:.0f} s, {processes} processes, {reply}",
                 flush=True,
             )
     less = all(without < with_ for with_, without in zip(cpu[True], cpu[False]))

@@ -94,8 +94,8 @@ def mlflow_auth(auth_string: str) -> tuple[list[str], dict[str, str]]:
 
 MLFLOW_NO_JOBS = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 """The environment an MLflow server is started with unless the operator's says otherwise: without MLflow's job runner
-(GenAI jobs; the pipeline submits none), which is ten more processes that import MLflow and poll: an idle server
-spent 24-26 CPU seconds in its first minute with it, 6 without (12 processes against 2; 2026-12-07, this machine)."""
+(GenAI jobs; the pipeline submits none), eight or more processes that import MLflow and poll (`python -m
+bench.mlflow_jobs`: an idle server's first minute, 28 CPU seconds with it, 6 without; docs/PERFORMANCE.md)."""
 
 
 def mlflow_server(port: int, extra: list[str] = ()) -> list[str]:

@@ -174,8 +174,10 @@ class ProcessTree:
         """Every process of this machine whose environment carries this launch's marker."""
         import psutil
 
-        found = set()
-        for process in psutil.process_iter() if self.marker else ():
+        found: set = set()
+        if not self.marker:
+            return found
+        for process in psutil.process_iter():
             with contextlib.suppress(psutil.Error):
                 if process.environ().get(LAUNCH_ENV) == self.marker:
                     found.add(process)
