@@ -108,6 +108,16 @@ class PpoFields(AttentionField):
     temperature: float = Field(
         0.7, gt=0, description="Sampling temperature; log-probabilities are computed at the same temperature."
     )
+    rollout_logprobs: bool = Field(
+        False,
+        description=(
+            "Take the rollouts' log-probabilities and entropy from generation's own scores, as TRL's PPOTrainer did, "
+            "instead of one more forward pass of the policy over prompt + completion: a rollout spends one forward "
+            "pass less. The log-probs then come from cached decoding, so the first mini-batch's ratio moves from "
+            "exactly 1 by its rounding (within 1e-3 in float32). Holds the batch's scores while generating: "
+            "rollout_batch_size x response_length x vocabulary floats per rank."
+        ),
+    )
     max_grad_norm: float = Field(
         1.0, gt=0, description="Gradient clipping norm (policy and value parameters together)."
     )

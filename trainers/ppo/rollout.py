@@ -3,7 +3,7 @@ of the sampled completions (N+: Huang et al. 2024, "The N+ Implementation Detail
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from rlhf_pipeline.trainers.ppo.config import PpoFields
 from rlhf_pipeline.trainers.ppo.losses import truncate_at_stop
@@ -27,12 +27,24 @@ def stop_ids(cfg: PpoFields, tokenizer) -> list[int]:
     return stop_token_ids(tokenizer)
 
 
+class Sampled(NamedTuple):
+    """One batch of rollouts: inputs for prompt + completion, the completion mask, whether each reached a stop token,
+    and, with `rollout_logprobs`, the sampled tokens' log-probabilities and the entropy as generation computed them."""
+
+    inputs: dict
+    mask: torch.Tensor
+    ended: torch.Tensor
+    logprobs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+
+
 def sample_completions(
     policy, tokenizer, prompt_ids: list[list[int]], cfg: PpoFields, stops: list[int], device
-) -> tuple[dict, torch.Tensor, torch.Tensor]:
-    """Left-padded prompts (N+ §4) -> inputs for prompt + completion, completion mask, whether each reached a stop
-    token. No top-k/top-p/repetition penalty (own_sampling: not even the model's generation_config's), so we sample from
-    exactly the distribution whose log-probs we compute (N+ §7)."""
+) -> Sampled:
+    """Left-padded prompts (N+ §4) -> `Sampled`. No top-k/top-p/repetition penalty (own_sampling: not even the model's
+    generation_config's), so we sample from exactly the distribution whose log-probs we compute (N+ §7); with
+    `rollout_logprobs` they are read from that distribution as generation drew from it (its scores: the logits divided
+    by the temperature), as TRL's PPOTrainer did, one step at a time so no second copy of the scores is held."""
     import torch
 
     from rlhf_pipeline.trainers.models.text import own_sampling, pad
@@ -51,15 +63,24 @@ def sample_completions(
             max_new_tokens=cfg.response_length,
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=stops,
+            **({"output_scores": True, "return_dict_in_generate": True} if cfg.rollout_logprobs else {}),
         )
-    responses, mask, ended = truncate_at_stop(generated[:, queries.shape[1] :], stops, tokenizer.pad_token_id)
+    sequences = generated.sequences if cfg.rollout_logprobs else generated
+    responses, mask, ended = truncate_at_stop(sequences[:, queries.shape[1] :], stops, tokenizer.pad_token_id)
     attention_mask = torch.cat([query_mask, mask.long()], 1)
     inputs = {
         "input_ids": torch.cat([queries, responses], 1),
         "attention_mask": attention_mask,
         "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),  # as `generate` numbers left-padded rows
     }
-    return inputs, mask.float(), ended
+    if not cfg.rollout_logprobs:
+        return Sampled(inputs, mask.float(), ended)
+    logprobs, entropy = torch.zeros(mask.shape, device=device), torch.zeros(mask.shape, device=device)
+    for t, scores in enumerate(generated.scores):  # a row's steps after its stop token are masked out
+        step = torch.log_softmax(scores.float(), dim=-1)
+        logprobs[:, t] = step.gather(-1, responses[:, t, None]).squeeze(-1)
+        entropy[:, t] = -(step.exp() * step).sum(-1)
+    return Sampled(inputs, mask.float(), ended, logprobs, entropy)
 
 
 def response_logprobs(model, inputs: dict, width: int, temperature: float, with_entropy: bool = False):

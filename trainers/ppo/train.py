@@ -397,9 +397,12 @@ def _rollout(run: PpoRun, rows: list[int]) -> Rollout:
     cfg, policy, tokenizer, reference = run.cfg, run.policy, run.tokenizer, run.reference
     with torch.no_grad(), run.autocast():
         prompts = [run.prompt_ids[i] for i in rows]
-        inputs, mask, ended = sample_completions(policy, tokenizer, prompts, cfg, run.stops, run.device)
+        inputs, mask, ended, logprobs, entropy = sample_completions(
+            policy, tokenizer, prompts, cfg, run.stops, run.device
+        )
         width = mask.shape[1]
-        logprobs, entropy = response_logprobs(policy, inputs, width, cfg.temperature, with_entropy=True)
+        if logprobs is None:  # without `rollout_logprobs`: one more forward pass of the policy
+            logprobs, entropy = response_logprobs(policy, inputs, width, cfg.temperature, with_entropy=True)
         with reference_of(policy) if reference is None else contextlib.nullcontext():
             ref_logprobs, _ = response_logprobs(
                 policy if reference is None else reference, inputs, width, cfg.temperature

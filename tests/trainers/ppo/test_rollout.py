@@ -106,7 +106,7 @@ def test_rollouts_are_cut_at_the_end_of_turn(gpt2):
 
     def rollout(cfg):
         torch.manual_seed(0)
-        inputs, mask, ended = sampling.sample_completions(
+        inputs, mask, ended, *_ = sampling.sample_completions(
             policy, tokenizer, prompts, cfg, sampling.stop_ids(cfg, tokenizer), "cpu"
         )
         return inputs["input_ids"][:, -mask.shape[1] :], mask.bool(), ended
@@ -241,7 +241,7 @@ def test_sampled_logprobs_are_the_ones_ppo_computes(tmp_path, monkeypatch):
     def largest_gap() -> float:
         torch.manual_seed(0)
         with torch.no_grad():
-            inputs, mask, _ = sampling.sample_completions(
+            inputs, mask, *_ = sampling.sample_completions(
                 policy, tokenizer, prompts, cfg, sampling.stop_ids(cfg, tokenizer), "cpu"
             )
             width = mask.shape[1]
@@ -254,3 +254,35 @@ def test_sampled_logprobs_are_the_ones_ppo_computes(tmp_path, monkeypatch):
     # Control: without own_sampling the model's repetition_penalty=1.05 leaks in, and the check sees it.
     monkeypatch.setattr(text, "own_sampling", lambda model, tokenizer: contextlib.nullcontext())
     assert largest_gap() > 1e-3
+
+
+def test_rollout_logprobs_are_generations_own_and_sampling_is_unchanged(tmp_path):
+    """With `rollout_logprobs`, Qwen2's rollouts carry the log-probs and entropy of the distribution generation drew
+    from; they equal one forward pass's within 1e-4, and the same seed draws the same tokens as without the option."""
+    policy, tokenizer = load_base_model(ModelConfig(name_or_path=str(qwen2_folder(tmp_path / "qwen2"))))
+    prompts = [
+        text.prompt_ids(tokenizer, [{"role": "user", "content": f"Describe the {c} {a}."}])
+        for c in ("red", "gold")
+        for a in ("cat", "owl", "fox")
+    ]
+
+    def rollout(from_generation: bool) -> sampling.Sampled:
+        cfg = ppo.PpoConfig(response_length=12, temperature=0.7, rollout_logprobs=from_generation)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            return sampling.sample_completions(
+                policy, tokenizer, prompts, cfg, sampling.stop_ids(cfg, tokenizer), "cpu"
+            )
+
+    plain, scored = rollout(False), rollout(True)
+    assert plain.logprobs is None and plain.entropy is None
+    assert torch.equal(plain.inputs["input_ids"], scored.inputs["input_ids"]) and torch.equal(plain.mask, scored.mask)
+    real = scored.mask.bool()
+    assert real.sum() > len(prompts)  # more than one token a row
+    with torch.no_grad():
+        computed, entropy = sampling.response_logprobs(
+            policy, scored.inputs, scored.mask.shape[1], 0.7, with_entropy=True
+        )
+    assert (scored.logprobs - computed)[real].abs().max().item() < 1e-4
+    assert (scored.entropy - entropy)[real].abs().max().item() < 1e-4
+    assert scored.logprobs[real].min() < -0.1  # sampled at temperature 0.7: not every token a near-certainty

@@ -365,3 +365,39 @@ def test_a_sigterm_mid_ppo_writes_a_checkpoint_publishes_nothing_and_the_next_at
     assert (tmp_path / "work" / "checkpoint-2" / COMPLETE).is_file() and not (tmp_path / "out" / "model").exists()
     train_on_exact_match(ppo.PpoConfig(**four_updates), tiny, tmp_path, lambda values, step: logged.append(step))
     assert logged == [3, 4] and (tmp_path / "out" / "model" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_rollout_logprobs_from_generation_spare_a_forward_pass_and_keep_the_first_ratio_at_1(
+    tiny, tmp_path, monkeypatch, lora
+):
+    """`rollout_logprobs`: the old log-probs and entropy come from generation's scores, so a rollout runs one log-prob
+    forward (the reference's) instead of two; one update of one mini-batch logs that mini-batch's ratio, taken before
+    any step: within 1e-3 of 1 (cached decoding rounds otherwise than one forward pass). Sampling itself is unchanged:
+    the same seed draws the same completions, so the reward is the same, and so, within rounding, is the entropy."""
+    forwards: list[int] = []
+    counted = ppo.response_logprobs
+
+    def counting(model, inputs, *args, **kwargs):
+        forwards.append(len(inputs["input_ids"]))
+        return counted(model, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(ppo, "response_logprobs", counting)
+    one_step = {**FAST, "num_mini_batches": 1, "num_ppo_epochs": 1, "total_episodes": 8}
+    adapters = LoraConfig(enabled=lora, r=4, lora_alpha=8)
+    runs = {}
+    for from_generation in (False, True):
+        forwards.clear()
+        logged: list[dict] = []
+        cfg = ppo.PpoConfig(**one_step, lora=adapters, rollout_logprobs=from_generation)
+        train_on_exact_match(cfg, tiny, tmp_path / str(from_generation), lambda v, s: logged.append(v))
+        # Forward passes of 8 rows each: the rollout's policy (without the option) and reference, then the step's.
+        assert forwards == [8] * (2 if from_generation else 3), from_generation
+        runs[from_generation] = logged[0]
+    exact, generated = runs[False], runs[True]
+    assert exact["ppo/train/ratio"] == pytest.approx(1.0, abs=1e-6)
+    assert generated["ppo/train/ratio"] == pytest.approx(1.0, abs=1e-3)
+    assert generated["ppo/train/reward"] == exact["ppo/train/reward"]
+    assert generated["ppo/train/response_length"] == exact["ppo/train/response_length"]
+    assert generated["ppo/train/entropy"] == pytest.approx(exact["ppo/train/entropy"], abs=1e-4)
+    assert generated["ppo/train/kl"] == pytest.approx(0.0, abs=1e-4)  # the reference is the policy before any step
