@@ -8,11 +8,18 @@ default.
 
 One SFT model and one reward model (the tiny preset's sft and rm stages, trained once per run) are the starting policy
 and the only reward of every run: our PPO (`trainers/ppo/train.py`, the tiny preset's ppo settings with `rewards` = the
-reward model alone) and TRL 1.12's `trl.experimental.ppo.PPOTrainer` with the same hyperparameters, in a virtualenv of
-its own (TRL 1.12 with the project's transformers; never in the project's dependencies), each in a fresh process timed
-wall to wall (interpreter start to exit: imports, model loading and saving included; its CPU seconds beside),
-interleaved, alternating who goes first, every process with the same torch threads (`--threads`). Then GRPO and RLOO
-(tiny preset, the same reward model) on the same budget of generated tokens, one run each.
+reward model alone) twice, as configured by default and with `rollout_logprobs` (the rollouts' log-probs from
+generation's scores, as TRL took them), and TRL 1.12's `trl.experimental.ppo.PPOTrainer` with the same hyperparameters,
+in a virtualenv of its own (TRL 1.12 with the project's transformers; never in the project's dependencies), each in a
+fresh process timed wall to wall (interpreter start to exit: imports, model loading and saving included; its CPU seconds
+beside), interleaved, each side first once in three repeats, every process with the same torch threads (`--threads`).
+Repeat r runs every side with seed 42 + r. Then GRPO and RLOO (tiny preset, the same reward model) on the same budget of
+generated tokens, one run each.
+
+The verdict (exit 1 when it fails) compares the same work: ours with generation's log-probs against TRL's, at >= 1.4x
+the episodes/s, and no worse reward gain, i.e. the upper bound of the paired 95% interval over held-out prompts of
+(ours - TRL) at or above 0; and `rollout_logprobs` leaves the gain unchanged: the paired interval of (with - without)
+holds 0. The default's speed against TRL's is printed beside.
 
 Every final policy, and the SFT model it started from, is scored afterwards in this process in the same way: completions
 sampled as in training (temperature, response_length, stopped at EOS) on the held-out `prompts_eval`, scored by the
@@ -40,6 +47,10 @@ DEFAULT_VENV = ROOT / "state" / "bench" / "trl-1.12"
 # transformers stack (pyproject.toml), which TRL 1.12 accepts (transformers>=4.56.2), so only the trainer differs.
 TORCH_PIN = "torch==2.13.0"
 TARGET = 1.4
+GENERATION = "PPO (ours, gen.)"
+"""Ours with `rollout_logprobs`: the rollouts' log-probs from generation's scores, as TRL 1.12 took them (the same work
+as TRL's side)."""
+SIDES = {"ours": "PPO (ours)", "ours-generation": GENERATION, "trl": "PPO (TRL 1.12)"}
 """Episodes/s of ours over TRL 1.12's, at no worse reward gain: a regression check (issue 45; TRL deleted its
 PPOTrainer in 1.13, so 1.12 is a frozen baseline). Exit 1 below it."""
 TRL_PINS = (
@@ -227,10 +238,10 @@ DIFFERENCES = [
     "missing_eos_penalty=1.0 on both (our default with a reward model; TRL's default None)",
     "score position: TRL adds the score one token after the EOS (its 'padding_mask_p1' position, also trained by the "
     "value loss), ours on the EOS (or last token of a cut-off completion)",
-    "rollout log-probs: TRL takes them from generate()'s scores, ours from one more forward pass; TRL divides logits "
-    "by temperature + 1e-7",
+    "rollout log-probs: TRL and 'ours, generation log-probs' (rollout_logprobs) take them from generate()'s scores; "
+    "'ours' (the default) from one more forward pass; TRL divides logits by temperature + 1e-7",
     "advantage whitening: TRL's unbiased variance, ours the population variance (both over the real tokens)",
-    "prompt order: both shuffle each pass over the prompts with seed 42, with different generators",
+    "prompt order: both shuffle each pass over the prompts with the repeat's seed (42 + r), with different generators",
     "sample tables off on both (num_sample_generations=0: TRL's would generate on every held-out prompt 10 times)",
     "KL: the same fixed kl_coef on both (the tiny preset's adaptive target_kl off: TRL 1.12 has none); ours without "
     "its held-out probes (eval_steps)",
@@ -242,10 +253,10 @@ DIFFERENCES = [
 
 def held_out_scores(
     model_dir: Path, sft_model: Path, reward_model: Path, prompts: list, answers: list, ppo, samples: int
-) -> tuple[float, float, float]:
-    """(mean reward-model score of `samples` completions per prompt sampled as in training, missing-EOS share, greedy
-    exact match). Every policy is read with the SFT model's tokenizer, the reward model's too: TRL's side saves it with
-    left padding."""
+) -> tuple[list[float], float, float]:
+    """(each prompt's mean reward-model score over `samples` completions sampled as in training, the same draws for
+    every policy; missing-EOS share; greedy exact match). Every policy is read with the SFT model's tokenizer, the
+    reward model's too: TRL's side saves it with left padding."""
     import torch
 
     from rlhf_pipeline.trainers.models.load import load_causal_lm, load_tokenizer
@@ -281,7 +292,8 @@ def held_out_scores(
             ended_all.extend(ended.tolist())
     greedy = generate(policy, tokenizer, prompts, max_new_tokens=12, batch_size=200)
     matched = exact_match(prompts, greedy, answer=answers)
-    return statistics.fmean(scores), 1 - statistics.fmean(ended_all), statistics.fmean(matched)
+    per_prompt = [statistics.fmean(scores[i * samples : (i + 1) * samples]) for i in range(len(prompts))]
+    return per_prompt, 1 - statistics.fmean(ended_all), statistics.fmean(matched)
 
 
 def table(runs: list[dict], start_score: float) -> dict[str, dict[str, float]]:
@@ -313,6 +325,18 @@ def table(runs: list[dict], start_score: float) -> dict[str, dict[str, float]]:
             f"{statistics.median(r['exact_match'] for r in mine):11.3f}"
         )
     return summary
+
+
+def paired_gain(runs: list[dict], method: str, baseline: str):
+    """The held-out score of `method` less `baseline`'s, paired by prompt: each prompt's score averaged over each
+    method's runs (seeds), with a 95% bootstrap interval over the prompts."""
+    from rlhf_pipeline.trainers.rewards.metrics import bootstrap_mean
+
+    def per_prompt(name: str) -> list[float]:
+        mine = [r["per_prompt"] for r in runs if r["method"] == name]
+        return [statistics.fmean(scores) for scores in zip(*mine)]
+
+    return bootstrap_mean([a - b for a, b in zip(per_prompt(method), per_prompt(baseline))], seed=0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -431,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def record(method: str, name: str, times: tuple[float, float], episodes: int) -> None:
         seconds, cpu = times
-        score, missing_eos, matched = held_out_scores(
+        per_prompt, missing_eos, matched = held_out_scores(
             root / name / "out" / "model",
             sft_model,
             reward_model,
@@ -446,37 +470,41 @@ def main(argv: list[str] | None = None) -> int:
                 "seconds": seconds,
                 "cpu": cpu,
                 "episodes": episodes,
-                "score": score,
+                "score": statistics.fmean(per_prompt),
+                "per_prompt": per_prompt,
                 "missing_eos": missing_eos,
                 "exact_match": matched,
             }
         )
         print(
             f"{name:14} {seconds:6.1f}s ({cpu:6.1f} CPU s)  {episodes / seconds:6.1f} episodes/s  held-out score "
-            f"{score:+.3f}  exact match {matched:.3f}",
+            f"{statistics.fmean(per_prompt):+.3f}  exact match {matched:.3f}",
             flush=True,
         )
         if args.keep is None:
             shutil.rmtree(root / name, ignore_errors=True)
 
     for repeat in range(args.repeats):
-        for side in ("ours", "trl") if repeat % 2 == 0 else ("trl", "ours"):  # interleaved, alternating who goes first
+        seeded = ppo.model_copy(update={"seed": ppo.seed + repeat})
+        order = [*SIDES][repeat % 3 :] + [*SIDES][: repeat % 3]  # interleaved, each side first once in three repeats
+        for side in order:
             name = f"ppo-{side}-{repeat + 1}"
-            if side == "ours":
+            if side == "trl":
                 spec = spec_file(
-                    name,
-                    {"config": "PpoConfig", "cfg": ppo.model_dump(mode="json"), "rewards": rewards, "data": str(data)},
-                )
-                times = timed([sys.executable, "-c", OURS, "ppo", str(spec)], spec.parent.parent / f"{name}.log")
-            else:
-                spec = spec_file(
-                    name, {"args": trl_arguments(ppo, ppo.rollout_batch_size), "prompts": str(prompt_file)}
+                    name, {"args": trl_arguments(seeded, seeded.rollout_batch_size), "prompts": str(prompt_file)}
                 )
                 times = timed(
                     [str(args.venv / "bin" / "python"), str(root / "trl_ppo.py"), str(spec)],
                     spec.parent.parent / f"{name}.log",
                 )
-            record("PPO (ours)" if side == "ours" else "PPO (TRL 1.12)", name, times, episodes)
+            else:
+                mode = seeded.model_copy(update={"rollout_logprobs": side == "ours-generation"})
+                spec = spec_file(
+                    name,
+                    {"config": "PpoConfig", "cfg": mode.model_dump(mode="json"), "rewards": rewards, "data": str(data)},
+                )
+                times = timed([sys.executable, "-c", OURS, "ppo", str(spec)], spec.parent.parent / f"{name}.log")
+            record(SIDES[side], name, times, episodes)
 
     tokens = episodes * ppo.response_length
     online_note = ""
@@ -507,9 +535,10 @@ def main(argv: list[str] | None = None) -> int:
     before = held_out_scores(
         sft_model, sft_model, reward_model, held_out["prompt"], held_out["answer"], ppo, args.samples
     )
+    start = statistics.fmean(before[0])
     print(
         f"\nheld-out ({len(held_out)} prompts, {args.samples} samples each at temperature {ppo.temperature}, <= "
-        f"{ppo.response_length} tokens), scored by the one reward model: SFT start {before[0]:+.3f} (missing EOS "
+        f"{ppo.response_length} tokens), scored by the one reward model: SFT start {start:+.3f} (missing EOS "
         f"{before[1]:.2f}), greedy exact match {before[2]:.3f}"
     )
     print(
@@ -517,34 +546,42 @@ def main(argv: list[str] | None = None) -> int:
         f"{ppo.num_ppo_epochs} epochs, {args.repeats} runs per side, interleaved, {args.threads} torch thread(s) per "
         f"process{online_note}"
     )
-    summary = table(runs, before[0])
-    ours, theirs = summary["PPO (ours)"], summary["PPO (TRL 1.12)"]
-    ratio = ours["speed"] / theirs["speed"]
-    faster, no_worse = ratio >= TARGET, ours["gain"] >= theirs["gain"]
+    summary = table(runs, start)
+    ours, generation, theirs = summary["PPO (ours)"], summary[GENERATION], summary["PPO (TRL 1.12)"]
+    ratio = generation["speed"] / theirs["speed"]
+    against_trl = paired_gain(runs, GENERATION, "PPO (TRL 1.12)")
+    option = paired_gain(runs, GENERATION, "PPO (ours)")
+    checks = {
+        f"below {TARGET}x": ratio >= TARGET,
+        "less gain than TRL's": against_trl.high >= 0,
+        "rollout_logprobs changed the gain": option.low <= 0 <= option.high,
+    }
     print(
-        f"\nspeed(ours) / speed(TRL 1.12) = {ratio:.2f}x (median episodes/s); gain / 1k episodes {ours['gain']:+.3f} "
-        f"(ours) vs {theirs['gain']:+.3f} (TRL)"
+        f"\nspeed(ours, generation log-probs) / speed(TRL 1.12) = {ratio:.2f}x, the same work (median episodes/s); "
+        f"the default, one forward pass more: {ours['speed'] / theirs['speed']:.2f}x"
     )
-    print(
-        f"CPU seconds, TRL 1.12 / ours = {theirs['cpu'] / ours['cpu']:.2f}x (medians; the same ratio less the load of "
-        "other work on the machine)"
-    )
-    verdict = (
-        "holds"
-        if faster and no_worse
-        else (
-            "does not hold "
-            f"({', '.join(w for w, bad in ((f'below {TARGET}x', not faster), ('less gain', not no_worse)) if bad)})"
+    for label, interval in (("ours, gen. - TRL", against_trl), ("ours, gen. - ours", option)):
+        print(
+            f"held-out score, {label}: {interval.mean:+.3f} [{interval.low:+.3f}, {interval.high:+.3f}] (paired 95% "
+            f"interval over {interval.n} prompts, each the mean of its {args.samples} samples x {args.repeats} seeds)"
         )
+    print(
+        f"CPU seconds, TRL 1.12 / ours, gen. = {theirs['cpu'] / generation['cpu']:.2f}x (medians; the same ratio less "
+        "the load of other work on the machine)"
     )
-    print(f"target >= {TARGET}x at no worse reward gain: {verdict}")
-    print("differences between the two PPO runs (everything else is the same setting):")
+    failed = [name for name, held in checks.items() if not held]
+    verdict = f"does not hold ({', '.join(failed)})" if failed else "holds"
+    print(
+        f"target >= {TARGET}x at no worse reward gain (upper bound >= 0), and rollout_logprobs's gain unchanged "
+        f"(its interval holds 0): {verdict}"
+    )
+    print("differences between our PPO and TRL's (everything else is the same setting):")
     for line in DIFFERENCES:
         print(f"  - {line}")
     print(f"bench: {time.perf_counter() - started:.0f}s (without the venv)")
     if args.keep is None:
         shutil.rmtree(root, ignore_errors=True)
-    return 0 if faster and no_worse else 1
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
