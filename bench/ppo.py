@@ -17,9 +17,10 @@ Repeat r runs every side with seed 42 + r. Then GRPO and RLOO (tiny preset, the 
 generated tokens, one run each.
 
 The verdict (exit 1 when it fails) compares the same work: ours with generation's log-probs against TRL's, at >= 1.4x
-the episodes/s, and no worse reward gain, i.e. the upper bound of the paired 95% interval over held-out prompts of
-(ours - TRL) at or above 0; and `rollout_logprobs` leaves the gain unchanged: the paired interval of (with - without)
-holds 0. The default's speed against TRL's is printed beside.
+the episodes/s, and no worse reward gain, i.e. the upper bound of the 95% interval of the held-out score (ours - TRL)
+at or above 0; and `rollout_logprobs` leaves the gain unchanged: the interval of (with - without) holds 0. Both
+intervals resample the held-out prompts, paired, and each side's seeds: runs of one method with other seeds differ by
+more than the prompts explain. The default's speed against TRL's is printed beside.
 
 Every final policy, and the SFT model it started from, is scored afterwards in this process in the same way: completions
 sampled as in training (temperature, response_length, stopped at EOS) on the held-out `prompts_eval`, scored by the
@@ -328,15 +329,14 @@ def table(runs: list[dict], start_score: float) -> dict[str, dict[str, float]]:
 
 
 def paired_gain(runs: list[dict], method: str, baseline: str):
-    """The held-out score of `method` less `baseline`'s, paired by prompt: each prompt's score averaged over each
-    method's runs (seeds), with a 95% bootstrap interval over the prompts."""
-    from rlhf_pipeline.trainers.rewards.metrics import bootstrap_mean
+    """The held-out score of `method` less `baseline`'s, with a 95% interval that resamples the prompts (paired) and
+    each method's runs (seeds)."""
+    from rlhf_pipeline.trainers.rewards.metrics import bootstrap_runs_difference
 
-    def per_prompt(name: str) -> list[float]:
-        mine = [r["per_prompt"] for r in runs if r["method"] == name]
-        return [statistics.fmean(scores) for scores in zip(*mine)]
+    def scores_of(name: str) -> list[list[float]]:
+        return [r["per_prompt"] for r in runs if r["method"] == name]
 
-    return bootstrap_mean([a - b for a, b in zip(per_prompt(method), per_prompt(baseline))], seed=0)
+    return bootstrap_runs_difference(scores_of(method), scores_of(baseline), seed=0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -562,8 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     for label, interval in (("ours, gen. - TRL", against_trl), ("ours, gen. - ours", option)):
         print(
-            f"held-out score, {label}: {interval.mean:+.3f} [{interval.low:+.3f}, {interval.high:+.3f}] (paired 95% "
-            f"interval over {interval.n} prompts, each the mean of its {args.samples} samples x {args.repeats} seeds)"
+            f"held-out score, {label}: {interval.mean:+.3f} [{interval.low:+.3f}, {interval.high:+.3f}] (95% "
+            f"interval resampling {interval.n} prompts, paired, and each side's {args.repeats} seeds)"
         )
     print(
         f"CPU seconds, TRL 1.12 / ours, gen. = {theirs['cpu'] / generation['cpu']:.2f}x (medians; the same ratio less "

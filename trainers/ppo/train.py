@@ -291,8 +291,9 @@ def _checked_data(cfg: PpoConfig, rewards: RewardsConfig, sft_model: Path, rewar
     if len(dataset) < cfg.rollout_batch_size:
         raise ValueError(f"prompts has {len(dataset)} rows, fewer than rollout_batch_size={cfg.rollout_batch_size}")
     num_updates = cfg.num_updates(len(dataset))
-    prompts = dataset["prompt"]
-    columns = {name: dataset[name] for name in dataset.column_names if name != "prompt"}
+    # Lists: each update picks its rows by index, and a datasets Column reads every index from Arrow apart (~0.2 ms).
+    prompts = list(dataset["prompt"])
+    columns = {name: list(dataset[name]) for name in dataset.column_names if name != "prompt"}
     tokenizer = load_tokenizer(sft_model)
     stop_ids(cfg, tokenizer)  # a stop token the tokenizer lacks fails here
     return prompts, columns, tokenizer, num_updates

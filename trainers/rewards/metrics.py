@@ -73,6 +73,37 @@ def bootstrap_mean(
     return _bootstrap_mean(array, n_bootstrap, confidence, seed)
 
 
+def bootstrap_runs_difference(
+    runs_a: Sequence[Sequence[float]],
+    runs_b: Sequence[Sequence[float]],
+    *,
+    n_bootstrap: int = 1000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> Interval:
+    """Mean of a's runs less mean of b's, each runs x items (e.g. training seeds x held-out prompts, the same items in
+    the same order on both sides), with a two-level percentile bootstrap: each resample draws the items (paired across
+    the sides) and, apart, the runs of each side. Runs of one method trained with other seeds differ by more than the
+    items explain; an interval over the items alone would call that seed-to-seed spread a difference of methods."""
+    import numpy as np
+
+    a, b = np.asarray(runs_a, dtype=np.float64), np.asarray(runs_b, dtype=np.float64)
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1] or 0 in a.shape or 0 in b.shape:
+        raise ValueError(
+            f"bootstrap_runs_difference needs two non-empty runs x items tables over the same items (got {a.shape} "
+            f"and {b.shape})"
+        )
+    items, tail = _resampled(a.shape[1], n_bootstrap, confidence, seed)
+    rng = np.random.default_rng(seed + 1)
+    runs = [rng.integers(0, len(side), size=(n_bootstrap, len(side))) for side in (a, b)]
+    # Each resample: its runs' rows, then its items' columns, averaged.
+    means = [
+        np.take_along_axis(side[chosen].mean(axis=1), items, axis=1).mean(axis=1) for side, chosen in zip((a, b), runs)
+    ]
+    low, high = np.quantile(means[0] - means[1], [tail, 1 - tail])
+    return Interval(float(a.mean() - b.mean()), float(low), float(high), a.shape[1])
+
+
 def bootstrap_ratio(
     numerators: Sequence[float],
     denominators: Sequence[float],

@@ -1,4 +1,5 @@
 import math
+import statistics
 
 import pytest
 
@@ -7,6 +8,7 @@ from rlhf_pipeline.trainers.models.base_model import load_base_model
 from rlhf_pipeline.trainers.rewards.metrics import (
     Interval,
     bootstrap_mean,
+    bootstrap_runs_difference,
     distinct_n,
     hacking_warnings,
     kl_to_reference,
@@ -73,6 +75,22 @@ def test_bootstrap_mean_of_hits():
     # 1/4 in 4.7%, so the bottom 5% is 1/4 (a close call: seed 0's 1000 resamples put it there).
     assert (interval.low, interval.high) == (0.25, 1.0)
     assert bootstrap_mean([2.0]) == Interval(2.0, 2.0, 2.0, 1)
+
+
+def test_a_difference_over_runs_carries_the_seed_to_seed_spread():
+    """Three seeds of a that scored 0, 1 and 2 on every prompt, against b's 1.2 on every prompt: each prompt's mean
+    differs by exactly -0.2, so an interval over the prompts alone is [-0.2, -0.2]; the runs' spread puts 0 inside."""
+    a, b = [[0.0] * 50, [1.0] * 50, [2.0] * 50], [[1.2] * 50] * 3
+    over_prompts = bootstrap_mean([statistics.fmean(x) - 1.2 for x in zip(*a)])
+    assert (over_prompts.low, over_prompts.high) == pytest.approx((-0.2, -0.2))
+    interval = bootstrap_runs_difference(a, b)
+    assert interval.mean == pytest.approx(-0.2) and interval.n == 50
+    assert interval.low < -0.5 and interval.high > 0.5
+    # Runs that agree: the items' spread alone, paired, so a constant shift is exact.
+    shifted = bootstrap_runs_difference([[x + 1.0 for x in range(50)]] * 2, [list(map(float, range(50)))] * 3)
+    assert (shifted.mean, shifted.low, shifted.high) == pytest.approx((1.0, 1.0, 1.0))
+    with pytest.raises(ValueError, match=r"same items \(got \(1, 2\) and \(1, 3\)\)"):
+        bootstrap_runs_difference([[1.0, 2.0]], [[1.0, 2.0, 3.0]])
 
 
 # --- texts, KL, drift --------------------------------------------------------------
