@@ -453,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
 
     runs: list[dict] = []
 
-    def record(method: str, name: str, times: tuple[float, float], episodes: int) -> None:
+    def record(method: str, name: str, times: tuple[float, float], episodes: int, repeat: int = 0) -> None:
         seconds, cpu = times
         per_prompt, missing_eos, matched = held_out_scores(
             root / name / "out" / "model",
@@ -467,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(
             {
                 "method": method,
+                "repeat": repeat,
                 "seconds": seconds,
                 "cpu": cpu,
                 "episodes": episodes,
@@ -504,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
                     {"config": "PpoConfig", "cfg": mode.model_dump(mode="json"), "rewards": rewards, "data": str(data)},
                 )
                 times = timed([sys.executable, "-c", OURS, "ppo", str(spec)], spec.parent.parent / f"{name}.log")
-            record(SIDES[side], name, times, episodes)
+            record(SIDES[side], name, times, episodes, repeat)
 
     tokens = episodes * ppo.response_length
     online_note = ""
@@ -559,6 +560,15 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"\nspeed(ours, generation log-probs) / speed(TRL 1.12) = {ratio:.2f}x, the same work (median episodes/s); "
         f"the default, one forward pass more: {ours['speed'] / theirs['speed']:.2f}x"
+    )
+    seconds = {(r["method"], r["repeat"]): r["seconds"] for r in runs}
+    print(
+        "the same ratios repeat by repeat (its runs adjacent in time; the machine's speed drifts over minutes): "
+        + "; ".join(
+            f"{seconds['PPO (TRL 1.12)', r] / seconds[GENERATION, r]:.2f}x and "
+            f"{seconds['PPO (TRL 1.12)', r] / seconds['PPO (ours)', r]:.2f}x"
+            for r in range(args.repeats)
+        )
     )
     for label, interval in (("ours, gen. - TRL", against_trl), ("ours, gen. - ours", option)):
         print(
