@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_pipeline.deployments.local import mlflow_server, wait_until_up
+from rlhf_pipeline.deployments.local import MLFLOW_NO_JOBS, mlflow_server, wait_until_up
 from rlhf_pipeline.tasks.store.resources import free_port
 from rlhf_pipeline.tasks.tracking import client as tracking
 from tests.browser import alive, chromium
@@ -66,7 +66,11 @@ def served(port: int, log: Path):
     by its pid."""
     with open(log, "w") as out:
         server = subprocess.Popen(
-            mlflow_server(port), stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=os.environ
+            mlflow_server(port),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**MLFLOW_NO_JOBS, **os.environ},  # as `rlhf up` starts it: no job runner
         )
     try:
         wait_until_up(f"http://127.0.0.1:{port}/health", server)
