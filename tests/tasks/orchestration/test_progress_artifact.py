@@ -72,7 +72,9 @@ def test_the_artifact_goes_from_0_to_100_with_the_trainers_total_at_most_once_a_
 
 
 def test_a_record_costs_the_training_thread_nothing_while_the_api_hangs():
-    api = Api(hang=20.0)  # every call hangs: as a Prefect server that accepts and never answers
+    # Every call hangs: as a Prefect server that accepts and never answers. Longer than the steps can take on a loaded
+    # machine (they took over 20 s beside the suite's other processes at 2e2a3eb, and the first call came back).
+    api = Api(hang=300.0)
     steps, lines = 20_000, []
     with watched(api, lines, close_wait=1.0) as progress:
         bar = Progress("sft", total=steps)
@@ -85,10 +87,10 @@ def test_a_record_costs_the_training_thread_nothing_while_the_api_hangs():
         spent = time.monotonic() - started
         closing = time.monotonic()
     closed_in = time.monotonic() - closing
-    # No step waited for the API (a call hangs 20 s). Timed per step, against half the hang: 20,000 records take ~1 s
+    # No step waited for the API. Timed per step, against 10 s: 20,000 records take ~1 s
     # alone, several times that on a core shared with another test's processes, and one step stalled 6 s there once
     # (the full suite, 2026-12-05), which a bound of 1 s failed on though nothing waited for the API.
-    assert longest < api.hang / 2, f"{steps} steps took {spent:.2f}s, the longest {longest:.3f}s"
+    assert longest < 10.0, f"{steps} steps took {spent:.2f}s, the longest {longest:.3f}s"
     assert closed_in < 2.0  # the build ends (after close_wait), whatever the API does
     assert progress.calls == 1 and api.calls == []  # one call in flight, none answered
 
