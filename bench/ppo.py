@@ -48,12 +48,12 @@ DEFAULT_VENV = ROOT / "state" / "bench" / "trl-1.12"
 # transformers stack (pyproject.toml), which TRL 1.12 accepts (transformers>=4.56.2), so only the trainer differs.
 TORCH_PIN = "torch==2.13.0"
 TARGET = 1.4
+"""Episodes/s of ours over TRL 1.12's, at no worse reward gain: a regression check (issue 45; TRL deleted its
+PPOTrainer in 1.13, so 1.12 is a frozen baseline). Exit 1 below it."""
 GENERATION = "PPO (ours, gen.)"
 """Ours with `rollout_logprobs`: the rollouts' log-probs from generation's scores, as TRL 1.12 took them (the same work
 as TRL's side)."""
 SIDES = {"ours": "PPO (ours)", "ours-generation": GENERATION, "trl": "PPO (TRL 1.12)"}
-"""Episodes/s of ours over TRL 1.12's, at no worse reward gain: a regression check (issue 45; TRL deleted its
-PPOTrainer in 1.13, so 1.12 is a frozen baseline). Exit 1 below it."""
 TRL_PINS = (
     "trl==1.12.0",
     "transformers==5.24.0",
@@ -487,8 +487,8 @@ def main(argv: list[str] | None = None) -> int:
 
     for repeat in range(args.repeats):
         seeded = ppo.model_copy(update={"seed": ppo.seed + repeat})
-        order = [*SIDES][repeat % 3 :] + [*SIDES][: repeat % 3]  # interleaved, each side first once in three repeats
-        for side in order:
+        sides = list(SIDES)
+        for side in sides[repeat % 3 :] + sides[: repeat % 3]:  # interleaved, each side first once in three repeats
             name = f"ppo-{side}-{repeat + 1}"
             if side == "trl":
                 spec = spec_file(
