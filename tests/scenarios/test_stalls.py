@@ -65,7 +65,7 @@ def test_a_rank_that_hangs_stalls_the_launch_which_is_stopped_with_the_ranks_sta
 ):
     caplog.set_level(logging.INFO, logger="rlhf")
     ctx = stage_context(tmp_path, "test-stalls", LaunchConfig(launcher="accelerate", num_processes=2))
-    ctx = ctx.model_copy(update={"stall_seconds": 5.0})
+    ctx = ctx.model_copy(update={"stall_seconds": 10.0})  # the hang is for ever: margin for a loaded first step
     data = data_artifact(tmp_path)
     hang = CallbackSpec(
         path="tests.user_code:HangAtStep", kwargs={"step": 3, "rank": 1, "once": str(tmp_path / "hung")}
@@ -80,6 +80,9 @@ def test_a_rank_that_hangs_stalls_the_launch_which_is_stopped_with_the_ranks_sta
     assert "in hang_forever" in logged  # the hung rank's own stack, from its faulthandler
     assert [c for c in psutil.Process().children(recursive=True) if c.pid not in before] == []  # no rank left
     caplog.clear()
+    # The retry's own watchdog is not what is checked here; under the suite's load its first step after the resume
+    # (the checkpoint loaded, two ranks' DDP set up again) has taken over 5 s on a slow VM.
+    ctx = ctx.model_copy(update={"stall_seconds": 120.0})
     outcome = train_stage("sft", config, {"model": SMALL_MODEL}, {"data": data}, ctx)
     assert any(m.startswith("sft: resuming from") and m.endswith("checkpoint-2") for m in caplog.messages)
     assert outcome.ref.manifest()["training"]["global_step"] == 4

@@ -79,7 +79,7 @@ def main(argv: list[str]) -> int:
                 (work_dir / ERROR_FILE).write_text(json.dumps({"rank": None, "type": "ValueError", "message": message}))
             print(message, flush=True)
             return 2
-        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+        join(address, stage)
     else:  # a cluster of this machine alone, on the loopback interface; its processes end with this one
         ray.init(
             address="local",
@@ -99,6 +99,24 @@ def main(argv: list[str]) -> int:
         f"{stage}: {describe(ray.nodes(), where)}; {args.workers} workers x {shown(args.resources)} ({args.strategy})"
     )
     return _fit(args, work_dir, stage)
+
+
+def join(address: str, stage: str, tries: int = 3, pause: float = 2.0) -> None:
+    """`ray.init(address)`, asked again (up to `tries` in all) when a Ray Client head (`ray://`) answers that the
+    server it starts for each driver failed to start: on a loaded head that server dies as it is forked now and then
+    (empty logs, "Starting Ray client server failed"), and the next one starts."""
+    import ray
+
+    for attempt in range(1, tries + 1):
+        try:
+            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+            return
+        except ConnectionAbortedError as exc:  # Ray Client's "Initialization failure from server"
+            if attempt == tries or not address.startswith("ray://"):
+                raise
+            said = str(exc).strip().splitlines()[-1]
+            print(f"{stage}: the Ray cluster at {address} refused this driver ({said}); joining again", flush=True)
+            time.sleep(pause * attempt)
 
 
 def _fit(args: argparse.Namespace, work_dir: Path, stage: str) -> int:
