@@ -103,8 +103,8 @@ def main(argv: list[str]) -> int:
 
 def join(address: str, stage: str, tries: int = 3, pause: float = 2.0) -> None:
     """`ray.init(address)`, asked again (up to `tries` in all) when a Ray Client head (`ray://`) answers that the
-    server it starts for each driver failed to start: on a loaded head that server dies as it is forked now and then
-    (empty logs, "Starting Ray client server failed"), and the next one starts."""
+    server it starts for each driver failed to start: on a loaded head that server now and then exits within half a
+    second of its start, before its first log line ("Starting Ray client server failed"), and the next one starts."""
     import ray
 
     for attempt in range(1, tries + 1):
