@@ -2,7 +2,10 @@
 joins it, each a `ray start --block` process of its own (its own session, stopped by its process group id) with one
 CPU, on loopback addresses of their own (127.0.0.2, 127.0.0.3: Ray takes 127.0.0.1 for "this machine" and refuses a
 second node there). Ray's servers listen on every interface in a cluster of several nodes (Ray 2.60 has no switch for
-it); the cluster takes only drivers and nodes holding its token (`RAY_AUTH_MODE=token`)."""
+it); the cluster takes only drivers and nodes holding its token (`RAY_AUTH_MODE=token`). No node runs Ray's log monitor,
+which pushes every worker's output to drivers that ask for it (`log_to_driver`): the job's driver does not
+(`trainers/runtime/ray_job.py`; its workers' lines come through a Ray queue), and the two monitors polled their logs
+for the whole module (~50 CPU s each in the suite of 7477bae, on one host where Ray wants one at most)."""
 
 from __future__ import annotations
 
@@ -30,8 +33,9 @@ CLIENT = "RLHF_TEST_RAY_CLIENT"
 
 def _start(arguments: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
     ray = Path(sys.executable).with_name("ray")
+    command = [str(ray), "start", "--block", "--num-cpus", "1", "--num-gpus", "0", "--include-log-monitor", "false"]
     return subprocess.Popen(
-        [str(ray), "start", "--block", "--num-cpus", "1", "--num-gpus", "0", *arguments],
+        [*command, *arguments],
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         env=env,
