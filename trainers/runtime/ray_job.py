@@ -3,12 +3,12 @@
     python -m rlhf_pipeline.trainers.runtime.ray_job <work_dir>/launch.json --workers N --resources '{"CPU": 1}' \
         --strategy PACK [--address ADDRESS]
 
-This process is the job's driver. It joins the Ray cluster at `--address` (else `RAY_ADDRESS`), or starts a local one on
-127.0.0.1 that ends with it, checks that the cluster can hold the workers, and fits a Ray Train `TorchTrainer` of N
-workers. Ray places them, sets up their torch process group (gloo on CPUs, NCCL on GPUs) and torchrun's variables (RANK,
-WORLD_SIZE, LOCAL_RANK, MASTER_ADDR), so every worker runs `trainers.runtime.rank.run_spec` exactly as an accelerate
-rank does: rank 0 saves into the stage's out_dir and every rank checkpoints into, and resumes from, the same work_dir
-(the state folder is on storage every node mounts).
+This process is the job's driver. It joins the Ray cluster at `--address` (else `RAY_ADDRESS`; a Ray Client head that
+refuses it is asked again, `join`), or starts a local one on 127.0.0.1 that ends with it, checks that the cluster can
+hold the workers, and fits a Ray Train `TorchTrainer` of N workers. Ray places them, sets up their torch process group
+(gloo on CPUs, NCCL on GPUs) and torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR), so every worker runs
+`trainers.runtime.rank.run_spec` exactly as an accelerate rank does: rank 0 saves into the stage's out_dir and every
+rank checkpoints into, and resumes from, the same work_dir (the state folder is on storage every node mounts).
 
 Rank 0's metrics, progress records and log lines, every rank's warnings, and each worker's place (node and rank) reach
 this process through a Ray queue and leave on stdout as the lines `trainers.runtime.rank` prints, so the parent reads
