@@ -103,6 +103,7 @@ def eval_work(prompts: int, max_new_tokens: int | None) -> dict[str, Any]:
     """Eval's IFEval generation: its sample of the benchmark, budget, batch and dtype."""
     from rlhf_pipeline.flows.params import load_params
     from rlhf_pipeline.trainers.evaluation.instructions import BENCHMARKS, benchmark_rows, stratified_sample
+    from rlhf_pipeline.trainers.models.decode import fast_dtype
 
     params = load_params("smollm2")
     following = params.eval.instruction_following
@@ -115,7 +116,7 @@ def eval_work(prompts: int, max_new_tokens: int | None) -> dict[str, Any]:
         "max_new_tokens": max_new_tokens or following.max_new_tokens,
         "answers_per_prompt": 1,
         "ours_rows": params.eval.batch_size,
-        "dtype": params.eval.dtype,
+        "dtype": fast_dtype(params.eval.dtype),
         "config": {},
     }
 

@@ -36,7 +36,9 @@ def answers_for(rows: list[dict], args, label: str) -> tuple[list[str], list[boo
 
     model, tokenizer = load_base_model(ModelConfig(name_or_path=args.model))
     if args.dtype:
-        model = model.to(getattr(torch, args.dtype))
+        from rlhf_pipeline.trainers.models.decode import fast_dtype
+
+        model = model.to(getattr(torch, fast_dtype(args.dtype)))
     started, generated = time.perf_counter(), []
 
     def progress(done: int, total: int) -> None:

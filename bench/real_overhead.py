@@ -309,7 +309,9 @@ def plain_eval(params, start: Path, policy: Path, data: Path) -> tuple[dict[str,
     cfg, following = params.eval, params.eval.instruction_following
     sets = eval_sets(params, data)
     tokenizer = AutoTokenizer.from_pretrained(start, padding_side="left")
-    dtype = getattr(torch, cfg.dtype or "float32")
+    from rlhf_pipeline.trainers.models.decode import fast_dtype
+
+    dtype = getattr(torch, fast_dtype(cfg.dtype) or "float32")
     models = {
         name: AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
         for name, folder in (("start", start), ("policy", policy))

@@ -36,12 +36,14 @@ HELDOUT = "eval/heldout/"
 class EvalConfig(AttentionField):
     max_new_tokens: int = Field(64, ge=1, description="Longest generated answer.")
     batch_size: int = Field(64, ge=1, description="Prompts per generation batch.")
-    dtype: Literal["float32", "bfloat16"] | None = Field(
+    dtype: Literal["float32", "bfloat16", "fast"] | None = Field(
         None,
         description=(
             "Precision every model computes in here (answers, samples, log-probs), the same for all of them; None: as "
-            "saved. bfloat16 halves the weights read at each generated token: greedy answers came 2.3x faster on a "
-            "CPU with AVX512-BF16 (docs/PERFORMANCE.md), and differ from float32's in their later tokens."
+            "saved; fast: bfloat16 where the machine multiplies it natively (CUDA, a CPU with AVX512-BF16 or AMX), "
+            "else float32. bfloat16 halves the weights read at each generated token: greedy answers came 2.3x faster "
+            "on a CPU with AVX512-BF16, ~7x slower on one with AVX2 alone (docs/PERFORMANCE.md), and differ from "
+            "float32's in their later tokens."
         ),
     )
     max_prompts: int | None = Field(None, ge=1, description="Evaluate only the first N held-out prompts; None: all.")
@@ -285,6 +287,7 @@ def _loaders(cfg: EvalConfig, base: ModelConfig, sft_model, policy_model, champi
     import torch
 
     from rlhf_pipeline.trainers.models.base_model import load_base_model
+    from rlhf_pipeline.trainers.models.decode import fast_dtype
     from rlhf_pipeline.trainers.models.load import load_causal_lm
 
     attention = cfg.attn_implementation
@@ -292,7 +295,8 @@ def _loaders(cfg: EvalConfig, base: ModelConfig, sft_model, policy_model, champi
     def cast(load):
         def loaded():
             model, tokenizer = load()
-            return (model.to(getattr(torch, cfg.dtype)) if cfg.dtype else model), tokenizer
+            dtype = fast_dtype(cfg.dtype, str(model.device))
+            return (model.to(getattr(torch, dtype)) if dtype else model), tokenizer
 
         return loaded
 

@@ -112,29 +112,71 @@ def generate_answers(
     on_batch: Callable[[list[int], list[str], list[bool]], None] | None = None,
 ) -> tuple[list[str], list[bool]]:
     """`generate`'s completions, and for each whether the budget cut it (it reached `max_new_tokens` without a stop
-    token); `progress(done, total)` after each batch. Resumable: `done_before` holds the answers (and cut flags) of
-    prompts answered before, by index, whose batches are not generated again; `on_batch(indices, answers, cut)` is
-    told each batch generated, to keep it. The batches are the same either way, so a resumed call answers as an
-    unbroken one does."""
-    import torch
+    token), by `decode.decode` (`batch_size` answers decoding at once) where it runs the model, else by transformers'
+    `generate`. Resumable: `done_before` holds the answers (and cut flags) of prompts answered before, by index, which
+    are not generated again; `on_batch(indices, answers, cut)` is told the answers as they end, to keep them, and
+    `progress(done, total)` after each."""
+    from rlhf_pipeline.trainers.models.decode import supports
 
     model.eval()
     rendered = [prompt_ids(tokenizer, p) for p in prompts]
     out: list[str] = [""] * len(rendered)
     cut: list[bool] = [False] * len(rendered)
+    for i, (text, was_cut) in (done_before or {}).items():
+        out[i], cut[i] = text, was_cut
+    todo = [i for i in range(len(rendered)) if i not in (done_before or {})]
+    how = (model, tokenizer, rendered, max_new_tokens, batch_size)
+    drawn = {"sample": sample, "temperature": temperature, "top_p": top_p}
+    made = _decoded if supports(model) else _generated
+    made(*how, todo, drawn, out, cut, _told(len(rendered), len(rendered) - len(todo), progress, on_batch))
+    return out, cut
+
+
+def _told(total: int, done: int, progress, on_batch):
+    """What `generate_answers` calls as answers come: `on_batch`, then `progress` with the running count."""
+    count = [done]
+
+    def tell(indices: list[int], answers: list[str], cut: list[bool]) -> None:
+        beat()
+        if on_batch is not None:
+            on_batch(indices, answers, cut)
+        count[0] += len(indices)
+        if progress is not None:
+            progress(count[0], total)
+
+    return tell
+
+
+def _decoded(model, tokenizer, rendered, max_new_tokens, batch_size, todo, drawn, out, cut, tell) -> None:
+    """The answers to `todo` by `decode.decode` (continuous batching, `batch_size` rows), into `out` and `cut`."""
+    from rlhf_pipeline.trainers.models.decode import Budget, decode
+    from rlhf_pipeline.trainers.models.templates import stop_token_ids
+
+    stops = stop_token_ids(tokenizer)
+    budget = Budget(max_new_tokens, tuple(stops) if isinstance(stops, (list, tuple)) else (stops,), **drawn)
+
+    def done(k: int, answer) -> None:
+        i = todo[k]
+        out[i] = tokenizer.decode(answer.tokens, skip_special_tokens=True)
+        cut[i] = not answer.stopped
+        tell([i], [out[i]], [cut[i]])
+
+    decode(model, [rendered[i] for i in todo], budget, batch_size, on_done=done)
+
+
+def _generated(model, tokenizer, rendered, max_new_tokens, batch_size, todo, drawn, out, cut, tell) -> None:
+    """The answers to `todo` by transformers' `generate`, in `length_batches`, for models `decode` does not run."""
+    import torch
+
     settings = (
-        {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": top_p} if sample else {"do_sample": False}
+        {"do_sample": True, "temperature": drawn["temperature"], "top_k": 0, "top_p": drawn["top_p"]}
+        if drawn["sample"]
+        else {"do_sample": False}
     )
     with own_sampling(model, tokenizer) as stops:
         stop_ids = torch.tensor(list(stops) if isinstance(stops, (list, tuple)) else [stops], device=model.device)
-        done = 0
-        for batch in length_batches([len(r) for r in rendered], batch_size, max_new_tokens):
-            beat()
-            if done_before and all(i in done_before for i in batch):
-                for i in batch:
-                    out[i], cut[i] = done_before[i]
-                done += len(batch)
-                continue
+        for batch in length_batches([len(rendered[i]) for i in todo], batch_size, max_new_tokens):
+            batch = [todo[k] for k in batch]
             input_ids, attention = pad(
                 [rendered[i] for i in batch], tokenizer.pad_token_id, left=True, device=model.device
             )
@@ -152,12 +194,7 @@ def generate_answers(
             budget = answers.shape[1] >= max_new_tokens
             for i, text, ended in zip(batch, tokenizer.batch_decode(answers, skip_special_tokens=True), stopped):
                 out[i], cut[i] = text, bool(not ended and budget)
-            if on_batch is not None:
-                on_batch(batch, [out[i] for i in batch], [cut[i] for i in batch])
-            done += len(batch)
-            if progress is not None:
-                progress(done, len(rendered))
-    return out, cut
+            tell(batch, [out[i] for i in batch], [cut[i] for i in batch])
 
 
 def length_batches(lengths: list[int], batch_size: int, max_new_tokens: int = 0) -> list[list[int]]:

@@ -1,0 +1,142 @@
+import pytest
+import torch
+
+from rlhf_pipeline.trainers.config import ModelConfig
+from rlhf_pipeline.trainers.models import decode as decoding
+from rlhf_pipeline.trainers.models.base_model import load_base_model
+from rlhf_pipeline.trainers.models.decode import Budget, decode, supports
+from rlhf_pipeline.trainers.models.text import generate_answers
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, tokenizer = load_base_model(ModelConfig(seed=1))
+    return model.eval(), tokenizer
+
+
+def prompts_of(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 200, (n,), generator=generator).tolist() for n in lengths]
+
+
+def generated_alone(model, prompt: list[int], budget: Budget) -> list[int]:
+    """transformers' `generate` on one prompt (no padding, no batch): the reference."""
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=budget.max_new_tokens,
+            do_sample=False,
+            eos_token_id=list(budget.stops),
+            pad_token_id=0,
+        )
+    tokens = out[0, ids.shape[1] :].tolist()
+    ends = [k for k, t in enumerate(tokens) if t in budget.stops]
+    return tokens[: ends[0] + 1] if ends else tokens
+
+
+def common_tokens(model, prompts: list[list[int]], count: int) -> tuple[int, ...]:
+    """Tokens the untrained model makes often: as stops they end answers at different steps."""
+    made = [t for p in prompts[:4] for t in generated_alone(model, p, Budget(24, ()))]
+    return tuple(sorted(set(made), key=made.count, reverse=True)[:count])
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_greedy_answers_are_those_of_generate_alone_while_rows_end_and_prompts_take_them(tiny, attention):
+    model, _ = tiny
+    model.config._attn_implementation = attention
+    try:
+        # lengths that make the prompts wait for long rows to end, and more prompts than rows
+        prompts = prompts_of([40, 3, 17, 9, 33, 5, 12, 25, 7, 21, 14, 2, 30, 11])
+        budget = Budget(20, common_tokens(model, prompts, 2))
+        ended: list[int] = []
+        answers = decode(model, prompts, budget, rows=4, on_done=lambda i, answer: ended.append(i))
+        expected = [generated_alone(model, p, budget) for p in prompts]
+        assert [a.tokens for a in answers] == expected
+        lengths = [len(t) for t in expected]
+        assert min(lengths) < 20 and max(lengths) == 20  # some stopped early, some ran to the budget
+        assert [a.stopped for a in answers] == [t[-1] in budget.stops for t in expected]
+        assert sorted(ended) == list(range(len(prompts)))  # each told once
+    finally:
+        model.config._attn_implementation = "sdpa"
+
+
+def test_the_cache_moves_its_live_columns_and_grows_without_changing_an_answer(tiny, monkeypatch):
+    model, _ = tiny
+    prompts = prompts_of([6, 50, 4, 8, 45, 5, 7, 3], seed=3)
+    budget = Budget(30, ())
+    monkeypatch.setattr(decoding, "_room", lambda longest: longest + 2)  # full soon after each move
+    # one row of the longest sequence fits, three of the short ones: the buffers grow by rows when they come
+    bound = 3 * (6 + 30 + 2) * decoding._per_token_bytes(model)
+    moves, grown = [], []
+    reserve = decoding._SlotCache._reserve
+
+    def watched(self, *args, **kwargs):
+        end, allocated = self.end, self.allocated
+        reserve(self, *args, **kwargs)
+        moves.append(self.end < end)
+        grown.append(self.allocated > allocated > 0)
+
+    monkeypatch.setattr(decoding._SlotCache, "_reserve", watched)
+    answers = decode(model, prompts, budget, rows=3, max_cache_bytes=bound)
+    assert sum(moves) >= 3 and any(grown)
+    assert [a.tokens for a in answers] == [generated_alone(model, p, budget) for p in prompts]
+
+
+def test_rows_are_bounded_by_the_memory_given_and_the_answers_do_not_change(tiny, monkeypatch):
+    model, _ = tiny
+    prompts = prompts_of([10, 12, 8, 11, 9, 10], seed=5)
+    budget = Budget(12, ())
+    per_token = decoding._per_token_bytes(model)
+    bound = 2 * decoding._room(12 + 12) * per_token  # two rows of the longest sequence
+    seen: list[int] = []
+    admit = decoding._SlotCache.admit
+
+    def counted(self, *args, **kwargs):
+        logits = admit(self, *args, **kwargs)
+        seen.append(self.count)
+        return logits
+
+    monkeypatch.setattr(decoding._SlotCache, "admit", counted)
+    bounded = decode(model, prompts, budget, rows=6, max_cache_bytes=bound)
+    assert max(seen) == 2
+    assert [a.tokens for a in bounded] == [generated_alone(model, p, budget) for p in prompts]
+
+
+def test_nucleus_keeps_the_tokens_transformers_keeps():
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3
+    for top_p in (0.3, 0.9):
+        theirs = TopPLogitsWarper(top_p)(None, logits.clone()).isfinite()
+        drawn = {tuple(decoding._pick(logits, Budget(1, (), sample=True, top_p=top_p)).tolist()) for _ in range(200)}
+        kept_rows = [set(torch.nonzero(theirs[r]).flatten().tolist()) for r in range(6)]
+        seen_rows = [{draw[r] for draw in drawn} for r in range(6)]
+        assert all(seen <= kept for seen, kept in zip(seen_rows, kept_rows))
+        assert any(len(kept) > 1 for kept in kept_rows)
+    torch.manual_seed(0)
+    first = decoding._pick(logits, Budget(1, (), sample=True, top_p=0.9))
+    torch.manual_seed(0)
+    assert torch.equal(decoding._pick(logits, Budget(1, (), sample=True, top_p=0.9)), first)  # the seed fixes draws
+
+
+def test_a_model_decode_does_not_run_is_answered_by_generate_alike(tiny, monkeypatch):
+    model, tokenizer = tiny
+    prompts = ["sort 3142 ->", "sort 98 ->", "sort 5 ->"]
+    ours = generate_answers(model, tokenizer, prompts, 8, batch_size=2)
+    calls = []
+    real = model.generate
+    monkeypatch.setattr(model, "generate", lambda **kwargs: calls.append(kwargs) or real(**kwargs))
+    assert generate_answers(model, tokenizer, prompts, 8, batch_size=2) == ours and not calls
+    monkeypatch.setattr(decoding, "supports", lambda model: False)
+    assert generate_answers(model, tokenizer, prompts, 8, batch_size=2) == ours and calls
+
+
+def test_decode_runs_full_attention_through_sdpa_or_eager_only(tiny, monkeypatch):
+    model, _ = tiny
+    assert supports(model)
+    for name, value in (("_attn_implementation", "flex_attention"), ("layer_types", ["sliding_attention"] * 2)):
+        with monkeypatch.context() as patched:
+            patched.setattr(model.config, name, value, raising=False)
+            assert not supports(model)
