@@ -62,6 +62,20 @@ def brevity(prompts, completions, **_) -> list[float]:
     return [1.0 / (1.0 + r) for r in length_reward(prompts, completions)]
 
 
+FALLING = [0.0, 0.5, 0.9, 0.7, 0.6, 0.4]
+"""`falling_gold`'s value at each of its calls in a process: the first is the check before training, then one per
+probe; the best is the second probe's."""
+_gold_calls = [0]
+
+
+def falling_gold(prompts, completions, **_) -> list[float]:
+    """A gold metric that peaks at the second probe and falls after it, whatever the answers: a held-out metric that
+    over-optimisation drives down, without waiting for a tiny model to over-optimise in 8 steps."""
+    value = FALLING[min(_gold_calls[0], len(FALLING) - 1)]
+    _gold_calls[0] += 1
+    return [value] * len(completions)
+
+
 def stage_context(tmp_path: Path, experiment: str, launch):
     """What the flow hands a stage task (`RunContext`): artifacts under `tmp_path`, a parent MLflow run in
     `experiment`, `launch` as the run's launch block."""

@@ -144,7 +144,7 @@ def train(
         }
         probe = probe_callback(stage, cfg, probe_args, work_dir, log_metrics)
         callbacks.insert(1, probe)  # after the metrics callback, before the checkpoint marker and the user's
-    trainer = trainer_cls(
+    trainer = decoding(trainer_cls)(
         model=policy,
         reward_funcs=reward_funcs,
         # A reward model passed as a model (rm's adapter, merged) reads the policy's tokenizer, which it shares (checked
@@ -163,3 +163,84 @@ def train(
             add_outcome(out_dir, probe.kept)
             metrics[f"{stage}/heldout/kept_step"] = float(probe.kept["kept_step"])
     return metrics
+
+
+def decoding(trainer_cls: type) -> type:
+    """`trainer_cls` (TRL's GRPOTrainer or RLOOTrainer) with its rollouts drawn by `decode.decode` (continuous
+    batching, docs/PERFORMANCE.md) where TRL would call transformers' `generate`: no vLLM, text only, and sampling
+    at a temperature with top_p alone (a top_k, min_p or repetition penalty goes to `generate`, which applies them).
+    GRPO is handed each token's log-probability as generation drew it, and logs how far the trainer's own lies from
+    it (`sampling/sampling_logp_difference/mean` and `/max`, TRL's names for vLLM's); the ratio in the loss is the
+    trainer's own either way (TRL's without vLLM)."""
+    import trl
+
+    scored = issubclass(trainer_cls, trl.GRPOTrainer)
+
+    class Decoding(trainer_cls):
+        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, *more, **named):
+            from rlhf_pipeline.trainers.models.decode import supports
+
+            plain = not (self.top_k or self.min_p or self.repetition_penalty not in (None, 1.0))
+            if self.use_vllm or images or multimodal_fields or not plain or not supports(self.model):
+                return super()._generate_single_turn(prompt_ids, images, multimodal_fields, *more, **named)
+            answers = self._decoded(prompt_ids)
+            completions = [answer.tokens for answer in answers]
+            return (completions, [answer.logprobs for answer in answers]) if scored else completions
+
+        def _decoded(self, prompt_ids: list[list[int]]):
+            import torch
+            from trl.extras.profiling import profiling_context
+            from trl.models.utils import unwrap_model_for_generation
+
+            from rlhf_pipeline.trainers.models.decode import Budget, decode
+
+            budget = Budget(
+                self.max_completion_length,
+                tuple(self.eos_token_ids),
+                sample=True,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                scores=scored,
+            )
+            with (
+                profiling_context(self, "decode"),
+                unwrap_model_for_generation(
+                    self.model_wrapped,
+                    self.accelerator,
+                    gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                    gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+                ) as unwrapped,
+                torch.no_grad(),
+                self._dist.summon_full_params(self.model_wrapped, recurse=False),
+            ):
+                return decode(unwrapped, [list(ids) for ids in prompt_ids], budget, rows=len(prompt_ids))
+
+        def _compute_loss(self, model, inputs):
+            self._sampled = (inputs.get("sampling_per_token_logps"), inputs.get("old_per_token_logps"), inputs)
+            try:
+                return super()._compute_loss(model, inputs)
+            finally:
+                self._sampled = None
+
+        def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+            found = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+            sampled = getattr(self, "_sampled", None)
+            if sampled is not None and sampled[0] is not None:
+                drawn, old, inputs = sampled
+                self._sampled = None  # once per batch: the policy's own pass, not the reference's
+                trainer = found[0].detach() if old is None else old
+                mask = inputs["completion_mask"].bool() & ~drawn.isnan()
+                delta = (trainer - drawn).abs()[mask]
+                if delta.numel():
+                    mode = "train" if self.model.training else "eval"
+                    metrics = self._metrics[mode]
+                    metrics["sampling/sampling_logp_difference/mean"].append(
+                        self.accelerator.gather(delta.mean()).mean().item()
+                    )
+                    metrics["sampling/sampling_logp_difference/max"].append(
+                        self.accelerator.gather(delta.max()).max().item()
+                    )
+            return found
+
+    Decoding.__name__ = Decoding.__qualname__ = trainer_cls.__name__
+    return Decoding

@@ -48,6 +48,9 @@ class Budget:
     """Draw from the distribution (at `temperature`, nucleus `top_p`); else greedy."""
     temperature: float = 1.0
     top_p: float = 1.0
+    scores: bool = False
+    """Keep each drawn token's log-probability and the entropy under the tempered distribution (the logits over
+    `temperature`, before the nucleus), as a trainer computes them from the same logits."""
 
 
 @dataclass
@@ -56,6 +59,10 @@ class Answer:
     """The new tokens, the stop token last where one ended it."""
     stopped: bool = False
     """It ended at a stop token (else the budget ended it)."""
+    logprobs: list[float] = field(default_factory=list)
+    """With `Budget.scores`: each token's log-probability."""
+    entropy: list[float] = field(default_factory=list)
+    """With `Budget.scores`: the entropy of each step's distribution."""
 
 
 def fast_dtype(name: str | None, device: str = "cpu") -> str | None:
@@ -112,11 +119,13 @@ def decode(
                         queue.remove(i)
                     running += chunk
                     first = cache.admit(model, [prompts[i] for i in chunk], max(whole[i] for i in running))
-                    last = torch.cat([last, _pick(first, budget)])
-                    _record(answers, chunk, last[-len(chunk) :], budget)
+                    drawn = _pick(first, budget)
+                    last = torch.cat([last, drawn])
+                    _record(answers, chunk, first, drawn, budget)
             else:
-                last = _pick(cache.step(model, last, max(whole[i] for i in running)), budget)
-                _record(answers, running, last, budget)
+                logits = cache.step(model, last, max(whole[i] for i in running))
+                last = _pick(logits, budget)
+                _record(answers, running, logits, last, budget)
             for r in reversed(range(len(running))):  # from the end: a removal moves the last row into its place
                 i = running[r]
                 if not _ended(answers[i], budget):
@@ -130,10 +139,20 @@ def decode(
     return answers
 
 
-def _record(answers: list[Answer], indices: list[int], tokens: torch.Tensor, budget: Budget) -> None:
+def _record(answers: list[Answer], indices: list[int], logits: torch.Tensor, tokens: torch.Tensor, budget: Budget):
+    """Each row's drawn token (and with `budget.scores` its log-probability and the entropy) onto its answer."""
+    import torch
+
     for i, token in zip(indices, tokens.tolist()):
         answers[i].tokens.append(token)
         answers[i].stopped = token in budget.stops
+    if budget.scores:
+        logp = torch.log_softmax(logits.float() / budget.temperature, dim=-1)
+        chosen = logp.gather(-1, tokens[:, None]).squeeze(-1).tolist()
+        entropy = (-(logp.exp() * logp).sum(-1)).tolist()
+        for i, value, spread in zip(indices, chosen, entropy):
+            answers[i].logprobs.append(value)
+            answers[i].entropy.append(spread)
 
 
 def _ended(answer: Answer, budget: Budget) -> bool:

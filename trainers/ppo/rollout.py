@@ -41,15 +41,63 @@ class Sampled(NamedTuple):
 def sample_completions(
     policy, tokenizer, prompt_ids: list[list[int]], cfg: PpoFields, stops: list[int], device
 ) -> Sampled:
-    """Left-padded prompts (N+ §4) -> `Sampled`. No top-k/top-p/repetition penalty (own_sampling: not even the model's
-    generation_config's), so we sample from exactly the distribution whose log-probs we compute (N+ §7); with
-    `rollout_logprobs` they are read from that distribution as generation drew from it (its scores: the logits divided
-    by the temperature), as TRL's PPOTrainer did, one step at a time so no second copy of the scores is held."""
+    """Left-padded prompts (N+ §4) -> `Sampled`, drawn by `decode.decode` where it runs the policy, else by
+    `generate`. No top-k/top-p/repetition penalty (and with `generate`, not even the model's generation_config's), so
+    we sample from exactly the distribution whose log-probs we compute (N+ §7); with `rollout_logprobs` they are read
+    from that distribution as generation drew from it (the logits divided by the temperature), as TRL's PPOTrainer
+    did."""
     import torch
 
-    from rlhf_pipeline.trainers.models.text import own_sampling, pad
+    from rlhf_pipeline.trainers.models.decode import supports
+    from rlhf_pipeline.trainers.models.text import pad
 
     queries, query_mask = pad(prompt_ids, tokenizer.pad_token_id, left=True, device=device)
+    if supports(policy):
+        responses, logprobs, entropy = _decoded(policy, prompt_ids, cfg, stops, tokenizer.pad_token_id, device)
+    else:
+        responses, logprobs, entropy = _generated(policy, tokenizer, queries, query_mask, cfg, stops)
+    responses, mask, ended = truncate_at_stop(responses, stops, tokenizer.pad_token_id)
+    attention_mask = torch.cat([query_mask, mask.long()], 1)
+    inputs = {
+        "input_ids": torch.cat([queries, responses], 1),
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),  # as `generate` numbers left-padded rows
+    }
+    return Sampled(inputs, mask.float(), ended, logprobs, entropy)
+
+
+def _decoded(policy, prompt_ids: list[list[int]], cfg: PpoFields, stops: list[int], pad_id: int, device):
+    """The completions by `decode.decode` (continuous batching), right-padded to the longest, with their tokens'
+    log-probabilities and entropies under the tempered distribution when `rollout_logprobs` asks."""
+    import torch
+
+    from rlhf_pipeline.trainers.models.decode import Budget, decode
+
+    budget = Budget(
+        cfg.response_length, tuple(stops), sample=True, temperature=cfg.temperature, scores=cfg.rollout_logprobs
+    )
+    answers = decode(policy, prompt_ids, budget, rows=len(prompt_ids))
+    width = max(len(answer.tokens) for answer in answers)
+    responses = torch.full((len(answers), width), pad_id, dtype=torch.long, device=device)
+    logprobs, entropy = torch.zeros(responses.shape, device=device), torch.zeros(responses.shape, device=device)
+    for row, answer in enumerate(answers):
+        responses[row, : len(answer.tokens)] = torch.tensor(answer.tokens, device=device)
+        if cfg.rollout_logprobs:
+            logprobs[row, : len(answer.tokens)] = torch.tensor(answer.logprobs, device=device)
+            entropy[row, : len(answer.tokens)] = torch.tensor(answer.entropy, device=device)
+    if not cfg.rollout_logprobs:
+        return responses, None, None
+    return responses, logprobs, entropy
+
+
+def _generated(policy, tokenizer, queries, query_mask, cfg: PpoFields, stops: list[int]):
+    """The completions by transformers' `generate` (for models `decode` does not run), with the log-probabilities
+    and entropies of its scores when `rollout_logprobs` asks, one step at a time so no second copy of the scores is
+    held."""
+    import torch
+
+    from rlhf_pipeline.trainers.models.text import own_sampling
+
     # peft's generate copies its wrapper's generation_config into the inner model: swap the inner model's, so it is
     # restored.
     with own_sampling(policy.get_base_model() if hasattr(policy, "get_base_model") else policy, tokenizer):
@@ -66,21 +114,15 @@ def sample_completions(
             **({"output_scores": True, "return_dict_in_generate": True} if cfg.rollout_logprobs else {}),
         )
     sequences = generated.sequences if cfg.rollout_logprobs else generated
-    responses, mask, ended = truncate_at_stop(sequences[:, queries.shape[1] :], stops, tokenizer.pad_token_id)
-    attention_mask = torch.cat([query_mask, mask.long()], 1)
-    inputs = {
-        "input_ids": torch.cat([queries, responses], 1),
-        "attention_mask": attention_mask,
-        "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),  # as `generate` numbers left-padded rows
-    }
+    responses = sequences[:, queries.shape[1] :]
     if not cfg.rollout_logprobs:
-        return Sampled(inputs, mask.float(), ended)
-    logprobs, entropy = torch.zeros(mask.shape, device=device), torch.zeros(mask.shape, device=device)
+        return responses, None, None
+    logprobs, entropy = torch.zeros(responses.shape), torch.zeros(responses.shape)
     for t, scores in enumerate(generated.scores):  # a row's steps after its stop token are masked out
         step = torch.log_softmax(scores.float(), dim=-1)
         logprobs[:, t] = step.gather(-1, responses[:, t, None]).squeeze(-1)
         entropy[:, t] = -(step.exp() * step).sum(-1)
-    return Sampled(inputs, mask.float(), ended, logprobs, entropy)
+    return responses, logprobs.to(responses.device), entropy.to(responses.device)
 
 
 def response_logprobs(model, inputs: dict, width: int, temperature: float, with_entropy: bool = False):
