@@ -7,6 +7,7 @@ group (GRPO: Shao et al. 2024, eq. 3; RLOO: Ahmadian et al. 2024, eq. 5).
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -171,21 +172,67 @@ def decoding(trainer_cls: type) -> type:
     at a temperature with top_p alone (a top_k, min_p or repetition penalty goes to `generate`, which applies them).
     GRPO is handed each token's log-probability as generation drew it, and logs how far the trainer's own lies from
     it (`sampling/sampling_logp_difference/mean` and `/max`, TRL's names for vLLM's); the ratio in the loss is the
-    trainer's own either way (TRL's without vLLM)."""
+    trainer's own either way (TRL's without vLLM). Each optimizer step logs where its time went, in seconds:
+    `time/generation`, `time/reward`, `time/forward_backward` (the rest of its micro-batches' training steps) and
+    `time/optimizer`."""
     import trl
 
     scored = issubclass(trainer_cls, trl.GRPOTrainer)
 
     class Decoding(trainer_cls):
+        def __init__(self, *args, **kwargs):
+            self._split = dict.fromkeys(("generation", "reward", "forward_backward"), 0.0)
+            super().__init__(*args, **kwargs)
+
         def _generate_single_turn(self, prompt_ids, images, multimodal_fields, *more, **named):
             from rlhf_pipeline.trainers.models.decode import supports
 
+            started = time.perf_counter()
             plain = not (self.top_k or self.min_p or self.repetition_penalty not in (None, 1.0))
-            if self.use_vllm or images or multimodal_fields or not plain or not supports(self.model):
-                return super()._generate_single_turn(prompt_ids, images, multimodal_fields, *more, **named)
-            answers = self._decoded(prompt_ids)
-            completions = [answer.tokens for answer in answers]
-            return (completions, [answer.logprobs for answer in answers]) if scored else completions
+            try:
+                if self.use_vllm or images or multimodal_fields or not plain or not supports(self.model):
+                    return super()._generate_single_turn(prompt_ids, images, multimodal_fields, *more, **named)
+                answers = self._decoded(prompt_ids)
+                completions = [answer.tokens for answer in answers]
+                return (completions, [answer.logprobs for answer in answers]) if scored else completions
+            finally:
+                self._split["generation"] += time.perf_counter() - started
+
+        # --- where a step's time goes: generation, reward, forward and backward, the optimizer ---------------------
+
+        def _calculate_rewards(self, *args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return super()._calculate_rewards(*args, **kwargs)
+            finally:
+                self._split["reward"] += time.perf_counter() - started
+
+        def training_step(self, *args, **kwargs):
+            before = self._split["generation"] + self._split["reward"]
+            started = time.perf_counter()
+            try:
+                return super().training_step(*args, **kwargs)
+            finally:
+                inside = self._split["generation"] + self._split["reward"] - before
+                self._split["forward_backward"] += time.perf_counter() - started - inside
+
+        def create_optimizer(self, *args, **kwargs):
+            optimizer = super().create_optimizer(*args, **kwargs)
+            stepped = optimizer.step
+
+            def step(*step_args, **step_kwargs):  # one optimizer step: its time and the micro-batches' before it
+                started = time.perf_counter()
+                try:
+                    return stepped(*step_args, **step_kwargs)
+                finally:
+                    metrics = self._metrics["train"]
+                    for part, seconds in self._split.items():
+                        metrics[f"time/{part}"].append(seconds)
+                        self._split[part] = 0.0
+                    metrics["time/optimizer"].append(time.perf_counter() - started)
+
+            optimizer.step = step
+            return optimizer
 
         def _decoded(self, prompt_ids: list[list[int]]):
             import torch

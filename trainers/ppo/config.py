@@ -114,8 +114,9 @@ class PpoFields(AttentionField):
             "Take the rollouts' log-probabilities and entropy from generation's own scores, as TRL's PPOTrainer did, "
             "instead of one more forward pass of the policy over prompt + completion: a rollout spends one forward "
             "pass less. The log-probs then come from cached decoding, so the first mini-batch's ratio moves from "
-            "exactly 1 by its rounding (within 1e-3 in float32). Each rank holds its rollouts' scores while it "
-            "generates: its share of rollout_batch_size x response_length x vocabulary floats."
+            "exactly 1 by its rounding (within 1e-3 in float32). Where `generate` samples (a model the decoding loop "
+            "does not run), each rank holds its rollouts' scores while it generates: its share of rollout_batch_size "
+            "x response_length x vocabulary floats."
         ),
     )
     max_grad_norm: float = Field(

@@ -12,6 +12,7 @@ from tests import helpers
 from tests.helpers import FALLING, FAST, SMALL_MODEL, trainable, unchanged, write_data_dir
 
 ONLINE = {**FAST, "per_device_train_batch_size": 8, "max_steps": 2, "max_completion_length": 6, "num_generations": 4}
+TIME_PARTS = ("generation", "reward", "forward_backward", "optimizer")
 VERIFIER = RewardsConfig(reward_model_weight=0, functions=[RewardFunctionSpec(path="tests.helpers:length_reward")])
 
 
@@ -225,6 +226,14 @@ def test_rollouts_are_decoded_and_grpo_logs_how_far_the_trainers_log_probs_lie_f
         lambda values, step: logged.append(values),
     )
     assert decoded == [ONLINE["per_device_train_batch_size"]] * ONLINE["max_steps"]  # every rollout, every completion
+    # where each step's time went: every part measured, at each logged step
+    split = [
+        {part: v[f"{stage}/train/time_{part}"] for part in TIME_PARTS}
+        for v in logged
+        if f"{stage}/train/time_generation" in v
+    ]
+    assert len(split) == ONLINE["max_steps"] and all(s["generation"] > 0 and s["forward_backward"] > 0 for s in split)
+    assert all(s["reward"] > 0 and s["optimizer"] > 0 for s in split)
     differences = [
         (
             v[f"{stage}/train/sampling_sampling_logp_difference_mean"],
