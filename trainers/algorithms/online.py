@@ -167,7 +167,16 @@ def train(
 
 
 def decoding(trainer_cls: type) -> type:
-    """`trainer_cls` (TRL's GRPOTrainer or RLOOTrainer) with its rollouts drawn by `decode.decode` (continuous
+    """`trainer_cls` (TRL's GRPOTrainer or RLOOTrainer) with `Decoding`'s rollouts and time split, named as it."""
+    return type(trainer_cls.__name__, (Decoding, trainer_cls), {})
+
+
+# what Decoding's methods reach through `super()` and `self` is the TRL trainer's it comes before
+_Trainer: Any = object
+
+
+class Decoding(_Trainer):
+    """A mixin before TRL's GRPOTrainer or RLOOTrainer (`decoding`): its rollouts drawn by `decode.decode` (continuous
     batching, docs/PERFORMANCE.md) where TRL would call transformers' `generate`: no vLLM, text only, and sampling
     at a temperature with top_p alone (a top_k, min_p or repetition penalty goes to `generate`, which applies them).
     GRPO is handed each token's log-probability as generation drew it, and logs how far the trainer's own lies from
@@ -175,119 +184,115 @@ def decoding(trainer_cls: type) -> type:
     trainer's own either way (TRL's without vLLM). Each optimizer step logs where its time went, in seconds:
     `time/generation`, `time/reward`, `time/forward_backward` (the rest of its micro-batches' training steps) and
     `time/optimizer`."""
-    import trl
 
-    scored = issubclass(trainer_cls, trl.GRPOTrainer)
+    def __init__(self, *args, **kwargs):
+        import trl
 
-    class Decoding(trainer_cls):
-        def __init__(self, *args, **kwargs):
-            self._split = dict.fromkeys(("generation", "reward", "forward_backward"), 0.0)
-            super().__init__(*args, **kwargs)
+        self._split = dict.fromkeys(("generation", "reward", "forward_backward"), 0.0)
+        self._scored = isinstance(self, trl.GRPOTrainer)
+        super().__init__(*args, **kwargs)
 
-        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, *more, **named):
-            from rlhf_pipeline.trainers.models.decode import supports
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, *more, **named):
+        from rlhf_pipeline.trainers.models.decode import supports
 
+        started = time.perf_counter()
+        plain = not (self.top_k or self.min_p or self.repetition_penalty not in (None, 1.0))
+        try:
+            if self.use_vllm or images or multimodal_fields or not plain or not supports(self.model):
+                return super()._generate_single_turn(prompt_ids, images, multimodal_fields, *more, **named)
+            answers = self._decoded(prompt_ids)
+            completions = [answer.tokens for answer in answers]
+            return (completions, [answer.logprobs for answer in answers]) if self._scored else completions
+        finally:
+            self._split["generation"] += time.perf_counter() - started
+
+    # --- where a step's time goes: generation, reward, forward and backward, the optimizer ---------------------
+
+    def _calculate_rewards(self, *args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return super()._calculate_rewards(*args, **kwargs)
+        finally:
+            self._split["reward"] += time.perf_counter() - started
+
+    def training_step(self, *args, **kwargs):
+        before = self._split["generation"] + self._split["reward"]
+        started = time.perf_counter()
+        try:
+            return super().training_step(*args, **kwargs)
+        finally:
+            inside = self._split["generation"] + self._split["reward"] - before
+            self._split["forward_backward"] += time.perf_counter() - started - inside
+
+    def create_optimizer(self, *args, **kwargs):
+        optimizer = super().create_optimizer(*args, **kwargs)
+        stepped = optimizer.step
+
+        def step(*step_args, **step_kwargs):  # one optimizer step: its time and the micro-batches' before it
             started = time.perf_counter()
-            plain = not (self.top_k or self.min_p or self.repetition_penalty not in (None, 1.0))
             try:
-                if self.use_vllm or images or multimodal_fields or not plain or not supports(self.model):
-                    return super()._generate_single_turn(prompt_ids, images, multimodal_fields, *more, **named)
-                answers = self._decoded(prompt_ids)
-                completions = [answer.tokens for answer in answers]
-                return (completions, [answer.logprobs for answer in answers]) if scored else completions
+                return stepped(*step_args, **step_kwargs)
             finally:
-                self._split["generation"] += time.perf_counter() - started
+                metrics = self._metrics["train"]
+                for part, seconds in self._split.items():
+                    metrics[f"time/{part}"].append(seconds)
+                    self._split[part] = 0.0
+                metrics["time/optimizer"].append(time.perf_counter() - started)
 
-        # --- where a step's time goes: generation, reward, forward and backward, the optimizer ---------------------
+        optimizer.step = step
+        return optimizer
 
-        def _calculate_rewards(self, *args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return super()._calculate_rewards(*args, **kwargs)
-            finally:
-                self._split["reward"] += time.perf_counter() - started
+    def _decoded(self, prompt_ids: list[list[int]]):
+        import torch
+        from trl.extras.profiling import profiling_context
+        from trl.models.utils import unwrap_model_for_generation
 
-        def training_step(self, *args, **kwargs):
-            before = self._split["generation"] + self._split["reward"]
-            started = time.perf_counter()
-            try:
-                return super().training_step(*args, **kwargs)
-            finally:
-                inside = self._split["generation"] + self._split["reward"] - before
-                self._split["forward_backward"] += time.perf_counter() - started - inside
+        from rlhf_pipeline.trainers.models.decode import Budget, decode
 
-        def create_optimizer(self, *args, **kwargs):
-            optimizer = super().create_optimizer(*args, **kwargs)
-            stepped = optimizer.step
+        budget = Budget(
+            self.max_completion_length,
+            tuple(self.eos_token_ids),
+            sample=True,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            scores=self._scored,
+        )
+        with (
+            profiling_context(self, "decode"),
+            unwrap_model_for_generation(
+                self.model_wrapped,
+                self.accelerator,
+                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+            ) as unwrapped,
+            torch.no_grad(),
+            self._dist.summon_full_params(self.model_wrapped, recurse=False),
+        ):
+            return decode(unwrapped, [list(ids) for ids in prompt_ids], budget, rows=len(prompt_ids))
 
-            def step(*step_args, **step_kwargs):  # one optimizer step: its time and the micro-batches' before it
-                started = time.perf_counter()
-                try:
-                    return stepped(*step_args, **step_kwargs)
-                finally:
-                    metrics = self._metrics["train"]
-                    for part, seconds in self._split.items():
-                        metrics[f"time/{part}"].append(seconds)
-                        self._split[part] = 0.0
-                    metrics["time/optimizer"].append(time.perf_counter() - started)
+    def _compute_loss(self, model, inputs):
+        self._sampled = (inputs.get("sampling_per_token_logps"), inputs.get("old_per_token_logps"), inputs)
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._sampled = None
 
-            optimizer.step = step
-            return optimizer
-
-        def _decoded(self, prompt_ids: list[list[int]]):
-            import torch
-            from trl.extras.profiling import profiling_context
-            from trl.models.utils import unwrap_model_for_generation
-
-            from rlhf_pipeline.trainers.models.decode import Budget, decode
-
-            budget = Budget(
-                self.max_completion_length,
-                tuple(self.eos_token_ids),
-                sample=True,
-                temperature=self.temperature,
-                top_p=self.top_p,
-                scores=scored,
-            )
-            with (
-                profiling_context(self, "decode"),
-                unwrap_model_for_generation(
-                    self.model_wrapped,
-                    self.accelerator,
-                    gather_deepspeed3_params=self.args.ds3_gather_for_generation,
-                    gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
-                ) as unwrapped,
-                torch.no_grad(),
-                self._dist.summon_full_params(self.model_wrapped, recurse=False),
-            ):
-                return decode(unwrapped, [list(ids) for ids in prompt_ids], budget, rows=len(prompt_ids))
-
-        def _compute_loss(self, model, inputs):
-            self._sampled = (inputs.get("sampling_per_token_logps"), inputs.get("old_per_token_logps"), inputs)
-            try:
-                return super()._compute_loss(model, inputs)
-            finally:
-                self._sampled = None
-
-        def _get_per_token_logps_and_entropies(self, *args, **kwargs):
-            found = super()._get_per_token_logps_and_entropies(*args, **kwargs)
-            sampled = getattr(self, "_sampled", None)
-            if sampled is not None and sampled[0] is not None:
-                drawn, old, inputs = sampled
-                self._sampled = None  # once per batch: the policy's own pass, not the reference's
-                trainer = found[0].detach() if old is None else old
-                mask = inputs["completion_mask"].bool() & ~drawn.isnan()
-                delta = (trainer - drawn).abs()[mask]
-                if delta.numel():
-                    mode = "train" if self.model.training else "eval"
-                    metrics = self._metrics[mode]
-                    metrics["sampling/sampling_logp_difference/mean"].append(
-                        self.accelerator.gather(delta.mean()).mean().item()
-                    )
-                    metrics["sampling/sampling_logp_difference/max"].append(
-                        self.accelerator.gather(delta.max()).max().item()
-                    )
-            return found
-
-    Decoding.__name__ = Decoding.__qualname__ = trainer_cls.__name__
-    return Decoding
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        found = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        sampled = getattr(self, "_sampled", None)
+        if sampled is not None and sampled[0] is not None:
+            drawn, old, inputs = sampled
+            self._sampled = None  # once per batch: the policy's own pass, not the reference's
+            trainer = found[0].detach() if old is None else old
+            mask = inputs["completion_mask"].bool() & ~drawn.isnan()
+            delta = (trainer - drawn).abs()[mask]
+            if delta.numel():
+                mode = "train" if self.model.training else "eval"
+                metrics = self._metrics[mode]
+                metrics["sampling/sampling_logp_difference/mean"].append(
+                    self.accelerator.gather(delta.mean()).mean().item()
+                )
+                metrics["sampling/sampling_logp_difference/max"].append(
+                    self.accelerator.gather(delta.max()).max().item()
+                )
+        return found
