@@ -35,15 +35,15 @@ HELDOUT = "eval/heldout/"
 
 class EvalConfig(AttentionField):
     max_new_tokens: int = Field(64, ge=1, description="Longest generated answer.")
-    batch_size: int = Field(64, ge=1, description="Prompts per generation batch.")
+    batch_size: int = Field(64, ge=1, description="Prompts answered at once (the decoding loop's rows).")
     dtype: Literal["float32", "bfloat16", "fast"] | None = Field(
         None,
         description=(
             "Precision every model computes in here (answers, samples, log-probs), the same for all of them; None: as "
             "saved; fast: bfloat16 where the machine multiplies it natively (CUDA, a CPU with AVX512-BF16 or AMX), "
-            "else float32. bfloat16 halves the weights read at each generated token: greedy answers came 2.3x faster "
-            "on a CPU with AVX512-BF16, ~7x slower on one with AVX2 alone (docs/PERFORMANCE.md), and differ from "
-            "float32's in their later tokens."
+            "else float32. bfloat16 halves the weights read at each generated token: greedy answers came faster on a "
+            "CPU with AVX512-BF16 and several times slower on one with AVX2 alone (docs/PERFORMANCE.md), and "
+            "differ from float32's in their later tokens."
         ),
     )
     max_prompts: int | None = Field(None, ge=1, description="Evaluate only the first N held-out prompts; None: all.")

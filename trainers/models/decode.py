@@ -1,12 +1,12 @@
-"""The decoding loop of every generation but TRL's own (eval's answers, the pairs stage's samples): continuous
-batching over a KV cache written in place (issue 60).
+"""The decoding loop of eval's answers, the pairs stage's samples and the online stages' rollouts (GRPO's and RLOO's
+through TRL's trainer, PPO's): continuous batching over a KV cache written in place.
 
 `transformers`' `generate` decodes a batch until its last answer stops, each finished row still multiplied and
 attended every step, and its dynamic cache concatenates every layer's keys and values again at every step (a copy of
-the whole cache per token: a third of a decoding step at 448 tokens of context on a 2-core CPU, docs/PERFORMANCE.md,
-`bench.decode_step`). Here a finished answer leaves its row at once and a waiting prompt takes it (its prefill run
-apart, its keys and values copied in), so every step multiplies rows that still answer, and each step writes one
-column of the cache instead of copying it.
+the whole cache per token; what each part of a step costs: docs/PERFORMANCE.md, `bench.decode_step`). Here a
+finished answer leaves its row at once and a waiting prompt takes it (its prefill run apart, its keys and values
+copied in), so every step multiplies rows that still answer, and each step writes one column of the cache instead of
+copying it.
 
 The cache holds `rows` answers side by side. Every row writes its next token's keys and values at the same column
 (`end`); a row's own tokens are the columns from its `start` (its prompt placed so that it ends at `end`, as left
@@ -67,8 +67,8 @@ class Answer:
 
 def fast_dtype(name: str | None, device: str = "cpu") -> str | None:
     """`name`, with "fast" resolved for `device`: bfloat16 where it multiplies bf16 natively (a CUDA device that
-    supports it, a CPU with AVX512-BF16 or AMX), else float32. On a CPU with AVX2 alone torch's bf16 matmuls ran ~7x
-    slower than float32's (docs/PERFORMANCE.md, `bench.decode_step`), where with AVX512-BF16 they ran 2.3x faster."""
+    supports it, a CPU with AVX512-BF16 or AMX), else float32: on a CPU with AVX2 alone torch's bf16 matmuls run
+    several times slower than float32's, where with AVX512-BF16 they ran faster (docs/PERFORMANCE.md)."""
     if name != "fast":
         return name
     import torch
