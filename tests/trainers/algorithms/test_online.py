@@ -16,6 +16,12 @@ TIME_PARTS = ("generation", "reward", "forward_backward", "optimizer")
 VERIFIER = RewardsConfig(reward_model_weight=0, functions=[RewardFunctionSpec(path="tests.helpers:length_reward")])
 
 
+def trained(module, cfg, tmp_path, sft_dir, log, **kwargs) -> dict[str, float]:
+    """`module.train` of `cfg` with the length reward on 16 prompts from `sft_dir`, into tmp_path's out/ and work/."""
+    data = write_data_dir(tmp_path / "data", rows=16)
+    return module.train(cfg, VERIFIER, sft_dir, None, data, tmp_path / "out", tmp_path / "work", log, **kwargs)
+
+
 @pytest.fixture
 def sft_dir(tmp_path):
     policy, tokenizer = load_base_model(SMALL_MODEL)
@@ -180,14 +186,11 @@ def test_keep_best_chooses_by_the_held_out_gold_metric_when_the_training_reward_
     monkeypatch.setattr(helpers, "_gold_calls", [0])
     logged: list[tuple[int, dict]] = []
     cfg = grpo.GrpoConfig(**{**ONLINE, "max_steps": 8, "learning_rate": 1e-2}, eval_steps=2, eval_prompts=8)
-    metrics = grpo.train(
+    metrics = trained(
+        grpo,
         cfg.model_copy(update={"keep_best": True}),
-        VERIFIER,
+        tmp_path,
         sft_dir,
-        None,
-        write_data_dir(tmp_path / "data", rows=16),
-        tmp_path / "out",
-        tmp_path / "work",
         lambda values, step: logged.append((step, values)),
         gold=GoldMetric(function=RewardFunctionSpec(path="tests.helpers:falling_gold")),
     )
@@ -215,15 +218,8 @@ def test_rollouts_are_decoded_and_grpo_logs_how_far_the_trainers_log_probs_lie_f
     )
     logged: list[dict] = []
     stage = module.__name__.rsplit(".", 1)[-1]
-    module.train(
-        config(**{**ONLINE, "temperature": 0.7}),
-        VERIFIER,
-        sft_dir,
-        None,
-        write_data_dir(tmp_path / "data", rows=16),
-        tmp_path / "out",
-        tmp_path / "work",
-        lambda values, step: logged.append(values),
+    trained(
+        module, config(**{**ONLINE, "temperature": 0.7}), tmp_path, sft_dir, lambda values, step: logged.append(values)
     )
     assert decoded == [ONLINE["per_device_train_batch_size"]] * ONLINE["max_steps"]  # every rollout, every completion
     # where each step's time went: every part measured, at each logged step
