@@ -42,10 +42,22 @@ def common_tokens(model, prompts: list[list[int]], count: int) -> tuple[int, ...
     return tuple(sorted(set(made), key=made.count, reverse=True)[:count])
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_greedy_answers_are_those_of_generate_alone_while_rows_end_and_prompts_take_them(tiny, attention):
-    model, _ = tiny
-    model.config._attn_implementation = attention
+def grouped_query_model():
+    """A two-layer Llama whose query heads share key/value heads two by two, as SmolLM2's three by three."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    config = LlamaConfig(
+        vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, attn_implementation="sdpa",
+    )  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("kind", ["sdpa", "eager", "grouped queries"])
+def test_greedy_answers_are_those_of_generate_alone_while_rows_end_and_prompts_take_them(tiny, kind):
+    model = grouped_query_model() if kind == "grouped queries" else tiny[0]
+    model.config._attn_implementation = "eager" if kind == "eager" else "sdpa"
     try:
         # lengths that make the prompts wait for long rows to end, and more prompts than rows
         prompts = prompts_of([40, 3, 17, 9, 33, 5, 12, 25, 7, 21, 14, 2, 30, 11])
@@ -58,8 +70,26 @@ def test_greedy_answers_are_those_of_generate_alone_while_rows_end_and_prompts_t
         assert min(lengths) < 20 and max(lengths) == 20  # some stopped early, some ran to the budget
         assert [a.stopped for a in answers] == [t[-1] in budget.stops for t in expected]
         assert sorted(ended) == list(range(len(prompts)))  # each told once
+        assert model.config._attn_implementation == ("eager" if kind == "eager" else "sdpa")  # given back
     finally:
         model.config._attn_implementation = "sdpa"
+
+
+def test_a_step_attends_as_sdpa_does_over_the_cache_views_it_is_given():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 3, True
+    buffers = torch.randn(2, 5, 2, 40, 16)  # keys and values: 5 rows, 2 key/value heads, 40 columns
+    keys, values = buffers[0, :4, :, 7:30], buffers[1, :4, :, 7:30]  # live rows and columns: views
+    query = torch.randn(4, 6, 1, 16)
+    hidden = torch.arange(23)[None, :] < torch.tensor([0, 5, 11, 22])[:, None]
+    mask = torch.zeros(4, 1, 1, 23).masked_fill(hidden[:, None, None, :], torch.finfo(torch.float32).min)
+    ours, _ = decoding._step_attention(module, query, keys, values, mask, scaling=0.3)
+    theirs, _ = sdpa_attention_forward(module, query, keys, values, ~hidden[:, None, None, :], scaling=0.3)
+    assert ours.shape == theirs.shape == (4, 1, 6, 16)
+    torch.testing.assert_close(ours, theirs)
 
 
 def test_the_cache_moves_its_live_columns_and_grows_without_changing_an_answer(tiny, monkeypatch):
