@@ -48,9 +48,15 @@ def grouped_query_model():
 
     torch.manual_seed(3)
     config = LlamaConfig(
-        vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, attn_implementation="sdpa",
-    )  # fmt: skip
+        vocab_size=200,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        attn_implementation="sdpa",
+    )
     return LlamaForCausalLM(config).eval()
 
 
