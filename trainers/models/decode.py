@@ -13,8 +13,8 @@ The cache holds `rows` answers side by side. Every row writes its next token's k
 padding places it), and the mask hides the columns before it. A row's positions count its own tokens, as `generate`
 numbers left-padded rows, so its keys (rotated when they were computed) are the same wherever the row sits.
 Columns before the oldest row's start are dropped when the cache is full (the live ones moved to the front). A
-step's attention is `_step_attention` (one query per row: two batched matmuls over the key/value heads); a prefill's
-is the model's own.
+sdpa model's step attends by `_step_attention` (one query per row: two batched matmuls over the key/value heads); a
+prefill, and an eager model's step, by the model's own.
 
 Which prompts share the cache follows `text.length_batches`' rule: none whose sequence (prompt and budget) is under
 half the longest running one's, so one long prompt does not make every short one attend its length; and no more rows
@@ -245,7 +245,8 @@ class _SlotCache:
         mask = torch.zeros(hidden.shape, dtype=self.dtype, device=device)
         mask.masked_fill_(hidden, torch.finfo(self.dtype).min)  # added to the scores
         config, kernel = model.config, model.config._attn_implementation
-        config._attn_implementation = _step_attention_name()
+        if kernel == "sdpa":  # the same arithmetic, faster; another kernel is the user's choice and is kept
+            config._attn_implementation = _step_attention_name()
         try:
             out = model(
                 input_ids=tokens[:, None],
