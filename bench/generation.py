@@ -248,7 +248,8 @@ def _bare(spec: dict, setting: Setting):
             ids = tokenizer.apply_chat_template(hello, add_generation_prompt=True, tokenize=True, return_dict=True)
             rows = [list(ids["input_ids"])] * min(setting.batch or len(rows), len(rows))
         if sampling:
-            # the seed the pairs stage sets before its first batch (`pairs.stage.sample`, round 0)
+            # the stage draws each answer from a seed of its own (`pairs.stage.answer_seed`); the bare side from
+            # torch's generator, seeded by the stage's seed and round 0
             torch.manual_seed(spec["config"]["seed"] * 1000)
         settings = {"max_new_tokens": WARM_TOKENS if warm_up else spec["max_new_tokens"], "sample": sampling}
         with torch.inference_mode():

@@ -1,6 +1,6 @@
 """Generation that a kill interrupts resumes where it stopped: eval's greedy answers and the pairs stage's samples are
-kept batch by batch, and a process SIGKILLed mid-way, run again, writes the same bytes as one that was never
-stopped (and generates only the batches it had not)."""
+kept answer by answer, and a process SIGKILLed mid-way, run again, writes the same bytes as one that was never
+stopped (and generates only the answers it had not; the samples with another batch size)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import json, sys, time
 from pathlib import Path
 import rlhf_pipeline.trainers.models.text as text
 
-what, model_dir, data_dir, out, counted = sys.argv[1:6]
+what, model_dir, data_dir, out, counted = sys.argv[1:6]  # and the pairs' batch size
 
 def generated_a_batch(*_):  # a slow device, so that the kill lands mid-way; counts the batches generated
     with open(counted, "a") as f:
@@ -43,22 +43,25 @@ if what == "answers":
 else:
     from rlhf_pipeline.trainers.pairs.stage import PairsConfig, sample
 
-    real = text.generate
-    def generate(*args, **kwargs):
-        texts = real(*args, **kwargs)
-        generated_a_batch()
-        return texts
-    text.generate = generate
-    cfg = PairsConfig(samples_per_prompt=3, max_prompts=40, max_new_tokens=6, batch_size=4)
+    real = text.generate_answers
+    def generate_answers(*args, progress=None, **kwargs):
+        def told(done, total):
+            generated_a_batch()
+            progress(done, total)
+        return real(*args, progress=told, **kwargs)
+    text.generate_answers = generate_answers
+    cfg = PairsConfig(samples_per_prompt=3, max_prompts=16, max_new_tokens=6, batch_size=int(sys.argv[6]))
     sample(cfg, Path(model_dir), Path(data_dir), Path(out), work_dir=Path(out).parent / "work")
 """
 
 
-def drive(what: str, model: Path, data: Path, out: Path, cache: Path, counted: Path) -> subprocess.Popen:
+def drive(
+    what: str, model: Path, data: Path, out: Path, cache: Path, counted: Path, batch: int = 4
+) -> subprocess.Popen:
     script = out.parent / "driver.py"
     script.write_text(DRIVER)
     env = {**os.environ, "RLHF_MODEL_CACHE": str(cache)}
-    args = [sys.executable, str(script), what, str(model), str(data), str(out), str(counted)]
+    args = [sys.executable, str(script), what, str(model), str(data), str(out), str(counted), str(batch)]
     return subprocess.Popen(args, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -97,13 +100,14 @@ def test_a_generation_killed_mid_way_resumes_and_writes_what_an_unbroken_one_wri
             assert first.poll() is None and time.monotonic() < deadline, first.stdout.read() if first.poll() else ""
             time.sleep(0.05)
         [kept] = (broken / "cache" / "answers").glob("*.partial.jsonl")
-    kill_after(first, kept, lines=3 * (4 if what == "answers" else 1))  # three batches kept
+    kill_after(first, kept, lines=12)  # twelve answers kept
     before_kill = len((broken / "batches").read_text().splitlines())
-    finish(drive(what, untrained_sft, data, out[broken], broken / "cache", broken / "batches"))
+    # the pairs' samples resume with another batch size: each answer's draws are its own
+    finish(drive(what, untrained_sft, data, out[broken], broken / "cache", broken / "batches", batch=2))
 
     total_batches = len((unbroken / "batches").read_text().splitlines())
     generated = len((broken / "batches").read_text().splitlines())
-    assert before_kill >= 3 and generated < total_batches + before_kill  # the kept batches were not generated again
+    assert before_kill >= 12 and generated < total_batches + before_kill  # the kept answers were not generated again
     if what == "answers":
         assert json.loads(out[broken].read_text()) == json.loads(out[unbroken].read_text())
         [cached_unbroken] = (unbroken / "cache" / "answers").glob("*[0-9a-f].jsonl")

@@ -113,7 +113,7 @@ def greedy_answers(
     """`trainers.models.text.generate_answers`' greedy answers and cut flags, from the cache when this model answered
     these prompts with these settings before (`log` says so), else generated (`progress(done, total)` after each batch)
     and kept."""
-    from rlhf_pipeline.trainers.models.text import generate_answers
+    from rlhf_pipeline.trainers.models.text import generate_answers, kept_answers
 
     key = answers_key(model, tokenizer, prompts, max_new_tokens, batch_size)
     path = answers_dir() / f"{key}.jsonl"
@@ -129,7 +129,7 @@ def greedy_answers(
     # Each batch is kept as it is answered: a run killed here resumes at the next batch, with the same answers.
     path.parent.mkdir(parents=True, exist_ok=True)
     batches = path.with_suffix(".partial.jsonl")
-    before = read_batches(batches)
+    before = kept_answers(batches)
     if before and log is not None:
         log(f"resuming: {len(before)} of {len(prompts)} answers kept from a run that stopped ({batches})")
     with open(batches, "a", encoding="utf-8") as kept:
@@ -149,10 +149,3 @@ def greedy_answers(
     if log is not None:
         log(f"{len(answers)} answers in {time.perf_counter() - started:.0f} s, kept in {path}")
     return answers, cut
-
-
-def read_batches(path: Path) -> dict[int, tuple[str, bool]]:
-    """The answers kept batch by batch (index -> answer, cut); a last line cut short by a kill is left out."""
-    from rlhf_pipeline.trainers.models.text import kept_rows
-
-    return {row["index"]: (row["answer"], row["cut"]) for row in kept_rows(path)}

@@ -100,12 +100,25 @@ def decode(
     rows: int,
     max_cache_bytes: int = 4 << 30,
     on_done: Callable[[int, Answer], None] | None = None,
+    seeds: list[int] | None = None,
 ) -> list[Answer]:
     """Answers to the prompt ids `prompts` (in their order), at most `rows` at once; `on_done(index, answer)` as
-    each ends. Sampling draws from torch's global generator, so a seed set before the call fixes the draws."""
+    each ends. Sampling draws from torch's global generator, so a seed set before the call fixes the draws; with
+    `seeds`, prompt i's tokens are drawn from a generator of its own seeded with `seeds[i]` (one uniform number a
+    token), so its answer is the same whatever other prompts, rows or earlier calls share its steps: a generation
+    that stopped resumes with the answers it had not yet drawn, drawn as an unbroken one draws them."""
+    import random
+
     import torch
 
     answers = [Answer() for _ in prompts]
+    own = None if seeds is None else [random.Random(seed) for seed in seeds]
+
+    def pick(logits: torch.Tensor, indices: list[int]) -> torch.Tensor:
+        if own is None or not budget.sample:
+            return _pick(logits, budget)
+        return _pick(logits, budget, torch.tensor([own[i].random() for i in indices], dtype=torch.float64))
+
     queue = sorted(range(len(prompts)), key=lambda i: (-len(prompts[i]), i))
     whole = [len(p) + budget.max_new_tokens for p in prompts]
     cache = _SlotCache(model, rows, _per_token_bytes(model), max_cache_bytes)
@@ -121,12 +134,12 @@ def decode(
                         queue.remove(i)
                     running += chunk
                     first = cache.admit(model, [prompts[i] for i in chunk], max(whole[i] for i in running))
-                    drawn = _pick(first, budget)
+                    drawn = pick(first, chunk)
                     last = torch.cat([last, drawn])
                     _record(answers, chunk, first, drawn, budget)
             else:
                 logits = cache.step(model, last, max(whole[i] for i in running))
-                last = _pick(logits, budget)
+                last = pick(logits, running)
                 _record(answers, running, logits, last, budget)
             for r in reversed(range(len(running))):  # from the end: a removal moves the last row into its place
                 i = running[r]
@@ -187,10 +200,11 @@ def _prefill_chunks(indices: list[int], prompts: list[list[int]]) -> list[list[i
     return chunks
 
 
-def _pick(logits: torch.Tensor, budget: Budget) -> torch.Tensor:
+def _pick(logits: torch.Tensor, budget: Budget, uniforms: torch.Tensor | None = None) -> torch.Tensor:
     """The next token of each row: the argmax, or a draw at the temperature from the nucleus (as `generate` does
     with `top_k=0`: transformers' TopPLogitsWarper keeps the smallest set of tokens whose probability exceeds
-    `top_p`, the most likely token always)."""
+    `top_p`, the most likely token always). The draw is torch's `multinomial`, or with `uniforms` (one number in
+    [0, 1) a row) the token where that number falls in the row's cumulative distribution."""
     import torch
 
     scores = logits.float()
@@ -203,7 +217,12 @@ def _pick(logits: torch.Tensor, budget: Budget) -> torch.Tensor:
         drop = cumulative <= 1 - budget.top_p
         drop[..., -1:] = False
         scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return torch.multinomial(scores.softmax(-1), 1).squeeze(-1)
+    if uniforms is None:
+        return torch.multinomial(scores.softmax(-1), 1).squeeze(-1)
+    cumulative = scores.softmax(-1).double().cumsum(-1)
+    # the first token whose cumulative probability exceeds the number: never one of probability 0
+    where = (uniforms.to(cumulative.device) * cumulative[:, -1])[:, None]
+    return torch.searchsorted(cumulative, where, right=True).squeeze(-1).clamp(max=scores.shape[-1] - 1)
 
 
 def _per_token_bytes(model) -> int:

@@ -1,5 +1,5 @@
 """Text to token ids, the one place that renders prompts, pads batches and generates (and keeps what a stopped
-generation had made: `kept_batches`, `rng_state`).
+generation had made: `kept_answers`).
 
 Rows are rendered exactly as TRL renders them, so a score or a sample here
 means what it meant in training: a standard row is `prompt + completion + eos`;
@@ -110,12 +110,15 @@ def generate_answers(
     progress: Callable[[int, int], None] | None = None,
     done_before: dict[int, tuple[str, bool]] | None = None,
     on_batch: Callable[[list[int], list[str], list[bool]], None] | None = None,
+    seeds: list[int] | None = None,
 ) -> tuple[list[str], list[bool]]:
     """`generate`'s completions, and for each whether the budget cut it (it reached `max_new_tokens` without a stop
     token), by `decode.decode` (`batch_size` answers decoding at once) where it runs the model, else by transformers'
     `generate`. Resumable: `done_before` holds the answers (and cut flags) of prompts answered before, by index, which
     are not generated again; `on_batch(indices, answers, cut)` is told the answers as they end, to keep them, and
-    `progress(done, total)` after each."""
+    `progress(done, total)` after each. Sampling with `seeds` (one a prompt) draws each answer as `decode.decode` does
+    with them, so that a resumed generation draws what an unbroken one would have; through `generate`, each batch
+    draws from torch's generator seeded with its first prompt's seed."""
     from rlhf_pipeline.trainers.models.decode import supports
 
     model.eval()
@@ -126,7 +129,7 @@ def generate_answers(
         out[i], cut[i] = text, was_cut
     todo = [i for i in range(len(rendered)) if i not in (done_before or {})]
     how = (model, tokenizer, rendered, max_new_tokens, batch_size)
-    drawn = {"sample": sample, "temperature": temperature, "top_p": top_p}
+    drawn = {"sample": sample, "temperature": temperature, "top_p": top_p, "seeds": seeds}
     made = _decoded if supports(model) else _generated
     made(*how, todo, drawn, out, cut, _told(len(rendered), len(rendered) - len(todo), progress, on_batch))
     return out, cut
@@ -153,7 +156,9 @@ def _decoded(model, tokenizer, rendered, max_new_tokens, batch_size, todo, drawn
     from rlhf_pipeline.trainers.models.templates import stop_token_ids
 
     stops = stop_token_ids(tokenizer)
-    budget = Budget(max_new_tokens, tuple(stops) if isinstance(stops, (list, tuple)) else (stops,), **drawn)
+    how = {key: value for key, value in drawn.items() if key != "seeds"}
+    budget = Budget(max_new_tokens, tuple(stops) if isinstance(stops, (list, tuple)) else (stops,), **how)
+    seeds = None if drawn["seeds"] is None else [drawn["seeds"][i] for i in todo]
 
     def done(k: int, answer) -> None:
         i = todo[k]
@@ -161,11 +166,13 @@ def _decoded(model, tokenizer, rendered, max_new_tokens, batch_size, todo, drawn
         cut[i] = not answer.stopped
         tell([i], [out[i]], [cut[i]])
 
-    decode(model, [rendered[i] for i in todo], budget, batch_size, on_done=done)
+    decode(model, [rendered[i] for i in todo], budget, batch_size, on_done=done, seeds=seeds)
 
 
 def _generated(model, tokenizer, rendered, max_new_tokens, batch_size, todo, drawn, out, cut, tell) -> None:
-    """The answers to `todo` by transformers' `generate`, in `length_batches`, for models `decode` does not run."""
+    """The answers to `todo` by transformers' `generate`, in `length_batches`, for models `decode` does not run. The
+    batches are those of every prompt, done or not, so that a resumed generation batches (and, with seeds, draws) as
+    an unbroken one did."""
     import torch
 
     settings = (
@@ -175,8 +182,12 @@ def _generated(model, tokenizer, rendered, max_new_tokens, batch_size, todo, dra
     )
     with own_sampling(model, tokenizer) as stops:
         stop_ids = torch.tensor(list(stops) if isinstance(stops, (list, tuple)) else [stops], device=model.device)
-        for batch in length_batches([len(rendered[i]) for i in todo], batch_size, max_new_tokens):
-            batch = [todo[k] for k in batch]
+        waiting = set(todo)
+        for batch in length_batches([len(p) for p in rendered], batch_size, max_new_tokens):
+            if waiting.isdisjoint(batch):
+                continue
+            if drawn["seeds"] is not None:
+                torch.manual_seed(drawn["seeds"][batch[0]])
             input_ids, attention = pad(
                 [rendered[i] for i in batch], tokenizer.pad_token_id, left=True, device=model.device
             )
@@ -192,9 +203,12 @@ def _generated(model, tokenizer, rendered, max_new_tokens, batch_size, todo, dra
             answers = generated[:, input_ids.shape[1] :]
             stopped = torch.isin(answers, stop_ids).any(dim=1)
             budget = answers.shape[1] >= max_new_tokens
-            for i, text, ended in zip(batch, tokenizer.batch_decode(answers, skip_special_tokens=True), stopped):
-                out[i], cut[i] = text, bool(not ended and budget)
-            tell(batch, [out[i] for i in batch], [cut[i] for i in batch])
+            texts = tokenizer.batch_decode(answers, skip_special_tokens=True)
+            for i, text, ended in zip(batch, texts, stopped):
+                if i in waiting:
+                    out[i], cut[i] = text, bool(not ended and budget)
+            new = [i for i in batch if i in waiting]
+            tell(new, [out[i] for i in new], [cut[i] for i in new])
 
 
 def length_batches(lengths: list[int], batch_size: int, max_new_tokens: int = 0) -> list[list[int]]:
@@ -234,12 +248,11 @@ def reward_scores(
     return scores
 
 
-def kept_batches(path: Path):
-    """The batches a stopped generation kept (`trainers.pairs.stage.sample`), by their first prompt's index (a
-    last line cut short by a kill is left out), and the file opened to keep more."""
-    rows = {row["start"]: row for row in kept_rows(path)}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return rows, open(path, "a", encoding="utf-8")
+def kept_answers(path: Path) -> dict[int, tuple[str, bool]]:
+    """The answers a stopped generation kept one line each (index -> answer, cut), as `generate_answers`'
+    `done_before` takes them (eval's answers, the pairs stage's samples); a last line cut short by a kill, and lines of
+    another layout (a journal an older version kept), are left out."""
+    return {row["index"]: (row["answer"], row["cut"]) for row in kept_rows(path) if "index" in row}
 
 
 def kept_rows(path: Path) -> list[dict]:
@@ -251,22 +264,3 @@ def kept_rows(path: Path) -> list[dict]:
         except json.JSONDecodeError:
             continue
     return rows
-
-
-def rng_state(state: str | None = None) -> str:
-    """torch's random generators' state (the CPU's and every CUDA device's) as text; given one, restores it."""
-    import base64
-    import io
-
-    import torch
-
-    if state is not None:
-        saved = torch.load(io.BytesIO(base64.b64decode(state)), weights_only=True)
-        torch.set_rng_state(saved["cpu"])
-        if saved["cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(saved["cuda"])
-        return state
-    buffer = io.BytesIO()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
-    torch.save({"cpu": torch.get_rng_state(), "cuda": cuda}, buffer)
-    return base64.b64encode(buffer.getvalue()).decode()

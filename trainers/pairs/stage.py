@@ -33,7 +33,6 @@ from pydantic import Field, model_validator
 
 from rlhf_pipeline.trainers.config import LogMetrics, StageConfig, StrictModel
 from rlhf_pipeline.trainers.rewards.judges import JudgeConfig
-from rlhf_pipeline.trainers.runtime.heartbeat import beat
 
 SAMPLES = "samples.jsonl"
 """The samples artifact: one line per prompt, {"id", "prompt", "completions": [...], **the prompt's other columns}."""
@@ -105,7 +104,12 @@ class PairsConfig(StageConfig):
     max_new_tokens: int = Field(64, ge=1, description="Longest sampled answer.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
-    batch_size: int = Field(64, ge=1, description="Prompts per generation batch.")
+    batch_size: int = Field(
+        64,
+        ge=1,
+        description="Prompts whose answers decode at once (each of their `samples_per_prompt` answers takes a row); "
+        "the answers do not depend on it.",
+    )
     min_margin: float = Field(
         0.0, ge=0, description="Pairs whose chosen answer beats the rejected one by no more than this are dropped."
     )
@@ -173,17 +177,17 @@ def sample(
     log_metrics: LogMetrics | None = None,
     work_dir: Path | None = None,
 ) -> dict[str, float]:
-    """`samples_per_prompt` answers of the model in `model_dir` to each chosen prompt, into `out_dir/samples.jsonl`.
-    Each batch is kept in `work_dir` as it is sampled, with the random generator's state after it: a run killed here
-    resumes at the next batch, with the same draws, and writes the same samples as an unbroken one."""
+    """`samples_per_prompt` answers of the model in `model_dir` to each chosen prompt, into `out_dir/samples.jsonl`,
+    all in one decoding loop (`batch_size` prompts' answers decoding at once). Each answer is drawn from a generator of
+    its own, seeded by the seed, the round, its prompt's row and its place among the prompt's answers, so it is the same
+    whatever answers shared its steps; each is kept in `work_dir` as it ends: a run killed here resumes with the
+    answers it had not drawn, and writes the same samples as an unbroken one (with any `batch_size`)."""
     import random
     import time
 
-    import torch
-
     from rlhf_pipeline.trainers.data import load_split
     from rlhf_pipeline.trainers.models.load import load_causal_lm
-    from rlhf_pipeline.trainers.models.text import generate, kept_batches, rng_state
+    from rlhf_pipeline.trainers.models.text import generate_answers, kept_answers
     from rlhf_pipeline.trainers.runtime.progress import Progress
 
     prompts_ds = load_split(data_dir, "prompts")
@@ -192,58 +196,70 @@ def sample(
     chosen = prompts_ds.select(rows)
     prompts = chosen["prompt"]
     columns = {name: chosen[name] for name in chosen.column_names if name != "prompt"}
-    policy, tokenizer = load_causal_lm(model_dir)
-    torch.manual_seed(cfg.seed * 1000 + round_)
-    n, started, progress = cfg.samples_per_prompt, time.monotonic(), Progress("pairs", total=len(prompts))
-    answers: list[list[str]] = [[] for _ in prompts]
+    n, started = cfg.samples_per_prompt, time.monotonic()
+    flat = [prompt for prompt in prompts for _ in range(n)]  # each prompt's n answers side by side
+    seeds = [answer_seed(cfg.seed, round_, row, k) for row in rows for k in range(n)]
     kept = (work_dir or out_dir) / "samples.partial.jsonl"
-    before, partial = kept_batches(kept)  # closed after the loop
-    for start in range(0, len(prompts), cfg.batch_size):
-        beat()
-        batch = prompts[start : start + cfg.batch_size]
-        if start in before:  # sampled by a run that stopped: its answers, and the draws go on from after them
-            answers[start : start + len(batch)] = before[start]["answers"]
-            rng_state(before[start]["rng"])
-            continue
-        flat = [prompt for prompt in batch for _ in range(n)]  # each prompt's n answers side by side
-        texts = generate(
+    before = kept_answers(kept)
+    policy, tokenizer = load_causal_lm(model_dir)
+    progress = Progress("pairs", total=len(flat))
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    with open(kept, "a", encoding="utf-8") as partial:
+
+        def keep(indices: list[int], texts: list[str], cuts: list[bool]) -> None:
+            rows_kept = [{"index": i, "answer": a, "cut": c} for i, a, c in zip(indices, texts, cuts)]
+            partial.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows_kept))
+            partial.flush()
+
+        def told(done: int, total: int) -> None:
+            progress.step(done)
+            if done == total or done % (10 * n) == 0:
+                progress.log(done, {"pairs/samples/answers": float(done)})
+
+        texts, cut = generate_answers(
             policy,
             tokenizer,
             flat,
             cfg.max_new_tokens,
-            batch_size=len(flat),
+            batch_size=cfg.batch_size * n,
             sample=True,
             temperature=cfg.temperature,
             top_p=cfg.top_p,
+            progress=told,
+            done_before=before,
+            on_batch=keep,
+            seeds=seeds,
         )
-        for i in range(len(batch)):
-            answers[start + i] = texts[i * n : (i + 1) * n]
-        partial.write(json.dumps({"start": start, "answers": answers[start : start + len(batch)], "rng": rng_state()}))
-        partial.write("\n")
-        partial.flush()
-        done = min(start + cfg.batch_size, len(prompts))
-        progress.step(done)
-        if done == len(prompts) or (start // cfg.batch_size) % 10 == 9:
-            progress.log(done, {"pairs/samples/answers": float(done * n)})
     progress.close()
-    partial.close()
     del policy
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / SAMPLES, "w", encoding="utf-8") as f:
-        for i, (row, prompt, texts) in enumerate(zip(rows, prompts, answers)):
-            other = {name: values[i] for name, values in columns.items()}
-            f.write(json.dumps({"id": row, "prompt": prompt, "completions": texts, **other}, ensure_ascii=False) + "\n")
+    answers = [texts[i * n : (i + 1) * n] for i in range(len(prompts))]
+    write_samples(out_dir, rows, prompts, answers, columns)
     kept.unlink()  # the samples are whole
-    distinct = sum(len(set(texts)) > 1 for texts in answers)
+    distinct = sum(len(set(drawn)) > 1 for drawn in answers)
     metrics = {
         "pairs/samples/prompts": float(len(prompts)),
-        "pairs/samples/answers": float(len(prompts) * n),
+        "pairs/samples/answers": float(len(flat)),
         "pairs/samples/prompts_with_distinct_answers": float(distinct),
+        "pairs/samples/cut_by_budget": float(sum(cut)),
         "pairs/samples/seconds": time.monotonic() - started,
     }
     if log_metrics is not None:
         log_metrics(metrics, 0)
     return metrics
+
+
+def write_samples(out_dir: Path, rows: list[int], prompts: list, answers: list[list[str]], columns: dict) -> None:
+    """The samples file: per chosen prompt its row, the prompt, its answers and the prompt row's other columns."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / SAMPLES, "w", encoding="utf-8") as f:
+        for i, (row, prompt, drawn) in enumerate(zip(rows, prompts, answers)):
+            other = {name: values[i] for name, values in columns.items()}
+            f.write(json.dumps({"id": row, "prompt": prompt, "completions": drawn, **other}, ensure_ascii=False) + "\n")
+
+
+def answer_seed(seed: int, round_: int, row: int, k: int) -> int:
+    """The seed of the `k`-th answer to the prompt at `row` of the prompts split, in round `round_`."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{round_}:{row}:{k}".encode()).digest()[:8], "big")
 
 
 def read_samples(folder: Path) -> list[dict]:

@@ -157,6 +157,52 @@ def test_nucleus_keeps_the_tokens_transformers_keeps():
     assert torch.equal(decoding._pick(logits, Budget(1, (), sample=True, top_p=0.9)), first)  # the seed fixes draws
 
 
+def test_a_seeded_draw_falls_where_its_number_falls_in_the_nucleus():
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(1)) * 2
+    numbers = (torch.arange(2000, dtype=torch.float64) + 0.5) / 2000  # evenly over [0, 1)
+    for top_p in (1.0, 0.8):
+        kept = TopPLogitsWarper(top_p)(None, logits.clone()) if top_p < 1 else logits
+        drawn = decoding._pick(logits.expand(2000, -1), Budget(1, (), sample=True, top_p=top_p), numbers)
+        counts = torch.bincount(drawn, minlength=50).double() / 2000
+        assert torch.allclose(counts, kept.softmax(-1)[0].double(), atol=1 / 2000 + 1e-9)  # each token its share
+
+
+def test_seeded_answers_are_each_their_own_whatever_shares_their_steps(tiny):
+    model, _ = tiny
+    prompts = prompts_of([6, 9, 4, 12, 7, 5], seed=7)
+    stops = common_tokens(model, prompts, 2)
+    budget = Budget(16, stops, sample=True, temperature=1.0, top_p=0.9)
+    seeds = [11, 12, 13, 14, 15, 16]
+    torch.manual_seed(0)
+    together = [a.tokens for a in decode(model, prompts, budget, rows=6, seeds=seeds)]
+    torch.manual_seed(1)  # the global generator plays no part
+    two_rows = [a.tokens for a in decode(model, prompts, budget, rows=2, seeds=seeds)]
+    the_rest = [a.tokens for a in decode(model, prompts[3:], budget, rows=3, seeds=seeds[3:])]
+    assert together == two_rows and together[3:] == the_rest
+    assert len({len(tokens) for tokens in together}) > 1  # answers ended at different steps: rows were refilled
+    other = [a.tokens for a in decode(model, prompts, budget, rows=6, seeds=[s + 100 for s in seeds])]
+    assert other != together  # the seeds decide the draws
+
+
+def test_a_seeded_generation_resumed_draws_what_an_unbroken_one_drew(tiny, monkeypatch):
+    model, tokenizer = tiny
+    prompts = ["sort 3142 ->", "sort 98 ->", "sort 5 ->", "sort 771 ->", "sort 26 ->"]
+    how = {"max_new_tokens": 8, "batch_size": 2, "sample": True, "seeds": [5, 6, 7, 8, 9]}
+    for path in ("decode", "generate"):
+        if path == "generate":
+            monkeypatch.setattr(decoding, "supports", lambda model: False)
+        unbroken = generate_answers(model, tokenizer, prompts, **how)
+        kept = {i: (unbroken[0][i], unbroken[1][i]) for i in (1, 4)}
+        told: list[int] = []
+        resumed = generate_answers(
+            model, tokenizer, prompts, **how, done_before=kept, on_batch=lambda done, *_: told.extend(done)
+        )
+        assert resumed == unbroken and sorted(told) == [0, 2, 3], path
+    assert generate_answers(model, tokenizer, prompts, **{**how, "seeds": [1, 2, 3, 4, 5]}) != unbroken
+
+
 def test_a_model_decode_does_not_run_is_answered_by_generate_alike(tiny, monkeypatch):
     model, tokenizer = tiny
     prompts = ["sort 3142 ->", "sort 98 ->", "sort 5 ->"]
