@@ -9,7 +9,7 @@ pyproject.toml maps the folders, found on PYTHONPATH before the editable install
 the checkout, whose own `rlhf_pipeline/` would shadow it) in a fresh process per measurement, and train the stage with
 the tiny preset's settings on the same data and the same SFT model. The time is that of the stage's `train` call (model
 loading and saving included); the table shows median, min and max per side and the ratio of medians (this checkout /
-base).
+base). The verdict: every stage's ratio at most `--max-ratio` (1.05: the hooks may cost 5%); exits 1 otherwise.
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base", required=True, help="the earlier commit (e.g. the last one before the launcher)")
     parser.add_argument("--stages", nargs="+", default=["sft", "ppo"], choices=["sft", "dpo", "ppo"])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-ratio", type=float, default=1.05, help="the verdict: head / base at most this")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from tests.helpers import write_data_dir
@@ -108,17 +109,23 @@ def main(argv: list[str] | None = None) -> int:
                     shutil.rmtree(out, ignore_errors=True)
         print(f"\nin-process stages, {args.rounds} rounds: this checkout (head) against {args.base} (base)")
         print("stage  base median [min, max]     head median [min, max]     head / base")
+        slower = []
         for stage in args.stages:
             b, h = seconds[(stage, "base")], seconds[(stage, "head")]
+            ratio = statistics.median(h) / statistics.median(b)
+            slower += [stage] if ratio > args.max_ratio else []
             print(
                 f"{stage:5}  {statistics.median(b):6.1f}s [{min(b):5.1f}, {max(b):5.1f}]    "
-                f"{statistics.median(h):6.1f}s [{min(h):5.1f}, {max(h):5.1f}]"
-                f"    {statistics.median(h) / statistics.median(b):.3f}"
+                f"{statistics.median(h):6.1f}s [{min(h):5.1f}, {max(h):5.1f}]    {ratio:.3f}"
             )
     finally:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], capture_output=True)
         shutil.rmtree(scratch, ignore_errors=True)
-    return 0
+    print(
+        f"{'FAIL' if slower else 'PASS'}  head / base <= {args.max_ratio} for every stage{': not ' if slower else ''}"
+        f"{', '.join(slower)}"
+    )
+    return 1 if slower else 0
 
 
 if __name__ == "__main__":

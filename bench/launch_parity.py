@@ -9,7 +9,9 @@ Each stage is trained twice with the tiny preset's settings, interleaved: once i
 `accelerate launch` (or as a Ray Train job) with the same global batch (per-device batch / processes for sft and dpo;
 ppo's rollout batch is global already). Every model is then scored by greedy held-out exact match on the bundled
 `prompts_eval`, and the table shows seconds, exact match with its 95% interval, and the launched run's difference
-in points.
+in points with its paired 95% interval over the prompts. The verdict is non-inferiority: for every stage the
+difference's lower bound is no more than `--margin` points below zero (default 5; the launcher's parity test asks
+the point estimate to be within 3 points); exits 1 otherwise.
 """
 
 from __future__ import annotations
@@ -24,16 +26,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def exact_match(model_dir: Path, prompts: list, answers: list) -> tuple[float, float, float]:
+def exact_match(model_dir: Path, prompts: list, answers: list) -> list[float]:
+    """Each held-out prompt's greedy exact match (1 or 0)."""
     from rlhf_pipeline.trainers.models.load import load_causal_lm
     from rlhf_pipeline.trainers.models.text import generate
-    from rlhf_pipeline.trainers.rewards.metrics import bootstrap_mean
     from rlhf_pipeline.trainers.rewards.sort_task import exact_match as score
 
     model, tokenizer = load_causal_lm(model_dir)
-    correct = score(prompts, generate(model, tokenizer, prompts, max_new_tokens=12, batch_size=200), answer=answers)
-    interval = bootstrap_mean(correct, n_bootstrap=1000, seed=0)
-    return interval.mean, interval.low, interval.high
+    return score(prompts, generate(model, tokenizer, prompts, max_new_tokens=12, batch_size=200), answer=answers)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--processes", type=int, default=2, help="accelerate's processes, or Ray's workers")
     parser.add_argument("--launcher", choices=("accelerate", "ray"), default="accelerate")
     parser.add_argument("--keep", type=Path, default=None, help="keep the models here (default: a temporary folder)")
+    parser.add_argument("--margin", type=float, default=5.0, help="points the launched run may be worse by at most")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
 
@@ -49,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     from rlhf_pipeline.tasks.orchestration.launcher import run_launched
     from rlhf_pipeline.tasks.stages import BY_NAME
     from rlhf_pipeline.trainers.data import load_split
+    from rlhf_pipeline.trainers.rewards.metrics import bootstrap_mean
     from tests.helpers import write_data_dir
 
     params = load_params("tiny")
@@ -84,9 +86,10 @@ def main(argv: list[str] | None = None) -> int:
                 launch,
             )
         seconds = time.perf_counter() - started
-        value, low, high = exact_match(out / "model", prompts, answers)
-        rows.append({"stage": stage, "mode": mode, "seconds": seconds, "exact_match": value, "low": low, "high": high})
-        print(f"{stage:4} {mode:10} {seconds:7.1f}s  exact match {value:.3f} [{low:.3f}, {high:.3f}]", flush=True)
+        correct = exact_match(out / "model", prompts, answers)
+        value = bootstrap_mean(correct, n_bootstrap=1000, seed=0)
+        rows.append({"stage": stage, "mode": mode, "seconds": seconds, "correct": correct, "exact_match": value.mean})
+        print(f"{stage:4} {mode:10} {seconds:7.1f}s  exact match {value.mean:.3f} [{value.low:.3f}, {value.high:.3f}]")
         return out / "model"
 
     sft = {
@@ -103,20 +106,24 @@ def main(argv: list[str] | None = None) -> int:
         "same global batch; held-out exact match on "
         f"{len(prompts)} prompts"
     )
-    print("stage  in-process        launched          difference  time ratio")
+    print("stage  in-process        launched          difference [95%]        time ratio")
+    worse = []
     for stage in ("sft", "dpo", "ppo"):
         one, many = (
             next(r for r in rows if r["stage"] == stage and r["mode"] == mode) for mode in ("inprocess", launched)
         )
-        points = 100 * (many["exact_match"] - one["exact_match"])
+        gap = bootstrap_mean([b - a for a, b in zip(one["correct"], many["correct"])], n_bootstrap=1000, seed=0)
+        worse += [stage] if 100 * gap.low < -args.margin else []
         print(
             f"{stage:5}  {one['exact_match']:.3f} ({one['seconds']:5.1f}s)  {many['exact_match']:.3f} "
-            f"({many['seconds']:5.1f}s)"
-            f"  {points:+6.1f} pts  {many['seconds'] / one['seconds']:5.2f}x"
+            f"({many['seconds']:5.1f}s)  {100 * gap.mean:+6.1f} pts [{100 * gap.low:+.1f}, {100 * gap.high:+.1f}]"
+            f"  {many['seconds'] / one['seconds']:5.2f}x"
         )
     if args.keep is None:
         shutil.rmtree(root, ignore_errors=True)
-    return 0
+    verdict = f"the launched run's lower bound >= -{args.margin:g} points for every stage"
+    print(f"{'FAIL' if worse else 'PASS'}  {verdict}{': not ' + ', '.join(worse) if worse else ''}")
+    return 1 if worse else 0
 
 
 if __name__ == "__main__":

@@ -149,6 +149,18 @@ def below_start(cfg: RegistryConfig, metrics: dict[str, float]) -> str | None:
     )
 
 
+def unmeasured(cfg: RegistryConfig, metrics: dict[str, float]) -> str | None:
+    """Why a first version (no champion to beat) stays a candidate when nothing measured it against its start: no gold
+    metric and no reference answers (with `beat_start` on; the training reward alone never promotes), or None."""
+    if not cfg.beat_start or any(name in metrics for name in START_GAINS):
+        return None
+    return (
+        "no champion yet, and nothing measured this policy against its start: eval has no gold metric "
+        "(eval.gold_metric) and its held-out prompts no reference answers, so it stays a candidate "
+        "(registry.beat_start=false promotes it)"
+    )
+
+
 def gate(cfg: RegistryConfig, metrics: dict[str, float]) -> tuple[bool, str]:
     """Whether the candidate beats the champion, and why (with the numbers)."""
     cfg = cfg.resolved(set(metrics))

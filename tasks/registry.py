@@ -3,8 +3,9 @@
 Every run's policy becomes (or reuses, by content digest) a version of the registered model and takes the alias
 `candidate`. The alias `champion` moves to it only when the gate passes on the eval stage's metrics and the champion
 is still the one eval compared against (compare and set, under a lock on the tracking server: one promotion at a time
-for every run that uses it); the first version becomes champion. `models:/<name>@champion` then loads with
-`from_pretrained`.
+for every run that uses it). Even a first version becomes champion only when it beats its own start on the held-out
+gold metric (`registry.beat_start`; without a gold metric or reference answers nothing measures that, and it stays a
+candidate) and does not game its reward. `models:/<name>@champion` then loads with `from_pretrained`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import contextlib
 import json
 from collections.abc import Iterator
 
-from rlhf_pipeline.tasks.gate import CANDIDATE, CHAMPION, RegistryConfig, below_start, gate, hacking
+from rlhf_pipeline.tasks.gate import CANDIDATE, CHAMPION, RegistryConfig, below_start, gate, hacking, unmeasured
 from rlhf_pipeline.tasks.orchestration.stage_task import current_flow_run, prefect_log
 from rlhf_pipeline.tasks.store.artifacts import FILES, ArtifactRef, RunContext
 from rlhf_pipeline.tasks.tracking import client as tracking
@@ -221,6 +222,8 @@ def _decide(cfg: RegistryConfig, report: ArtifactRef, metrics: dict, version: st
                     else f"the champion v{seen} that eval compared against is gone: it stays a candidate"
                 ),
             )
+        elif champion is None and (unknown := unmeasured(cfg, metrics)):
+            promoted, reason = False, unknown
         elif champion is None:
             promoted, reason = True, "no champion yet: the first version becomes champion"
         else:

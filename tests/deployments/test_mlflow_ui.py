@@ -91,12 +91,12 @@ def test_a_registered_policy_page_says_registered_and_its_version_shows_the_card
     from rlhf_pipeline.tasks.registry import register_policy
     from rlhf_pipeline.tasks.store.artifacts import RunContext
     from rlhf_pipeline.tasks.tracking.lineage import card_text
-    from tests.tasks.test_registry import publish
+    from tests.tasks.test_registry import MEASURED, publish
 
     experiment = tracking.experiment_id("rlhf-registry")
     ctx = RunContext(artifact_root=str(tmp_path / "artifacts"), experiment_id=experiment, parent_run_id="")
     cfg = RegistryConfig(model_name="ui-policy")
-    metrics = {"eval/heldout/win_rate_vs_champion": 0.71, "eval/heldout/win_rate_vs_champion_low": 0.64}
+    metrics = {"eval/heldout/win_rate_vs_champion": 0.71, "eval/heldout/win_rate_vs_champion_low": 0.64, **MEASURED}
     policy, report, run_ctx = publish(ctx, "dpo", 1, metrics, cfg)
     version = register_policy(cfg, policy, report, [policy, report], run_ctx)["version"]
     registered = MlflowClient(tracking.tracking_uri()).get_model_version("ui-policy", version)

@@ -7,7 +7,7 @@ import os
 import pytest
 from mlflow.tracking import MlflowClient
 
-from rlhf_pipeline.tasks.gate import CANDIDATE, CHAMPION, RegistryConfig, gate, hacking
+from rlhf_pipeline.tasks.gate import CANDIDATE, CHAMPION, RegistryConfig, gate, hacking, unmeasured
 from rlhf_pipeline.tasks.registry import current_champion, register_policy
 from rlhf_pipeline.tasks.store.artifacts import RunContext
 from rlhf_pipeline.tasks.tracking import client as tracking
@@ -88,6 +88,10 @@ def ctx(tmp_path, monkeypatch):
     return RunContext(artifact_root=str(tmp_path / "artifacts"), experiment_id=experiment, parent_run_id="")
 
 
+MEASURED = {"eval/heldout/exact_match_gain_vs_sft": 0.10, "eval/heldout/exact_match_gain_vs_sft_low": 0.04}
+"""A policy that beats its start on held-out exact match: what lets a first version become champion."""
+
+
 def publish(ctx: RunContext, stage: str, seed: int, metrics: dict, cfg: RegistryConfig | None = None):
     """A policy (a tiny model with its own seed) and an eval report holding `metrics`, compared (as the eval stage
     does) with `cfg`'s champion of the moment."""
@@ -115,7 +119,17 @@ def test_first_version_is_champion_a_loser_is_refused_a_winner_promoted(ctx):
     assert not hacked["promoted"] and hacked["reason"] == hacking(cfg, HACKED)
     assert client.get_registered_model("test-policy").aliases == {CANDIDATE: int(hacked["version"])}  # no champion
 
-    policy, report, run_ctx = publish(ctx, "dpo", 1, {}, cfg)
+    # A first version that nothing measured against its start (no gold metric, no reference answers) stays a candidate.
+    policy, report, run_ctx = publish(ctx, "dpo", 4, {}, cfg)
+    unknown = register_policy(cfg, policy, report, [policy, report], run_ctx)
+    assert (
+        not unknown["promoted"]
+        and unknown["reason"] == unmeasured(cfg, {})
+        and "stays a candidate" in unknown["reason"]
+    )
+    assert CHAMPION not in client.get_registered_model("test-policy").aliases
+
+    policy, report, run_ctx = publish(ctx, "dpo", 1, MEASURED, cfg)
     first = register_policy(cfg, policy, report, [policy, report], run_ctx)
     assert first["promoted"] and "first version" in first["reason"]
     assert str(client.get_model_version_by_alias("test-policy", CHAMPION).version) == first["version"]
@@ -200,7 +214,7 @@ def test_two_registrations_at_once_move_champion_once_and_the_other_stays_candid
     import threading
 
     cfg = RegistryConfig(model_name="raced-policy")
-    policy, report, run_ctx = publish(ctx, "dpo", 10, {}, cfg)
+    policy, report, run_ctx = publish(ctx, "dpo", 10, MEASURED, cfg)
     first = register_policy(cfg, policy, report, [policy, report], run_ctx)
     better = {"eval/heldout/win_rate_vs_champion": 0.71, "eval/heldout/win_rate_vs_champion_low": 0.64}
     racers = [publish(ctx, "dpo", seed, better, cfg) for seed in (11, 12)]  # both evaluated against `first`
@@ -234,7 +248,7 @@ def test_a_lock_released_while_the_store_reads_it_back_is_free_and_the_registrat
     from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST
 
     cfg = RegistryConfig(model_name="released-policy")
-    policy, report, run_ctx = publish(ctx, "dpo", 30, {}, cfg)
+    policy, report, run_ctx = publish(ctx, "dpo", 30, MEASURED, cfg)
     real_client, answered = tracking.client, []
 
     class ReleasedMeanwhile:  # the real client, whose first lock creation meets a holder that releases it meanwhile
@@ -348,7 +362,7 @@ def test_runs_with_their_own_state_folders_and_one_tracking_server_make_exactly_
         monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
         ctx = ctx.model_copy(update={"experiment_id": tracking.experiment_id("two-machines")})
         cfg = RegistryConfig(model_name="shared-policy")
-        policy, report, run_ctx = publish(ctx, "dpo", 20, {}, cfg)
+        policy, report, run_ctx = publish(ctx, "dpo", 20, MEASURED, cfg)
         first = register_policy(cfg, policy, report, [policy, report], run_ctx)
         better = {"eval/heldout/win_rate_vs_champion": 0.71, "eval/heldout/win_rate_vs_champion_low": 0.64}
         racers = [publish(ctx, "dpo", seed, better, cfg) for seed in (21, 22)]
@@ -391,7 +405,7 @@ def test_a_damaged_copy_of_the_champion_is_fetched_again_and_damaged_stored_file
     from urllib.parse import unquote, urlparse
 
     cfg = RegistryConfig(model_name="checked-policy")
-    policy, report, run_ctx = publish(ctx, "dpo", 30, {}, cfg)
+    policy, report, run_ctx = publish(ctx, "dpo", 30, MEASURED, cfg)
     register_policy(cfg, policy, report, [policy, report], run_ctx)
     weights = current_champion(cfg).path / "model" / "model.safetensors"
     whole = weights.read_bytes()

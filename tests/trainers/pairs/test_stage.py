@@ -29,6 +29,11 @@ def longer(prompts, completions_a, completions_b):
     return [1.0 if len(a) > len(b) else 0.0 if len(a) < len(b) else 0.5 for a, b in zip(completions_a, completions_b)]
 
 
+def distinct_pairs(answers: list[str]) -> list[tuple[str, str]]:
+    """Every two different answers of a prompt, in their order: the pairs a judge is shown."""
+    return [(a, b) for i, a in enumerate(answers) for b in answers[i + 1 :] if a != b]
+
+
 def write_samples(folder, rows):
     folder.mkdir(parents=True, exist_ok=True)
     (folder / made.SAMPLES).write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -184,7 +189,17 @@ def test_an_lm_judge_labels_and_its_position_bias_is_measured(tmp_path, data_dir
     cfg = made.PairsConfig(enabled=True, labeller="judge", judge=JudgeConfig(path=str(untrained_sft), batch_size=4))
     assert cfg.uses_device  # an LM judge is loaded on the device, so labelling holds the slot
     metrics = made.label(cfg, samples, data_dir, tmp_path / "out")
-    # An untrained LM's verdicts differ between the two orders: both are measured, and pairs come from their mean.
-    assert 0.0 < metrics["pairs/judge/first_position_rate"] < 1.0
+    # Its position bias is its mean preference for the answer shown first, over every pair in both orders: asked
+    # again here, the judge gives the figure the stage measured, and an untrained LM's is not a neutral 0.5.
+    from rlhf_pipeline.trainers.rewards.judges import load_judge
+
+    shown = [(row["prompt"], a, b) for row in (ROWS[0], ROWS[2]) for a, b in distinct_pairs(row["completions"])]
+    prompts = [prompt for prompt, _, _ in shown]
+    first = [made._reply(prompt, a) for prompt, a, _ in shown]
+    second = [made._reply(prompt, b) for prompt, _, b in shown]
+    judge = load_judge(cfg.judge)
+    verdicts = [*judge(prompts, first, second), *judge(prompts, second, first)]
+    assert metrics["pairs/judge/first_position_rate"] == pytest.approx(sum(verdicts) / len(verdicts), abs=1e-6)
+    assert metrics["pairs/judge/first_position_rate"] != pytest.approx(0.5, abs=1e-3)
     assert metrics["pairs/made"] == len(made.read_pairs(tmp_path / "out")) >= 1
     assert metrics["pairs/labeller_agreement_pairs"] == 16
