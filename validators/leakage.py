@@ -95,6 +95,41 @@ def check_benchmark_leakage(training: Split, benchmark: str, source: str, prompt
     return RuleResult(BENCHMARK_RULE, description, not leaked, len(leaked), leaked[:MAX_EXAMPLES])
 
 
+SPAN_WORDS = 13
+"""Words in a row a training prompt may not share with a benchmark prompt (the n-gram rule of Tulu 3's and OLMo's
+decontamination); a benchmark prompt shorter than this may not be contained whole."""
+
+
+def words(text: Any) -> list[str]:
+    """`normalise`d text as its words (runs of letters and digits): punctuation and spacing do not hide a span."""
+    import re
+
+    normalised = normalise(text)
+    return re.findall(r"\w+", normalised) if normalised else []
+
+
+def span_index(texts: list[str], n: int = SPAN_WORDS) -> dict[tuple[str, ...], int]:
+    """Every run of `n` words of each text (a shorter text: all of its words), to the first text that has it."""
+    index: dict[tuple[str, ...], int] = {}
+    for row, text in enumerate(texts):
+        tokens = words(text)
+        for start in range(max(1, len(tokens) - n + 1)):
+            if tokens:
+                index.setdefault(tuple(tokens[start : start + n]), row)
+    return index
+
+
+def shared_span(text: Any, index: dict[tuple[str, ...], int]) -> tuple[str, int] | None:
+    """The first run of words `text` shares with a text of `index` (`span_index`'s), and that text's row; None."""
+    tokens = words(text)
+    for length in sorted({len(span) for span in index}, reverse=True):
+        for start in range(len(tokens) - length + 1):
+            row = index.get(tuple(tokens[start : start + length]))
+            if row is not None:
+                return " ".join(tokens[start : start + length]), row
+    return None
+
+
 def _rows_with_prompts(
     split: Split, batch_rows: int = BATCH_ROWS, wanted: set[str] | None = None
 ) -> Iterator[tuple[int, str]]:
