@@ -113,9 +113,8 @@ def span_index(texts: list[str], n: int = SPAN_WORDS) -> dict[tuple[str, ...], i
     index: dict[tuple[str, ...], int] = {}
     for row, text in enumerate(texts):
         tokens = words(text)
-        for start in range(max(1, len(tokens) - n + 1)):
-            if tokens:
-                index.setdefault(tuple(tokens[start : start + n]), row)
+        for start in range(max(1, len(tokens) - n + 1) if tokens else 0):
+            index.setdefault(tuple(tokens[start : start + n]), row)
     return index
 
 

@@ -113,7 +113,7 @@ def greedy_answers(
     """`trainers.models.text.generate_answers`' greedy answers and cut flags, from the cache when this model answered
     these prompts with these settings before (`log` says so), else generated (`progress(done, total)` after each batch)
     and kept."""
-    from rlhf_pipeline.trainers.models.text import generate_answers, kept_answers
+    from rlhf_pipeline.trainers.models.text import generate_answers, keeping, kept_answers
 
     key = answers_key(model, tokenizer, prompts, max_new_tokens, batch_size)
     path = answers_dir() / f"{key}.jsonl"
@@ -126,19 +126,12 @@ def greedy_answers(
     started = time.perf_counter()
     if key is None:
         return generate_answers(model, tokenizer, prompts, max_new_tokens, batch_size, progress=progress)
-    # Each batch is kept as it is answered: a run killed here resumes at the next batch, with the same answers.
-    path.parent.mkdir(parents=True, exist_ok=True)
+    # Each answer is kept as it ends: a run killed here resumes with the answers it had not given, the same answers.
     batches = path.with_suffix(".partial.jsonl")
     before = kept_answers(batches)
     if before and log is not None:
         log(f"resuming: {len(before)} of {len(prompts)} answers kept from a run that stopped ({batches})")
-    with open(batches, "a", encoding="utf-8") as kept:
-
-        def keep(indices: list[int], texts: list[str], cuts: list[bool]) -> None:
-            rows = [{"index": i, "answer": a, "cut": c} for i, a, c in zip(indices, texts, cuts)]
-            kept.write("".join(json.dumps(row) + "\n" for row in rows))
-            kept.flush()
-
+    with keeping(batches) as keep:
         answers, cut = generate_answers(
             model, tokenizer, prompts, max_new_tokens, batch_size, progress=progress, done_before=before, on_batch=keep
         )

@@ -1,5 +1,5 @@
 """Text to token ids, the one place that renders prompts, pads batches and generates (and keeps what a stopped
-generation had made: `kept_answers`).
+generation had made: `keeping`, `kept_answers`).
 
 Rows are rendered exactly as TRL renders them, so a score or a sample here
 means what it meant in training: a standard row is `prompt + completion + eos`;
@@ -246,6 +246,21 @@ def reward_scores(
             logits = model(input_ids=input_ids, attention_mask=attention).logits
         scores.extend(logits[:, 0].float().tolist())
     return scores
+
+
+@contextlib.contextmanager
+def keeping(path: Path):
+    """`generate_answers`' `on_batch` that keeps each answer as it ends, a line of `path` each (which `kept_answers`
+    reads back), flushed at once: a generation killed mid-way loses none of the answers it had told."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as journal:
+
+        def keep(indices: list[int], answers: list[str], cut: list[bool]) -> None:
+            rows = [{"index": i, "answer": a, "cut": c} for i, a, c in zip(indices, answers, cut)]
+            journal.write("".join(json.dumps(row) + "\n" for row in rows))
+            journal.flush()
+
+        yield keep
 
 
 def kept_answers(path: Path) -> dict[int, tuple[str, bool]]:

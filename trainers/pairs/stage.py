@@ -187,7 +187,7 @@ def sample(
 
     from rlhf_pipeline.trainers.data import load_split
     from rlhf_pipeline.trainers.models.load import load_causal_lm
-    from rlhf_pipeline.trainers.models.text import generate_answers, kept_answers
+    from rlhf_pipeline.trainers.models.text import generate_answers, keeping, kept_answers
     from rlhf_pipeline.trainers.runtime.progress import Progress
 
     prompts_ds = load_split(data_dir, "prompts")
@@ -203,13 +203,7 @@ def sample(
     before = kept_answers(kept)
     policy, tokenizer = load_causal_lm(model_dir)
     progress = Progress("pairs", total=len(flat))
-    kept.parent.mkdir(parents=True, exist_ok=True)
-    with open(kept, "a", encoding="utf-8") as partial:
-
-        def keep(indices: list[int], texts: list[str], cuts: list[bool]) -> None:
-            rows_kept = [{"index": i, "answer": a, "cut": c} for i, a, c in zip(indices, texts, cuts)]
-            partial.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows_kept))
-            partial.flush()
+    with keeping(kept) as keep:
 
         def told(done: int, total: int) -> None:
             progress.step(done)
