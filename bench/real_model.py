@@ -4,6 +4,12 @@ on IFEval's 541 prompts and IFBench's test prompts, over several training seeds.
     python -m bench.real_model --seeds 0 1 2          # one run per seed; each seed's figures, then the verdict
     python -m bench.real_model --steps 10 --ifeval-prompts 60 --ifbench-prompts 60 --seeds 0     # a quicker look
     python -m bench.real_model --state state/bench/real/s60 --seeds 0 1 2     # seeds run before there are reused
+    python -m bench.real_model --dev --eval-prompts 300 --seeds 0 --set grpo.loss_type=dr_grpo   # a recipe, on dev
+
+Recipes are chosen with `--dev`: the dev split (the smollm2 preset's 300 held-out prompts: requests and wordings no
+training prompt uses) is scored, IFEval and IFBench are not, and a seed passes when the dev gain's lower bound is
+above 0. docs/PERFORMANCE.md lists every recipe tried and its dev figure; the test benchmarks run on the frozen recipe,
+on seeds no recipe was chosen with.
 
 Each seed is one `rlhf run --config smollm2 --set grpo.seed=<seed>` in a fresh state folder, with the settings below;
 the GGUF's converted folder and the start's greedy answers come from the checkout's `state/models` (`MODEL_CACHE`), made
@@ -34,15 +40,17 @@ bench.real_baseline and `rlhf run` in this checkout: the start's eval is compute
 
 
 def settings(args, seed: int) -> list[str]:
+    benchmarks = (0, 0) if args.dev else (args.ifeval_prompts, args.ifbench_prompts)
     return [
         f"grpo.max_steps={args.steps}",
         f"grpo.learning_rate={args.learning_rate}",
         f"grpo.save_steps={max(1, args.steps // 3)}",
         f"grpo.seed={seed}",
         f"eval.max_prompts={args.eval_prompts}",
-        f"eval.instruction_following.ifeval_prompts={args.ifeval_prompts}",
-        f"eval.instruction_following.ifbench_prompts={args.ifbench_prompts}",
+        f"eval.instruction_following.ifeval_prompts={benchmarks[0]}",
+        f"eval.instruction_following.ifbench_prompts={benchmarks[1]}",
         "registry.enabled=false",
+        *args.set,
     ]
 
 
@@ -67,8 +75,8 @@ def figures(state: Path) -> dict:
     return {"metrics": evaluated, "stages": stages}
 
 
-def report(found: dict, wall: float, seed: int) -> bool:
-    """One seed's figures and checks; whether it passes."""
+def report(found: dict, wall: float, seed: int, dev: bool = False) -> bool:
+    """One seed's figures and checks; whether it passes (`dev`: the dev split's gain alone, whose lower bound > 0)."""
     from rlhf_pipeline.trainers.evaluation.report import benchmark_label
 
     m = found["metrics"]
@@ -78,7 +86,9 @@ def report(found: dict, wall: float, seed: int) -> bool:
 
     print(f"\n== seed {seed} ==\n{'':36} {'start (SmolLM2-135M-Instruct)':>30} {'policy (grpo)':>24}")
     for prefix in ("eval/heldout/", "eval/ifeval/", "eval/ifbench/"):
-        label = "in distribution" if prefix == "eval/heldout/" else benchmark_label(m, prefix)
+        if f"{prefix}if_prompt_strict_gain" not in m:
+            continue  # a benchmark not scored (--dev)
+        label = "dev split (held-out prompts)" if prefix == "eval/heldout/" else benchmark_label(m, prefix)
         print(label)
         for level in ("prompt_strict", "instruction_strict", "prompt_loose", "instruction_loose"):
             name = f"if_{level}"
@@ -91,6 +101,12 @@ def report(found: dict, wall: float, seed: int) -> bool:
         seconds = info["seconds"] or 0.0
         rate = f", {info['tokens'] / seconds:.1f} tokens/s" if info.get("tokens") and seconds else ""
         print(f"{stage:6} {seconds:8.1f} s{rate}")
+    print(f"wall to wall: {wall:.0f} s")
+    if dev:
+        gain, low, high = (m[f"eval/heldout/if_prompt_strict_gain{end}"] for end in ("", "_low", "_high"))
+        print(f"recipe row: seed {seed}, dev prompt-strict gain {gain:+.3f} [{low:+.3f}, {high:+.3f}]")
+        print(f"{'PASS' if low > 0 else 'FAIL'}  dev gain's lower bound {low:+.3f} > 0")
+        return low > 0
     gain, low = m["eval/ifeval/if_prompt_strict_gain"], m["eval/ifeval/if_prompt_strict_gain_low"]
     ifbench_low = m["eval/ifbench/if_prompt_strict_gain_low"]
     checks = {
@@ -99,7 +115,6 @@ def report(found: dict, wall: float, seed: int) -> bool:
         f"IFBench gain's lower bound {ifbench_low:+.3f} >= {IFBENCH_FLOOR}": ifbench_low >= IFBENCH_FLOOR,
         f"wall {wall:.0f} s <= {BUDGET:.0f} s": wall <= BUDGET,
     }
-    print(f"wall to wall: {wall:.0f} s")
     for check, held in checks.items():
         print(f"{'PASS' if held else 'FAIL'}  {check}")
     return all(checks.values())
@@ -147,13 +162,21 @@ def main() -> None:
     parser.add_argument("--ifeval-prompts", type=int, default=541, help="IFEval prompts (of 541)")
     parser.add_argument("--ifbench-prompts", type=int, default=294, help="IFBench prompts (of 294)")
     parser.add_argument("--state", type=Path, default=None, help="parent of each seed's state (default: temporary)")
+    parser.add_argument(
+        "--dev",
+        action="store_true",
+        help="choose a recipe: score the dev split (held-out prompts) alone, never IFEval or IFBench",
+    )
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a recipe setting (rlhf run --set), repeatable"
+    )
     args = parser.parse_args()
     root = args.state or Path(tempfile.mkdtemp(prefix="bench-real-model-"))
     passed = []
     for seed in args.seeds:
         state = root / f"seed-{seed}" / "state"
         wall = run_or_reuse(settings(args, seed), state)
-        passed.append(report(figures(state), wall, seed))
+        passed.append(report(figures(state), wall, seed, args.dev))
     needed = len(args.seeds) // 2 + 1
     print(f"\nseeds passing: {sum(passed)} of {len(passed)} (needed: {needed})")
     raise SystemExit(0 if sum(passed) >= needed else 1)

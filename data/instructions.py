@@ -2,19 +2,19 @@
 
     python -m rlhf_pipeline.data.instructions      # rewrites data/ifeval/*.jsonl
 
-Each prompt is an everyday request followed by one or two verifiable constraints, built by the checker library's own
-instruction builders (`if_verifiable.ifeval`, IFEval's checkers): the constraint's wording and its arguments come
-from the builder, so the reward and the gold metric check exactly what the prompt asks. Rows carry the checker ids
-and their arguments (`instruction_id_list`, `kwargs` as JSON), which `rlhf_pipeline.trainers.rewards.ifeval`'s reward
-and gold metric read.
+Each prompt is an everyday request followed by one or two verifiable constraints of IFEval's 25 types, worded in the
+project's own words (`own_words`: several wordings a type, none of them the checker library's, which are IFEval's),
+with the arguments the checker reads, so the reward and the gold metric check exactly what the prompt asks. Rows
+carry the checker ids and their arguments (`instruction_id_list`, `kwargs` as JSON), which
+`rlhf_pipeline.trainers.rewards.ifeval`'s reward and gold metric read.
 
-The families are those a 135M chat model follows some of the time when sampled (measured: docs/ARCHITECTURE.md,
-"The instruction-following task"): a family it never follows gives online RL no group with mixed outcomes to learn
-from. Held-out prompts (`prompts_eval`) use requests that no training prompt uses.
+Held-out prompts (`prompts_eval`) are the dev split on which recipes are chosen (docs/PERFORMANCE.md): requests no
+training prompt uses, and for each type a wording no training prompt uses. IFEval and IFBench are the test sets, run
+on a frozen recipe.
 
 Files (TRL's conversational prompt-only format):
   prompts.jsonl        prompt, instruction_id_list, kwargs     (online RL)
-  prompts_eval.jsonl   prompt, instruction_id_list, kwargs     (held-out, in distribution)
+  prompts_eval.jsonl   prompt, instruction_id_list, kwargs     (held-out: the dev split)
 """
 
 from __future__ import annotations
@@ -23,24 +23,15 @@ import json
 import random
 from pathlib import Path
 
+from rlhf_pipeline.data import own_words
+
 SEED = 2025
 SIZES = {"prompts": 2000, "prompts_eval": 300}
 TWO_CONSTRAINTS = 0.25
 """Share of prompts with a second, non-conflicting constraint (IFEval's prompts carry one to three)."""
-FAMILIES = (
-    "punctuation:no_comma",
-    "startend:end_checker",
-    "detectable_content:postscript",
-    "detectable_format:number_bullet_lists",
-    "length_constraints:number_words",
-    "keywords:letter_frequency",
-)
-"""Measured on SmolLM2-135M-Instruct (greedy, 96 new tokens, 300 held-out prompts of all ten candidates): each of
-these is followed 19-73% of the time. Left out: the title (97%) and forbidden words (94%), which it already follows,
-and all-lowercase (0%) and keyword existence (2%), which it never does: none gives online RL groups with mixed
-outcomes to learn from."""
-NUM_WORDS = (10, 60)
-"""Word-count constraints drawn here (IFEval draws 100-500 words, beyond a short answer's budget)."""
+TYPES = own_words.TYPES
+"""Every IFEval constraint type: those the 135M model always or never follows give GRPO groups of equal rewards
+(no gradient) and cost only their sampling; which to train on is a recipe's choice (`docs/PERFORMANCE.md`)."""
 
 REQUESTS = (
     "Write a short note to a neighbour about a parcel you took in for them.",
@@ -128,40 +119,31 @@ HELD_OUT_REQUESTS = 20
 """The last requests serve the held-out prompts only."""
 
 
-def _builder_kwargs(family: str, rng: random.Random) -> dict:
-    """Arguments the builder would draw itself, where its own range does not fit a short answer."""
-    if family == "length_constraints:number_words":
-        return {"num_words": rng.randint(*NUM_WORDS), "relation": rng.choice(("less than", "at least"))}
-    return {}
-
-
-def _constraint(family: str, rng: random.Random) -> tuple[str, dict]:
-    """The builder's wording and the arguments it chose (its own `random` draws, seeded here)."""
-    from if_verifiable.ifeval.instructions_registry import INSTRUCTION_DICT
-
-    checker = INSTRUCTION_DICT[family](family)
-    random.seed(rng.random())  # the builders draw from the module-level generator
-    description = checker.build_description(**_builder_kwargs(family, rng))
-    arguments = {k: v for k, v in (checker.get_instruction_args() or {}).items() if v is not None}
-    return description, arguments
-
-
-def make_prompt(request: str, rng: random.Random) -> dict:
+def _conflicts(kind: str) -> set[str]:
+    """The types IFEval's checker library says cannot be asked together with `kind` (either way round)."""
     from if_verifiable.ifeval.instructions_registry import INSTRUCTION_CONFLICTS
 
-    families = [rng.choice(FAMILIES)]
+    return (
+        {kind}
+        | set(INSTRUCTION_CONFLICTS.get(kind, ()))
+        | {t for t in TYPES if kind in INSTRUCTION_CONFLICTS.get(t, ())}
+    )
+
+
+def make_prompt(request: str, rng: random.Random, held_out: bool = False) -> dict:
+    kinds = [rng.choice(TYPES)]
     if rng.random() < TWO_CONSTRAINTS:
-        allowed = [f for f in FAMILIES if f not in INSTRUCTION_CONFLICTS[families[0]] and f != families[0]]
-        allowed = [f for f in allowed if families[0] not in INSTRUCTION_CONFLICTS.get(f, ())]
-        families.append(rng.choice(allowed))
+        allowed = [kind for kind in TYPES if kind not in _conflicts(kinds[0])]
+        if allowed:
+            kinds.append(rng.choice(allowed))
     parts, arguments = [request], []
-    for family in families:
-        description, args = _constraint(family, rng)
-        parts.append(description)
+    for kind in kinds:
+        text, args = own_words.constraint(kind, rng, request, held_out)
+        parts.append(text)
         arguments.append(args)
     return {
         "prompt": [{"role": "user", "content": " ".join(parts)}],
-        "instruction_id_list": families,
+        "instruction_id_list": kinds,
         "kwargs": json.dumps(arguments, sort_keys=True),
     }
 
@@ -174,7 +156,7 @@ def generate(out_dir: Path) -> dict[str, int]:
     for name, requests in (("prompts", train_requests), ("prompts_eval", eval_requests)):
         rows, seen = [], set()
         while len(rows) < SIZES[name]:
-            row = make_prompt(rng.choice(requests), rng)
+            row = make_prompt(rng.choice(requests), rng, held_out=name == "prompts_eval")
             text = row["prompt"][0]["content"]
             if text not in seen:  # a prompt appears once
                 seen.add(text)

@@ -1,15 +1,12 @@
-"""Every IFEval constraint type whose checker this machine can build, in the project's own words (issue 61, item 1).
+"""Every IFEval constraint type, in the project's own words: what `data/instructions.py` builds its prompts from.
 
-`data/instructions.py` builds its prompts with the checker library's own instruction texts, which are IFEval's: 499
-of its 2,000 training prompts share a 13-word span with an IFEval test prompt. Here each type has several wordings
-written for this project, with the arguments its checker reads (`if_verifiable.ifeval`, IFEval's checkers, the same
-ones the reward and the benchmark use), drawn from ranges a short answer can meet. `constraint(type, rng, request)`
-returns one wording and its arguments; `TYPES` lists what is covered. IFBench's types are never covered: IFBench
-measures transfer.
-
-Not yet what `data/instructions.py` builds the bundled files from: that switch, the 13-word leak rule (which today's
-files fail) and the recipe chosen again on a dev split land together (issue 61, items 1-3).
-"""
+The checker library's own instruction texts are IFEval's: prompts built with them shared a 13-word span with an
+IFEval test prompt (499 of the 2,000 bundled before issue 61), which the data stage now refuses. Here each type has
+four wordings written for this project, with the arguments its checker reads (`if_verifiable.ifeval`, IFEval's
+checkers, the same ones the reward and the benchmark use), drawn from ranges a short answer can meet.
+`constraint(type, rng, request, held_out)` returns one wording and its arguments; the last wording of each type is
+kept for held-out prompts. `TYPES` lists what is covered (all 25 of IFEval's). IFBench's types are never covered:
+IFBench measures transfer."""
 
 from __future__ import annotations
 
@@ -108,6 +105,7 @@ KINDS: dict[str, Kind] = {
             "Work the words '{a}' and '{b}' into your reply.",
             "Somewhere in your answer, use both '{a}' and '{b}'.",
             "Make sure '{a}' and '{b}' each appear in what you write.",
+            "Include the two words '{a}' and '{b}' at least once each.",
         ),
         _two_words("keywords"),
     ),
@@ -116,6 +114,7 @@ KINDS: dict[str, Kind] = {
             "Use the word '{keyword}' {said} {n} times.",
             "The word '{keyword}' should show up {said} {n} times in your reply.",
             "Count your uses of '{keyword}': {said} {n}.",
+            "Let '{keyword}' appear {said} {n} times.",
         ),
         _counted(1, 3, "frequency", "relation", lambda rng: {"keyword": rng.choice(KEYWORDS)}),
     ),
@@ -124,6 +123,7 @@ KINDS: dict[str, Kind] = {
             "Leave out the words '{a}' and '{b}' entirely.",
             "Do not write '{a}' or '{b}' anywhere in the reply.",
             "Avoid the words '{a}' and '{b}'.",
+            "Neither '{a}' nor '{b}' may appear in your answer.",
         ),
         _two_words("forbidden_words"),
     ),
@@ -132,6 +132,7 @@ KINDS: dict[str, Kind] = {
             "The letter '{letter}' should appear {said} {n} times in your reply.",
             "Use the letter '{letter}' {said} {n} times.",
             "Keep count of the letter '{letter}': {said} {n} times in all.",
+            "Write so that '{letter}' occurs {said} {n} times.",
         ),
         _counted(2, 8, "let_frequency", "let_relation", lambda rng: {"letter": rng.choice("abcdeghilmnoprstuw")}),
     ),
@@ -140,6 +141,7 @@ KINDS: dict[str, Kind] = {
             "Reply only in {name}; no other language.",
             "Write the whole answer in {name}.",
             "Answer in {name} from start to finish.",
+            "Everything you write should be in {name}.",
         ),
         _language,
     ),
@@ -148,6 +150,7 @@ KINDS: dict[str, Kind] = {
             "Keep it to {said} {n} sentences.",
             "Write {said} {n} sentences.",
             "Your reply should have {said} {n} sentences.",
+            "Say it in {said} {n} sentences.",
         ),
         _counted(2, 6, "num_sentences", "relation"),
     ),
@@ -156,6 +159,7 @@ KINDS: dict[str, Kind] = {
             "Write exactly {n} paragraphs and put a line with *** between each two of them.",
             "Give {n} paragraphs in all, split from each other by the markdown divider ***.",
             "Use {n} paragraphs, with *** on its own line between them.",
+            "Break the reply into {n} paragraphs, with a line holding only *** between one and the next.",
         ),
         _number(2, 4, "num_paragraphs"),
     ),
@@ -164,6 +168,7 @@ KINDS: dict[str, Kind] = {
             "Use {said} {n} words.",
             "The reply should run to {said} {n} words.",
             "Write {said} {n} words in total.",
+            "Aim for {said} {n} words.",
         ),
         _counted(10, 60, "num_words", "relation"),
     ),
@@ -172,6 +177,7 @@ KINDS: dict[str, Kind] = {
             "Write {n} paragraphs separated by blank lines; paragraph number {k} must begin with the word '{w}'.",
             "Give {n} paragraphs, each apart from the next by an empty line, and start paragraph {k} with '{w}'.",
             "Your answer has {n} paragraphs with a blank line between them, and the word '{w}' opens paragraph {k}.",
+            "Compose {n} paragraphs with an empty line after each; the first word of paragraph {k} is '{w}'.",
         ),
         _nth_paragraph,
     ),
@@ -180,6 +186,7 @@ KINDS: dict[str, Kind] = {
             "Leave {n} or more blanks for the reader to fill, each in square brackets, like [name].",
             "Include at least {n} fill-in fields written in square brackets, such as [date].",
             "Put {n} or more placeholders in square brackets (for example [place]) in the text.",
+            "Add {n} or more square-bracket slots to fill in later, such as [address].",
         ),
         _number(1, 3, "num_placeholders"),
     ),
@@ -188,6 +195,7 @@ KINDS: dict[str, Kind] = {
             "Close with an afterthought that begins with {m}",
             "Finish by adding a note that starts with {m}",
             "After the main text, add a short note beginning {m}",
+            "End with a short extra note that opens with {m}",
         ),
         _one_of("m", ("P.S.", "P.P.S"), "postscript_marker"),
     ),
@@ -196,6 +204,7 @@ KINDS: dict[str, Kind] = {
             "Answer as a list of exactly {n} markdown bullets, each line starting with '* '.",
             "Give {n} points, no more and no fewer, as markdown bullets ('* ' at the start of each).",
             "Lay the answer out as {n} bullet points written with '* '.",
+            "Reply with {n} bullets in markdown, each beginning '* ', and nothing more in list form.",
         ),
         _number(2, 5, "num_bullets"),
     ),
@@ -205,6 +214,7 @@ KINDS: dict[str, Kind] = {
             "answer is maybe.'",
             "Reply with one of 'My answer is yes.', 'My answer is no.' or 'My answer is maybe.' and nothing else.",
             "Pick one reply, copied exactly: 'My answer is yes.', 'My answer is no.', 'My answer is maybe.'",
+            "Answer only with 'My answer is yes.', 'My answer is no.' or 'My answer is maybe.'",
         )
     ),
     "detectable_format:number_highlighted_sections": Kind(
@@ -212,6 +222,7 @@ KINDS: dict[str, Kind] = {
             "Mark {n} or more parts in italics with single asterisks, like *this part*.",
             "Highlight at least {n} phrases by wrapping each in asterisks, as in *key idea*.",
             "Emphasise {n} or more bits of the text with *asterisks around them*.",
+            "Put *asterisks* around {n} or more words or phrases you want to stress.",
         ),
         _number(1, 3, "num_highlights"),
     ),
@@ -220,6 +231,7 @@ KINDS: dict[str, Kind] = {
             "Split the reply into {n} numbered parts, each headed '{s} 1', '{s} 2' and so on.",
             "Organise the answer as {n} blocks whose headings are '{s}' followed by the block's number.",
             "Give {n} sections, labelled '{s} 1' up to '{s} {n}'.",
+            "Divide your reply into {n} parts, each starting with a line '{s} X' where X is its number.",
         ),
         _sections,
     ),
@@ -228,6 +240,7 @@ KINDS: dict[str, Kind] = {
             "Return the whole reply as valid JSON.",
             "Format everything you write as one JSON object; you may put it in a markdown code block.",
             "The output must parse as JSON, from the first character to the last.",
+            "Write your whole response as JSON and nothing else.",
         )
     ),
     "detectable_format:title": Kind(
@@ -235,6 +248,7 @@ KINDS: dict[str, Kind] = {
             "Start with a title in double angle brackets, like <<A Good Title>>.",
             "Give the reply a title wrapped in << and >>.",
             "Put a heading at the top between double angle brackets, for example <<My Note>>.",
+            "Head your reply with a title inside << and >>, such as <<Morning Notes>>.",
         )
     ),
     "combination:two_responses": Kind(
@@ -242,6 +256,7 @@ KINDS: dict[str, Kind] = {
             "Give two different answers, separated by a line of six asterisks (******).",
             "Write two versions that differ from each other, with ****** between them.",
             "Offer two distinct replies and put six asterisks, ******, between the first and the second.",
+            "Write one answer, then a line of ******, then a second answer that is different.",
         )
     ),
     "combination:repeat_prompt": Kind(
@@ -249,6 +264,7 @@ KINDS: dict[str, Kind] = {
             "Before answering, copy the request above word for word, then reply after it.",
             "First restate the request exactly as it is written (say nothing before it), then give your answer.",
             "Open by repeating the request unchanged, and only then respond.",
+            "Say the request again exactly as given, with nothing before it, and answer after that.",
         ),
         lambda rng, request: ({}, {"prompt_to_repeat": request}),
     ),
@@ -257,6 +273,7 @@ KINDS: dict[str, Kind] = {
             "The very last words of your reply must be '{p}', with nothing after them.",
             "Finish with the exact phrase '{p}' and write nothing after it.",
             "Make '{p}' the final line, and stop there.",
+            "Close the reply with the exact words '{p}' and add nothing after them.",
         ),
         _one_of("p", CLOSINGS, "end_phrase"),
     ),
@@ -265,6 +282,7 @@ KINDS: dict[str, Kind] = {
             "Put the entire reply inside one pair of double quotes.",
             'Begin your answer with " and end it with ", quoting the whole thing.',
             "Enclose everything you write in double quotation marks.",
+            "Wrap your whole response in double quotes.",
         )
     ),
     "change_case:capital_word_frequency": Kind(
@@ -272,6 +290,7 @@ KINDS: dict[str, Kind] = {
             "Write {said} {n} words in full capitals (LIKE THIS).",
             "Use words in ALL CAPS {said} {n} times.",
             "The number of fully capitalised words should be {said} {n}.",
+            "Have {said} {n} words written entirely in capital letters.",
         ),
         _counted(1, 5, "capital_frequency", "capital_relation"),
     ),
@@ -280,6 +299,7 @@ KINDS: dict[str, Kind] = {
             "Write in English, every letter a capital.",
             "Use English and capital letters only, from start to end.",
             "Answer in English in upper case throughout.",
+            "Reply in English, using CAPITAL letters for every letter.",
         )
     ),
     "change_case:english_lowercase": Kind(
@@ -287,6 +307,7 @@ KINDS: dict[str, Kind] = {
             "Write in English using small letters only; no capitals at all.",
             "Keep every letter lower case, and answer in English.",
             "Answer in English without a single capital letter.",
+            "Reply in English, all in lower-case letters.",
         )
     ),
     "punctuation:no_comma": Kind(
@@ -294,6 +315,7 @@ KINDS: dict[str, Kind] = {
             "Do not use a single comma.",
             "Write without commas.",
             "Leave every comma out of your reply.",
+            "Your reply must contain no commas.",
         )
     ),
 }
@@ -301,7 +323,10 @@ TYPES = tuple(KINDS)
 """The IFEval constraint types the project words itself (all 25 of IFEval's)."""
 
 
-def constraint(kind: str, rng: random.Random, request: str) -> tuple[str, dict[str, Any]]:
-    """One of `kind`'s wordings and the arguments its checker reads (`request`: what a repeat constraint repeats)."""
+def constraint(kind: str, rng: random.Random, request: str, held_out: bool = False) -> tuple[str, dict[str, Any]]:
+    """One of `kind`'s wordings and the arguments its checker reads (`request`: what a repeat constraint repeats).
+    Training prompts draw from every wording but the last; held-out prompts (`held_out`) use the last alone, so the
+    held-out split measures wordings never trained on."""
     fields, arguments = KINDS[kind].draw(rng, request)
-    return rng.choice(KINDS[kind].texts).format(**fields), arguments
+    texts = KINDS[kind].texts
+    return rng.choice(texts[-1:] if held_out else texts[:-1]).format(**fields), arguments

@@ -8,6 +8,11 @@ Unicode NFKC, invisible characters removed, case folded, whitespace runs
 collapsed), so that "Sort 12 -> ", "sort\u200b 12 ->" and "ｓｏｒｔ １２ ->" are one
 prompt. Standard `text` rows and standard
 implicit-prompt pairs carry no separable prompt and are not compared.
+
+Rule `no_benchmark_prompt_in_training`: a prompt trained on must not contain a test prompt of a benchmark eval
+scores, nor share a run of 13 words with one (`SPAN_WORDS`, the n-gram rule of Tulu 3's and OLMo's
+decontamination), compared as words of the normalised text, so that a copy with a sentence added, other punctuation
+or other case is still found.
 """
 
 from __future__ import annotations
@@ -78,20 +83,23 @@ BENCHMARK_RULE = "no_benchmark_prompt_in_training"
 
 
 def check_benchmark_leakage(training: Split, benchmark: str, source: str, prompts: list[str]) -> RuleResult:
-    """The rows of a training split whose prompt (any user turn, normalised) is one of a benchmark's test prompts
-    (`prompts`, in the benchmark file's order): a score on a prompt trained on measures memory. Each example names
-    the training row and the benchmark's row."""
-    wanted: dict[str, int] = {}
-    for row, text in enumerate(prompts):
-        if (prompt := normalise(text)) is not None:
-            wanted.setdefault(prompt, row)
+    """The rows of a training split whose prompt (any user turn) shares a run of `SPAN_WORDS` words with one of a
+    benchmark's test prompts (`prompts`, in the benchmark file's order), or contains a shorter one whole: a score on a
+    prompt trained on measures memory, and a copy with a sentence added, other punctuation or other case is still a
+    copy (`words`). Each example names the training row, the span and the benchmark's row."""
+    index = span_index(prompts)
     leaked: list[dict] = []
-    for row, prompt in _rows_with_prompts(training, wanted=set(wanted)):
-        if not leaked or leaked[-1]["row"] != row:
-            leaked.append(
-                {"row": row, "value": f"{short_repr(prompt)} is row {wanted[prompt]} of {benchmark} ({source})"}
-            )
-    description = f"a prompt trained on must not be one of {benchmark}'s test prompts, which eval scores ({source})"
+    for row, prompt in _rows_with_prompts(training):
+        if leaked and leaked[-1]["row"] == row:
+            continue  # one example per row: its first leaked turn
+        if (found := shared_span(prompt, index)) is not None:
+            span, at = found
+            why = f"{short_repr(prompt)} shares {short_repr(span)} with row {at} of {benchmark} ({source})"
+            leaked.append({"row": row, "value": why})
+    description = (
+        f"a prompt trained on must not contain one of {benchmark}'s test prompts, which eval scores, nor share a run "
+        f"of {SPAN_WORDS} words with one ({source})"
+    )
     return RuleResult(BENCHMARK_RULE, description, not leaked, len(leaked), leaked[:MAX_EXAMPLES])
 
 
@@ -108,22 +116,31 @@ def words(text: Any) -> list[str]:
     return re.findall(r"\w+", normalised) if normalised else []
 
 
-def span_index(texts: list[str], n: int = SPAN_WORDS) -> dict[tuple[str, ...], int]:
-    """Every run of `n` words of each text (a shorter text: all of its words), to the first text that has it."""
+@dataclass(frozen=True)
+class Spans:
+    """Every run of `SPAN_WORDS` words of some texts (a shorter text: all of its words), to the first text with it."""
+
+    index: dict[tuple[str, ...], int]
+    lengths: tuple[int, ...]
+    """The run lengths in `index`, longest first."""
+
+
+def span_index(texts: list[str], n: int = SPAN_WORDS) -> Spans:
+    """The `Spans` of `texts`: each text's runs of `n` words (all of its words when it has fewer)."""
     index: dict[tuple[str, ...], int] = {}
     for row, text in enumerate(texts):
         tokens = words(text)
         for start in range(max(1, len(tokens) - n + 1) if tokens else 0):
             index.setdefault(tuple(tokens[start : start + n]), row)
-    return index
+    return Spans(index, tuple(sorted({len(span) for span in index}, reverse=True)))
 
 
-def shared_span(text: Any, index: dict[tuple[str, ...], int]) -> tuple[str, int] | None:
-    """The first run of words `text` shares with a text of `index` (`span_index`'s), and that text's row; None."""
+def shared_span(text: Any, spans: Spans) -> tuple[str, int] | None:
+    """The first run of words `text` shares with one of `spans`' texts, and that text's row; None."""
     tokens = words(text)
-    for length in sorted({len(span) for span in index}, reverse=True):
+    for length in spans.lengths:
         for start in range(len(tokens) - length + 1):
-            row = index.get(tuple(tokens[start : start + length]))
+            row = spans.index.get(tuple(tokens[start : start + length]))
             if row is not None:
                 return " ".join(tokens[start : start + length]), row
     return None

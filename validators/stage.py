@@ -227,7 +227,8 @@ def _held_out_leaks(passed: dict[str, tuple], report_dir: Path) -> list[ValueErr
 def _benchmark_leaks(passed: dict[str, tuple], benchmarks: tuple[str, ...], report_dir: Path) -> list[ValueError]:
     """Rule `no_benchmark_prompt_in_training` on every dataset trained on, for each benchmark eval scores (`benchmarks`:
     keys of `trainers.evaluation.instructions.BENCHMARKS`): all of its test prompts, the ones this machine cannot check
-    too. A dataset that breaks it fails (and is dropped from `passed`)."""
+    too. A dataset is checked against every benchmark, then one that broke the rule fails (and is dropped from
+    `passed`)."""
     from rlhf_pipeline.trainers.evaluation.instructions import BENCHMARKS, benchmark_file
     from rlhf_pipeline.validators.leakage import check_benchmark_leakage
     from rlhf_pipeline.validators.report import DataValidationError
@@ -235,17 +236,17 @@ def _benchmark_leaks(passed: dict[str, tuple], benchmarks: tuple[str, ...], repo
 
     failures: list[ValueError] = []
     trained = sorted({name for names in HELD_OUT.values() for name in names})
+    tests = []
     for key in benchmarks:
-        benchmark = BENCHMARKS[key]
-        path, rows = benchmark_file(benchmark)
-        prompts = [row["prompt"] for row in rows]
-        for name in [name for name in trained if name in passed]:
-            split, report = passed[name]
-            report.rules.append(check_benchmark_leakage(split, benchmark.name, str(path), prompts))
-            report.write_json(report_dir / name / REPORT_FILE)
-            if not report.success:
-                failures.append(DataValidationError(report))
-                del passed[name]
+        path, rows = benchmark_file(BENCHMARKS[key])
+        tests.append((BENCHMARKS[key].name, str(path), [row["prompt"] for row in rows]))
+    for name in [name for name in trained if name in passed]:
+        split, report = passed[name]
+        report.rules.extend(check_benchmark_leakage(split, *test) for test in tests)
+        report.write_json(report_dir / name / REPORT_FILE)
+        if not report.success:
+            failures.append(DataValidationError(report))
+            del passed[name]
     return failures
 
 

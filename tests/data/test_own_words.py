@@ -42,29 +42,26 @@ def test_the_span_rule_finds_a_benchmark_prompt_contained_or_lightly_reworded(be
     reworded = prompt.replace(",", " ;").upper() + " One more sentence of my own."  # punctuation and case changed
     assert shared_span(reworded, benchmark_spans) is not None
     assert shared_span("Describe a quiet library. Write without commas.", benchmark_spans) is None
-    # the checker library's own wording, which data/instructions.py builds today's bundled prompts with, is IFEval's
-    postscript, _ = instructions._constraint("detectable_content:postscript", random.Random(0))
+    # the checker library's own wording, which data/instructions.py built the bundled prompts with before, is IFEval's
+    checker = registry("ifeval")["detectable_content:postscript"]("detectable_content:postscript")
+    postscript = checker.build_description(postscript_marker="P.S.")
     assert shared_span(f"Describe a quiet library. {postscript}", benchmark_spans) is not None
 
 
-def test_each_checker_builds_from_its_arguments_and_checks_an_answer():
-    """As the reward builds them (`rewards.ifeval.registry`: the NLTK data of a registry package, seeded langdetect)."""
-    rng = random.Random(1)
-    followed = {
-        "punctuation:no_comma": ("No commas here at all.", "Here, a comma."),
-        "startend:quotation": ('"All of it quoted."', "Not quoted."),
-        "detectable_format:title": ("<<A Note>>\nHello there.", "Hello there."),
-        "change_case:english_lowercase": ("all of this is lower case english text.", "Some Capitals Here."),
-        "combination:two_responses": ("First answer.\n******\nSecond answer.", "Only one answer."),
-    }
-    for kind in own_words.TYPES:
-        request = rng.choice(REQUESTS)
-        _, arguments = own_words.constraint(kind, rng, request)
-        checker = registry("ifeval")[kind](kind)
-        checker.build_description(**arguments)  # a wrong or missing argument raises here
-        kept = {k: v for k, v in (checker.get_instruction_args() or {}).items() if v is not None}
-        assert kept == arguments, kind
-        assert isinstance(checker.check_following("A short answer. It has two sentences."), bool), kind
-        if kind in followed:
-            yes, no = followed[kind]
-            assert checker.check_following(yes) and not checker.check_following(no), kind
+def test_the_bundled_prompts_cover_every_type_and_hold_their_last_wording_out():
+    """Every type is trained on and held out; the held-out split (the dev split recipes are chosen on) asks in
+    wordings no training prompt uses. (Seeding, staleness and held-out requests: tests/trainers/rewards/test_ifeval.)"""
+    import json
+    from pathlib import Path
+
+    bundled = Path(instructions.__file__).parent / "ifeval"
+    rows = {name: [json.loads(line) for line in (bundled / f"{name}.jsonl").open()] for name in instructions.SIZES}
+    for name, split in rows.items():
+        assert {kind for row in split for kind in row["instruction_id_list"]} == set(own_words.TYPES), name
+    trained = {text.split("{")[0] for kind in own_words.KINDS.values() for text in kind.texts[:-1]}
+    held_out = {kind.texts[-1].split("{")[0] for kind in own_words.KINDS.values()}
+    assert not trained & held_out
+    for row in rows["prompts_eval"]:
+        text = row["prompt"][0]["content"]
+        assert any(f". {start}" in text for start in held_out), text
+        assert not any(f". {start}" in text for start in trained if len(start) > 8), text

@@ -377,8 +377,9 @@ def test_fits_max_length_counts_conversations_with_the_chat_template():
 def test_no_training_prompt_is_an_ifeval_or_ifbench_test_prompt_and_a_planted_one_fails_naming_file_row_and_rule(
     tmp_path,
 ):
-    """The smollm2 preset's training prompts (data/ifeval) hold no test prompt of the benchmarks its eval scores; one
-    planted in them (as a user would write it: other case, other spaces, a zero-width space) stops the data stage."""
+    """The smollm2 preset's training prompts (data/ifeval) share no 13-word span with a test prompt of the benchmarks
+    its eval scores; one planted in them stops the data stage: as a user would write it (other case, other spaces, a
+    zero-width space), contained in a longer prompt, or reworded with a sentence of its own added."""
     from rlhf_pipeline.flows.params import load_params
     from rlhf_pipeline.trainers.evaluation.instructions import BENCHMARKS, benchmark_file
     from rlhf_pipeline.validators.stage import check_datasets
@@ -389,16 +390,28 @@ def test_no_training_prompt_is_an_ifeval_or_ifbench_test_prompt_and_a_planted_on
     assert not failures and "prompts" in passed, failures
 
     _, ifbench = benchmark_file(BENCHMARKS["ifbench"])
+    _, ifeval = benchmark_file(BENCHMARKS["ifeval"])
     rows = [json.loads(line) for line in pathlib.Path(params.data.prompts.path).read_text().splitlines()][:40]
-    planted = "  " + ifbench[200]["prompt"].upper().replace(" ", "\u200b ", 1) + " "
-    rows.insert(17, {**rows[0], "prompt": [{"role": "user", "content": planted}]})
+    planted = {
+        17: "  " + ifbench[200]["prompt"].upper().replace(" ", "\u200b ", 1) + " ",  # the prompt, as typed again
+        23: f"Please help me with this. {ifeval[7]['prompt']} Thank you!",  # contained in a longer prompt
+        # reworded: commas made semicolons, one sentence cut from its end and one of our own added
+        31: ifeval[300]["prompt"].replace(",", ";").rsplit(".", 2)[0] + ". Keep it friendly and short.",
+    }
+    for row, text in planted.items():
+        rows.insert(row, {**rows[0], "prompt": [{"role": "user", "content": text}]})
     leaky = tmp_path / "prompts.jsonl"
     leaky.write_text("".join(json.dumps(row) + "\n" for row in rows))
     data = params.data.model_copy(update={"prompts": params.data.prompts.model_copy(update={"path": str(leaky)})})
     passed, failures = check_datasets(data, None, {}, tmp_path / "leaky", benchmarks=params.benchmarks())
     assert "prompts" not in passed and len(failures) == 1, failures
     message = str(failures[0])
-    assert str(leaky) in message and "no_benchmark_prompt_in_training" in message and "row 17" in message, message
-    assert "row 200 of IFBench" in message, message
+    assert str(leaky) in message and "no_benchmark_prompt_in_training" in message, message
+    report = json.loads((tmp_path / "leaky" / "prompts" / "validation.json").read_text())
+    rules = [rule for rule in report["rules"] if rule["rule"] == "no_benchmark_prompt_in_training"]
+    assert len(rules) == 2  # IFEval's and IFBench's
+    found = {example["row"]: example["value"] for rule in rules for example in rule["examples"]}
+    assert sorted(found) == [17, 23, 31], found
+    assert "row 200 of IFBench" in found[17] and "row 7 of IFEval" in found[23] and "row 300 of IFEval" in found[31]
     # Without the benchmarks in the run (no eval.instruction_following), the same file passes.
     assert not check_datasets(data, None, {}, tmp_path / "off")[1]
