@@ -44,13 +44,22 @@ class RegistryConfig(StageConfig):
         ),
     )
     min_value: float | None = Field(
-        None, description="The gate metric must be strictly above this. None: 0.5 for a win rate, 0 for a gain."
+        None, description="The gate metric must be at least this. None: 0.5 for a win rate, 0 for a gain."
+    )
+    margin: float = Field(
+        0.02,
+        ge=0,
+        description=(
+            "Non-inferiority margin of the default lower bound: how far below no gain (0, or a win rate of 0.5) the "
+            "metric's lower 95% bound may fall, so that a policy as good as the champion can replace it while one "
+            "that may be worse by more cannot."
+        ),
     )
     min_lower_bound: float | None = Field(
         None,
         description=(
-            "The metric's lower 95% bound must be above this. None: 0.45 for a win rate, -0.05 for a gain; -.inf: not "
-            "checked."
+            "The metric's lower 95% bound must be at least this. None: `min_value` less `margin` (0.48 for a win "
+            "rate, -0.02 for a gain); -.inf: not checked."
         ),
     )
 
@@ -80,18 +89,10 @@ class RegistryConfig(StageConfig):
     def resolved(self, planned: set[str]) -> RegistryConfig:
         """This gate with its defaults made concrete for a run whose eval reports `planned` metrics."""
         metric = self.gate_metric or next((name for name in GATE_ORDER if name in planned), GATE_ORDER[0])
-        rate = "win_rate" in metric
-        return self.model_copy(
-            update={
-                "gate_metric": metric,
-                "min_value": self.min_value if self.min_value is not None else 0.5 if rate else 0.0,
-                "min_lower_bound": self.min_lower_bound
-                if self.min_lower_bound is not None
-                else 0.45
-                if rate
-                else -0.05,
-            }
-        )
+        even = 0.5 if "win_rate" in metric else 0.0  # no better, no worse
+        low = self.min_lower_bound if self.min_lower_bound is not None else even - self.margin
+        value = self.min_value if self.min_value is not None else even
+        return self.model_copy(update={"gate_metric": metric, "min_value": value, "min_lower_bound": low})
 
 
 def hacking(cfg: RegistryConfig, metrics: dict[str, float]) -> str | None:
@@ -167,12 +168,12 @@ def gate(cfg: RegistryConfig, metrics: dict[str, float]) -> tuple[bool, str]:
     value = metrics.get(cfg.gate_metric)
     if value is None:
         return False, f"gate metric {cfg.gate_metric!r} missing from eval metrics"
-    if value <= cfg.min_value:
-        return False, f"{cfg.gate_metric}={value:.4f} is not above {cfg.min_value}"
-    reason = f"{cfg.gate_metric}={value:.4f} > {cfg.min_value}"
+    if value < cfg.min_value:
+        return False, f"{cfg.gate_metric}={value:.4f} is below {cfg.min_value:g}"
+    reason = f"{cfg.gate_metric}={value:.4f} >= {cfg.min_value:g}"
     if math.isfinite(cfg.min_lower_bound):
         low = metrics.get(f"{cfg.gate_metric}_low")
-        if low is None or low <= cfg.min_lower_bound:
-            return False, f"{cfg.gate_metric} lower bound {low} is not above {cfg.min_lower_bound}"
-        reason += f", lower bound {low:.4f} > {cfg.min_lower_bound}"
+        if low is None or low < cfg.min_lower_bound:
+            return False, f"{cfg.gate_metric} lower bound {low} is below {cfg.min_lower_bound:g} (registry.margin)"
+        reason += f", lower bound {low:.4f} >= {cfg.min_lower_bound:g}"
     return True, reason

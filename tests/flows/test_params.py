@@ -115,14 +115,14 @@ def test_the_gate_works_with_or_without_references_and_an_unmeasurable_gate_fail
     assert chat.gate().gate_metric == "eval/heldout/win_rate_vs_champion" and (
         chat.gate().min_value,
         chat.gate().min_lower_bound,
-    ) == (0.5, 0.45)
+    ) == (0.5, 0.48)
     assert not any("exact_match" in name for name in chat.eval_metrics())
     # ... and without a reward model, the exact-match gain where references exist.
     kto = load_params("tiny", ["algorithm=kto", "eval.use_reward_model=false"]).gate()
     assert (kto.gate_metric, kto.min_value, kto.min_lower_bound) == (
         "eval/heldout/exact_match_gain_vs_champion",
         0.0,
-        -0.05,
+        -0.02,
     )
     with pytest.raises(
         ValidationError,

@@ -10,6 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from rlhf_pipeline.flows.params import load_params
+from rlhf_pipeline.tasks.gate import RegistryConfig, unmeasured
 from rlhf_pipeline.trainers.evaluation.stage import planned_metrics
 from tests.flows.helpers import CI_PRESET, run, task_states
 from tests.foreign_models import chat_data, gpt2_folder, qwen2_folder
@@ -62,6 +63,9 @@ def test_chat_data_without_references_on_a_foreign_model(prefect, state, tmp_pat
     for name in ("kl_to_sft", "length_drift", "policy_mean_length"):
         assert f"eval/heldout/{name}" in metrics
     assert summary["registry"]["promoted"] and "no champion yet" in summary["registry"]["reason"]
+    # tests/ci.yaml turns the start check off; with it on (the default) this first version stays a candidate, for
+    # nothing measured it against its start (no gold metric, no reference answers)
+    assert "nothing measured this policy against its start" in (unmeasured(RegistryConfig(), summary["metrics"]) or "")
 
     # One tokenizer through the run: the same files (and chat template) in every stage's model.
     digests = {stage: manifest(summary, stage)["tokenizer"] for stage in ("sft", "rm", "dpo")}

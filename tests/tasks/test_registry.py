@@ -21,12 +21,27 @@ from tests.helpers import SMALL_MODEL, recorded_stage
 def test_gate_needs_the_value_and_its_lower_bound_above_the_bars():
     cfg = RegistryConfig()
     passed = gate(cfg, {"eval/heldout/win_rate_vs_champion": 0.62, "eval/heldout/win_rate_vs_champion_low": 0.55})
-    assert passed == (True, "eval/heldout/win_rate_vs_champion=0.6200 > 0.5, lower bound 0.5500 > 0.45")
+    assert passed == (True, "eval/heldout/win_rate_vs_champion=0.6200 >= 0.5, lower bound 0.5500 >= 0.48")
     passed, why = gate(cfg, {"eval/heldout/win_rate_vs_champion": 0.52, "eval/heldout/win_rate_vs_champion_low": 0.40})
-    assert not passed and "lower bound 0.4 is not above 0.45" in why
+    assert not passed and "lower bound 0.4 is below 0.48 (registry.margin)" in why
     passed, why = gate(cfg, {"eval/heldout/win_rate_vs_champion": 0.3, "eval/heldout/win_rate_vs_champion_low": 0.25})
-    assert not passed and "is not above 0.5" in why
+    assert not passed and "is below 0.5" in why
     assert gate(cfg, {}) == (False, "gate metric 'eval/heldout/win_rate_vs_champion' missing from eval metrics")
+
+
+def test_against_a_champion_a_gain_needs_a_point_of_at_least_zero_and_a_lower_bound_within_the_margin():
+    """The default asks for no loss on the point estimate and a non-inferiority bound of -0.02 (`registry.margin`)."""
+    name = "eval/heldout/gold_gain_vs_champion"
+
+    def verdict(cfg, value, low):
+        return gate(cfg, {name: value, f"{name}_low": low})
+
+    cfg = RegistryConfig()
+    assert verdict(cfg, 0.0, -0.015) == (True, f"{name}=0.0000 >= 0, lower bound -0.0150 >= -0.02")  # as good
+    assert verdict(cfg, 0.01, -0.03) == (False, f"{name} lower bound -0.03 is below -0.02 (registry.margin)")
+    assert verdict(cfg, -0.001, 0.0) == (False, f"{name}=-0.0010 is below 0")
+    assert verdict(RegistryConfig(margin=0.05), 0.01, -0.03)[0]  # a wider margin, configured
+    assert not verdict(RegistryConfig(margin=0.05, min_lower_bound=0.0), 0.01, -0.001)[0]  # an explicit bound wins
 
 
 HACKED = {  # the reward model's score up, exact match down: a policy that games its reward model
@@ -137,7 +152,7 @@ def test_first_version_is_champion_a_loser_is_refused_a_winner_promoted(ctx):
     worse = {"eval/heldout/win_rate_vs_champion": 0.21, "eval/heldout/win_rate_vs_champion_low": 0.17}
     policy, report, run_ctx = publish(ctx, "dpo", 2, worse, cfg)
     refused = register_policy(cfg, policy, report, [policy, report], run_ctx)
-    assert not refused["promoted"] and refused["reason"] == "eval/heldout/win_rate_vs_champion=0.2100 is not above 0.5"
+    assert not refused["promoted"] and refused["reason"] == "eval/heldout/win_rate_vs_champion=0.2100 is below 0.5"
     assert str(client.get_model_version_by_alias("test-policy", CANDIDATE).version) == refused["version"]
     assert str(client.get_model_version_by_alias("test-policy", CHAMPION).version) == first["version"]
     tags = client.get_model_version("test-policy", refused["version"]).tags
@@ -329,7 +344,7 @@ def test_gate_on_measured_exact_match_refuses_the_untrained_base_and_promotes_a_
     metrics = report.manifest()["metrics"]
     assert metrics["eval/heldout/exact_match_gain_vs_champion"] < 0 < metrics["eval/heldout/champion_exact_match"]
     refused = register_policy(cfg, base_ref, report, [base_ref], run_ctx)
-    assert not refused["promoted"] and "is not above 0.0" in refused["reason"]
+    assert not refused["promoted"] and "is below 0" in refused["reason"]
     client = MlflowClient()
     assert str(client.get_model_version_by_alias("gate-test", CHAMPION).version) == first["version"]
     assert str(client.get_model_version_by_alias("gate-test", CANDIDATE).version) == refused["version"]

@@ -54,10 +54,10 @@ def read_back(count: int, timeout: float = 60) -> list:
 
 
 def test_a_candidate_is_announced_always_a_promotion_only_when_champion_moved(prefect_api):
-    moved = outcome("4", True, f"{GATE}=0.6200 > 0.5, lower bound 0.5500 > 0.45", "3")
+    moved = outcome("4", True, f"{GATE}=0.6200 >= 0.5, lower bound 0.5500 >= 0.48", "3")
     assert announce(moved, GATE, METRICS, "run-4") == ["rlhf.model.candidate", "rlhf.model.promoted"]
     assert announce(outcome("4", True, "already champion", "4"), GATE, METRICS, "run-5") == ["rlhf.model.candidate"]
-    refused = outcome("5", False, f"{GATE}=0.4000 is not above 0.5", "4")
+    refused = outcome("5", False, f"{GATE}=0.4000 is below 0.5", "4")
     assert announce(refused, GATE, {**METRICS, GATE: 0.4}, "run-6") == ["rlhf.model.candidate"]
     events = read_back(4)
     assert [(e.event, e.resource["version"], e.resource["alias"]) for e in events] == [
