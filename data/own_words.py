@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-LANGUAGES = {"de": "German", "fr": "French", "es": "Spanish", "it": "Italian", "pt": "Portuguese", "nl": "Dutch"}
+LANGUAGES = {"de": "German", "fr": "French", "es": "Spanish", "it": "Italian", "pt": "Portuguese", "pl": "Polish"}
 """Languages for `language:response_language` (ISO 639-1, as the checker's language detector names them)."""
 KEYWORDS = tuple(
     "window garden river ticket lantern pencil harbour blanket orchard compass "

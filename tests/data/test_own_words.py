@@ -65,3 +65,20 @@ def test_the_bundled_prompts_cover_every_type_and_hold_their_last_wording_out():
         text = row["prompt"][0]["content"]
         assert any(f". {start}" in text for start in held_out), text
         assert not any(f". {start}" in text for start in trained if len(start) > 8), text
+
+
+def test_every_bundled_row_is_checked_by_the_checkers_it_names():
+    """As the reward checks it (`rewards.ifeval.check`): a row whose arguments a checker cannot build from (a language
+    its description does not name, say) would stop GRPO at the step that drew it."""
+    import json
+    from pathlib import Path
+
+    from rlhf_pipeline.trainers.rewards.ifeval import check
+
+    bundled = Path(instructions.__file__).parent / "ifeval"
+    for name in instructions.SIZES:
+        for line in (bundled / f"{name}.jsonl").open():
+            row = json.loads(line)
+            check("An answer.", row["instruction_id_list"], row["kwargs"], row["prompt"][0]["content"], "ifeval")
+    for code in own_words.LANGUAGES:  # every language a prompt may ask for, whichever rows the seed drew
+        registry("ifeval")["language:response_language"]("language:response_language").build_description(language=code)
