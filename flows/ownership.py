@@ -28,6 +28,7 @@ from rlhf_pipeline.trainers.runtime.trust import (
     REMOTE_CODE_ENV,
     check_path,
     check_ray_address,
+    check_remote_code,
 )
 
 REFUSED_TRL = frozenset(
@@ -87,6 +88,15 @@ def _ray(field: str, value: Any) -> None:
         check_ray_address(str(value))
 
 
+def _kernel(field: str, value: Any) -> None:
+    """An attention whose code transformers would fetch from the Hub and run (a Hub kernel, or a FlashAttention
+    fallback): its repository must be one the worker allows."""
+    from rlhf_pipeline.trainers.attention import hub_kernel
+
+    if isinstance(value, str) and (repo := hub_kernel(value)) is not None:
+        check_remote_code(repo, f"{field}={value!r}", "running attention code downloaded from the Hub repository")
+
+
 def _trl(field: str, value: Any) -> None:
     refused = sorted(set(value or ()) & REFUSED_TRL)
     if refused:
@@ -133,6 +143,12 @@ OWNED: dict[str, Owned] = {
     "eval.gold_metric.path": Owned("code: the gold metric", CODE),
     "model.trust_remote_code": Owned("code shipped with a hub model", f"{REMOTE_CODE_ENV} (unset: none)"),
     "*.judge.trust_remote_code": Owned("code shipped with an LM judge", f"{REMOTE_CODE_ENV} (unset: none)"),
+    "*.attn_implementation": Owned(
+        "code: a Hub kernel 'org/repo' transformers downloads and runs (or the kernels-community build a "
+        "flash_attention_* name falls back to without its package)",
+        f"{REMOTE_CODE_ENV} (unset: none)",
+        _kernel,
+    ),
     "*.trl_overrides": Owned(
         "TRL's arguments; those that name a host, a file or code are refused: " + ", ".join(sorted(REFUSED_TRL)),
         "none: the pipeline's",

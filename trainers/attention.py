@@ -66,6 +66,28 @@ def check_installed(name: str | None) -> str | None:
     return name
 
 
+def hub_kernel(name: str | None) -> str | None:
+    """The Hub repository whose code transformers downloads and runs for attention `name`: a Hub kernel's
+    (`org/repo[@revision][:function]`), or the kernels-community build a FlashAttention name falls back to where its
+    package is missing and `kernels` is installed; None for attention that runs installed code only."""
+    if name is None or name in ("eager", "sdpa", "flex_attention"):
+        return None
+    from transformers.integrations.hub_kernels import is_kernel
+    from transformers.utils import is_kernels_available
+
+    if is_kernel(name):
+        return name.split(":", 1)[0].split("@", 1)[0]
+    if name in FLASH_PACKAGES and is_kernels_available():
+        from transformers.modeling_flash_attention_utils import (
+            FLASH_ATTENTION_COMPATIBILITY_MATRIX,
+            FLASH_ATTN_KERNEL_FALLBACK,
+        )
+
+        if not FLASH_ATTENTION_COMPATIBILITY_MATRIX[int(name[-1])]["pkg_availability_check"]():
+            return FLASH_ATTN_KERNEL_FALLBACK[name].split(":", 1)[0].split("@", 1)[0]
+    return None
+
+
 def device_problem(
     name: str | None, training: bool = True, field: str = "attn_implementation", half_precision: bool | None = None
 ) -> str | None:

@@ -15,7 +15,7 @@ from rlhf_pipeline.flows.evaluate import EvalParams
 from rlhf_pipeline.flows.ownership import OWNED, REFUSED_TRL, owner
 from rlhf_pipeline.flows.params import PipelineParams, load_params
 from rlhf_pipeline.trainers.algorithms.fields import MANAGED_ARGUMENTS, trl_config_fields
-from rlhf_pipeline.trainers.runtime.trust import PATHS_ENV, RAY_ADDRESSES_ENV
+from rlhf_pipeline.trainers.runtime.trust import PATHS_ENV, RAY_ADDRESSES_ENV, REMOTE_CODE_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 # fmt: off
@@ -78,6 +78,93 @@ def test_every_address_like_field_of_the_parameters_is_owned_or_said_to_name_not
     ]
     assert unlisted == [], "fields that may name a host, a file or code: add them to flows/ownership.py's OWNED"
     assert "launch.ray_address" in list(fields(PipelineParams))  # the walk reaches the blocks
+
+
+# fmt: off
+SINKS = {
+    "from_pretrained", "load_dataset", "open", "read_text", "read_bytes", "load_file", "safe_open",
+    "set_attn_implementation", "import_module", "import_object", "hf_hub_download", "snapshot_download", "urlopen",
+}
+# fmt: on
+"""Calls that load a file, import code, fetch from a hub or connect (and `ray.init`): where a value names something
+outside the run."""
+REACH_A_SINK_AND_NAME_NOTHING_OUTSIDE = {
+    "name": "a hub dataset's configuration, within the dataset `path` names",
+    "split": "a split of the dataset `path` names",
+    "revision": "a revision of the hub repository its block names (the worker's HF_ENDPOINT serves it)",
+    "dtype": "the precision weights load in",
+    "handoff": "how an adapter is handed to the next stage ('merge' or 'adapter')",
+    "quantization": "how weights are quantised on load",
+    "kwargs": "keyword arguments of a callback the operator allowed (`*.callbacks.path`)",
+}
+"""Fields whose values reach a sink (`SINKS`) but name nothing outside the run, by their field's last name."""
+PRODUCT = ("rlhf_pipeline", "trainers", "tasks", "flows", "validators", "deployments")
+
+
+def sink_names(source: str) -> set[str]:
+    """The names (attributes, variables, keywords) in the arguments of every sink call of `source`: what reaches a
+    load, an import, a fetch or a connection."""
+    import ast
+
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+        ray_init = isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "ray"
+        if name not in SINKS and not (ray_init and name == "init"):
+            continue
+        found |= {keyword.arg for keyword in node.keywords if keyword.arg}
+        for part in [*node.args, *(keyword.value for keyword in node.keywords)]:
+            for sub in ast.walk(part):
+                if isinstance(sub, ast.Attribute):
+                    found.add(sub.attr)
+                elif isinstance(sub, ast.Name):
+                    found.add(sub.id)
+    return found
+
+
+def unowned_sink_fields(params: type[BaseModel], reached: set[str]) -> list[str]:
+    return [
+        name
+        for name in fields(params)
+        if name.rsplit(".", 1)[-1] in reached
+        and owner(name) is None
+        and name.rsplit(".", 1)[-1] not in REACH_A_SINK_AND_NAME_NOTHING_OUTSIDE
+    ]
+
+
+@pytest.mark.parametrize("params", [PipelineParams, EvalParams])
+def test_every_field_whose_value_reaches_a_load_an_import_a_fetch_or_a_connection_is_owned(params):
+    """Found by what the product code does with a field, not by words in its name."""
+    reached = set().union(*(sink_names(path.read_text()) for d in PRODUCT for path in (ROOT / d).rglob("*.py")))
+    assert {"attn_implementation", "name_or_path", "path", "trust_remote_code"} <= reached  # the scan sees loads
+    assert unowned_sink_fields(params, reached) == [], "add them to flows/ownership.py's OWNED"
+    # A new field that reaches a sink, planted: the scan finds it.
+    planted = "model = AutoModel.from_pretrained(cfg.name_or_path, kernel_source=cfg.kernel_source)"
+
+    class Planted(params):  # type: ignore[misc, valid-type]
+        kernel_source: str | None = None
+
+    assert unowned_sink_fields(Planted, reached | sink_names(planted)) == ["kernel_source"]
+
+
+def test_an_attention_that_runs_hub_code_is_refused_unless_the_operator_allows_its_repository(monkeypatch):
+    """`*.attn_implementation` may name a Hub kernel, whose code transformers downloads and runs where the `kernels`
+    package is installed, or a FlashAttention version whose missing package falls back to kernels-community's build."""
+    import transformers.utils
+
+    monkeypatch.setattr(transformers.utils, "is_kernels_available", lambda: True)  # as where `kernels` is installed
+    monkeypatch.delenv(REMOTE_CODE_ENV, raising=False)
+    kernel = "sft.attn_implementation=my-org/attention@v1:forward"
+    with pytest.raises(ValidationError, match=rf"'my-org/attention' is not allowed on this worker.*{REMOTE_CODE_ENV}"):
+        load_params("tiny", [kernel])
+    with pytest.raises(ValidationError, match=r"kernels-community/"):
+        load_params("tiny", ["grpo.attn_implementation=flash_attention_2"])  # flash-attn is not installed here
+    monkeypatch.setenv(REMOTE_CODE_ENV, "my-org/*")
+    assert load_params("tiny", [kernel]).sft.attn_implementation == "my-org/attention@v1:forward"
+    assert load_params("tiny", ["sft.attn_implementation=sdpa"])  # installed code: nothing to allow
 
 
 def test_every_trl_argument_a_run_could_set_that_names_a_host_a_file_or_code_is_refused():

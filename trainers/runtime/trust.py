@@ -66,15 +66,20 @@ def check_import(path: str, what: str) -> None:
         )
 
 
-def check_remote_code(repo: str, what: str) -> None:
-    """Refuses `trust_remote_code` for a repository the operator has not allowed."""
+def check_remote_code(repo: str, what: str, runs: str = "") -> None:
+    """Refuses code from a Hub repository the operator has not allowed: `trust_remote_code` (`what` is the block),
+    or, given `runs` (what the setting makes run), any other setting (`what` is the whole setting)."""
     if any(entry == "*" or fnmatch.fnmatchcase(repo, entry) for entry in _entries(REMOTE_CODE_ENV)):
         return
     allowed = ", ".join(_entries(REMOTE_CODE_ENV)) or "none"
+    said = (
+        f"{what}: {runs} {repo!r}"
+        if runs
+        else f"{what}.trust_remote_code=true for {repo!r}: running code shipped with a model"
+    )
     raise ValueError(
-        f"{what}.trust_remote_code=true for {repo!r}: running code shipped with a model is not allowed on this worker. "
-        f"It is the worker's setting, not the run's: the operator lists the repositories in {REMOTE_CODE_ENV} "
-        f"(patterns, comma-separated; now: {allowed})"
+        f"{said} is not allowed on this worker. It is the worker's setting, not the run's: the operator lists the "
+        f"repositories in {REMOTE_CODE_ENV} (patterns, comma-separated; now: {allowed})"
     )
 
 
