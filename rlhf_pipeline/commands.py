@@ -15,28 +15,28 @@ from rlhf_pipeline.tasks.store.secrets import redact_text
 
 
 def run(args) -> int:
-    """`rlhf run` and `rlhf params`: the parameters resolved, then printed, or the flow run with them. The temporary
-    server comes up while the parameters load."""
+    """`rlhf run` and `rlhf params`: the parameters resolved, then printed, or the flow run with them. A refused
+    command starts nothing (no temporary server, no Prefect database, no MLflow store); the temporary server comes up
+    once the parameters hold, while the flow and the libraries import."""
     import gc
     import json
 
     if args.command == "run":
         startup.console(args)
         gc.disable()  # until the imports are done (startup.settle_heap)
-        temporary.start()
-        startup.warm_up_imports()
     try:
         from rlhf_pipeline.flows.params import PipelineParams, load_params
 
         try:
             params = load_params(args.config, args.overrides, **({"no_cache": True} if args.no_cache else {}))
         except (ValidationError, ValueError) as exc:
-            temporary.stop()  # started for nothing
             return refused(exc, PipelineParams)
         missing = missing_files(params) if args.command == "run" else []
         if missing:  # found with the parameters: no flow run, no MLflow run
-            temporary.stop()
             return refused(missing)
+        if args.command == "run":
+            temporary.start()
+            startup.warm_up_imports()
         if args.command == "params" and args.explain:
             try:
                 print(explain(args.explain, PipelineParams, params))

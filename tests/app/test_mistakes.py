@@ -129,3 +129,43 @@ def test_rlhf_params_explain_shows_a_fields_help_type_default_and_value(capsys):
     assert main(["params", "--explain", "dpo"]) == 0
     assert "fields:  " in capsys.readouterr().out
     assert "did you mean `dpo.beta`?" in refused(capsys, ["params", "--explain", "dpo.bta"])
+
+
+@pytest.mark.slow  # a run of the CI preset, with a CPU burner beside it
+def test_refused_commands_start_nothing_and_a_valid_one_after_them_runs_on_a_fresh_home(tmp_path):
+    """A newcomer's first command with a typo, then one naming a missing file, then the corrected one, on a fresh
+    Prefect home with the machine loaded: the refused ones start no temporary server and make no Prefect database
+    and no MLflow store (before, their server lived on and two of them raced on the database's migration)."""
+    from tests.helpers import CI_PRESET
+
+    home = tmp_path / "prefect"
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("PREFECT_", "MLFLOW_", "RLHF_"))}
+    env |= {
+        "PREFECT_HOME": str(home),
+        "RLHF_STATE_DIR": str(tmp_path / "state"),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+        "HF_HUB_OFFLINE": "1",
+    }
+
+    def rlhf(*argv: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "rlhf_pipeline", "run", "--config", CI_PRESET, *argv]
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        for argv, says in (
+            (["--set", "dpo.betaa=0.2"], "did you mean `dpo.beta`?"),
+            (["--set", "data.preference.path=data/no-such-prefs.jsonl"], "no such file"),
+        ):
+            done = rlhf(*argv)
+            assert done.returncode == 2 and says in done.stderr, done.stderr[-2000:]
+            assert "Traceback" not in done.stderr and "duplicate column" not in done.stderr, done.stderr[-2000:]
+            made = [p.name for p in home.rglob("*.db")] + [p.name for p in tmp_path.glob("*.db")]
+            assert made == [], made  # no Prefect database, no MLflow store
+        done = rlhf()
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        assert "duplicate column" not in done.stdout + done.stderr
+        assert (tmp_path / "mlflow.db").exists()
+    finally:
+        burner.kill()
+        burner.wait()
