@@ -19,8 +19,24 @@ if [ "${1:-}" = dev ] && ! command -v chromium >/dev/null; then
 fi
 python3.11 -m venv .venv
 . .venv/bin/activate
-# One line of progress (errors and warnings still reach stderr)
-pip install --require-hashes -r "$lock" | awk '/^Collecting/ { printf "\rcollecting %d packages of %s", ++n, lock } END { print "" }' lock="$lock"
+# The lock pins torch's CPU build (torch==...+cpu), which only PyTorch's own index serves: where pip's configured
+# indexes (PyPI, a mirror, a wheel folder) do not have it, the install is tried again with PyTorch's CPU index added.
+TORCH_INDEX=${RLHF_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
+errors=$(mktemp)
+trap 'rm -f "$errors"' EXIT
+locked() {  # one line of progress; pip's errors and warnings are shown after it
+  pip install --require-hashes -r "$lock" "$@" 2>"$errors" |
+    awk '/^Collecting/ { printf "\rcollecting %d packages of %s", ++n, lock } END { print "" }' lock="$lock"
+}
+if ! locked; then
+  if grep -qE "No matching distribution found for torch==[^ ]*\+cpu" "$errors"; then
+    echo "torch's CPU build is not on pip's configured indexes: trying again with PyTorch's CPU index ($TORCH_INDEX)"
+    locked --extra-index-url "$TORCH_INDEX" || { cat "$errors" >&2; exit 1; }
+  else
+    cat "$errors" >&2; exit 1
+  fi
+fi
+cat "$errors" >&2
 # The lock is whole and consistent: pip check, leaving out what it says of the no-deps packages below (their own
 # dependencies stay out on purpose; a second install finds them already there).
 no_deps=$(grep -oE '^[A-Za-z0-9_.-]+==' requirements/no-deps.txt | tr -d '=' | paste -sd '|')

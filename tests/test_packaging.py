@@ -219,3 +219,44 @@ def test_pip_resolves_the_wheel_to_exactly_the_locked_versions_and_files(wheel, 
     )
     unhashed = {n: h["sha256"] for n, (_, h) in chosen.items() if h.get("sha256") not in locked[n][1]}
     assert not unhashed, f"pip would fetch files whose sha256 requirements/{lock}.txt lacks: {unhashed}"
+
+
+FAKE_PIP = """#!/usr/bin/env bash
+echo "$*" >> "$PIP_CALLS"
+case "$*" in
+  check) echo "No broken requirements found." ;;
+  *--no-deps*) ;;
+  *--extra-index-url*) echo "Collecting torch==2.13.0+cpu" ;;
+  *) echo "Collecting a"; echo "ERROR: No matching distribution found for $PIP_MISSING" >&2; exit 1 ;;
+esac
+"""
+
+
+@pytest.mark.parametrize("missing", ["torch==2.13.0+cpu", "no-such-package==1.0"])
+def test_install_adds_pytorchs_cpu_index_only_where_the_configured_indexes_lack_torchs_cpu_build(tmp_path, missing):
+    """A stock pip has no index that serves torch's CPU build, which the lock pins: install.sh tries again with
+    PyTorch's CPU index, and only for that (here a fake pip answers as a stock one would, and records its calls)."""
+    import shutil
+
+    checkout, bin_dir = tmp_path / "checkout", tmp_path / "bin"
+    (checkout / "requirements").mkdir(parents=True), bin_dir.mkdir()
+    shutil.copy(ROOT / "install.sh", checkout)
+    for lock in ("runtime.txt", "no-deps.txt"):
+        shutil.copy(LOCKS / lock, checkout / "requirements" / lock)
+    (bin_dir / "pip").write_text(FAKE_PIP)
+    venv = f"mkdir -p .venv/bin && echo 'PATH={bin_dir}:$PATH' > .venv/bin/activate"
+    (bin_dir / "python3.11").write_text(f"#!/usr/bin/env bash\n{venv}\n")
+    for tool in ("pip", "python3.11"):
+        (bin_dir / tool).chmod(0o755)
+    calls = tmp_path / "calls"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PIP_CALLS": str(calls), "PIP_MISSING": missing}
+    done = subprocess.run(["bash", "install.sh"], cwd=checkout, env=env, capture_output=True, text=True, timeout=60)
+    tried = calls.read_text().splitlines()
+    if missing.startswith("torch"):
+        assert done.returncode == 0, done.stderr
+        assert "trying again with PyTorch's CPU index" in done.stdout
+        retry = "install --require-hashes -r requirements/runtime.txt --extra-index-url https://download.pytorch.org/whl/cpu"
+        assert tried[1] == retry, tried
+    else:  # any other failure is said as pip said it, and not retried
+        assert done.returncode == 1 and f"No matching distribution found for {missing}" in done.stderr
+        assert len(tried) == 1, tried
