@@ -180,7 +180,11 @@ def collect(args) -> int:
     from rlhf_pipeline.tasks.tracking import client as tracking
     from rlhf_pipeline.tasks.tracking import gc
 
-    doomed = gc.collect(keep_runs)
+    try:
+        doomed = gc.collect(keep_runs)
+    except ValueError as exc:  # a registered version whose lineage cannot be read
+        print(f"rlhf gc: {redact_text(str(exc))}", file=sys.stderr)
+        return 2
     total = sum(item.bytes for item in doomed)
     for item in doomed:
         print(f"{item.bytes / 1e6:9.1f} MB  {item.path}  ({item.why})")

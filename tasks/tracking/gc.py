@@ -82,7 +82,13 @@ def kept(keep_runs: int) -> tuple[set[tuple[str, str]], set[str]]:
     for model in every(mlflow.search_registered_models):
         for version in every(mlflow.search_model_versions, f"name = '{model.name}'"):
             runs.add(version.run_id)
-            keys |= set(version_lineage(version.tags)["keys"].items())
+            try:
+                keys |= set(version_lineage(version.tags)["keys"].items())
+            except ValueError as exc:  # what it keeps is unknown: nothing may be removed
+                raise ValueError(
+                    f"version {version.version} of registered model {model.name!r}: {exc}. Nothing was removed: fix "
+                    f"or delete the tag (MlflowClient().delete_model_version_tag), then run rlhf gc again"
+                ) from None
     for experiment in every(mlflow.search_experiments):
         parents = [
             run

@@ -40,8 +40,17 @@ def version_lineage(tags: dict[str, str]) -> dict[str, dict[str, str]]:
     """`keys` and `models` (stage -> artifact key / logged model id) of a registered version, from its tags: the
     `LINEAGE_TAG`, else the older one-tag-a-stage form."""
     if tags.get(LINEAGE_TAG):
-        found = json.loads(tags[LINEAGE_TAG])
-        return {"keys": dict(found.get("keys", {})), "models": dict(found.get("models", {}))}
+        try:
+            found = json.loads(tags[LINEAGE_TAG])
+            parts = {part: found.get(part, {}) for part in ("keys", "models")}
+            if not all(isinstance(v, str) for part in parts.values() for v in [*part, *part.values()]):
+                raise ValueError("stage names and their keys or models must be strings")
+            return {part: dict(value) for part, value in parts.items()}
+        except (ValueError, AttributeError, TypeError) as exc:
+            raise ValueError(
+                f'its {LINEAGE_TAG} tag is not what the registry writes ({{"keys": {{stage: key}}, "models": '
+                f"{{stage: model id}}}}): {str(exc)[:200]}; given: {tags[LINEAGE_TAG][:200]!r}"
+            ) from None
     return {
         "keys": {tag.removeprefix(KEY_TAG): value for tag, value in tags.items() if tag.startswith(KEY_TAG)},
         "models": {tag.removeprefix(MODEL_TAG): value for tag, value in tags.items() if tag.startswith(MODEL_TAG)},

@@ -93,3 +93,20 @@ def test_gc_keeps_the_artifacts_of_every_registered_model_past_the_first_page(st
         client.create_model_version(f"policy-{i:03d}", str(tmp_path), tags={"rlhf.key.sft": key})
     (state / "artifacts" / "sft" / "unreferenced").mkdir()
     assert [item.path.name for item in gc.collect(keep_runs=0)] == ["unreferenced"]
+
+
+@pytest.mark.parametrize("tag", ["{not json", '{"keys": 5}', '{"keys": {"sft": ["a", "b"]}}', "[1, 2]"])
+def test_a_malformed_lineage_tag_stops_gc_with_a_message_and_removes_nothing(state, tmp_path, monkeypatch, tag, capsys):
+    """gc cannot tell what such a version keeps, so it removes nothing and says which version and tag to fix."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'gc.db'}")
+    client = tracking.client()
+    doomed = state / "artifacts" / "sft" / "unreferenced"
+    doomed.mkdir(parents=True)
+    client.create_registered_model("policy")
+    client.create_model_version("policy", str(tmp_path), tags={"rlhf.lineage": tag})
+    assert main(["gc"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "version 1 of registered model 'policy'" in err and "rlhf.lineage tag" in err and "Nothing was removed" in err
+    )
+    assert "Traceback" not in err and doomed.is_dir()
