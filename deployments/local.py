@@ -73,8 +73,10 @@ def guarded(env: dict[str, str], ui: str) -> dict[str, str]:
 
 def mlflow_auth(auth_string: str) -> tuple[list[str], dict[str, str]]:
     """The MLflow server's arguments and environment that put its UI and API behind the same user and password as
-    Prefect's: MLflow's basic-auth app, whose one user, its admin, is written afresh at every start (a changed
-    password takes effect), in a file only this user can read."""
+    Prefect's: MLflow's basic-auth app, whose one user, its admin, is made afresh at every start (a changed password
+    takes effect). The user and password reach MLflow in its environment (`MLFLOW_AUTH_ADMIN_USERNAME`/`_PASSWORD`,
+    which MLflow reads before its config file): no file holds them, and the file, read by `configparser`, never meets
+    a `%` of theirs. Its users database (a password hash) is removed at stop (`forget_mlflow_auth`)."""
     import secrets
 
     user, _, password = auth_string.partition(":")
@@ -85,11 +87,24 @@ def mlflow_auth(auth_string: str) -> tuple[list[str], dict[str, str]]:
     config.touch(mode=0o600)
     config.write_text(
         "[mlflow]\ndefault_permission = NO_PERMISSIONS\n"
-        f"database_uri = sqlite:///{folder / 'users.db'}\nadmin_username = {user}\nadmin_password = {password}\n"
+        f"database_uri = sqlite:///{folder / 'users.db'}\n"
         "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
     )
-    env = {"MLFLOW_AUTH_CONFIG_PATH": str(config), "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(32)}
+    env = {
+        "MLFLOW_AUTH_CONFIG_PATH": str(config),
+        "MLFLOW_AUTH_ADMIN_USERNAME": user,
+        "MLFLOW_AUTH_ADMIN_PASSWORD": password,
+        "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(32),
+    }
     return ["--app-name", "basic-auth"], env
+
+
+def forget_mlflow_auth() -> None:
+    """What `mlflow_auth` left in the state folder once its server has stopped: the users database (the password's
+    hash) and the config file."""
+    import shutil
+
+    shutil.rmtree(tracking.state_dir() / "mlflow-auth", ignore_errors=True)
 
 
 MLFLOW_NO_JOBS = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
@@ -167,3 +182,5 @@ def up(port: int = 4200, mlflow_port: int = 5000, serve_args: list[str] = ()) ->
         return 0
     finally:
         stop(processes)
+        if env.get(AUTH_ENV) and not tracking.tracking_uri().startswith("http"):
+            forget_mlflow_auth()

@@ -32,7 +32,7 @@ from tests.prefect_db import seeded
 
 pytestmark = pytest.mark.slow  # real Prefect and MLflow servers, `rlhf serve` and `rlhf up`: minutes
 
-PASSWORD = "operator:Zq8-service-pass"  # PREFECT_SERVER_API_AUTH_STRING for `rlhf up`
+PASSWORD = "operator:Zq8%-service-pass"  # PREFECT_SERVER_API_AUTH_STRING for `rlhf up` (a `%`: configparser's)
 TINY_RUN = {  # a few steps of every stage; each block merges onto the preset, field by field
     "model": {"tiny": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}},
     "sft": {"max_steps": 8, "logging_steps": 2},
@@ -311,6 +311,9 @@ def test_rlhf_up_starts_prefect_mlflow_and_serve_and_stops_them_all(tmp_path):
     assert up.returncode == 0
     still_running = [pid for pid in started if Path(f"/proc/{pid}").exists()]
     assert still_running == []
+    secret = PASSWORD.partition(":")[2].encode()
+    kept = [p for p in (tmp_path / "state").rglob("*") if p.is_file() and secret in p.read_bytes()]
+    assert kept == [] and not (tmp_path / "state" / "mlflow-auth").exists()  # no password left behind after stop
 
 
 def test_cancelling_a_flow_run_stops_every_rank_of_a_launched_stage(service):
