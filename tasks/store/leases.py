@@ -29,6 +29,24 @@ def lease(stage_root: Path, key: str, holder: str) -> None:
     (folder / f"{holder}.json").write_text(json.dumps(record))
 
 
+def lease_input(folder: Path, artifact_root: Path, holder: str, wait_seconds: float = 60.0) -> bool:
+    """Pin a folder a run reads without building it (`rlhf eval <folder>`'s models) when it is a stage artifact of
+    `artifact_root` (`<artifact_root>/<stage>/<key>`), under the key's lock as a build pins its own; whether it did.
+    Raises when gc removed it before the lock was had."""
+    from filelock import FileLock
+
+    folder, root = folder.resolve(), artifact_root.resolve()
+    if folder.parent.parent != root:
+        return False
+    stage_root = folder.parent
+    (stage_root / ".locks").mkdir(parents=True, exist_ok=True)
+    with FileLock(stage_root / ".locks" / f"{folder.name}.lock", timeout=wait_seconds):
+        if not folder.is_dir():
+            raise ValueError(f"{folder} was removed (rlhf gc) before this run could pin it")
+        lease(stage_root, folder.name, holder)
+    return True
+
+
 def release(artifact_root: Path, holder: str) -> None:
     """Unpin everything `holder` pinned (its run ended)."""
     for path in artifact_root.glob(f"*/{LEASES}/*/{holder}.json"):

@@ -110,3 +110,24 @@ def test_a_malformed_lineage_tag_stops_gc_with_a_message_and_removes_nothing(sta
         "version 1 of registered model 'policy'" in err and "rlhf.lineage tag" in err and "Nothing was removed" in err
     )
     assert "Traceback" not in err and doomed.is_dir()
+
+
+def test_a_stage_artifact_rlhf_eval_reads_is_leased_until_its_run_ends(state, tmp_path, monkeypatch):
+    """`rlhf eval <folder>` reads models it did not build: where one is a stage artifact of this state, the run pins it
+    (flows/evaluate.py), so gc leaves it while the eval runs and may remove it after."""
+    from rlhf_pipeline.tasks.store.leases import lease_input, release
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'gc.db'}")
+    root = state / "artifacts"
+    policy = root / "dpo" / ("ab" * 32)
+    (policy / "model").mkdir(parents=True)
+    (policy / MANIFEST).write_text("{}")
+    outside = tmp_path / "elsewhere" / "model"
+    outside.mkdir(parents=True)
+    assert lease_input(policy, root, "eval-run") and not lease_input(outside.parent, root, "eval-run")
+    assert [item.path for item in gc.collect(keep_runs=0)] == []  # leased by a live run (this process)
+    release(root, "eval-run")
+    assert [item.path for item in gc.collect(keep_runs=0)] == [policy]
+    gc.remove(gc.collect(keep_runs=0))
+    with pytest.raises(ValueError, match="was removed .rlhf gc. before this run could pin it"):
+        lease_input(policy, root, "eval-run")
