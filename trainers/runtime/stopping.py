@@ -111,6 +111,14 @@ def checkpoint_on_sigterm() -> Iterator[None]:
             _pass_on(previous, signal.SIGTERM, None)
 
 
+def stop_unless_training(what: str) -> None:
+    """Raise `Terminated` when SIGTERM reached this process and this thread is not training (eval's or the pairs
+    stage's generation, whose answers are kept as they end): it stops at once instead of finishing its work after the
+    signal. A training thread goes on to its step's end and its checkpoint (`stop_requested`)."""
+    if TERMINATING.is_set() and threading.get_ident() not in _training:
+        raise Terminated(f"SIGTERM: {what} stopped; what it finished is kept and the next attempt resumes from it")
+
+
 def stop_requested() -> bool:
     """Whether to checkpoint and stop now: SIGTERM reached this process, or (under torch.distributed) any rank. Every
     rank must call it at the same step, as the training loops do at each step's end."""

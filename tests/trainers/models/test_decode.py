@@ -222,3 +222,30 @@ def test_decode_runs_full_attention_through_sdpa_or_eager_only(tiny, monkeypatch
         with monkeypatch.context() as patched:
             patched.setattr(model.config, name, value, raising=False)
             assert not supports(model)
+
+
+def test_sigterm_stops_generation_outside_training_at_once_keeping_what_ended(tiny, monkeypatch):
+    """Eval's and the pairs stage's generation stop at the next step once SIGTERM reached the process (it went on to
+    the end of its prompts before); a training thread's rollout goes on to its step's end and its checkpoint."""
+    from rlhf_pipeline.trainers.runtime import stopping
+
+    model, tokenizer = tiny
+    prompts = [f"sort {n} ->" for n in range(3142, 3162)]
+    for path in ("decode", "generate"):
+        if path == "generate":
+            monkeypatch.setattr(decoding, "supports", lambda model: False)
+        kept: list[int] = []
+
+        def keep(done, *_):
+            kept.extend(done)
+            stopping.TERMINATING.set()  # the signal arrives as the first answers end
+
+        try:
+            with pytest.raises(stopping.Terminated, match="SIGTERM: generation stopped"):
+                generate_answers(model, tokenizer, prompts, 12, batch_size=4, on_batch=keep)
+            assert 1 <= len(kept) < len(prompts), (path, kept)  # what ended before it is kept, the rest not drawn
+            with stopping.training():  # a rollout inside a training step is not cut
+                answers, _ = generate_answers(model, tokenizer, prompts, 12, batch_size=4)
+            assert len(answers) == len(prompts)
+        finally:
+            stopping.TERMINATING.clear()
