@@ -21,6 +21,7 @@ from rlhf_pipeline.tasks.eval import evaluate
 from rlhf_pipeline.tasks.gate import RegistryConfig
 from rlhf_pipeline.tasks.orchestration.parent_run import model_label, pipeline_run, report_failure
 from rlhf_pipeline.tasks.orchestration.stage_task import retrying, stage_runner
+from rlhf_pipeline.tasks.store.artifacts import ArtifactRef
 from rlhf_pipeline.tasks.store.leases import lease_input
 from rlhf_pipeline.tasks.tracking.resolve import check_model_source, resolve_model
 from rlhf_pipeline.trainers.config import ModelConfig, StrictModel
@@ -141,7 +142,8 @@ def rlhf_eval(
         sft_model, _ = resolve_model(start or params.policy, "sft")
         reward_source = params.reward_model or lineage.get("rm")
         reward_model = resolve_model(reward_source, "rm")[0] if reward_source else None
-        for ref in filter(None, (policy, sft_model, reward_model)):  # `rlhf gc` leaves them alone until the run ends
+        read: list[ArtifactRef] = [policy, sft_model, *([reward_model] if reward_model else [])]
+        for ref in read:  # `rlhf gc` leaves them alone until the run ends
             lease_input(Path(ref.uri), Path(run.ctx.artifact_root), run.ctx.parent_run_id)
         stage = retrying(params.retry)
         checked = stage(validate_data).submit(params.data, run.ctx)  # held-out sets only need their own rules
