@@ -42,15 +42,30 @@ def compared_champion(report: ArtifactRef) -> str | None:
 
 
 LOCK_SUFFIX = ".promoting"
-STALE_LOCK_SECONDS = 600.0  # a promotion takes seconds; a lock this old was left by a process that died
+STALE_LOCK_SECONDS = 600.0  # a promotion takes seconds; a lock held this long was left by a process that died
+
+
+def _holder_gone(holder: str | None) -> bool:
+    """Whether the lock's holder is a process of this machine that no longer runs (one elsewhere cannot be seen)."""
+    import socket
+
+    import psutil
+
+    try:
+        record = json.loads(holder or "")
+        return record["host"] == socket.gethostname() and not psutil.pid_exists(int(record["pid"]))
+    except (ValueError, KeyError, TypeError):
+        return False
 
 
 @contextlib.contextmanager
 def champion_lock(model_name: str, wait_seconds: float = 900.0) -> Iterator[None]:
     """One promotion at a time per registered model on the tracking server itself, whichever machine or state folder
     the runs use: the lock is a registered model `<name>.promoting`, which exists while its holder compares and moves
-    `champion` (creating a registered model that exists fails on every MLflow store: a test-and-set). A lock older than
-    `STALE_LOCK_SECONDS` was left by a holder that died and is taken over."""
+    `champion` (creating a registered model that exists fails on every MLflow store: a test-and-set). A lock is taken
+    over when its holder is a process of this machine that died, or when this waiter has itself watched the same lock
+    (its creation time and holder) for `STALE_LOCK_SECONDS` on its own monotonic clock: no two machines' clocks are
+    compared, so one whose clock runs ahead cannot take over a live lock."""
     import os
     import random
     import socket
@@ -61,6 +76,7 @@ def champion_lock(model_name: str, wait_seconds: float = 900.0) -> Iterator[None
     mlflow, lock = tracking.client(), f"{model_name}{LOCK_SUFFIX}"
     holder = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "state": str(tracking.state_dir())})
     deadline = time.monotonic() + wait_seconds
+    first_seen: dict[tuple, float] = {}  # a lock instance (creation time, holder) -> when this waiter first saw it
     while True:
         try:
             mlflow.create_registered_model(lock, tags={"rlhf.holder": holder}, description="rlhf: a promotion runs")
@@ -76,15 +92,18 @@ def champion_lock(model_name: str, wait_seconds: float = 900.0) -> Iterator[None
             held = mlflow.get_registered_model(lock)
         except MlflowException:
             continue  # released meanwhile
-        if time.time() - held.creation_timestamp / 1000 > STALE_LOCK_SECONDS:
-            prefect_log(f"registry: taking over {lock!r}, left by {held.tags.get('rlhf.holder')} (it died)")
+        who = held.tags.get("rlhf.holder")
+        watched = time.monotonic() - first_seen.setdefault((held.creation_timestamp, who), time.monotonic())
+        if _holder_gone(who) or watched > STALE_LOCK_SECONDS:
+            why = "it died" if _holder_gone(who) else f"held for over {STALE_LOCK_SECONDS:.0f}s while this run waited"
+            prefect_log(f"registry: taking over {lock!r}, left by {who} ({why})")
             with contextlib.suppress(MlflowException):
                 mlflow.delete_registered_model(lock)
             continue
         if time.monotonic() > deadline:
             raise TimeoutError(
-                f"registry: {lock!r} was held for over {wait_seconds:.0f}s by {held.tags.get('rlhf.holder')}; if no "
-                "such process runs, delete that registered model"
+                f"registry: {lock!r} was held for over {wait_seconds:.0f}s by {who}; if no such process runs, delete "
+                "that registered model"
             )
         time.sleep(0.2 + random.random() * 0.3)
     try:

@@ -286,6 +286,44 @@ def test_a_lock_released_while_the_store_reads_it_back_is_free_and_the_registrat
     assert "released-policy.promoting" not in [m.name for m in MlflowClient().search_registered_models()]  # released
 
 
+def test_a_clock_running_ahead_cannot_take_over_a_live_promotion_lock_but_a_dead_holders_lock_is_taken(
+    ctx, monkeypatch
+):
+    """The promotion lock is judged by what this waiter watched on its own monotonic clock and by whether a holder on
+    this machine still runs, never by comparing two machines' clocks: with the waiter's clock 700 s ahead (the lock's
+    creation time is the holder's), a live holder elsewhere keeps the lock."""
+    import json
+    import os
+    import socket
+    import time
+
+    from rlhf_pipeline.tasks import registry
+
+    client = MlflowClient()
+    elsewhere = json.dumps({"host": "another-machine", "pid": 1, "state": "/elsewhere"})
+    client.create_registered_model("skew-policy.promoting", tags={"rlhf.holder": elsewhere})
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() + 700.0)  # this machine's clock runs ahead
+    with pytest.raises(TimeoutError, match="was held for over 1s by"):
+        with registry.champion_lock("skew-policy", wait_seconds=1.0):
+            pass
+    monkeypatch.setattr(time, "time", real_time)
+    # Watched for longer than STALE_LOCK_SECONDS by this waiter: its holder is taken to have died.
+    monkeypatch.setattr(registry, "STALE_LOCK_SECONDS", 0.5)
+    with registry.champion_lock("skew-policy", wait_seconds=10.0):
+        assert (
+            json.loads(client.get_registered_model("skew-policy.promoting").tags["rlhf.holder"])["pid"] == os.getpid()
+        )
+    # A holder of this machine that no longer runs: taken over at once.
+    monkeypatch.setattr(registry, "STALE_LOCK_SECONDS", 600.0)
+    dead = json.dumps({"host": socket.gethostname(), "pid": 2**22 + 12345, "state": "/gone"})
+    client.create_registered_model("dead-policy.promoting", tags={"rlhf.holder": dead})
+    started = time.monotonic()
+    with registry.champion_lock("dead-policy", wait_seconds=10.0):
+        assert time.monotonic() - started < 5
+    assert not [m for m in client.search_registered_models() if m.name.endswith(".promoting")]  # both released
+
+
 @pytest.mark.slow  # trains the full tiny model for 60 steps and runs 4 evaluations: minutes on a CPU
 def test_gate_on_measured_exact_match_refuses_the_untrained_base_and_promotes_a_trained_model(ctx, tmp_path):
     """Every number the gate sees here is measured by the eval stage's code, on purpose-built models."""
