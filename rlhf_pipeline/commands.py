@@ -137,7 +137,7 @@ def label(args) -> int:
     sent to it; any mistake exits 2 naming the file, the line (or the item) and the rule, and sends nothing."""
     from pathlib import Path
 
-    from rlhf_pipeline.tasks.labels import LabelsError, check_label, read_labels_file
+    from rlhf_pipeline.tasks.labels import MAX_PAIR_DIGITS, LabelsError, check_label, read_labels_file
     from rlhf_pipeline.tasks.people import resume_with_labels, waiting_pairs
 
     try:
@@ -145,8 +145,8 @@ def label(args) -> int:
         labels = read_labels_file(Path(args.file), waiting) if args.file else {}
         for item in args.labels:
             pair, _, label = item.partition("=")
-            if not pair.isdigit():
-                raise LabelsError(f"{item!r}: expected PAIR=LABEL, e.g. 0=A")
+            if not pair.isdigit() or len(pair) > MAX_PAIR_DIGITS:
+                raise LabelsError(f"{item[:60]!r}: expected PAIR=LABEL with a pair number, e.g. 0=A")
             check_label(int(pair), label, None, waiting, f"{item!r}")
             if labels.get(int(pair), label) != label:
                 raise LabelsError(f"{item!r}: pair {pair} is labelled {labels[int(pair)]!r} in {args.file}")

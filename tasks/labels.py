@@ -5,8 +5,9 @@
 `pair` is the pair's number, `hash` its content hash (`trainers.pairs.stage.pair_hash`), both as `to_label.jsonl`
 and the flow run's table show them (the hash may be left out; when given it must be that pair's, so a label never
 lands on another pair). Every mistake is refused before anything is stored, naming the file, the line and the rule
-(`LabelsError`): a pair that is not an integer, or not one of the pairs waiting; a label that is not one of the four;
-a hash of another pair; two different labels for one pair; a file over `MAX_BYTES` (read line by line, never whole).
+(`LabelsError`): a pair that is not an integer (of at most 18 digits), or not one of the pairs waiting; a label that
+is not one of the four; a hash of another pair; two different labels for one pair; a key given twice on a line; a
+line nested deeper than a labels line is; a file over `MAX_BYTES` (read line by line, never whole).
 
 The store (`<artifact_root>/pairs/.labels/<samples key>.json`) keeps each label with its pair's hash; it is replaced
 whole, and only with labels that passed these rules.
@@ -60,18 +61,65 @@ def read_labels_file(path: Path, waiting: dict[int, str]) -> dict[int, str | Non
     return labels
 
 
+MAX_DEPTH = 4
+"""Brackets a line may open before its first closes: a labels line is one flat object."""
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    keys = [key for key, _ in pairs]
+    repeated = sorted({key for key in keys if keys.count(key) > 1})
+    if repeated:
+        raise ValueError(f"key {repeated[0]!r} given twice (JSON would keep the last one silently)")
+    return dict(pairs)
+
+
+def _depth(line: str) -> int:
+    """How deep the line's brackets go, outside its strings (read before the line is parsed: Python's JSON parser
+    recurses once a level and fails, with a traceback, on a few thousand)."""
+    deepest = depth = 0
+    in_string = escaped = False
+    for char in line:
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (char == "\\", char != '"')
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
+
+
 def check_line(line: str, waiting: dict[int, str], where: str) -> tuple[int, str | None]:
-    """(pair, label) of one line, or LabelsError naming the rule it breaks."""
+    """(pair, label) of one line, or LabelsError naming the rule it breaks: not JSON, nested deeper than a labels line
+    is, a key given twice, a pair that is not a short integer, a label or a hash that is not the pair's."""
+    if _depth(line) > MAX_DEPTH:
+        raise LabelsError(
+            f'{where}: nested {_depth(line)} deep; each line is one flat object {{"pair": .., "label": ..}}'
+        )
     try:
-        row = json.loads(line)
+        row = json.loads(line, object_pairs_hook=_unique_keys, parse_int=_pair_number)
     except json.JSONDecodeError as exc:
         raise LabelsError(f"{where}: not JSON ({exc.msg}): {line[:200]!r}") from exc
+    except (ValueError, RecursionError) as exc:
+        raise LabelsError(f"{where}: {str(exc)[:200]}: {line[:200]!r}") from exc
     if not isinstance(row, dict):
         raise LabelsError(f'{where}: each line is an object {{"pair": <id>, "label": ...}}, got {line[:200]!r}')
     pair, label = row.get("pair"), row.get("label")
     if type(pair) is not int:  # bool is an int to Python, and true would be pair 1
         raise LabelsError(f"{where}: the pair is an integer pair number, got {pair!r}")
     return check_label(pair, label, row.get("hash"), waiting, where), label
+
+
+MAX_PAIR_DIGITS = 18
+"""A pair number has at most this many digits (Python refuses to read one of over 4,300, with a traceback)."""
+
+
+def _pair_number(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_PAIR_DIGITS:
+        raise ValueError(f"a number of {len(text)} digits; a pair number has at most {MAX_PAIR_DIGITS}")
+    return int(text)
 
 
 def check_label(pair: int, label: object, given_hash: object, waiting: dict[int, str], where: str) -> int:

@@ -167,8 +167,16 @@ def ask_people(samples: ArtifactRef, store: Path, people: PeopleConfig) -> None:
         except (LabelsError, ValueError) as exc:  # a bad labels file typed into the form: nothing is stored
             prefect_log(f"pairs: the labels were refused, none stored: {exc}")
             continue
-        write_store(store, labels | given, bool(getattr(got, "finish", True)), hashes)
-        prefect_log(f"pairs: {len(given)} labels received ({len(labels | given)} of {len(shown)} pairs labelled)")
+        merged, finish = labels | given, bool(getattr(got, "finish", True))
+        if finish and not any(label in ("A", "B") for label in merged.values()):
+            # Finished with nothing to train on would stop every later run of these samples: not a finish
+            prefect_log(
+                "pairs: 'finish' came with no pair labelled A or B, so nothing could be trained on: not finished; "
+                "asking again (label at least one pair, or cancel the run)"
+            )
+            finish = False
+        write_store(store, merged, finish, hashes)
+        prefect_log(f"pairs: {len(given)} labels received ({len(merged)} of {len(shown)} pairs labelled)")
     raise RuntimeError(f"pairs: asked for labels {len(shown) + 1} times without an answer that labels a pair")
 
 

@@ -44,6 +44,10 @@ def test_a_labels_file_passes_with_the_hashes_it_copied_and_fails_with_a_line_an
             '{"pair": 1, "label": "B"}\n{"pair": 1, "label": "A"}',
             "line 2: pair 1 is labelled 'A' here and 'B' on line 1",
         ),
+        # Hostile lines: each said with its line and rule (a RecursionError or Python's 4,300-digit limit before)
+        ('{"pair": 0, "label": ' + "[" * 5000 + "]" * 5000 + "}", "line 1: nested 5001 deep; each line is one flat"),
+        ('{"pair": ' + "9" * 5000 + ', "label": "A"}', "line 1: a number of 5000 digits; a pair number has at most 18"),
+        ('{"pair": 0, "label": "B", "label": "A"}', "line 1: key 'label' given twice"),
     ):
         bad = tmp_path / "bad.jsonl"
         bad.write_text(text + "\n")
@@ -81,3 +85,50 @@ def test_the_store_keeps_only_checked_labels_and_names_one_it_cannot_read(tmp_pa
     store.write_text(json.dumps({"labels": {"True": "A"}, "finished": True}))
     with pytest.raises(LabelsError, match=f"labels store {store}: unreadable .*move it aside and label again"):
         read_store(store, waiting)
+
+
+def test_a_finish_with_no_pair_labelled_is_not_stored_as_finished_and_the_run_asks_again(tmp_path, monkeypatch):
+    """The Resume form submitted as shown (every pair on skip, finish on) stored "finished" with no labels, and every
+    later run of these samples then failed until the store was edited by hand: now it is not a finish, the run says
+    so and asks again, and the next answer's labels are kept."""
+    from types import SimpleNamespace
+
+    import prefect.flow_runs
+    from prefect.runtime import deployment
+
+    from rlhf_pipeline.tasks import people
+    from rlhf_pipeline.tasks.store.artifacts import ArtifactRef
+
+    samples = tmp_path / "samples"
+    samples.mkdir()
+    (samples / "samples.jsonl").write_text("".join(json.dumps(row) + "\n" for row in SAMPLES))
+    ref = ArtifactRef(stage="pairs", key="k" * 32, uri=str(samples))
+    said: list[str] = []
+    answers = iter([SimpleNamespace(finish=True), SimpleNamespace(finish=True, pair_1="B")])  # all skip, then one B
+    monkeypatch.setattr(prefect.flow_runs, "pause_flow_run", lambda **kwargs: next(answers))
+    monkeypatch.setattr(deployment, "get_id", lambda: None)
+    monkeypatch.setattr(people, "_show", lambda *args: None)
+    monkeypatch.setattr(people, "prefect_log", said.append)
+    store = tmp_path / "store.json"
+    people.ask_people(ref, store, people.PeopleConfig(timeout_s=60))
+    assert any("no pair labelled A or B" in line and "asking again" in line for line in said), said
+    shown = {pair["pair"]: pair["hash"] for pair in people_pairs(SAMPLES, max_pairs=10)}
+    assert read_store(store, shown) == ({1: "B"}, True)
+
+
+def test_rlhf_label_refuses_a_hostile_pair_item_or_file_with_exit_2_and_no_traceback(tmp_path, monkeypatch, capsys):
+    from rlhf_pipeline.cli import main
+    from rlhf_pipeline.tasks import people
+
+    monkeypatch.setattr(people, "waiting_pairs", lambda run: {0: "3f2a9c1e0b7d"})
+    monkeypatch.setattr(people, "resume_with_labels", lambda *args, **kwargs: pytest.fail("resumed"))
+    nested = tmp_path / "nested.jsonl"
+    nested.write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    run = "0b6d7c1e-4a0e-4a55-9d51-5f1f3b0c2a11"
+    for argv, says in (
+        ([run, "9" * 5000 + "=A"], "expected PAIR=LABEL with a pair number"),
+        ([run, "--file", str(nested)], "line 1: nested 100000 deep"),
+    ):
+        assert main(["label", *argv]) == 2
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err, err
