@@ -19,8 +19,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from rlhf_pipeline.tasks.config import ENGINE_DIR
-from rlhf_pipeline.tasks.tracking.client import state_dir
-from rlhf_pipeline.trainers.data import BUNDLED_ROOT, DatasetSpec, local_files
+from rlhf_pipeline.tasks.tracking.client import always_readable
+from rlhf_pipeline.trainers.data import DatasetSpec, local_files
 from rlhf_pipeline.trainers.runtime.trust import (
     IMPORTS_ENV,
     PATHS_ENV,
@@ -58,16 +58,11 @@ REFUSED_TRL = frozenset(
 config file, a checkpoint to resume, model code to trust): a run's `trl_overrides` may not set them."""
 
 
-def _always() -> tuple[Path, ...]:
-    """What every run may read: the run state and the pipeline's own files (bundled data, presets, engine configs)."""
-    return state_dir(), BUNDLED_ROOT, *(p.resolve() for p in (BUNDLED_ROOT / "data", BUNDLED_ROOT / "configs"))
-
-
 def _local(field: str, value: Any) -> None:
     """A value that names a local file or folder (relative to the working directory): it must be one the worker allows.
     Anything else (a hub id, a preset's or engine's name, 'module:function') names no file here."""
     if isinstance(value, str) and value and Path(value).expanduser().exists():
-        check_path(Path(value), f"{field}={value!r}", _always() + (ENGINE_DIR.resolve(),))
+        check_path(Path(value), f"{field}={value!r}", always_readable() + (ENGINE_DIR.resolve(),))
 
 
 def _data(field: str, value: Any) -> None:
@@ -80,7 +75,7 @@ def _data(field: str, value: Any) -> None:
         files = []  # the data stage names what is wrong with it
     for file in [Path(value), *files]:
         if file.expanduser().exists():
-            check_path(file, f"{field}={value!r}", _always())
+            check_path(file, f"{field}={value!r}", always_readable())
 
 
 def _ray(field: str, value: Any) -> None:

@@ -37,6 +37,7 @@ def validate_data(
     pairs), which then refuse unpaired rows (rule `paired_for_readers`).
     """
     pairs_for = pair_readers() if pairs_for is None else pairs_for
+    _check_readable(config)
     limits = _token_limits(config, model, max_tokens)
     sources = config.sources()
     fingerprints = {name: dataset_fingerprint(spec) for name, (_, spec) in sources.items()}
@@ -258,3 +259,18 @@ def _token_limits(config: DataConfig, model: ModelConfig | None, max_tokens: dic
         raise ValueError(f"max_tokens={limits} needs the model whose tokenizer counts the tokens")
     # A limit on a dataset the config leaves out (preference_eval=None) checks nothing.
     return {name: limit for name, limit in limits.items() if name in config.sources()}
+
+
+def _check_readable(config: DataConfig) -> None:
+    """Every local file a dataset names, checked again as the stage reads it against the folders the worker lets runs
+    read: the parameters' check (flows/ownership.py) saw only the files that existed then."""
+    from rlhf_pipeline.trainers.data import local_files
+    from rlhf_pipeline.trainers.runtime.trust import check_path
+
+    for name, (_, spec) in config.sources().items():
+        try:
+            files = local_files(spec) or []
+        except ValueError:
+            continue  # the stage names what is wrong with it
+        for file in files:
+            check_path(file, f"data.{name}.path={spec.path!r}", tracking.always_readable())

@@ -35,7 +35,15 @@ def labels_store(artifact_root: str | Path, samples_key: str) -> Path:
 
 
 def read_labels_file(path: Path, waiting: dict[int, str]) -> dict[int, str | None]:
-    """The labels of a file people wrote, for the pairs `waiting` (pair -> hash)."""
+    """The labels of a file people wrote, for the pairs `waiting` (pair -> hash). Its place is checked here, as it is
+    read (hours after the parameters may be, past a pause), against the folders the worker lets runs read."""
+    from rlhf_pipeline.tasks.tracking.client import always_readable
+    from rlhf_pipeline.trainers.runtime.trust import check_path
+
+    try:
+        check_path(path, "labels file", always_readable())
+    except ValueError as exc:
+        raise LabelsError(str(exc)) from None
     if not path.is_file():
         raise LabelsError(f"labels file {path}: no such file")
     size = path.stat().st_size

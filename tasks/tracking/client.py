@@ -37,6 +37,14 @@ def state_dir() -> Path:
     return Path(os.environ.get(STATE_ENV) or Path.cwd() / "state").resolve()
 
 
+def always_readable() -> tuple[Path, ...]:
+    """What every run may read, whatever folders the worker allows: the run state and the pipeline's own files (bundled
+    data, presets; `flows/ownership.py` adds the engine configs)."""
+    from rlhf_pipeline.trainers.data import BUNDLED_ROOT
+
+    return state_dir(), BUNDLED_ROOT, *(p.resolve() for p in (BUNDLED_ROOT / "data", BUNDLED_ROOT / "configs"))
+
+
 def tracking_uri() -> str:
     # The file store refuses writes in MLflow 3.17 (docs/LIBRARY-FACTS.md, MLflow):
     # default to SQLite.

@@ -253,3 +253,27 @@ def test_a_flow_run_naming_a_foreign_ray_cluster_fails_with_its_parameters_and_r
     assert outcome.is_failed()
     assert RAY_ADDRESSES_ENV in str(outcome.message) + repr(outcome.result(raise_on_failure=False))
     assert not (state / "artifacts").exists(), "a stage ran"
+
+
+def test_a_file_made_outside_the_allowed_folders_after_the_parameters_were_read_is_refused_where_it_is_read(
+    tmp_path, monkeypatch
+):
+    """The parameters' check sees only the files that exist then: a labels file or a data file written later outside
+    the folders the worker allows is refused by the code that reads it (the labels after a pause, the data stage)."""
+    from rlhf_pipeline.tasks.data import _check_readable
+    from rlhf_pipeline.tasks.labels import LabelsError, read_labels_file
+
+    inside, outside = tmp_path / "inside", tmp_path / "outside"
+    inside.mkdir(), outside.mkdir()
+    monkeypatch.setenv(PATHS_ENV, str(inside))
+    labels, rows = outside / "labels.jsonl", outside / "sft.jsonl"
+    params = load_params("tiny", [f"pairs.people.labels_file={labels}", f"data.sft.path={rows}"])  # not there yet
+    labels.write_text('{"pair": 0, "label": "A"}\n')
+    rows.write_text('{"text": "a"}\n')
+    with pytest.raises(LabelsError, match=f"labels file: {labels} is outside the folders a run may read.*{PATHS_ENV}"):
+        read_labels_file(labels, {0: "3f2a9c1e0b7d"})
+    with pytest.raises(ValueError, match=f"data.sft.path='{rows}': {rows} is outside the folders a run may read"):
+        _check_readable(params.data)
+    monkeypatch.setenv(PATHS_ENV, str(outside))
+    assert read_labels_file(labels, {0: "3f2a9c1e0b7d"}) == {0: "A"}
+    _check_readable(params.data)
