@@ -28,6 +28,7 @@ from rlhf_pipeline.trainers.evaluation.instructions import InstructionFollowing
 from rlhf_pipeline.trainers.models.text import generate, reward_scores
 from rlhf_pipeline.trainers.rewards.judges import JudgeConfig
 from rlhf_pipeline.trainers.rewards.mix import RewardFunctionSpec, as_completions, gold_scores
+from rlhf_pipeline.trainers.runtime.stopping import stoppable
 
 MODELS = ("base", "sft", "policy", "champion")
 HELDOUT = "eval/heldout/"
@@ -162,6 +163,7 @@ def _exact(completions: list[str], answers: list[str]) -> list[float]:
     return [float(c.strip() == str(a).strip()) for c, a in zip(completions, answers)]
 
 
+@stoppable("eval")
 def evaluate(
     cfg: EvalConfig,
     base: ModelConfig,

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from rlhf_pipeline.trainers.runtime.heartbeat import beat
-from rlhf_pipeline.trainers.runtime.stopping import stop_unless_training
+from rlhf_pipeline.trainers.runtime.stopping import stop_if_asked
 
 if TYPE_CHECKING:
     import torch
@@ -128,7 +128,7 @@ def decode(
     with torch.inference_mode():
         while queue or running:
             beat()
-            stop_unless_training("generation")
+            stop_if_asked()
             admitted = _admissible(queue, running, whole, rows, cache)
             if admitted and (not running or not queue[len(admitted) :] or len(admitted) >= rows // REFILL_SHARE):
                 for chunk in _prefill_chunks(admitted, prompts):

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from rlhf_pipeline.trainers.runtime.heartbeat import beat
-from rlhf_pipeline.trainers.runtime.stopping import stop_unless_training
+from rlhf_pipeline.trainers.runtime.stopping import stop_if_asked
 
 if TYPE_CHECKING:
     import torch
@@ -144,7 +144,7 @@ def _told(total: int, done: int, progress, on_batch):
         beat()
         if on_batch is not None:
             on_batch(indices, answers, cut)
-        stop_unless_training("generation")  # after the answers are kept (`generate`'s batches end here)
+        stop_if_asked()  # after the answers are kept (`generate`'s batches end here)
         count[0] += len(indices)
         if progress is not None:
             progress(count[0], total)

@@ -33,6 +33,7 @@ from pydantic import Field, model_validator
 
 from rlhf_pipeline.trainers.config import LogMetrics, StageConfig, StrictModel
 from rlhf_pipeline.trainers.rewards.judges import JudgeConfig
+from rlhf_pipeline.trainers.runtime.stopping import stoppable
 
 SAMPLES = "samples.jsonl"
 """The samples artifact: one line per prompt, {"id", "prompt", "completions": [...], **the prompt's other columns}."""
@@ -168,6 +169,7 @@ class PairsConfig(StageConfig):
 # --- 1. samples ----------------------------------------------------------------------------------------------------
 
 
+@stoppable("the pairs stage's sampling")
 def sample(
     cfg: PairsConfig,
     model_dir: Path,

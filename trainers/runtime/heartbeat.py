@@ -5,11 +5,14 @@ launcher also calls for each progress line its ranks send), every batch of answe
 scored. Beats are counted per thread: the thread that runs a stage's build is the one its watchdog watches.
 
 `watching(limit)` arms a watchdog around a build once the build has beaten once (loading weights or validating data
-before that is not judged). When no beat came for `limit` seconds, or for ten times the longest gap between two beats
-seen so far when that is longer (a stage whose steps take minutes is not cut short), it writes every thread's stack
-to the log and raises `Stalled` in the build's thread. `Stalled` is transient: the task's retry resumes from the last
-checkpoint. A thread blocked inside a C call (a socket read with no timeout) gets it when the call returns; its stack
-is in the log at once.
+before that is not judged). Work that computes is not stuck, however long a step takes: while the build's thread or
+this process's child processes (a launched stage's ranks) use the CPU (`BUSY_SHARE` of a core or more between two
+polls), the watchdog counts it as a beat, so a first step slower than the limit, or a machine that slowed, is not cut
+short. When neither a beat nor computing came for `limit` seconds, or for ten times the longest gap between two beats
+seen so far when that is longer, it writes every thread's stack to the log and raises `Stalled` in the build's
+thread: what it catches is work that waits (a socket, a lock, a dead collective, a sleep), not work that spins.
+`Stalled` is transient: the task's retry resumes from the last checkpoint. A thread blocked inside a C call (a socket
+read with no timeout) gets it when the call returns; its stack is in the log at once.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ LOG = logging.getLogger(__name__)
 _BEATS: dict[int, tuple[float, float]] = {}
 """thread id -> (last beat, longest gap between two beats), monotonic seconds."""
 SCALE = 10.0
+BUSY_SHARE = 0.1
+"""Share of one core the build's thread and child processes must use between two polls to count as computing."""
 
 
 class Stalled(RuntimeError):
@@ -38,6 +43,25 @@ def beat() -> None:
     now, ident = time.monotonic(), threading.get_ident()
     last, longest = _BEATS.get(ident, (now, 0.0))
     _BEATS[ident] = (now, max(longest, now - last))
+
+
+def busy_seconds(native_id: int) -> float:
+    """CPU seconds used so far by the thread `native_id` of this process and by this process's child processes (a
+    launched stage's ranks): what computes for a build."""
+    import os
+
+    import psutil
+
+    total = 0.0
+    with contextlib.suppress(OSError, IndexError, ValueError):
+        with open(f"/proc/self/task/{native_id}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            times = child.cpu_times()
+            total += times.user + times.system
+    return total
 
 
 def stacks() -> str:
@@ -59,10 +83,18 @@ def watching(limit: float | None, stage: str, log: Callable[[str], None], poll: 
     _BEATS.pop(watched, None)
     said: list[str] = []
 
+    native = threading.current_thread().native_id or 0
+    busy = [busy_seconds(native), time.monotonic()]
+
     def watch() -> None:
         while not done.wait(poll):
+            used, now = busy_seconds(native), time.monotonic()
+            computing = used - busy[0] >= BUSY_SHARE * (now - busy[1])
+            busy[:] = used, now
             if watched not in _BEATS:
                 continue  # not beaten yet: still loading
+            if computing:  # slow, not stuck: as if it had beaten
+                _BEATS[watched] = (now, _BEATS[watched][1])
             last, longest = _BEATS[watched]
             allowed = max(limit, SCALE * longest)
             if time.monotonic() - last <= allowed:

@@ -111,11 +111,28 @@ def checkpoint_on_sigterm() -> Iterator[None]:
             _pass_on(previous, signal.SIGTERM, None)
 
 
-def stop_unless_training(what: str) -> None:
-    """Raise `Terminated` when SIGTERM reached this process and this thread is not training (eval's or the pairs
-    stage's generation, whose answers are kept as they end): it stops at once instead of finishing its work after the
-    signal. A training thread goes on to its step's end and its checkpoint (`stop_requested`)."""
-    if TERMINATING.is_set() and threading.get_ident() not in _training:
+_STOPPABLE = threading.local()
+
+
+@contextlib.contextmanager
+def stoppable(what: str) -> Iterator[None]:
+    """Inside (a function it decorates, or a block), generation stops at its next step once SIGTERM reached the
+    process (`stop_if_asked`): for work that keeps what it finished as it goes and has no step to checkpoint at
+    (eval's answers, the pairs stage's samples). Training's rollouts are outside: they run to their step's end and
+    its checkpoint (`stop_requested`)."""
+    before = getattr(_STOPPABLE, "what", None)
+    _STOPPABLE.what = what
+    try:
+        yield
+    finally:
+        _STOPPABLE.what = before
+
+
+def stop_if_asked() -> None:
+    """Raise `Terminated` inside `stoppable` once SIGTERM reached this process: the work stops at once instead of
+    finishing after the signal (the process waited for it minutes on the real model)."""
+    what = getattr(_STOPPABLE, "what", None)
+    if what and TERMINATING.is_set():
         raise Terminated(f"SIGTERM: {what} stopped; what it finished is kept and the next attempt resumes from it")
 
 

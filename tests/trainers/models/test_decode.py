@@ -225,8 +225,11 @@ def test_decode_runs_full_attention_through_sdpa_or_eager_only(tiny, monkeypatch
 
 
 def test_sigterm_stops_generation_outside_training_at_once_keeping_what_ended(tiny, monkeypatch):
-    """Eval's and the pairs stage's generation stop at the next step once SIGTERM reached the process (it went on to
-    the end of its prompts before); a training thread's rollout goes on to its step's end and its checkpoint."""
+    """Eval's and the pairs stage's generation (`stopping.stoppable`) stop at the next step once SIGTERM reached the
+    process (they went on to the end of their prompts before); a rollout, outside, goes on to its training step's end
+    and its checkpoint."""
+    from rlhf_pipeline.trainers.evaluation.stage import evaluate
+    from rlhf_pipeline.trainers.pairs.stage import sample
     from rlhf_pipeline.trainers.runtime import stopping
 
     model, tokenizer = tiny
@@ -241,11 +244,11 @@ def test_sigterm_stops_generation_outside_training_at_once_keeping_what_ended(ti
             stopping.TERMINATING.set()  # the signal arrives as the first answers end
 
         try:
-            with pytest.raises(stopping.Terminated, match="SIGTERM: generation stopped"):
+            with pytest.raises(stopping.Terminated, match="SIGTERM: eval stopped"), stopping.stoppable("eval"):
                 generate_answers(model, tokenizer, prompts, 12, batch_size=4, on_batch=keep)
             assert 1 <= len(kept) < len(prompts), (path, kept)  # what ended before it is kept, the rest not drawn
-            with stopping.training():  # a rollout inside a training step is not cut
-                answers, _ = generate_answers(model, tokenizer, prompts, 12, batch_size=4)
+            answers, _ = generate_answers(model, tokenizer, prompts, 12, batch_size=4)  # as a rollout draws: not cut
             assert len(answers) == len(prompts)
         finally:
             stopping.TERMINATING.clear()
+    assert getattr(evaluate, "__wrapped__", None) is not None and getattr(sample, "__wrapped__", None) is not None
