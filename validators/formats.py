@@ -143,13 +143,17 @@ def record_batches(
     dataset: datasets.Dataset, columns: tuple[str, ...] | list[str], batch_rows: int = BATCH_ROWS
 ) -> Iterator[Batch]:
     """`columns` of `dataset`, `batch_rows` rows at a time, in order (select()/shuffle() index mappings honoured).
-    An empty dataset gives one empty batch, so that table-level rules still see it."""
+    An empty dataset gives one empty batch, so that table-level rules still see it. Each batch is a beat of the data
+    stage's heartbeat (`trainers.runtime.heartbeat`): its watchdog watches it once it reads rows."""
     from datasets.formatting import get_formatter
+
+    from rlhf_pipeline.trainers.runtime.heartbeat import beat
 
     selected = dataset.select_columns(list(columns)).with_format("arrow")
     formatter = get_formatter(None, features=selected.features)
     start = 0
     for table in selected.iter(batch_size=batch_rows):
+        beat()
         yield Batch(start, table, formatter)
         start += table.num_rows
     if start == 0:

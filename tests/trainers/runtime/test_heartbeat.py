@@ -65,3 +65,16 @@ def test_a_child_process_that_computes_counts_as_work_and_one_that_waits_does_no
     finally:
         idle.kill()
         idle.wait()
+
+
+def test_the_data_stage_beats_as_it_reads_rows_so_its_watchdog_watches_it():
+    import datasets
+
+    from rlhf_pipeline.trainers.runtime import heartbeat
+    from rlhf_pipeline.validators.formats import record_batches
+
+    rows = datasets.Dataset.from_dict({"text": [f"row {i}" for i in range(10)]})
+    with watching(LIMIT, "data", lambda line: None, poll=0.25):
+        assert threading.get_ident() not in heartbeat._BEATS  # not watched yet
+        assert sum(batch.num_rows for batch in record_batches(rows, ["text"], batch_rows=3)) == 10
+        assert threading.get_ident() in heartbeat._BEATS  # armed: a hang from here on is caught
