@@ -258,7 +258,7 @@ def _build(
             with (
                 hold(),
                 watching,
-                heartbeat.watching(entry.ctx.stall_seconds, stage, log),
+                heartbeat.watching(entry.ctx.stall_seconds, stage, log, work=f"{stage}/{entry.key}"),
                 frozen_heap(),
                 PeakMemory() as memory,
             ):

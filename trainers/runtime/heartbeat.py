@@ -11,7 +11,8 @@ polls), the watchdog counts it as a beat, so a first step slower than the limit,
 short. When neither a beat nor computing came for `limit` seconds, or for ten times the longest gap between two beats
 seen so far when that is longer, it writes every thread's stack to the log and raises `Stalled` in the build's
 thread: what it catches is work that waits (a socket, a lock, a dead collective, a sleep), not work that spins.
-`Stalled` is transient: the task's retry resumes from the last checkpoint. A thread blocked inside a C call (a socket
+`Stalled` is transient: the task's retry resumes from the last checkpoint, with its limit doubled for each attempt
+of the stage that stalled in this process (its log says so). A thread blocked inside a C call (a socket
 read with no timeout) gets it when the call returns; its stack is in the log at once.
 """
 
@@ -30,6 +31,9 @@ LOG = logging.getLogger(__name__)
 _BEATS: dict[int, tuple[float, float]] = {}
 """thread id -> (last beat, longest gap between two beats), monotonic seconds."""
 SCALE = 10.0
+_STALLS: dict[str, int] = {}
+"""what is built (a stage key) -> how many of its attempts in this process stalled: each doubles the next one's limit
+(said in its log)."""
 BUSY_SHARE = 0.1
 """Share of one core the build's thread and child processes must use between two polls to count as computing."""
 
@@ -74,11 +78,20 @@ def stacks() -> str:
 
 
 @contextlib.contextmanager
-def watching(limit: float | None, stage: str, log: Callable[[str], None], poll: float = 1.0) -> Iterator[None]:
-    """Watch the calling thread's beats while the body runs (`limit` None: not at all)."""
+def watching(
+    limit: float | None, stage: str, log: Callable[[str], None], poll: float = 1.0, work: str | None = None
+) -> Iterator[None]:
+    """Watch the calling thread's beats while the body runs (`limit` None: not at all). `work` names what is built
+    (its stage key): an earlier attempt of it that stalled doubles the limit (default: the stage)."""
     if not limit:
         yield
         return
+    work = work or stage
+    if stalls := _STALLS.get(work, 0):  # a retry is not the attempt that stalled again, unsaid
+        limit *= 2**stalls
+        log(
+            f"{stage}: {stalls} attempt(s) stalled before this one: its stall limit is {limit:.0f}s (doubled each time)"
+        )
     watched, done, ending = threading.get_ident(), threading.Event(), threading.Lock()
     _BEATS.pop(watched, None)
     said: list[str] = []
@@ -117,6 +130,7 @@ def watching(limit: float | None, stage: str, log: Callable[[str], None], poll: 
     try:
         yield
     except Stalled:
+        _STALLS[work] = _STALLS.get(work, 0) + 1
         log(said[0] if said else f"{stage}: stalled")
         raise Stalled(
             f"{stage}: stalled: no progress within the limit (its stacks are in the log above); the retry resumes "

@@ -32,16 +32,27 @@ def test_a_step_that_computes_past_the_limit_is_not_stopped():
     assert said == []
 
 
-def test_a_step_that_waits_without_a_beat_is_stopped_with_the_stacks():
+def test_a_step_that_waits_without_a_beat_is_stopped_with_the_stacks_and_the_retry_is_given_twice_as_long(monkeypatch):
+    from rlhf_pipeline.trainers.runtime import heartbeat
+
+    monkeypatch.setattr(heartbeat, "_STALLS", {})
     said: list[str] = []
     started = time.monotonic()
-    with pytest.raises(Stalled, match="sft: stalled"):
-        with watching(LIMIT, "sft", said.append, poll=0.25):
+    with pytest.raises(Stalled, match="rm: stalled"):
+        with watching(LIMIT, "rm", said.append, poll=0.25):
             beat()
             for _ in range(100):  # a socket, a lock or a dead collective: nothing computes
                 time.sleep(0.1)
     assert time.monotonic() - started < LIMIT + 3
-    assert said and said[0].startswith("sft: no progress for") and "test_a_step_that_waits_without_a_beat" in said[0]
+    assert said and said[0].startswith("rm: no progress for") and "test_a_step_that_waits_without_a_beat" in said[0]
+    said.clear()
+    with watching(LIMIT, "rm", said.append, poll=0.25):  # the retry: not the same attempt again, unsaid
+        beat()
+        time.sleep(LIMIT + 0.5)  # past the first limit, within the doubled one
+        beat()
+    assert said == [
+        f"rm: 1 attempt(s) stalled before this one: its stall limit is {2 * LIMIT:.0f}s (doubled each time)"
+    ]
 
 
 def test_a_child_process_that_computes_counts_as_work_and_one_that_waits_does_not():
