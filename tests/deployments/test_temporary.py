@@ -36,10 +36,10 @@ def test_the_temporary_server_answers_with_every_thread_a_batch_task_and_leaves_
     assert process.wait(timeout=30) == -signal.SIGTERM  # stop() does not wait, and the server does not outlive it
 
 
-def test_a_refused_run_leaves_no_server_behind(tmp_path):
-    """`rlhf run` refused after its temporary server started (the dataset the parameters name is missing): once the
-    command has exited, no process it started is left, though stop() does not wait for the server's exit. Every process
-    the command starts inherits a marker in its environment, which finds them."""
+def test_a_refused_run_starts_no_server_and_leaves_no_process_behind(tmp_path):
+    """`rlhf run` refused (the dataset the parameters name is missing) starts no temporary server: the server comes up
+    once the parameters hold (before, it started beside their loading and was stopped for nothing). Every process the
+    command starts inherits a marker in its environment, which finds them."""
     import subprocess
     import sys
     import time
@@ -58,7 +58,7 @@ def test_a_refused_run_leaves_no_server_behind(tmp_path):
         time.sleep(0.05)
     stderr = run.stderr.read()
     assert run.returncode == 2 and f"data.sft.path: {missing}" in stderr, stderr
-    assert servers, "the command started no temporary server"
+    assert not servers, "a refused command started a temporary server"
     deadline = time.monotonic() + 30
     while marked(marker) and time.monotonic() < deadline:
         time.sleep(0.2)
