@@ -20,7 +20,7 @@ from pydantic import BaseModel
 
 from rlhf_pipeline.tasks.config import ENGINE_DIR
 from rlhf_pipeline.tasks.tracking.client import always_readable
-from rlhf_pipeline.trainers.data import DatasetSpec, local_files
+from rlhf_pipeline.trainers.data import DatasetSpec, check_readable
 from rlhf_pipeline.trainers.runtime.trust import (
     IMPORTS_ENV,
     PATHS_ENV,
@@ -67,15 +67,8 @@ def _local(field: str, value: Any) -> None:
 
 def _data(field: str, value: Any) -> None:
     """A dataset's path: every file it names (a glob, a folder, a bundled file) as the data stage will read it."""
-    if not isinstance(value, str):
-        return
-    try:
-        files = local_files(DatasetSpec(path=value)) or []
-    except ValueError:
-        files = []  # the data stage names what is wrong with it
-    for file in [Path(value), *files]:
-        if file.expanduser().exists():
-            check_path(file, f"{field}={value!r}", always_readable())
+    if isinstance(value, str):
+        check_readable(DatasetSpec(path=value), field, always_readable())
 
 
 def _ray(field: str, value: Any) -> None:

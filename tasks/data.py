@@ -264,13 +264,7 @@ def _token_limits(config: DataConfig, model: ModelConfig | None, max_tokens: dic
 def _check_readable(config: DataConfig) -> None:
     """Every local file a dataset names, checked again as the stage reads it against the folders the worker lets runs
     read: the parameters' check (flows/ownership.py) saw only the files that existed then."""
-    from rlhf_pipeline.trainers.data import local_files
-    from rlhf_pipeline.trainers.runtime.trust import check_path
+    from rlhf_pipeline.trainers.data import check_readable
 
     for name, (_, spec) in config.sources().items():
-        try:
-            files = local_files(spec) or []
-        except ValueError:
-            continue  # the stage names what is wrong with it
-        for file in files:
-            check_path(file, f"data.{name}.path={spec.path!r}", tracking.always_readable())
+        check_readable(spec, f"data.{name}.path", tracking.always_readable())

@@ -102,10 +102,8 @@ def _depth(line: str) -> int:
 def check_line(line: str, waiting: dict[int, str], where: str) -> tuple[int, str | None]:
     """(pair, label) of one line, or LabelsError naming the rule it breaks: not JSON, nested deeper than a labels line
     is, a key given twice, a pair that is not a short integer, a label or a hash that is not the pair's."""
-    if _depth(line) > MAX_DEPTH:
-        raise LabelsError(
-            f'{where}: nested {_depth(line)} deep; each line is one flat object {{"pair": .., "label": ..}}'
-        )
+    if (depth := _depth(line)) > MAX_DEPTH:
+        raise LabelsError(f'{where}: nested {depth} deep; each line is one flat object {{"pair": .., "label": ..}}')
     try:
         row = json.loads(line, object_pairs_hook=_unique_keys, parse_int=_pair_number)
     except json.JSONDecodeError as exc:

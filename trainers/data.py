@@ -92,6 +92,20 @@ class DataConfig(StageConfig):
         return {name: (kind, spec) for name, (kind, spec) in named.items() if spec is not None}
 
 
+def check_readable(spec: DatasetSpec, field: str, always: tuple[Path, ...]) -> None:
+    """Every local file the dataset names that exists (its path, a glob's or a folder's files) against the folders the
+    worker lets runs read (`always` besides them): with the parameters, and again as the data stage reads them."""
+    from rlhf_pipeline.trainers.runtime.trust import check_path
+
+    try:
+        files = local_files(spec) or []
+    except ValueError:
+        files = []  # the data stage names what is wrong with it
+    for file in [Path(spec.path), *files]:
+        if file.expanduser().exists():
+            check_path(file, f"{field}={spec.path!r}", always)
+
+
 def local_files(spec: DatasetSpec) -> list[Path] | None:
     """The files a spec names (a path or a glob such as `prefs/2026-*.jsonl`), relative to the
     working directory or else to the project, sorted; None for a hub id."""

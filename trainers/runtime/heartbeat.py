@@ -12,8 +12,8 @@ short. When neither a beat nor computing came for `limit` seconds, or for ten ti
 seen so far when that is longer, it writes every thread's stack to the log and raises `Stalled` in the build's
 thread: what it catches is work that waits (a socket, a lock, a dead collective, a sleep), not work that spins.
 `Stalled` is transient: the task's retry resumes from the last checkpoint, with its limit doubled for each attempt
-of the stage that stalled in this process (its log says so). A thread blocked inside a C call (a socket
-read with no timeout) gets it when the call returns; its stack is in the log at once.
+of the same build (its stage key) that stalled in this process (its log says so). A thread blocked inside a C call
+(a socket read with no timeout) gets it when the call returns; its stack is in the log at once.
 """
 
 from __future__ import annotations
